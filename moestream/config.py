@@ -1,0 +1,264 @@
+"""Frozen, validated configuration: model arguments (from config.json), sampling, sizes.
+
+Model files read everything they need from `ModelArgs`; nothing else parses config.json.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+
+
+class ConfigError(ValueError):
+    """A config.json or a command-line setting that cannot work; the message says how to fix it."""
+
+
+@dataclass(frozen=True, slots=True)
+class RopeArgs:
+    rope_type: str = "default"
+    theta: float = 10000.0
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    # llama3
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+
+    def __post_init__(self):
+        known = ("default", "linear", "dynamic", "yarn", "llama3")
+        if self.rope_type not in known:
+            raise ConfigError(
+                f"rope type {self.rope_type!r} is not supported (supported: {', '.join(known)})"
+            )
+        if self.rope_type != "default" and self.factor <= 0:
+            raise ConfigError(f"rope scaling factor must be > 0, got {self.factor}")
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """The union of the fields the supported MoE architectures read from config.json."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int  # dense MLP width (non-MoE layers; Mixtral's expert width)
+    moe_intermediate_size: int  # routed expert width
+    num_experts: int
+    num_experts_per_tok: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeArgs
+    norm_topk_prob: bool = False
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v (and o for olmoe) bias
+    qkv_bias: bool = False  # qwen2_moe: q/k/v bias, no o bias
+    clip_qkv: float | None = None
+    shared_expert_intermediate_size: int = 0
+    moe_layers: tuple[bool, ...] = ()
+    sliding_windows: tuple[int | None, ...] = ()  # per layer; None = full attention
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    torch_dtype: str = "float32"
+
+    def __post_init__(self):
+        if self.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ConfigError(
+                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+            )
+        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ConfigError(
+                f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) > num_experts ({self.num_experts})"
+            )
+        if len(self.moe_layers) != self.num_hidden_layers or len(self.sliding_windows) != self.num_hidden_layers:
+            raise ConfigError("internal: moe_layers/sliding_windows must have one entry per layer")
+        if self.hidden_act != "silu":
+            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return [i for i, m in enumerate(self.moe_layers) if m]
+
+
+def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
+    # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    orig = params.get("original_max_position_embeddings")
+    if rope_type in ("yarn", "llama3") and orig is None:
+        orig = cfg.get("max_position_embeddings")
+    return RopeArgs(
+        rope_type=rope_type,
+        theta=float(theta),
+        factor=float(params.get("factor") or 1.0),
+        original_max_position_embeddings=orig,
+        beta_fast=params.get("beta_fast"),
+        beta_slow=params.get("beta_slow"),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        attention_factor=params.get("attention_factor"),
+        truncate=params.get("truncate", True),
+        low_freq_factor=params.get("low_freq_factor"),
+        high_freq_factor=params.get("high_freq_factor"),
+    )
+
+
+def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
+    if key not in cfg:
+        raise ConfigError(f"{path}: missing required field {key!r}")
+    return cfg[key]
+
+
+def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> ModelArgs:
+    """Build ModelArgs from a Hugging Face config dict, applying each architecture's defaults."""
+    mt = cfg.get("model_type")
+    if mt is None:
+        raise ConfigError(f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+    n_layers = int(_require(cfg, "num_hidden_layers", path))
+    hidden = int(_require(cfg, "hidden_size", path))
+    n_heads = int(_require(cfg, "num_attention_heads", path))
+    n_kv = cfg.get("num_key_value_heads") or n_heads
+    head_dim = cfg.get("head_dim") or hidden // n_heads
+    if mt == "mixtral":
+        n_exp, moe_inter = cfg.get("num_local_experts", 8), cfg.get("intermediate_size", 14336)
+    else:
+        # transformers 5 may write `num_local_experts` where hub configs say `num_experts`.
+        n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
+        if n_exp is None:
+            raise ConfigError(f"{path}: missing required field 'num_experts'")
+        moe_inter = int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 0)))
+    if mt in ("qwen3_moe", "qwen2_moe"):
+        step = int(cfg.get("decoder_sparse_step", 1))
+        dense_only = set(cfg.get("mlp_only_layers") or [])
+        moe_layers = tuple(
+            (i not in dense_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)
+        )
+    else:
+        moe_layers = (True,) * n_layers
+    sliding = _sliding_windows(cfg, mt, n_layers)
+    eos = cfg.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    return ModelArgs(
+        model_type=mt,
+        vocab_size=int(_require(cfg, "vocab_size", path)),
+        hidden_size=hidden,
+        num_hidden_layers=n_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=int(n_kv),
+        head_dim=int(head_dim),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        moe_intermediate_size=int(moe_inter),
+        num_experts=int(n_exp),
+        num_experts_per_tok=int(_require(cfg, "num_experts_per_tok", path)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rope=_rope_from_config(cfg),
+        norm_topk_prob=True if mt == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qkv_bias=bool(cfg.get("qkv_bias", mt == "qwen2_moe")),
+        clip_qkv=cfg.get("clip_qkv"),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+        moe_layers=moe_layers,
+        sliding_windows=sliding,
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+    )
+
+
+def _sliding_windows(cfg: dict[str, Any], mt: str, n_layers: int) -> tuple[int | None, ...]:
+    window = cfg.get("sliding_window")
+    if mt == "mixtral":
+        return (window,) * n_layers
+    if mt == "olmoe" or not cfg.get("use_sliding_window", False) or window is None:
+        return (None,) * n_layers
+    if mt == "qwen2_moe":
+        types = cfg.get("layer_types")
+        if types is None:
+            first = int(cfg.get("max_window_layers", n_layers))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    return (window,) * n_layers  # qwen3_moe: every layer when use_sliding_window
+
+
+def load_model_args(folder: str | Path) -> ModelArgs:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            f"{path} not found: -m must point at a Hugging Face checkpoint folder (with config.json) "
+            "or a moestream store"
+        )
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from e
+    return model_args_from_dict(cfg, str(path))
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingConfig:
+    """How the next token is picked. temperature 0 = greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 64
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ConfigError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.max_new_tokens < 0:
+            raise ConfigError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+
+
+def parse_size(text: str | int) -> int:
+    """'512MiB' / '2G' / '1.5GiB' / '4096' -> bytes (binary units)."""
+    if isinstance(text, int):
+        return text
+    m = _SIZE.match(str(text))
+    if not m:
+        raise ConfigError(f"cannot read size {text!r}: use bytes or a KiB/MiB/GiB suffix, e.g. 512MiB")
+    unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") if m.group(2) else ""
+    return int(float(m.group(1)) * _UNITS[unit])

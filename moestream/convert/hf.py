@@ -1,0 +1,218 @@
+"""Strict reading of a Hugging Face checkpoint folder: config, (sharded) safetensors, expert layouts.
+
+Every tensor in the folder is classified as a dense weight, an expert weight or explicitly ignored;
+anything else is an error that names it. Expert tensors are read lazily, one expert at a time, so a
+converter never holds more than a few experts.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from moestream.config import ModelArgs, load_model_args
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as is; the message names the file or tensor."""
+
+
+# Per-expert layouts: Qwen/OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`.
+_PER_EXPERT = re.compile(
+    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
+)
+# Fused layout written by transformers 5 (`save_original_format=False`) and some hub models.
+_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# Buffers some exporters save that carry no learned state.
+_IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$)")
+
+
+def _shard_header(path: Path) -> dict:
+    """Parse a safetensors header and check the file holds every byte it promises."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise CheckpointError(f"{path}: file is truncated (no safetensors header); re-download it")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise CheckpointError(f"{path}: header length {n} exceeds the file size; the file is corrupt")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); re-download it") from e
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    if 8 + n + end > size:
+        raise CheckpointError(
+            f"{path}: file is truncated ({size} bytes, tensors need {8 + n + end}); re-download it"
+        )
+    header.pop("__metadata__", None)
+    return header
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertRef:
+    """Where one expert's gate/up/down live: per-expert tensor names or slices of fused tensors."""
+
+    layer: int
+    expert: int
+    fused: bool
+    gate: str  # tensor name (fused: the gate_up_proj tensor)
+    up: str
+    down: str
+
+
+class HFCheckpoint:
+    """A Hugging Face folder: `args`, dense tensor names, expert refs; tensors read on demand."""
+
+    def __init__(self, folder: str | Path):
+        self.folder = Path(folder)
+        if not self.folder.is_dir():
+            raise CheckpointError(f"{self.folder}: no such folder")
+        self.args: ModelArgs = load_model_args(self.folder)
+        self.config = json.loads((self.folder / "config.json").read_text())
+        self._shard_of: dict[str, Path] = {}
+        self._shapes: dict[str, list[int]] = {}
+        self._handles: dict[Path, object] = {}
+        self._index_shards()
+        self.dense_names: list[str] = []
+        self.experts: dict[tuple[int, int], ExpertRef] = {}
+        self.ignored: list[str] = []
+        self._classify()
+
+    # ---- files -------------------------------------------------------------------------------
+    def _index_shards(self) -> None:
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as e:
+                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+            shards = sorted(set(weight_map.values()))
+            missing = [s for s in shards if not (self.folder / s).is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"{self.folder}: shard(s) listed in model.safetensors.index.json are missing: "
+                    f"{', '.join(missing)}; download them again"
+                )
+        else:
+            shards = sorted(p.name for p in self.folder.glob("*.safetensors"))
+            if not shards:
+                raise CheckpointError(
+                    f"{self.folder}: no *.safetensors files (PyTorch .bin checkpoints are not supported; "
+                    "convert them with transformers' save_pretrained)"
+                )
+            weight_map = None
+        for shard in shards:
+            path = self.folder / shard
+            for name, info in _shard_header(path).items():
+                if weight_map is not None and weight_map.get(name) != shard:
+                    raise CheckpointError(
+                        f"{path}: holds tensor {name!r} that the index assigns to "
+                        f"{weight_map.get(name, 'no shard')}; the index and shards disagree"
+                    )
+                if name in self._shard_of:
+                    raise CheckpointError(f"tensor {name!r} appears in two shards")
+                self._shard_of[name] = path
+                self._shapes[name] = info["shape"]
+        if weight_map is not None:
+            absent = [n for n in weight_map if n not in self._shard_of]
+            if absent:
+                raise CheckpointError(
+                    f"tensor(s) listed in the index are missing from their shard: {', '.join(absent[:5])}"
+                )
+
+    def _handle(self, path: Path):
+        h = self._handles.get(path)
+        if h is None:
+            h = self._handles[path] = safe_open(str(path), framework="pt")
+        return h
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self._shard_of:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
+        return self._handle(self._shard_of[name]).get_tensor(name)
+
+    def shape(self, name: str) -> list[int]:
+        return self._shapes[name]
+
+    def _slice(self, name: str, index: int) -> torch.Tensor:
+        return self._handle(self._shard_of[name]).get_slice(name)[index]
+
+    # ---- classification ----------------------------------------------------------------------
+    def _classify(self) -> None:
+        a = self.args
+        per: dict[tuple[int, int], dict[str, str]] = {}
+        fused: dict[int, dict[str, str]] = {}
+        for name in self._shard_of:
+            if m := _PER_EXPERT.match(name):
+                layer, e, role = int(m[1]), int(m[2]), _ROLE.get(m[3], m[3])
+                per.setdefault((layer, e), {})[role] = name
+            elif m := _FUSED.match(name):
+                fused.setdefault(int(m[1]), {})[m[2]] = name
+            elif _IGNORED.search(name):
+                self.ignored.append(name)
+            else:
+                self.dense_names.append(name)
+        for layer in a.moe_layer_ids:
+            if layer in fused:
+                f = fused[layer]
+                for key in ("gate_up_proj", "down_proj"):
+                    if key not in f:
+                        raise CheckpointError(f"layer {layer}: fused experts tensor '{key}' is missing")
+                E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
+                self._check_shape(f["gate_up_proj"], [E, 2 * I, D])
+                self._check_shape(f["down_proj"], [E, D, I])
+                for e in range(E):
+                    self.experts[(layer, e)] = ExpertRef(
+                        layer, e, True, f["gate_up_proj"], f["gate_up_proj"], f["down_proj"]
+                    )
+            for e in range(a.num_experts):
+                roles = per.pop((layer, e), None)
+                if roles is None:
+                    if (layer, e) not in self.experts:
+                        raise CheckpointError(
+                            f"layer {layer} expert {e}: no weights found (neither per-expert "
+                            f"'model.layers.{layer}.mlp.experts.{e}.*' nor fused 'experts.gate_up_proj')"
+                        )
+                    continue
+                if (layer, e) in self.experts:
+                    raise CheckpointError(f"layer {layer} expert {e}: stored both per-expert and fused")
+                lost = [r for r in ("gate_proj", "up_proj", "down_proj") if r not in roles]
+                if lost:
+                    raise CheckpointError(f"layer {layer} expert {e}: missing {', '.join(lost)}")
+                I, D = a.moe_intermediate_size, a.hidden_size
+                self._check_shape(roles["gate_proj"], [I, D])
+                self._check_shape(roles["up_proj"], [I, D])
+                self._check_shape(roles["down_proj"], [D, I])
+                self.experts[(layer, e)] = ExpertRef(
+                    layer, e, False, roles["gate_proj"], roles["up_proj"], roles["down_proj"]
+                )
+        stray = [n for roles in per.values() for n in roles.values()]
+        stray += [n for layer, f in fused.items() if layer not in a.moe_layer_ids for n in f.values()]
+        if stray:
+            raise CheckpointError(
+                f"unexpected expert tensor(s) for a layer/expert the config does not have: {', '.join(sorted(stray)[:5])}"
+            )
+
+    def _check_shape(self, name: str, want: list[int]) -> None:
+        got = self._shapes[name]
+        if list(got) != want:
+            raise CheckpointError(f"tensor {name!r} has shape {got}, config.json implies {want}")
+
+    def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of one expert, reading only its bytes."""
+        ref = self.experts[(layer, e)]
+        if ref.fused:
+            gate_up = self._slice(ref.gate, e)  # [2I, D]
+            I = gate_up.shape[0] // 2
+            return gate_up[:I], gate_up[I:], self._slice(ref.down, e)
+        return self.tensor(ref.gate), self.tensor(ref.up), self.tensor(ref.down)

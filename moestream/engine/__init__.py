@@ -1,0 +1,1 @@
+"""Prefill/decode loop, KV cache, sampling and the generation API."""

@@ -1,0 +1,145 @@
+"""Generation: prefill the prompt, then decode one token at a time with streamed text and stats."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.config import ConfigError, ModelArgs, SamplingConfig
+from moestream.engine.kv_cache import KVCache
+from moestream.engine.sampling import sample
+
+
+def peak_rss_bytes() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "length"
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    def stats(self) -> dict:
+        n_dec = max(len(self.ids) - 1, 0)  # the first token comes out of the prefill
+        return {
+            "prompt_tokens": len(self.prompt_ids),
+            "generated_tokens": len(self.ids),
+            "prefill_seconds": self.prefill_seconds,
+            "decode_seconds": self.decode_seconds,
+            "prefill_tok_s": len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0,
+            "decode_tok_s": n_dec / self.decode_seconds if self.decode_seconds else 0.0,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "finish_reason": self.finish_reason,
+        }
+
+
+class TextStream:
+    """Incremental detokenisation that never emits half a UTF-8 character or part of a stop string."""
+
+    def __init__(self, tokenizer, stop: tuple[str, ...]):
+        self.tok, self.stop = tokenizer, stop
+        self.ids: list[int] = []
+        self.emitted = 0
+        self.text = ""
+        self.stopped = False
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        for s in self.stop:
+            i = text.find(s, max(self.emitted - len(s), 0))
+            if i >= 0:
+                self.stopped = True
+                text = text[:i]
+        self.text = text
+        if self.stopped:
+            return self.flush()
+        hold = 0  # longest tail that is the start of a stop string
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:n]):
+                    hold = max(hold, n)
+                    break
+        safe = len(text) - hold
+        if text[:safe].endswith("\ufffd"):  # an incomplete UTF-8 sequence so far
+            safe -= 1
+        out = text[self.emitted : max(safe, self.emitted)]
+        self.emitted = max(safe, self.emitted)
+        return out
+
+    def flush(self) -> str:
+        out = self.text[self.emitted :]
+        self.emitted = len(self.text)
+        return out
+
+
+class Generator:
+    """Owns the model and tokenizer; one sequence at a time (requests are served FIFO)."""
+
+    def __init__(self, model, args: ModelArgs, tokenizer, eos_ids: tuple[int, ...] = ()):
+        self.model, self.args, self.tok = model, args, tokenizer
+        self.eos_ids = set(eos_ids)
+        self.dtype = model.model.embed_tokens.weight.dtype
+
+    @torch.inference_mode()
+    def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
+               result: GenerationResult | None = None) -> Iterator[str]:
+        """Yield text pieces as tokens are produced; fill `result` (ids, logprobs, timings)."""
+        res = result if result is not None else GenerationResult(list(prompt_ids))
+        if not prompt_ids:
+            raise ConfigError("the prompt is empty after tokenisation; give at least one token")
+        total = len(prompt_ids) + cfg.max_new_tokens
+        if total > self.args.max_position_embeddings:
+            raise ConfigError(
+                f"prompt ({len(prompt_ids)} tokens) + max new tokens ({cfg.max_new_tokens}) exceeds the "
+                f"model's context of {self.args.max_position_embeddings}; shorten the prompt or lower -n"
+            )
+        if cfg.max_new_tokens == 0:
+            return
+        gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
+        cache = KVCache(self.args, total, self.dtype)
+        text = TextStream(self.tok, cfg.stop)
+        t0 = time.perf_counter()
+        logits = self.model(torch.tensor(prompt_ids), cache, 0, last_only=True)[-1]
+        res.prefill_seconds = time.perf_counter() - t0
+        pos = len(prompt_ids)
+        t1 = time.perf_counter()
+        while True:
+            token = sample(logits, cfg, gen)
+            res.ids.append(token)
+            res.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+            if token in self.eos_ids and not cfg.ignore_eos:
+                res.finish_reason = "stop"
+                break
+            piece = text.push(token)
+            if piece:
+                yield piece
+            if text.stopped:
+                res.finish_reason = "stop"
+                break
+            if len(res.ids) >= cfg.max_new_tokens:
+                break
+            logits = self.model(torch.tensor([token]), cache, pos, last_only=True)[-1]
+            pos += 1
+        res.decode_seconds = time.perf_counter() - t1
+        tail = text.flush()
+        if tail:
+            yield tail
+        res.text = text.text
+
+    def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:
+        res = GenerationResult(list(prompt_ids))
+        for _ in self.stream(prompt_ids, cfg, res):
+            pass
+        return res

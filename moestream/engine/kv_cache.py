@@ -1,0 +1,24 @@
+"""Preallocated per-layer KV cache for one sequence: [Hkv, max_len, hd] per layer, no reallocation."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.config import ModelArgs
+
+
+class KVCache:
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device="cpu"):
+        shape = (args.num_key_value_heads, max_len, args.head_dim)
+        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.max_len = max_len
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Write k/v [Hkv, T, hd] at positions start.. and return the filled prefix [Hkv, start+T, hd]."""
+        end = start + k.shape[1]
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} positions > capacity {self.max_len}")
+        self.k[layer][:, start:end] = k
+        self.v[layer][:, start:end] = v
+        return self.k[layer][:, :end], self.v[layer][:, :end]

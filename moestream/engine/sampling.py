@@ -1,0 +1,27 @@
+"""Next-token choice: greedy, or temperature with top-k / top-p (nucleus) from a seeded generator."""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.config import SamplingConfig
+
+
+def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None) -> int:
+    """logits [V] (any float dtype) -> token id."""
+    logits = logits.float()
+    if cfg.temperature == 0:
+        return int(torch.argmax(logits))
+    logits = logits / cfg.temperature
+    if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, cfg.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if cfg.top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        # Drop tokens once the mass before them already reaches top_p (always keep the first).
+        drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= cfg.top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
+    probs = torch.softmax(logits, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=gen))

@@ -1,0 +1,80 @@
+"""Tokenizer from a checkpoint folder's tokenizer.json (via `tokenizers`) and its jinja2 chat template."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from jinja2.exceptions import TemplateError
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+
+class TokenizerError(ValueError):
+    pass
+
+
+def _token_str(tok) -> str | None:
+    if isinstance(tok, dict):  # AddedToken serialised as a dict
+        return tok.get("content")
+    return tok
+
+
+class Tokenizer:
+    def __init__(self, folder: str | Path):
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise TokenizerError(
+                f"{path} not found: moestream needs the checkpoint's tokenizer.json (fast tokenizer); "
+                "copy it from the original model folder"
+            )
+        try:
+            self.tk = _HFTokenizer.from_file(str(path))
+        except Exception as e:  # tokenizers raises a plain Exception on malformed files
+            raise TokenizerError(f"{path}: cannot be read ({e})") from e
+        cfg_path = folder / "tokenizer_config.json"
+        self.config = json.loads(cfg_path.read_text()) if cfg_path.is_file() else {}
+        template = self.config.get("chat_template")
+        if (folder / "chat_template.jinja").is_file():
+            template = (folder / "chat_template.jinja").read_text()
+        self.chat_template = template
+        self.bos_token = _token_str(self.config.get("bos_token"))
+        self.eos_token = _token_str(self.config.get("eos_token"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tk.get_vocab_size()
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tk.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tk.decode(ids, skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise TokenizerError(
+                "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
+                "chat_template.jinja); run without --chat to use the prompt as is"
+            )
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(msg):
+            raise TemplateError(msg)
+
+        env.globals["raise_exception"] = raise_exception
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+            )
+        except TemplateError as e:
+            raise TokenizerError(f"chat template failed: {e}") from e
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template already contains the special tokens it wants (as transformers does).
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)

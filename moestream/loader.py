@@ -1,0 +1,107 @@
+"""Load a Hugging Face checkpoint folder into a native model with a resident expert provider."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from moestream.config import ModelArgs
+from moestream.convert.hf import CheckpointError, HFCheckpoint
+from moestream.models import model_module
+from moestream.models.base import MoeCausalLM
+from moestream.store.provider import ResidentExperts
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
+    with torch.device("meta"):
+        model = model_module(args.model_type).build(args)
+    return model.to_empty(device="cpu").to(dtype).eval()
+
+
+def load_dense(ckpt: HFCheckpoint, model: MoeCausalLM, dtype: torch.dtype, progress: bool = False) -> None:
+    """Copy every non-expert tensor into the model; strict both ways."""
+    module = model_module(ckpt.args.model_type)
+    renames = getattr(module, "RENAMES", ())
+
+    def ours(name: str) -> str:
+        for theirs_part, ours_part in renames:
+            name = name.replace(theirs_part, ours_part)
+        return name
+
+    params = dict(model.named_parameters())
+    by_ours = {ours(n): n for n in ckpt.dense_names}
+    optional = set()
+    if ckpt.args.tie_word_embeddings:
+        params.pop("lm_head.weight")
+        optional.add("lm_head.weight")
+    expected = {n: list(p.shape) for n, p in params.items()}
+    # Check names in our naming, report in the checkpoint's.
+    present = set(by_ours)
+    unknown = sorted(present - set(expected) - optional)
+    if unknown:
+        raise CheckpointError(
+            f"unknown tensor(s) in {ckpt.folder} for model_type {ckpt.args.model_type!r}: "
+            f"{', '.join(by_ours[u] for u in unknown[:5])}{' ...' if len(unknown) > 5 else ''}"
+        )
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(
+            f"tensor(s) missing from {ckpt.folder}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
+        )
+    with torch.no_grad():
+        for name in tqdm(sorted(expected), desc="dense weights", disable=not progress, leave=False):
+            t = ckpt.tensor(by_ours[name])
+            if list(t.shape) != expected[name]:
+                raise CheckpointError(f"tensor {by_ours[name]!r} has shape {list(t.shape)}, expected {expected[name]}")
+            params[name].copy_(t.to(dtype))
+        if ckpt.args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def load_resident_experts(ckpt: HFCheckpoint, dtype: torch.dtype, progress: bool = False) -> ResidentExperts:
+    a = ckpt.args
+    w13, w2 = {}, {}
+    layers = a.moe_layer_ids
+    bar = tqdm(total=len(layers) * a.num_experts, desc="experts", disable=not progress, leave=False)
+    for layer in layers:
+        E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
+        w13[layer] = torch.empty(E, 2 * I, D, dtype=dtype)
+        w2[layer] = torch.empty(E, D, I, dtype=dtype)
+        for e in range(E):
+            gate, up, down = ckpt.expert(layer, e)
+            w13[layer][e, :I].copy_(gate)
+            w13[layer][e, I:].copy_(up)
+            w2[layer][e].copy_(down)
+            bar.update()
+    bar.close()
+    return ResidentExperts(w13, w2)
+
+
+@dataclass
+class Loaded:
+    args: ModelArgs
+    model: MoeCausalLM
+    folder: Path
+
+
+def load_hf(folder: str | Path, dtype: str | torch.dtype = "float32", progress: bool = False) -> Loaded:
+    dtype = resolve_dtype(dtype)
+    ckpt = HFCheckpoint(folder)
+    model = build_model(ckpt.args, dtype)
+    load_dense(ckpt, model, dtype, progress)
+    model.set_provider(load_resident_experts(ckpt, dtype, progress))
+    return Loaded(ckpt.args, model, Path(folder))

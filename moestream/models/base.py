@@ -1,0 +1,67 @@
+"""The decoder stack every supported architecture shares: embed -> layers -> norm -> lm_head.
+
+Model files provide `make_attention(args, i)` and `make_mlp(args, i)`; this file owns the residual
+wiring and the forward pass over one sequence (no batch dimension: the engine serves one request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from moestream.config import ModelArgs
+from moestream.models.layers import Rope, RMSNorm, SparseMoe
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self.self_attn = attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MoeCausalLM(nn.Module):
+    """Parameter names mirror transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...)."""
+
+    def __init__(self, args: ModelArgs, make_attention: Callable, make_mlp: Callable):
+        super().__init__()
+        self.args = args
+        self.model = nn.Module()
+        self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.model.layers = nn.ModuleList(
+            DecoderLayer(args, make_attention(args, i), make_mlp(args, i)) for i in range(args.num_hidden_layers)
+        )
+        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        self.rope = Rope(args.rope, args.head_dim, args.max_position_embeddings)
+
+    @property
+    def moe_blocks(self) -> list[SparseMoe]:
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
+
+    def set_provider(self, provider) -> None:
+        for block in self.moe_blocks:
+            block.provider = provider
+
+    def set_observer(self, observer) -> None:
+        for block in self.moe_blocks:
+            block.observer = observer
+
+    def forward(self, ids: torch.Tensor, cache, start: int, last_only: bool = False) -> torch.Tensor:
+        """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+        x = self.model.embed_tokens(ids)  # [T, D]
+        pos = torch.arange(start, start + ids.shape[0])
+        cos, sin = self.rope(pos, x.dtype)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache, start)
+        if last_only:
+            x = x[-1:]
+        return self.lm_head(self.model.norm(x))

@@ -1,0 +1,230 @@
+"""Building blocks shared by the model files: RMSNorm, RoPE (with scaling), attention, SwiGLU MLP,
+routers and the MoE block that hands routed tokens to an expert provider.
+
+Shapes: T tokens, D hidden, H query heads, Hkv key/value heads, hd head dim, E experts, K top-k.
+Numerics follow transformers' eager path (fp32 norms/softmax, casts at the same points).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import ModelArgs, RopeArgs
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+
+def rope_inv_freq(r: RopeArgs, dim: int, max_pos: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale for one RoPE variant (same formulas as transformers)."""
+    base = r.theta
+    exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
+    inv = 1.0 / (base**exps)
+    if r.rope_type in ("default",):
+        return inv, 1.0
+    if r.rope_type == "linear":
+        return inv / r.factor, 1.0
+    if r.rope_type == "dynamic":
+        seq = max(seq_len or max_pos, max_pos)
+        base = base * ((r.factor * seq / max_pos) - (r.factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / (base**exps), 1.0
+    if r.rope_type == "llama3":
+        old = r.original_max_position_embeddings
+        lo, hi = r.low_freq_factor, r.high_freq_factor
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > old / lo, inv / r.factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / r.factor + smooth * out
+        medium = ~(wavelen < old / hi) * ~(wavelen > old / lo)
+        return torch.where(medium, smoothed, out), 1.0
+    if r.rope_type == "yarn":
+        return _yarn(r, dim, base)
+    raise ValueError(f"unsupported rope type {r.rope_type}")
+
+
+def _yarn(r: RopeArgs, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    factor, orig = r.factor, r.original_max_position_embeddings
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn = r.attention_factor
+    if attn is None:
+        attn = mscale(factor, r.mscale) / mscale(factor, r.mscale_all_dim) if r.mscale and r.mscale_all_dim else mscale(factor)
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(r.beta_fast or 32), corr_dim(r.beta_slow or 1)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # avoid a zero-width ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(attn)
+
+
+class Rope:
+    """cos/sin tables; dynamic-NTK recomputes its frequencies as the sequence grows (as transformers)."""
+
+    def __init__(self, r: RopeArgs, head_dim: int, max_pos: int):
+        self.r, self.dim, self.max_pos = r, head_dim, max_pos
+        self.inv_freq, self.scale = rope_inv_freq(r, head_dim, max_pos)
+        self.cached_len = max_pos
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.r.rope_type == "dynamic":
+            seq = int(positions.max()) + 1
+            if seq > self.cached_len:
+                self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos, seq)
+                self.cached_len = seq
+            elif seq < self.max_pos and self.cached_len > self.max_pos:
+                self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos)
+                self.cached_len = self.max_pos
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [H, T, hd], cos/sin [T, hd]
+    return x * cos + rotate_half(x) * sin
+
+
+class Attention(nn.Module):
+    """GQA attention with a KV cache. qk_norm: None, 'head' (Qwen3: per head) or 'full' (OLMoE)."""
+
+    def __init__(self, args: ModelArgs, layer: int, *, qkv_bias: bool, o_bias: bool,
+                 qk_norm: str | None = None, clip_qkv: float | None = None):
+        super().__init__()
+        D, H, Hkv, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        self.layer, self.H, self.Hkv, self.hd = layer, H, Hkv, hd
+        self.q_proj = nn.Linear(D, H * hd, bias=qkv_bias)
+        self.k_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
+        self.v_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
+        self.o_proj = nn.Linear(H * hd, D, bias=o_bias)
+        self.qk_norm = qk_norm
+        if qk_norm == "head":
+            self.q_norm, self.k_norm = RMSNorm(hd, args.rms_norm_eps), RMSNorm(hd, args.rms_norm_eps)
+        elif qk_norm == "full":
+            self.q_norm, self.k_norm = RMSNorm(H * hd, args.rms_norm_eps), RMSNorm(Hkv * hd, args.rms_norm_eps)
+        self.clip_qkv = clip_qkv
+        self.window = args.sliding_windows[layer]
+        self.scaling = hd**-0.5
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
+        T = x.shape[0]
+        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*hd], [T, Hkv*hd] x2
+        if self.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        q = q.view(T, self.H, self.hd)
+        k = k.view(T, self.Hkv, self.hd)
+        if self.qk_norm == "head":
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, hd]
+        k = apply_rope(k.transpose(0, 1), cos, sin)  # [Hkv, T, hd]
+        v = v.view(T, self.Hkv, self.hd).transpose(0, 1)
+        k, v = cache.update(self.layer, k, v, start)  # [Hkv, S, hd] with S = start + T
+        S = k.shape[1]
+        G = self.H // self.Hkv
+        # Group query heads under their KV head instead of repeating K/V (no copy).
+        scores = torch.matmul(q.view(self.Hkv, G, T, self.hd), k.unsqueeze(1).transpose(-1, -2)) * self.scaling
+        mask = attention_mask(T, S, start, self.window, x.device)
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, hd]
+        out = out.reshape(self.H, T, self.hd).transpose(0, 1).reshape(T, self.H * self.hd)
+        return self.o_proj(out)
+
+
+def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:
+    """True where a query may NOT look: the future, and keys beyond the sliding window."""
+    if T == 1 and (window is None or S <= window):
+        return None
+    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    k_pos = torch.arange(S, device=device)[None, :]
+    blocked = k_pos > q_pos
+    if window is not None:
+        blocked |= k_pos <= q_pos - window
+    return blocked
+
+
+class MLP(nn.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, dim: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter, bias=False)
+        self.up_proj = nn.Linear(dim, inter, bias=False)
+        self.down_proj = nn.Linear(inter, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 softmax over all experts, top-k, optional renormalisation. Returns (weights fp32, ids)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    w, ids = torch.topk(probs, k, dim=-1)
+    if renorm:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w, ids
+
+
+class SparseMoe(nn.Module):
+    """Router + routed experts (through the provider) + optional sigmoid-gated shared expert.
+
+    The model never holds expert weights: `provider.experts(layer, x, ids, weights)` does the math,
+    whether the weights are resident, streamed from disk or on a GPU.
+    """
+
+    def __init__(self, args: ModelArgs, layer: int, *, weights_in_act_dtype: bool, shared: bool = False):
+        super().__init__()
+        self.layer, self.k, self.renorm = layer, args.num_experts_per_tok, args.norm_topk_prob
+        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        # Qwen/OLMoE cast the top-k weights to the activation dtype; Mixtral keeps them in fp32.
+        self.weights_in_act_dtype = weights_in_act_dtype
+        if shared:
+            self.shared_expert = MLP(args.hidden_size, args.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = None
+        self.provider = None  # set by the loader
+        self.observer = None  # optional callable(layer, ids, weights) for router traces
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w, ids = softmax_topk(self.gate(x), self.k, self.renorm)  # [T, K] each
+        if self.weights_in_act_dtype:
+            w = w.to(x.dtype)
+        if self.observer is not None:
+            self.observer(self.layer, ids, w)
+        out = self.provider.experts(self.layer, x, ids, w)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

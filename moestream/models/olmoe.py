@@ -1,0 +1,19 @@
+"""OLMoE (`olmoe`): RMSNorm over the whole q and k projections (not per head), optional qkv
+clipping, attention bias on q/k/v/o, every layer MoE with an optionally renormalised top-k."""
+
+from moestream.config import ModelArgs
+from moestream.models.base import MoeCausalLM
+from moestream.models.layers import Attention, SparseMoe
+
+
+def make_attention(args: ModelArgs, i: int) -> Attention:
+    return Attention(args, i, qkv_bias=args.attention_bias, o_bias=args.attention_bias,
+                     qk_norm="full", clip_qkv=args.clip_qkv)
+
+
+def make_mlp(args: ModelArgs, i: int):
+    return SparseMoe(args, i, weights_in_act_dtype=True)
+
+
+def build(args: ModelArgs) -> MoeCausalLM:
+    return MoeCausalLM(args, make_attention, make_mlp)

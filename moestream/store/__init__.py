@@ -1,0 +1,1 @@
+"""Where expert weights live: the provider interface, resident experts, (later) the on-disk store."""

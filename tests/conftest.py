@@ -1,0 +1,34 @@
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+torch.set_num_threads(2)
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """(arch, layout) -> folder of a saved tiny checkpoint, built once per session."""
+    from tiny_models import perturbed_model, save
+
+    root = tmp_path_factory.mktemp("tiny")
+    cache = {}
+
+    def get(arch: str, layout: str = "per_expert") -> Path:
+        key = (arch, layout)
+        if key not in cache:
+            cache[key] = save(perturbed_model(arch), root / f"{arch}-{layout}", layout)
+        return cache[key]
+
+    return get

@@ -1,0 +1,101 @@
+"""Tiny random Hugging Face checkpoints of every supported architecture, for the shared test runner.
+
+Every parameter is perturbed (norms and biases start as constants in transformers), routers are
+sharpened so top-k choices are not near ties, and checkpoints are saved per-expert, fused
+(`save_original_format=False`) or sharded.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+LAYOUTS = ("per_expert", "fused", "sharded")
+VOCAB = 160
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def hf_config(arch: str, **over):
+    import transformers as T
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256,
+                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    if arch == "qwen3_moe":
+        cfg = T.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=48, moe_intermediate_size=32,
+                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+    elif arch == "qwen2_moe":
+        cfg = T.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=32,
+                               shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=3,
+                               norm_topk_prob=False, qkv_bias=True)
+    elif arch == "mixtral":
+        cfg = T.MixtralConfig(**common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                              sliding_window=16)
+    elif arch == "olmoe":
+        cfg = T.OlmoeConfig(**common, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                            attention_bias=True, clip_qkv=4.0)
+    else:
+        raise ValueError(arch)
+    for k, v in over.items():
+        setattr(cfg, k, v)
+    return cfg
+
+
+def perturbed_model(arch: str, seed: int = 0, **over):
+    import transformers as T
+
+    torch.manual_seed(seed)
+    cfg = hf_config(arch, **over)
+    cls = {"qwen3_moe": T.Qwen3MoeForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
+           "mixtral": T.MixtralForCausalLM, "olmoe": T.OlmoeForCausalLM}[arch]
+    model = cls(cfg).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn_like(p))
+            elif name.endswith("mlp.gate.weight"):
+                p.copy_(torch.randn_like(p) * 3.0 / p.shape[1] ** 0.5)  # sharpened router
+            else:
+                p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+    return model
+
+
+def save(model, folder: Path, layout: str) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    if layout == "per_expert":
+        model.save_pretrained(folder)
+    elif layout == "fused":
+        model.save_pretrained(folder, save_original_format=False)
+    elif layout == "sharded":
+        model.save_pretrained(folder, max_shard_size="40KB")
+    else:
+        raise ValueError(layout)
+    write_tokenizer(folder)
+    return folder
+
+
+def write_tokenizer(folder: Path) -> None:
+    """A small byte-level BPE so CLI paths (encode, chat template, streaming text) can be tested."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"] * 20
+    tok.train_from_iterator(text, trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps(
+        {"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
+    ))
