@@ -81,8 +81,16 @@ class ModelArgs:
             raise ConfigError(
                 f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
             )
-        for name in ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "head_dim", "num_experts", "num_experts_per_tok"):
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "num_experts",
+            "num_experts_per_tok",
+        ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
         if self.num_attention_heads % self.num_key_value_heads:
@@ -94,10 +102,15 @@ class ModelArgs:
             raise ConfigError(
                 f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) > num_experts ({self.num_experts})"
             )
-        if len(self.moe_layers) != self.num_hidden_layers or len(self.sliding_windows) != self.num_hidden_layers:
+        if (
+            len(self.moe_layers) != self.num_hidden_layers
+            or len(self.sliding_windows) != self.num_hidden_layers
+        ):
             raise ConfigError("internal: moe_layers/sliding_windows must have one entry per layer")
         if self.hidden_act != "silu":
-            raise ConfigError(f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)")
+            raise ConfigError(
+                f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)"
+            )
 
     @property
     def moe_layer_ids(self) -> list[int]:
@@ -138,7 +151,9 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
     """Build ModelArgs from a Hugging Face config dict, applying each architecture's defaults."""
     mt = cfg.get("model_type")
     if mt is None:
-        raise ConfigError(f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?")
+        raise ConfigError(
+            f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?"
+        )
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
             f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
@@ -207,7 +222,9 @@ def _sliding_windows(cfg: dict[str, Any], mt: str, n_layers: int) -> tuple[int |
         types = cfg.get("layer_types")
         if types is None:
             first = int(cfg.get("max_window_layers", n_layers))
-            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n_layers)]
+            types = [
+                "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
+            ]
         return tuple(window if t == "sliding_attention" else None for t in types)
     return (window,) * n_layers  # qwen3_moe: every layer when use_sliding_window
 
@@ -259,6 +276,8 @@ def parse_size(text: str | int) -> int:
         return text
     m = _SIZE.match(str(text))
     if not m:
-        raise ConfigError(f"cannot read size {text!r}: use bytes or a KiB/MiB/GiB suffix, e.g. 512MiB")
+        raise ConfigError(
+            f"cannot read size {text!r}: use bytes or a KiB/MiB/GiB suffix, e.g. 512MiB"
+        )
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") if m.group(2) else ""
     return int(float(m.group(1)) * _UNITS[unit])

@@ -14,8 +14,14 @@ from moestream.models import model_module
 from moestream.models.base import MoeCausalLM
 from moestream.store.provider import ResidentExperts
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -32,7 +38,9 @@ def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
     return model.to_empty(device="cpu").to(dtype).eval()
 
 
-def load_dense(ckpt: HFCheckpoint, model: MoeCausalLM, dtype: torch.dtype, progress: bool = False) -> None:
+def load_dense(
+    ckpt: HFCheckpoint, model: MoeCausalLM, dtype: torch.dtype, progress: bool = False
+) -> None:
     """Copy every non-expert tensor into the model; strict both ways."""
     module = model_module(ckpt.args.model_type)
     renames = getattr(module, "RENAMES", ())
@@ -66,13 +74,17 @@ def load_dense(ckpt: HFCheckpoint, model: MoeCausalLM, dtype: torch.dtype, progr
         for name in tqdm(sorted(expected), desc="dense weights", disable=not progress, leave=False):
             t = ckpt.tensor(by_ours[name])
             if list(t.shape) != expected[name]:
-                raise CheckpointError(f"tensor {by_ours[name]!r} has shape {list(t.shape)}, expected {expected[name]}")
+                raise CheckpointError(
+                    f"tensor {by_ours[name]!r} has shape {list(t.shape)}, expected {expected[name]}"
+                )
             params[name].copy_(t.to(dtype))
         if ckpt.args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
 
 
-def load_resident_experts(ckpt: HFCheckpoint, dtype: torch.dtype, progress: bool = False) -> ResidentExperts:
+def load_resident_experts(
+    ckpt: HFCheckpoint, dtype: torch.dtype, progress: bool = False
+) -> ResidentExperts:
     a = ckpt.args
     w13, w2 = {}, {}
     layers = a.moe_layer_ids
@@ -98,7 +110,9 @@ class Loaded:
     folder: Path
 
 
-def load_hf(folder: str | Path, dtype: str | torch.dtype = "float32", progress: bool = False) -> Loaded:
+def load_hf(
+    folder: str | Path, dtype: str | torch.dtype = "float32", progress: bool = False
+) -> Loaded:
     dtype = resolve_dtype(dtype)
     ckpt = HFCheckpoint(folder)
     model = build_model(ckpt.args, dtype)

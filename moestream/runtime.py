@@ -41,6 +41,10 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
 
 def open_model(path: str | Path, dtype: str = "float32", progress: bool = False) -> Runtime:
     folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(
+            f"model folder {folder} does not exist; pass -m a checkpoint folder"
+        )
     tokenizer = Tokenizer(folder)
     loaded = load_hf(folder, dtype, progress)
     gen = Generator(loaded.model, loaded.args, tokenizer, eos_ids(folder, loaded.args, tokenizer))

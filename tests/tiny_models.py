@@ -14,7 +14,7 @@ import torch
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 LAYOUTS = ("per_expert", "fused", "sharded")
-VOCAB = 160
+VOCAB = 320
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -25,22 +25,58 @@ CHAT_TEMPLATE = (
 def hf_config(arch: str, **over):
     import transformers as T
 
-    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-                  num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=256,
-                  tie_word_embeddings=False, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
     if arch == "qwen3_moe":
-        cfg = T.Qwen3MoeConfig(**common, head_dim=16, intermediate_size=48, moe_intermediate_size=32,
-                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, mlp_only_layers=[1])
+        cfg = T.Qwen3MoeConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+        )
     elif arch == "qwen2_moe":
-        cfg = T.Qwen2MoeConfig(**common, intermediate_size=48, moe_intermediate_size=32,
-                               shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=3,
-                               norm_topk_prob=False, qkv_bias=True)
+        cfg = T.Qwen2MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=3,
+            norm_topk_prob=False,
+            qkv_bias=True,
+        )
     elif arch == "mixtral":
-        cfg = T.MixtralConfig(**common, intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
-                              sliding_window=16)
+        cfg = T.MixtralConfig(
+            **common,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=16,
+        )
     elif arch == "olmoe":
-        cfg = T.OlmoeConfig(**common, intermediate_size=32, num_experts=8, num_experts_per_tok=2,
-                            attention_bias=True, clip_qkv=4.0)
+        cfg = T.OlmoeConfig(
+            **common,
+            intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            attention_bias=True,
+            clip_qkv=4.0,
+        )
     else:
         raise ValueError(arch)
     for k, v in over.items():
@@ -53,8 +89,12 @@ def perturbed_model(arch: str, seed: int = 0, **over):
 
     torch.manual_seed(seed)
     cfg = hf_config(arch, **over)
-    cls = {"qwen3_moe": T.Qwen3MoeForCausalLM, "qwen2_moe": T.Qwen2MoeForCausalLM,
-           "mixtral": T.MixtralForCausalLM, "olmoe": T.OlmoeForCausalLM}[arch]
+    cls = {
+        "qwen3_moe": T.Qwen3MoeForCausalLM,
+        "qwen2_moe": T.Qwen2MoeForCausalLM,
+        "mixtral": T.MixtralForCausalLM,
+        "olmoe": T.OlmoeForCausalLM,
+    }[arch]
     model = cls(cfg).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -91,11 +131,23 @@ def write_tokenizer(folder: Path) -> None:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|end|>", "<|user|>", "<|assistant|>", "<|system|>"]
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    text = ["def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"] * 20
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    text = [
+        "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n"
+    ] * 20
     tok.train_from_iterator(text, trainer)
     tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": "<|end|>", "chat_template": CHAT_TEMPLATE, "tokenizer_class": "PreTrainedTokenizerFast"}
-    ))
+    (folder / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|end|>",
+                "chat_template": CHAT_TEMPLATE,
+                "tokenizer_class": "PreTrainedTokenizerFast",
+            }
+        )
+    )

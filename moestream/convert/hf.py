@@ -41,14 +41,20 @@ def _shard_header(path: Path) -> dict:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CheckpointError(f"{path}: file is truncated (no safetensors header); re-download it")
+            raise CheckpointError(
+                f"{path}: file is truncated (no safetensors header); re-download it"
+            )
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise CheckpointError(f"{path}: header length {n} exceeds the file size; the file is corrupt")
+            raise CheckpointError(
+                f"{path}: header length {n} exceeds the file size; the file is corrupt"
+            )
         try:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{path}: safetensors header is not valid JSON ({e}); re-download it") from e
+            raise CheckpointError(
+                f"{path}: safetensors header is not valid JSON ({e}); re-download it"
+            ) from e
     end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     if 8 + n + end > size:
         raise CheckpointError(
@@ -167,7 +173,9 @@ class HFCheckpoint:
                 f = fused[layer]
                 for key in ("gate_up_proj", "down_proj"):
                     if key not in f:
-                        raise CheckpointError(f"layer {layer}: fused experts tensor '{key}' is missing")
+                        raise CheckpointError(
+                            f"layer {layer}: fused experts tensor '{key}' is missing"
+                        )
                 E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
                 self._check_shape(f["gate_up_proj"], [E, 2 * I, D])
                 self._check_shape(f["down_proj"], [E, D, I])
@@ -185,7 +193,9 @@ class HFCheckpoint:
                         )
                     continue
                 if (layer, e) in self.experts:
-                    raise CheckpointError(f"layer {layer} expert {e}: stored both per-expert and fused")
+                    raise CheckpointError(
+                        f"layer {layer} expert {e}: stored both per-expert and fused"
+                    )
                 lost = [r for r in ("gate_proj", "up_proj", "down_proj") if r not in roles]
                 if lost:
                     raise CheckpointError(f"layer {layer} expert {e}: missing {', '.join(lost)}")
@@ -197,7 +207,9 @@ class HFCheckpoint:
                     layer, e, False, roles["gate_proj"], roles["up_proj"], roles["down_proj"]
                 )
         stray = [n for roles in per.values() for n in roles.values()]
-        stray += [n for layer, f in fused.items() if layer not in a.moe_layer_ids for n in f.values()]
+        stray += [
+            n for layer, f in fused.items() if layer not in a.moe_layer_ids for n in f.values()
+        ]
         if stray:
             raise CheckpointError(
                 f"unexpected expert tensor(s) for a layer/expert the config does not have: {', '.join(sorted(stray)[:5])}"

@@ -37,7 +37,9 @@ class GenerationResult:
             "generated_tokens": len(self.ids),
             "prefill_seconds": self.prefill_seconds,
             "decode_seconds": self.decode_seconds,
-            "prefill_tok_s": len(self.prompt_ids) / self.prefill_seconds if self.prefill_seconds else 0.0,
+            "prefill_tok_s": len(self.prompt_ids) / self.prefill_seconds
+            if self.prefill_seconds
+            else 0.0,
             "decode_tok_s": n_dec / self.decode_seconds if self.decode_seconds else 0.0,
             "peak_rss_bytes": peak_rss_bytes(),
             "finish_reason": self.finish_reason,
@@ -93,12 +95,18 @@ class Generator:
         self.dtype = model.model.embed_tokens.weight.dtype
 
     @torch.inference_mode()
-    def stream(self, prompt_ids: list[int], cfg: SamplingConfig,
-               result: GenerationResult | None = None) -> Iterator[str]:
+    def stream(
+        self, prompt_ids: list[int], cfg: SamplingConfig, result: GenerationResult | None = None
+    ) -> Iterator[str]:
         """Yield text pieces as tokens are produced; fill `result` (ids, logprobs, timings)."""
         res = result if result is not None else GenerationResult(list(prompt_ids))
         if not prompt_ids:
             raise ConfigError("the prompt is empty after tokenisation; give at least one token")
+        if max(prompt_ids) >= self.args.vocab_size or min(prompt_ids) < 0:
+            raise ConfigError(
+                f"prompt token id {max(prompt_ids)} is outside the model's vocabulary "
+                f"({self.args.vocab_size}); the tokenizer does not belong to this model"
+            )
         total = len(prompt_ids) + cfg.max_new_tokens
         if total > self.args.max_position_embeddings:
             raise ConfigError(

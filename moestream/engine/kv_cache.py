@@ -10,8 +10,12 @@ from moestream.config import ModelArgs
 class KVCache:
     def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device="cpu"):
         shape = (args.num_key_value_heads, max_len, args.head_dim)
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)]
+        self.k = [
+            torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
+        ]
+        self.v = [
+            torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
+        ]
         self.max_len = max_len
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):

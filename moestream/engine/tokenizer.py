@@ -69,8 +69,10 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         try:
             return env.from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
             )
         except TemplateError as e:
             raise TokenizerError(f"chat template failed: {e}") from e

@@ -16,9 +16,7 @@ def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Te
     return F.linear(F.silu(gate) * up, w2)
 
 
-def moe_ref(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_expert
-) -> torch.Tensor:
+def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_expert) -> torch.Tensor:
     """Routed MoE: x [T, D], ids/weights [T, K]; get_expert(e) -> (w13, w2). Experts in ascending
     id order, each token's contribution scaled by its gate weight and summed (as transformers)."""
     out = torch.zeros_like(x)

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from moestream.config import ModelArgs
-from moestream.models.layers import Rope, RMSNorm, SparseMoe
+from moestream.models.layers import RMSNorm, Rope, SparseMoe
 
 
 class DecoderLayer(nn.Module):
@@ -37,7 +37,8 @@ class MoeCausalLM(nn.Module):
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.model.layers = nn.ModuleList(
-            DecoderLayer(args, make_attention(args, i), make_mlp(args, i)) for i in range(args.num_hidden_layers)
+            DecoderLayer(args, make_attention(args, i), make_mlp(args, i))
+            for i in range(args.num_hidden_layers)
         )
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
@@ -55,7 +56,9 @@ class MoeCausalLM(nn.Module):
         for block in self.moe_blocks:
             block.observer = observer
 
-    def forward(self, ids: torch.Tensor, cache, start: int, last_only: bool = False) -> torch.Tensor:
+    def forward(
+        self, ids: torch.Tensor, cache, start: int, last_only: bool = False
+    ) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only)."""
         x = self.model.embed_tokens(ids)  # [T, D]
         pos = torch.arange(start, start + ids.shape[0])

@@ -29,7 +29,9 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(dtype)
 
 
-def rope_inv_freq(r: RopeArgs, dim: int, max_pos: int, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(
+    r: RopeArgs, dim: int, max_pos: int, seq_len: int | None = None
+) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the cos/sin scale for one RoPE variant (same formulas as transformers)."""
     base = r.theta
     exps = torch.arange(0, dim, 2, dtype=torch.int64, device="cpu").float() / dim
@@ -64,7 +66,11 @@ def _yarn(r: RopeArgs, dim: int, base: float) -> tuple[torch.Tensor, float]:
 
     attn = r.attention_factor
     if attn is None:
-        attn = mscale(factor, r.mscale) / mscale(factor, r.mscale_all_dim) if r.mscale and r.mscale_all_dim else mscale(factor)
+        attn = (
+            mscale(factor, r.mscale) / mscale(factor, r.mscale_all_dim)
+            if r.mscale and r.mscale_all_dim
+            else mscale(factor)
+        )
 
     def corr_dim(rot: float) -> float:
         return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
@@ -76,7 +82,9 @@ def _yarn(r: RopeArgs, dim: int, base: float) -> tuple[torch.Tensor, float]:
     if low == high:
         high += 0.001  # avoid a zero-width ramp
     pos_freqs = base ** (torch.arange(0, dim, 2, device="cpu").float() / dim)
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1)
+    ramp = torch.clamp(
+        (torch.arange(dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low), 0, 1
+    )
     extra = 1 - ramp
     inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
     return inv, float(attn)
@@ -90,7 +98,9 @@ class Rope:
         self.inv_freq, self.scale = rope_inv_freq(r, head_dim, max_pos)
         self.cached_len = max_pos
 
-    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if self.r.rope_type == "dynamic":
             seq = int(positions.max()) + 1
             if seq > self.cached_len:
@@ -117,10 +127,23 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class Attention(nn.Module):
     """GQA attention with a KV cache. qk_norm: None, 'head' (Qwen3: per head) or 'full' (OLMoE)."""
 
-    def __init__(self, args: ModelArgs, layer: int, *, qkv_bias: bool, o_bias: bool,
-                 qk_norm: str | None = None, clip_qkv: float | None = None):
+    def __init__(
+        self,
+        args: ModelArgs,
+        layer: int,
+        *,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: str | None = None,
+        clip_qkv: float | None = None,
+    ):
         super().__init__()
-        D, H, Hkv, hd = args.hidden_size, args.num_attention_heads, args.num_key_value_heads, args.head_dim
+        D, H, Hkv, hd = (
+            args.hidden_size,
+            args.num_attention_heads,
+            args.num_key_value_heads,
+            args.head_dim,
+        )
         self.layer, self.H, self.Hkv, self.hd = layer, H, Hkv, hd
         self.q_proj = nn.Linear(D, H * hd, bias=qkv_bias)
         self.k_proj = nn.Linear(D, Hkv * hd, bias=qkv_bias)
@@ -128,14 +151,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(H * hd, D, bias=o_bias)
         self.qk_norm = qk_norm
         if qk_norm == "head":
-            self.q_norm, self.k_norm = RMSNorm(hd, args.rms_norm_eps), RMSNorm(hd, args.rms_norm_eps)
+            self.q_norm, self.k_norm = (
+                RMSNorm(hd, args.rms_norm_eps),
+                RMSNorm(hd, args.rms_norm_eps),
+            )
         elif qk_norm == "full":
-            self.q_norm, self.k_norm = RMSNorm(H * hd, args.rms_norm_eps), RMSNorm(Hkv * hd, args.rms_norm_eps)
+            self.q_norm, self.k_norm = (
+                RMSNorm(H * hd, args.rms_norm_eps),
+                RMSNorm(Hkv * hd, args.rms_norm_eps),
+            )
         self.clip_qkv = clip_qkv
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int
+    ) -> torch.Tensor:
         T = x.shape[0]
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*hd], [T, Hkv*hd] x2
         if self.qk_norm == "full":
@@ -153,7 +184,10 @@ class Attention(nn.Module):
         S = k.shape[1]
         G = self.H // self.Hkv
         # Group query heads under their KV head instead of repeating K/V (no copy).
-        scores = torch.matmul(q.view(self.Hkv, G, T, self.hd), k.unsqueeze(1).transpose(-1, -2)) * self.scaling
+        scores = (
+            torch.matmul(q.view(self.Hkv, G, T, self.hd), k.unsqueeze(1).transpose(-1, -2))
+            * self.scaling
+        )
         mask = attention_mask(T, S, start, self.window, x.device)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
@@ -204,7 +238,9 @@ class SparseMoe(nn.Module):
     whether the weights are resident, streamed from disk or on a GPU.
     """
 
-    def __init__(self, args: ModelArgs, layer: int, *, weights_in_act_dtype: bool, shared: bool = False):
+    def __init__(
+        self, args: ModelArgs, layer: int, *, weights_in_act_dtype: bool, shared: bool = False
+    ):
         super().__init__()
         self.layer, self.k, self.renorm = layer, args.num_experts_per_tok, args.norm_topk_prob
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)

@@ -7,8 +7,14 @@ from moestream.models.layers import Attention, SparseMoe
 
 
 def make_attention(args: ModelArgs, i: int) -> Attention:
-    return Attention(args, i, qkv_bias=args.attention_bias, o_bias=args.attention_bias,
-                     qk_norm="full", clip_qkv=args.clip_qkv)
+    return Attention(
+        args,
+        i,
+        qkv_bias=args.attention_bias,
+        o_bias=args.attention_bias,
+        qk_norm="full",
+        clip_qkv=args.clip_qkv,
+    )
 
 
 def make_mlp(args: ModelArgs, i: int):

@@ -7,7 +7,9 @@ from moestream.models.layers import MLP, Attention, SparseMoe
 
 
 def make_attention(args: ModelArgs, i: int) -> Attention:
-    return Attention(args, i, qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm="head")
+    return Attention(
+        args, i, qkv_bias=args.attention_bias, o_bias=args.attention_bias, qk_norm="head"
+    )
 
 
 def make_mlp(args: ModelArgs, i: int):

@@ -14,7 +14,9 @@ from moestream.kernels.ref import expert_ffn
 
 
 class ExpertProvider(Protocol):
-    def experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """x [T, D], ids [T, K] int64, weights [T, K] -> [T, D]."""
         ...
 
@@ -25,7 +27,9 @@ class ResidentExperts:
     def __init__(self, w13: dict[int, torch.Tensor], w2: dict[int, torch.Tensor]):
         self.w13, self.w2 = w13, w2
 
-    def experts(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         w13, w2 = self.w13[layer], self.w2[layer]
         if x.shape[0] == 1:
             # Decode: K experts of one token; ascending id order keeps the sum order of transformers.
@@ -36,7 +40,9 @@ class ResidentExperts:
         return moe_grouped(x, ids, weights, lambda e: (w13[e], w2[e]))
 
 
-def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_expert) -> torch.Tensor:
+def moe_grouped(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_expert
+) -> torch.Tensor:
     """Prefill: group tokens by expert (one sort instead of a Python loop over tokens)."""
     T, K = ids.shape
     flat = ids.reshape(-1)

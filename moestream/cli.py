@@ -1,0 +1,113 @@
+"""Command line: `moestream generate ...`. argparse lives only here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from moestream.config import SamplingConfig
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser("generate", help="generate a completion for one prompt")
+    p.add_argument("-m", "--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument("-p", "--prompt", required=True, help="prompt text (used raw unless --chat)")
+    p.add_argument(
+        "-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)"
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    p.add_argument(
+        "--chat", action="store_true", help="wrap the prompt in the model's chat template"
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype (CPU default float32: this CPU has no bf16 instructions)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--json", action="store_true", help="print one JSON object instead of streaming text"
+    )
+    p.set_defaults(func=cmd_generate)
+
+
+def _setup_threads(n: int | None) -> None:
+    import torch
+
+    # Set once, before any op: switching thread counts later makes every op slow.
+    if n:
+        torch.set_num_threads(n)
+
+
+def cmd_generate(a: argparse.Namespace) -> int:
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    cfg = SamplingConfig(
+        temperature=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_new_tokens=a.max_tokens,
+        stop=tuple(a.stop),
+        ignore_eos=a.ignore_eos,
+    )
+    rt = open_model(a.model, dtype=a.dtype, progress=not a.json)
+    prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
+    if a.json:
+        res = rt.generator.generate(prompt_ids, cfg)
+        out = {
+            "prompt_ids": res.prompt_ids,
+            "ids": res.ids,
+            "text": res.text,
+            "logprobs": res.logprobs,
+            "stats": res.stats(),
+        }
+        print(json.dumps(out))
+        return 0
+    from moestream.engine.generate import GenerationResult
+
+    res = GenerationResult(prompt_ids)
+    for piece in rt.generator.stream(prompt_ids, cfg, res):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    s = res.stats()
+    print(
+        f"\n[prompt {s['prompt_tokens']} tok, {s['prefill_tok_s']:.1f} tok/s | "
+        f"decode {s['generated_tokens']} tok, {s['decode_tok_s']:.1f} tok/s | "
+        f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB]",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    from moestream.errors import USER_ERRORS
+
+    try:
+        return a.func(a)
+    except USER_ERRORS as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
