@@ -1,0 +1,172 @@
+"""Generation behaviour: sampling, EOS, stop strings, streaming text, the CLI's JSON interface."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moestream.config import ConfigError, SamplingConfig
+from moestream.engine.generate import TextStream
+from moestream.engine.sampling import sample
+from moestream.runtime import open_model
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_dir):
+    return open_model(tiny_dir("qwen3_moe"))
+
+
+def test_sampling_rules():
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    assert sample(logits, SamplingConfig(), None) == 1
+    # top_k=1 and a tiny top_p both leave only the argmax.
+    for cfg in (
+        SamplingConfig(temperature=1.0, top_k=1),
+        SamplingConfig(temperature=1.0, top_p=1e-6),
+    ):
+        assert {sample(logits, cfg, torch.Generator().manual_seed(s)) for s in range(20)} == {1}
+    # top_k=2 never picks outside the two best.
+    picks = {
+        sample(logits, SamplingConfig(temperature=5.0, top_k=2), torch.Generator().manual_seed(s))
+        for s in range(200)
+    }
+    assert picks == {1, 2}
+    # top_p=0.8: softmax = [.09, .67, .24, .01] -> nucleus {1, 2}
+    picks = {
+        sample(logits, SamplingConfig(temperature=1.0, top_p=0.8), torch.Generator().manual_seed(s))
+        for s in range(300)
+    }
+    assert picks == {1, 2}
+
+
+def test_seeded_sampling_is_reproducible(rt):
+    cfg = SamplingConfig(temperature=1.0, top_p=0.9, seed=7, max_new_tokens=12, ignore_eos=True)
+    ids = rt.encode_prompt("def fib")
+    a, b = rt.generator.generate(ids, cfg), rt.generator.generate(ids, cfg)
+    c = rt.generator.generate(
+        ids, SamplingConfig(temperature=1.0, top_p=0.9, seed=8, max_new_tokens=12, ignore_eos=True)
+    )
+    assert a.ids == b.ids and len(a.ids) == 12
+    assert a.ids != c.ids
+
+
+def test_greedy_logprobs_and_eos(rt):
+    ids = rt.encode_prompt("def fib")
+    res = rt.generator.generate(ids, SamplingConfig(max_new_tokens=10, ignore_eos=True))
+    assert len(res.logprobs) == len(res.ids) == 10
+    assert all(lp <= 0 for lp in res.logprobs)
+    # Make the 4th greedy token an EOS: generation stops there with finish_reason "stop".
+    gen = rt.generator
+    saved = gen.eos_ids
+    gen.eos_ids = {res.ids[3]}
+    try:
+        stopped = gen.generate(ids, SamplingConfig(max_new_tokens=10))
+    finally:
+        gen.eos_ids = saved
+    first = res.ids.index(res.ids[3])
+    assert stopped.ids == res.ids[: first + 1] and stopped.finish_reason == "stop"
+
+
+def test_stop_string_truncates_and_stream_matches_text(rt):
+    ids = rt.encode_prompt("def fib")
+    full = rt.generator.generate(ids, SamplingConfig(max_new_tokens=24, ignore_eos=True))
+    assert len(full.text) > 6
+    stop = full.text[3:6]
+    cfg = SamplingConfig(max_new_tokens=24, stop=(stop,), ignore_eos=True)
+    pieces = list(rt.generator.stream(ids, cfg))
+    res = rt.generator.generate(ids, cfg)
+    assert res.text == full.text[: full.text.find(stop)]
+    assert "".join(pieces) == res.text
+    assert res.finish_reason == "stop"
+
+
+class _ByteTok:
+    """Decodes ids as UTF-8 bytes, like a byte-level BPE mid-character."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_text_stream_never_emits_half_characters_or_stop_prefixes():
+    ts = TextStream(_ByteTok(), stop=("END",))
+    out = [ts.push(b) for b in "é ok EN".encode()]
+    assert "\ufffd" not in "".join(out)
+    assert "".join(out) == "é ok "  # "EN" is held back: it may become "END"
+    assert ts.push(ord("D")) == "" and ts.stopped and ts.text == "é ok "
+
+
+def test_chat_template_applied(rt):
+    ids = rt.encode_prompt("hi", chat=True)
+    assert (
+        rt.tokenizer.tk.decode(ids, skip_special_tokens=False) == "<|user|>hi<|end|><|assistant|>"
+    )
+    assert rt.tokenizer.token_id("<|assistant|>") == ids[-1]
+
+
+def test_empty_prompt_is_an_error(rt):
+    with pytest.raises(ConfigError, match="prompt is empty"):
+        rt.generator.generate([], SamplingConfig())
+
+
+def test_cli_json_interface(tiny_dir, rt):
+    folder = tiny_dir("qwen3_moe")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moestream",
+            "generate",
+            "-m",
+            str(folder),
+            "-p",
+            "def fib",
+            "-n",
+            "8",
+            "--json",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    out = json.loads(r.stdout)
+    assert set(out) == {"prompt_ids", "ids", "text", "logprobs", "stats"}
+    want = rt.generator.generate(
+        rt.encode_prompt("def fib"), SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    )
+    assert out["prompt_ids"] == rt.encode_prompt("def fib")
+    assert out["ids"] == want.ids and out["text"] == want.text
+    assert len(out["logprobs"]) == 8
+    for key in ("prefill_tok_s", "decode_tok_s", "peak_rss_bytes"):
+        assert out["stats"][key] > 0
+
+
+def test_cli_streams_text_then_stats(tiny_dir, rt):
+    folder = tiny_dir("qwen3_moe")
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "moestream",
+            "generate",
+            "-m",
+            str(folder),
+            "-p",
+            "def fib",
+            "-n",
+            "8",
+            "--ignore-eos",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    want = rt.generator.generate(
+        rt.encode_prompt("def fib"), SamplingConfig(max_new_tokens=8, ignore_eos=True)
+    )
+    assert r.stdout.rstrip("\n") == want.text
+    assert "decode 8 tok" in r.stderr and "peak RSS" in r.stderr
