@@ -1,0 +1,241 @@
+"""Expert slot table and eviction policies: plain Python, no tensors, so traces can be replayed.
+
+The streaming provider and the cache simulator (router traces) drive exactly this code.
+
+Interface
+---------
+A key is `(layer, expert)`. `SlotTable(n_slots, policy)` maps resident keys to slot numbers
+`0..n_slots-1`. Per MoE layer and forward step the caller passes the experts that layer needs::
+
+    table = SlotTable(n_slots, make_policy("lru"))
+    step = table.access(layer, [3, 17, 42])   # experts routed in this layer (any order)
+    step.slots        # slot of each requested expert, in request order
+    step.misses       # [(expert, slot)]: not resident; the caller must fill these slots
+    step.evicted      # [(layer, expert)] keys whose slots were taken for the misses
+    table.hits, table.misses, table.evictions   # running counters
+
+All experts of one `access` are resident together (none of them is chosen as a victim), so a
+call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a key
+(`touch`, also right after it is inserted), every eviction (`evicted`), and picks victims:
+
+    wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
+    victim(incoming, protected) -> key           a resident key not in `protected`
+
+Policies: `lru` (default), `lfu` (frequency kept across evictions, LRU tie-break), `pinned`
+(a fixed hot set is never evicted, LRU for the rest), `sticky` (Edge0-style: every layer owns
+an equal share of the slots, and a miss replaces the layer's least recently used expert, so a
+layer's slots only change where its routing changed).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class PolicyError(ValueError):
+    """A slot count or policy setting that cannot work; the message states the limit."""
+
+
+class EvictionPolicy:
+    """Base class; subclasses keep whatever order they need to answer `victim` cheaply."""
+
+    name = "base"
+
+    def touch(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def evicted(self, key: Key) -> None:
+        raise NotImplementedError
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        raise NotImplementedError
+
+    def wants_victim(self, incoming: Key, free_slots: int) -> bool:
+        return free_slots == 0
+
+    def check(self, n_slots: int, min_slots: int) -> None:
+        """Raise PolicyError if this policy cannot run with n_slots (min_slots = top-k)."""
+
+
+class LRU(EvictionPolicy):
+    name = "lru"
+
+    def __init__(self):
+        self.order: OrderedDict[Key, None] = OrderedDict()  # oldest first
+
+    def touch(self, key: Key) -> None:
+        self.order[key] = None
+        self.order.move_to_end(key)
+
+    def evicted(self, key: Key) -> None:
+        del self.order[key]
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        for key in self.order:
+            if key not in protected:
+                return key
+        raise PolicyError("every resident expert is in use by this step; add slots")
+
+
+class LFU(EvictionPolicy):
+    """Least frequently used; counts survive eviction (an expert that was hot comes back hot)."""
+
+    name = "lfu"
+
+    def __init__(self):
+        self.count: dict[Key, int] = {}
+        self.last: dict[Key, int] = {}
+        self.clock = 0
+        self.heap: list[tuple[int, int, Key]] = []  # (count, last use, key); stale entries skipped
+
+    def touch(self, key: Key) -> None:
+        self.clock += 1
+        self.count[key] = self.count.get(key, 0) + 1
+        self.last[key] = self.clock
+        heapq.heappush(self.heap, (self.count[key], self.clock, key))
+
+    def evicted(self, key: Key) -> None:
+        del self.last[key]  # the count is kept as history
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        skipped = []
+        try:
+            while self.heap:
+                entry = heapq.heappop(self.heap)
+                c, t, key = entry
+                if self.last.get(key) != t or self.count[key] != c:
+                    continue  # stale: the key was touched again or evicted since
+                skipped.append(entry)  # still valid; goes back whether chosen or not
+                if key not in protected:
+                    return key
+        finally:
+            for entry in skipped:
+                heapq.heappush(self.heap, entry)
+        raise PolicyError("every resident expert is in use by this step; add slots")
+
+
+class Pinned(LRU):
+    """A fixed hot set (e.g. the most used experts of a trace) never leaves; LRU for the rest."""
+
+    name = "pinned"
+
+    def __init__(self, pinned: Iterable[Key]):
+        super().__init__()
+        self.pinned = frozenset(pinned)
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        return super().victim(incoming, protected | self.pinned)
+
+    def check(self, n_slots: int, min_slots: int) -> None:
+        if len(self.pinned) + min_slots > n_slots:
+            raise PolicyError(
+                f"{len(self.pinned)} pinned experts + top-k {min_slots} need {len(self.pinned) + min_slots} "
+                f"slots, the budget gives {n_slots}; pin fewer experts or raise the budget"
+            )
+
+
+class Sticky(EvictionPolicy):
+    """Edge0-style per-layer slots: layer L owns n_slots // n_layers slots; misses replace the
+    layer's own least recently used expert, never another layer's."""
+
+    name = "sticky"
+
+    def __init__(self, layers: Sequence[int]):
+        self.per_layer: dict[int, LRU] = {layer: LRU() for layer in layers}
+        self.quota = 0
+
+    def check(self, n_slots: int, min_slots: int) -> None:
+        self.quota = n_slots // len(self.per_layer)
+        if self.quota < min_slots:
+            raise PolicyError(
+                f"sticky slots give each of {len(self.per_layer)} layers {self.quota} slots, below "
+                f"top-k {min_slots}; the minimum budget for sticky is {min_slots * len(self.per_layer)} "
+                "slots (or use lru)"
+            )
+
+    def touch(self, key: Key) -> None:
+        self.per_layer[key[0]].touch(key)
+
+    def evicted(self, key: Key) -> None:
+        self.per_layer[key[0]].evicted(key)
+
+    def wants_victim(self, incoming: Key, free_slots: int) -> bool:
+        return free_slots == 0 or len(self.per_layer[incoming[0]].order) >= self.quota
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        return self.per_layer[incoming[0]].victim(incoming, protected)
+
+
+def make_policy(
+    name: str, layers: Sequence[int] = (), pinned: Iterable[Key] = ()
+) -> EvictionPolicy:
+    """Build a policy by name: lru | lfu | pinned (needs `pinned`) | sticky (needs `layers`)."""
+    if name == "lru":
+        return LRU()
+    if name == "lfu":
+        return LFU()
+    if name == "pinned":
+        return Pinned(pinned)
+    if name == "sticky":
+        if not layers:
+            raise PolicyError("sticky needs the list of MoE layers")
+        return Sticky(layers)
+    raise PolicyError(f"unknown eviction policy {name!r}; use lru, lfu, pinned or sticky")
+
+
+@dataclass
+class Step:
+    slots: list[int] = field(default_factory=list)
+    misses: list[tuple[int, int]] = field(default_factory=list)  # (expert, slot)
+    evicted: list[Key] = field(default_factory=list)
+
+
+class SlotTable:
+    """Expert -> slot table over a fixed pool of n_slots, with hit/miss/eviction counters."""
+
+    def __init__(self, n_slots: int, policy: EvictionPolicy, min_slots: int = 1):
+        if n_slots < min_slots:
+            raise PolicyError(f"{n_slots} slots is below the minimum of {min_slots} (top-k)")
+        policy.check(n_slots, min_slots)
+        self.n_slots, self.policy = n_slots, policy
+        self.slot_of: dict[Key, int] = {}
+        self.free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.hits = self.misses = self.evictions = 0
+
+    def access(self, layer: int, experts: Sequence[int]) -> Step:
+        if len(experts) > self.n_slots:
+            raise PolicyError(
+                f"{len(experts)} experts requested at once but only {self.n_slots} slots"
+            )
+        step = Step()
+        protected = {(layer, e) for e in experts}
+        for e in experts:
+            key = (layer, e)
+            slot = self.slot_of.get(key)
+            if slot is None:
+                slot = self._take_slot(key, protected, step)
+                self.slot_of[key] = slot
+                step.misses.append((e, slot))
+                self.misses += 1
+            else:
+                self.hits += 1
+            self.policy.touch(key)
+            step.slots.append(slot)
+        return step
+
+    def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
+        if self.free and not self.policy.wants_victim(key, len(self.free)):
+            return self.free.pop()
+        old = self.policy.victim(key, protected)
+        self.policy.evicted(old)
+        step.evicted.append(old)
+        self.evictions += 1
+        return self.slot_of.pop(old)
+
+    def resident(self) -> dict[Key, int]:
+        return dict(self.slot_of)

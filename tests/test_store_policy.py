@@ -1,0 +1,82 @@
+"""Slot table and eviction policies (plain Python, no tensors)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from moestream.store.policy import PolicyError, SlotTable, make_policy
+
+
+def test_lru_evicts_least_recently_used():
+    t = SlotTable(3, make_policy("lru"))
+    assert t.access(0, [1, 2]).misses == [(1, 0), (2, 1)]
+    t.access(0, [3])
+    t.access(0, [1])  # 1 is now the most recent; 2 the oldest
+    step = t.access(0, [4])
+    assert step.evicted == [(0, 2)] and step.misses == [(4, 1)]
+    assert (t.hits, t.misses, t.evictions) == (1, 4, 1)
+
+
+def test_experts_of_one_access_are_never_victims():
+    t = SlotTable(2, make_policy("lru"))
+    t.access(0, [1, 2])
+    step = t.access(0, [2, 3])  # 1 is the only legal victim, although 2 is older
+    assert step.evicted == [(0, 1)]
+    assert set(t.resident()) == {(0, 2), (0, 3)}
+
+
+def test_lfu_keeps_frequent_experts():
+    t = SlotTable(2, make_policy("lfu"))
+    for _ in range(3):
+        t.access(0, [1])
+    t.access(0, [2])
+    step = t.access(0, [3])
+    assert step.evicted == [(0, 2)]
+
+
+def test_pinned_experts_stay():
+    t = SlotTable(3, make_policy("pinned", pinned=[(0, 1)]), min_slots=2)
+    t.access(0, [1, 2])
+    for e in range(3, 10):
+        step = t.access(0, [e])
+        assert (0, 1) not in step.evicted
+    assert (0, 1) in t.resident()
+
+
+def test_sticky_layers_only_replace_their_own_slots():
+    t = SlotTable(4, make_policy("sticky", layers=[0, 1]), min_slots=2)
+    t.access(0, [1, 2])
+    t.access(1, [1, 2])
+    step = t.access(0, [5, 1])
+    assert step.evicted == [(0, 2)]
+    assert step.slots[1] == t.resident()[(0, 1)]
+    assert {k for k in t.resident() if k[0] == 1} == {(1, 1), (1, 2)}
+
+
+def test_sticky_needs_topk_slots_per_layer():
+    with pytest.raises(PolicyError, match="minimum budget for sticky is 6"):
+        SlotTable(4, make_policy("sticky", layers=[0, 1, 2]), min_slots=2)
+
+
+def test_below_minimum_is_an_error():
+    with pytest.raises(PolicyError, match="minimum of 8"):
+        SlotTable(4, make_policy("lru"), min_slots=8)
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "pinned", "sticky"])
+def test_random_trace_keeps_table_consistent(name):
+    rng = random.Random(0)
+    layers = [0, 1, 2]
+    policy = make_policy(name, layers=layers, pinned=[(0, 0), (1, 0)])
+    t = SlotTable(12, policy, min_slots=3)
+    for _ in range(300):
+        layer = rng.choice(layers)
+        ids = rng.sample(range(16), 3)
+        step = t.access(layer, ids)
+        res = t.resident()
+        assert all(res[(layer, e)] == s for e, s in zip(ids, step.slots))
+        assert len(set(res.values())) == len(res) <= 12
+    assert t.hits + t.misses == 900
+    assert t.misses - t.evictions == len(t.resident())
