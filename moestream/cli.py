@@ -88,10 +88,83 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_obs(sub) -> None:
+    """Router observation: trace, stats, plot, simulate (moestream/obs/)."""
+    p = sub.add_parser("trace", help="record every MoE layer's routing while generating")
+    p.add_argument("-m", "--model", required=True, help="checkpoint or store folder")
+    p.add_argument(
+        "--prompts", required=True, help="file: one prompt per line, or JSONL with 'prompt'"
+    )
+    p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per prompt")
+    p.add_argument("-o", "--out", required=True, help="trace folder to write")
+    p.add_argument("--hidden", action="store_true", help="also save router inputs (float16)")
+    p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument(
+        "--no-memory-guard", action="store_true", help="do not stop on memory pressure"
+    )
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("stats", help="routing statistics of a trace")
+    p.add_argument("trace", help="trace folder")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--top", type=int, default=5, help="hottest experts listed per layer")
+    p.set_defaults(func=cmd_stats)
+
+
+def cmd_trace(a: argparse.Namespace) -> int:
+    from moestream.obs.guard import MemoryGuard
+    from moestream.obs.trace import read_prompts, record_trace
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    prompts = read_prompts(a.prompts)
+    cfg = SamplingConfig(
+        temperature=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_new_tokens=a.max_tokens,
+        ignore_eos=a.ignore_eos,
+    )
+    rt = open_model(a.model, dtype=a.dtype, progress=True)
+    if not a.no_memory_guard:
+        MemoryGuard().attach(rt.generator.model)
+
+    def progress(i, res):
+        print(
+            f"[{i + 1}/{len(prompts)}] {len(res.prompt_ids)} prompt + {len(res.ids)} generated "
+            f"tokens ({res.finish_reason})",
+            file=sys.stderr,
+        )
+
+    out = record_trace(
+        rt, prompts, cfg, a.out, hidden=a.hidden, chat=a.chat, dtype=a.dtype, on_sequence=progress
+    )
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_stats(a: argparse.Namespace) -> int:
+    from moestream.obs.stats import format_table, summarize
+    from moestream.obs.trace import load_trace
+
+    s = summarize(load_trace(a.trace), top_n=a.top)
+    print(json.dumps(s) if a.json else format_table(s))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_obs(sub)
     return parser
 
 
@@ -99,12 +172,16 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     a = parser.parse_args(argv)
     from moestream.errors import USER_ERRORS
+    from moestream.obs.guard import MemoryPressureError
 
     try:
         return a.func(a)
     except USER_ERRORS as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
+    except MemoryPressureError as e:
+        print(f"moestream: stopped: {e}", file=sys.stderr)
+        return 3
     except KeyboardInterrupt:
         return 130
 

@@ -52,7 +52,7 @@ def hf_greedy_with_routes(model, prompt: torch.Tensor, n: int):
 def our_greedy_with_routes(loaded, prompt: torch.Tensor, n: int, dtype=torch.float32):
     current: dict[int, frozenset] = {}
     loaded.model.set_observer(
-        lambda layer, ids, w: current.__setitem__(layer, frozenset(ids[-1].tolist()))
+        lambda layer, ids, w, x: current.__setitem__(layer, frozenset(ids[-1].tolist()))
     )
     cache = KVCache(loaded.args, len(prompt) + n, dtype)
     out, routes = [], []

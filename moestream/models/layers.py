@@ -252,14 +252,16 @@ class SparseMoe(nn.Module):
         else:
             self.shared_expert = None
         self.provider = None  # set by the loader
-        self.observer = None  # optional callable(layer, ids, weights) for router traces
+        # Optional callable(layer, ids [T, K], weights [T, K], x [T, D]) for router traces; x is
+        # the router's input. It must not synchronise (see moestream/obs/trace.py).
+        self.observer = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = softmax_topk(self.gate(x), self.k, self.renorm)  # [T, K] each
         if self.weights_in_act_dtype:
             w = w.to(x.dtype)
         if self.observer is not None:
-            self.observer(self.layer, ids, w)
+            self.observer(self.layer, ids, w, x)
         out = self.provider.experts(self.layer, x, ids, w)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
