@@ -117,6 +117,34 @@ def _add_obs(sub) -> None:
     p.add_argument("--top", type=int, default=5, help="hottest experts listed per layer")
     p.set_defaults(func=cmd_stats)
 
+    p = sub.add_parser("plot", help="PNG plots of a trace (needs matplotlib)")
+    p.add_argument("trace", help="trace folder")
+    p.add_argument("-o", "--out", required=True, help="folder for the PNGs")
+    p.add_argument("--layer", type=int, default=None, help="MoE layer of the raster (middle)")
+    p.add_argument("--sequence", type=int, default=0, help="sequence of the raster (0)")
+    p.set_defaults(func=cmd_plot)
+
+    p = sub.add_parser("simulate", help="replay a trace through the expert cache policies")
+    p.add_argument("trace", help="trace folder")
+    p.add_argument(
+        "--policy", action="append", default=None, help="lru|lfu|pinned|sticky (repeatable)"
+    )
+    p.add_argument(
+        "--budget",
+        action="append",
+        default=None,
+        help="bytes (512MiB) or a fraction of all experts (0.25); repeatable",
+    )
+    p.add_argument(
+        "--expert-bytes", type=int, default=None, help="bytes per expert (default: the trace's)"
+    )
+    p.add_argument(
+        "--pin-fraction", type=float, default=0.5, help="share of slots pinned by 'pinned'"
+    )
+    p.add_argument("--plot", default=None, help="PNG file: hit rate vs budget")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_simulate)
+
 
 def cmd_trace(a: argparse.Namespace) -> int:
     from moestream.obs.guard import MemoryGuard
@@ -157,6 +185,37 @@ def cmd_stats(a: argparse.Namespace) -> int:
 
     s = summarize(load_trace(a.trace), top_n=a.top)
     print(json.dumps(s) if a.json else format_table(s))
+    return 0
+
+
+def cmd_plot(a: argparse.Namespace) -> int:
+    from moestream.obs.plots import plot_trace
+    from moestream.obs.trace import load_trace
+
+    for path in plot_trace(load_trace(a.trace), a.out, a.layer, a.sequence):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_simulate(a: argparse.Namespace) -> int:
+    from moestream.obs.simulate import format_results, run_grid
+    from moestream.obs.trace import load_trace
+
+    t = load_trace(a.trace)
+    expert_bytes = a.expert_bytes if a.expert_bytes is not None else t.model.expert_bytes
+    budgets = a.budget or ["0.125", "0.25", "0.5"]
+    results, skipped = run_grid(t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction)
+    if a.plot:
+        from moestream.obs.plots import plot_simulation
+
+        plot_simulation(results, t.n_layers * t.num_experts, a.plot)
+    if a.json:
+        out = {"expert_bytes": expert_bytes, "results": [r.to_json() for r in results]}
+        print(json.dumps({**out, "skipped": skipped}))
+        return 0
+    print(format_results(results, expert_bytes))
+    for line in skipped:
+        print(f"skipped: {line}")
     return 0
 
 

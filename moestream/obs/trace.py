@@ -90,9 +90,10 @@ class TraceModel:
     num_hidden_layers: int
     expert_params: int  # parameters of one routed expert (gate + up + down)
     dtype: str
+    expert_bytes: int = 0  # bytes one expert occupies where it was read from (0 = unknown)
 
     @classmethod
-    def from_args(cls, args, dtype: str) -> TraceModel:
+    def from_args(cls, args, dtype: str, expert_bytes: int) -> TraceModel:
         return cls(
             model_type=args.model_type,
             num_experts=args.num_experts,
@@ -102,6 +103,7 @@ class TraceModel:
             num_hidden_layers=args.num_hidden_layers,
             expert_params=3 * args.hidden_size * args.moe_intermediate_size,
             dtype=dtype,
+            expert_bytes=expert_bytes,
         )
 
 
@@ -239,6 +241,18 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
+def expert_bytes(model, dtype: str) -> int:
+    """Bytes of one expert as the provider reads it: a store's record size, else the weights at
+    the compute dtype (resident Hugging Face load)."""
+    from moestream.loader import resolve_dtype
+
+    store = getattr(model.moe_blocks[0].provider, "store", None) if model.moe_blocks else None
+    if store is not None:
+        return int(store.layout.size)
+    a = model.args
+    return 3 * a.hidden_size * a.moe_intermediate_size * resolve_dtype(dtype).itemsize
+
+
 def record_trace(
     rt,
     prompts: list[str],
@@ -255,7 +269,7 @@ def record_trace(
     from moestream.engine.generate import GenerationResult
 
     model = rt.generator.model
-    info = TraceModel.from_args(rt.args, dtype)
+    info = TraceModel.from_args(rt.args, dtype, expert_bytes(model, dtype))
     sampling = dataclasses.asdict(cfg)
     writer = TraceWriter(out, info, hidden, extra={"sampling": sampling, "chat": chat})
     rec = TraceRecorder(info.moe_layers, info.top_k, info.hidden_size, hidden, writer.append_step)
