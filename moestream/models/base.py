@@ -61,8 +61,7 @@ class MoeCausalLM(nn.Module):
     ) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only)."""
         x = self.model.embed_tokens(ids)  # [T, D]
-        pos = torch.arange(start, start + ids.shape[0])
-        cos, sin = self.rope(pos, x.dtype)
+        cos, sin = self.rope(start, start + ids.shape[0], x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, start)
         if last_only:

@@ -23,10 +23,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+        # One fused op in fp32; other dtypes normalise in fp32 and cast back before the weight,
+        # as transformers does.
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
+        return self.weight * h.to(x.dtype)
 
 
 def rope_inv_freq(
@@ -97,21 +99,34 @@ class Rope:
         self.r, self.dim, self.max_pos = r, head_dim, max_pos
         self.inv_freq, self.scale = rope_inv_freq(r, head_dim, max_pos)
         self.cached_len = max_pos
+        self._tables: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def __call__(
-        self, positions: torch.Tensor, dtype: torch.dtype
+        self, start: int, end: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.r.rope_type == "dynamic":
-            seq = int(positions.max()) + 1
-            if seq > self.cached_len:
-                self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos, seq)
-                self.cached_len = seq
-            elif seq < self.max_pos and self.cached_len > self.max_pos:
-                self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos)
-                self.cached_len = self.max_pos
-        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, hd/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        return (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+        """cos/sin [end-start, hd] for positions start..end-1, from a table grown on demand."""
+        if self.r.rope_type == "dynamic" and self._dynamic_update(end):
+            self._tables.clear()
+        cos, sin = self._tables.get(dtype, (None, None))
+        if cos is None or cos.shape[0] < end:
+            n = max(end, 2 * (0 if cos is None else cos.shape[0]), 256)
+            freqs = torch.arange(n).float()[:, None] * self.inv_freq[None, :]  # [n, hd/2]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            cos, sin = (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+            self._tables[dtype] = (cos, sin)
+        return cos[start:end], sin[start:end]
+
+    def _dynamic_update(self, seq: int) -> bool:
+        """Dynamic NTK: grow the base past the trained context, reset below it (as transformers)."""
+        if seq > self.cached_len:
+            self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos, seq)
+            self.cached_len = seq
+            return True
+        if seq < self.max_pos and self.cached_len > self.max_pos:
+            self.inv_freq, _ = rope_inv_freq(self.r, self.dim, self.max_pos)
+            self.cached_len = self.max_pos
+            return True
+        return False
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +135,7 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [H, T, hd], cos/sin [T, hd]
+    # x [..., T, hd], cos/sin [T, hd]
     return x * cos + rotate_half(x) * sin
 
 
@@ -177,8 +192,9 @@ class Attention(nn.Module):
         k = k.view(T, self.Hkv, self.hd)
         if self.qk_norm == "head":
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), cos, sin)  # [H, T, hd]
-        k = apply_rope(k.transpose(0, 1), cos, sin)  # [Hkv, T, hd]
+        # q and k rotated together: fewer ops per decode step.
+        qk = apply_rope(torch.cat((q, k), dim=1).transpose(0, 1), cos, sin)  # [H+Hkv, T, hd]
+        q, k = qk[: self.H], qk[self.H :]
         v = v.view(T, self.Hkv, self.hd).transpose(0, 1)
         k, v = cache.update(self.layer, k, v, start)  # [Hkv, S, hd] with S = start + T
         S = k.shape[1]
@@ -191,7 +207,9 @@ class Attention(nn.Module):
         mask = attention_mask(T, S, start, self.window, x.device)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        if q.dtype != torch.float32:
+            probs = probs.to(q.dtype)
         out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, hd]
         out = out.reshape(self.H, T, self.hd).transpose(0, 1).reshape(T, self.H * self.hd)
         return self.o_proj(out)
