@@ -7,10 +7,15 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from moestream.config import ModelArgs
+from moestream.config import ConfigError, ModelArgs
+from moestream.convert.cache import cached_store
 from moestream.engine.generate import Generator
 from moestream.engine.tokenizer import Tokenizer
 from moestream.loader import load_hf
+from moestream.quant import make_scheme
+from moestream.store.format import is_store
+from moestream.store.load import load_store
+from moestream.store.stream import StreamConfig
 
 
 @dataclass
@@ -39,13 +44,31 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
     return () if tid is None else (tid,)
 
 
-def open_model(path: str | Path, dtype: str = "float32", progress: bool = False) -> Runtime:
+def open_model(
+    path: str | Path,
+    dtype: str = "float32",
+    progress: bool = False,
+    stream: StreamConfig | None = None,
+    quant: str | None = None,
+) -> Runtime:
+    """A store opens with `stream` (default: all experts resident). A Hugging Face folder loads
+    directly, unless `stream` or `quant` is given: then it is converted once into the cache."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
             f"model folder {folder} does not exist; pass -m a checkpoint folder"
         )
+    if not is_store(folder) and (stream is not None or quant is not None):
+        folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
     tokenizer = Tokenizer(folder)
-    loaded = load_hf(folder, dtype, progress)
+    if is_store(folder):
+        loaded = load_store(folder, stream or StreamConfig(resident=True), dtype, progress)
+        if quant is not None and quant != loaded.model.moe_blocks[0].provider.store.scheme.name:
+            raise ConfigError(
+                f"{folder} is stored as {loaded.model.moe_blocks[0].provider.store.scheme.name}; "
+                f"--quant {quant} needs a convert from the Hugging Face folder"
+            )
+    else:
+        loaded = load_hf(folder, dtype, progress)
     gen = Generator(loaded.model, loaded.args, tokenizer, eos_ids(folder, loaded.args, tokenizer))
     return Runtime(loaded.args, tokenizer, gen, folder)

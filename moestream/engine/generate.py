@@ -29,6 +29,7 @@ class GenerationResult:
     finish_reason: str = "length"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    provider_stats: dict = field(default_factory=dict)  # bytes_read, hits, ... (store providers)
 
     def stats(self) -> dict:
         n_dec = max(len(self.ids) - 1, 0)  # the first token comes out of the prefill
@@ -43,6 +44,7 @@ class GenerationResult:
             "decode_tok_s": n_dec / self.decode_seconds if self.decode_seconds else 0.0,
             "peak_rss_bytes": peak_rss_bytes(),
             "finish_reason": self.finish_reason,
+            **self.provider_stats,
         }
 
 
@@ -118,6 +120,7 @@ class Generator:
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         cache = KVCache(self.args, total, self.dtype)
         text = TextStream(self.tok, cfg.stop)
+        before = self._provider_stats()
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(prompt_ids), cache, 0, last_only=True)[-1]
         res.prefill_seconds = time.perf_counter() - t0
@@ -141,10 +144,20 @@ class Generator:
             logits = self.model(torch.tensor([token]), cache, pos, last_only=True)[-1]
             pos += 1
         res.decode_seconds = time.perf_counter() - t1
+        if before is not None:
+            from moestream.store.stream import stats_delta
+
+            res.provider_stats = stats_delta(before, self._provider_stats())
         tail = text.flush()
         if tail:
             yield tail
         res.text = text.text
+
+    def _provider_stats(self) -> dict | None:
+        """Cumulative counters of a provider that keeps them (the expert store), else None."""
+        blocks = self.model.moe_blocks
+        stats = getattr(blocks[0].provider, "stats", None) if blocks else None
+        return stats() if stats else None
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:
         res = GenerationResult(list(prompt_ids))

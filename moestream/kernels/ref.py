@@ -33,3 +33,35 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_exper
         y = expert_ffn(x[tok], w13, w2) * weights[tok, slot, None]
         out.index_add_(0, tok, y.to(out.dtype))
     return out
+
+
+# ---- quantized experts (sections as laid out in moestream/quant.py) --------------------------
+def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) -> torch.Tensor:
+    """Section tensors of weight `name` ("w13" / "w2") -> dense [N, K] in dtype (the spec)."""
+    from moestream.quant import unpack_int4
+
+    q = sec[f"{name}.q"]
+    if q.dtype == torch.bfloat16:  # bf16 scheme
+        return q.to(dtype)
+    if q.dtype == torch.int8:
+        s = sec[f"{name}.s"]  # [N, K/g]
+        n, k = q.shape
+        return (q.view(n, k // group_size, group_size) * s[..., None]).view(n, k).to(dtype)
+    sz = sec[f"{name}.sz"].float()  # [K/g, N, 2]
+    vals = unpack_int4(q).float()  # [N, K]
+    n, k = vals.shape
+    s = sz[..., 0].t()[..., None]  # [N, K/g, 1]
+    z = sz[..., 1].t()[..., None]
+    w = (vals.view(n, k // group_size, group_size) - 8) * s + z
+    return w.view(n, k).to(dtype)
+
+
+def qlinear_ref(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch.Tensor:
+    """x [T, K] @ dequantize(name).T -> [T, N]."""
+    return F.linear(x, dequantize(sec, name, group_size, x.dtype))
+
+
+def expert_ffn_q(x: torch.Tensor, sec: dict, group_size: int, linear=qlinear_ref) -> torch.Tensor:
+    """One expert from its record sections: x [T, D] -> [T, D]; `linear` picks the kernel."""
+    gate, up = linear(x, sec, "w13", group_size).chunk(2, dim=-1)
+    return linear(F.silu(gate) * up, sec, "w2", group_size)

@@ -34,10 +34,12 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from moestream.config import ConfigError
+
 Key = tuple[int, int]  # (layer, expert)
 
 
-class PolicyError(ValueError):
+class PolicyError(ConfigError):
     """A slot count or policy setting that cannot work; the message states the limit."""
 
 
@@ -236,6 +238,13 @@ class SlotTable:
         step.evicted.append(old)
         self.evictions += 1
         return self.slot_of.pop(old)
+
+    def discard(self, key: Key) -> None:
+        """Forget a resident key and free its slot (e.g. its read failed)."""
+        slot = self.slot_of.pop(key, None)
+        if slot is not None:
+            self.policy.evicted(key)
+            self.free.append(slot)
 
     def resident(self) -> dict[Key, int]:
         return dict(self.slot_of)

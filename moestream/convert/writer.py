@@ -1,0 +1,117 @@
+"""Convert a Hugging Face folder into an expert store, tensor by tensor.
+
+Peak memory is the dense weights plus one expert being quantized: experts are read one at a time
+through HFCheckpoint.expert and written as they are done. Everything goes into a temporary
+sibling folder that is renamed at the end, so a convert killed midway leaves nothing that loads
+(a store is only recognised by its manifest, which is written last).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from moestream.config import ConfigError
+from moestream.convert.hf import HFCheckpoint
+from moestream.quant import QuantScheme, RecordLayout, quantize_expert, record_bytes
+from moestream.store.format import (
+    COPIED_FILES,
+    DENSE_FILE,
+    FORMAT,
+    MANIFEST,
+    VERSION,
+    crc32,
+    expert_file,
+    tensor_crc,
+)
+
+
+def source_fingerprint(folder: str | Path) -> str:
+    """sha256 over config.json and each weight file's name, size and mtime: cheap (no weight
+    bytes are hashed) and changes whenever a file is replaced or re-downloaded."""
+    folder = Path(folder)
+    h = hashlib.sha256((folder / "config.json").read_bytes())
+    for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.index.json")):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:
+    """Write the store for src into dst (which must not exist). Returns dst."""
+    src, dst = Path(src), Path(dst)
+    if dst.exists():
+        raise ConfigError(f"{dst} already exists; remove it or choose another destination")
+    ckpt = HFCheckpoint(src)
+    a = ckpt.args
+    layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size)
+    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    try:
+        dense = _write_dense(ckpt, tmp)
+        experts = _write_experts(ckpt, layout, tmp, progress)
+        for name in COPIED_FILES:
+            if (src / name).is_file():
+                shutil.copy2(src / name, tmp / name)
+        manifest = {
+            "format": FORMAT,
+            "version": VERSION,
+            "model_type": a.model_type,
+            "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
+            "quant": scheme.to_json(),
+            "record": layout.to_json(),
+            "dense": dense,
+            "experts": {str(layer): crcs for layer, crcs in experts.items()},
+        }
+        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+        os.rename(tmp, dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return dst
+
+
+def _write_dense(ckpt: HFCheckpoint, out: Path) -> dict[str, int]:
+    """Non-expert tensors as stored in the source (dtype kept) -> crc32 per tensor."""
+    tensors = {name: ckpt.tensor(name).contiguous() for name in ckpt.dense_names}
+    save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
+    return {name: tensor_crc(t) for name, t in tensors.items()}
+
+
+def _write_experts(
+    ckpt: HFCheckpoint, layout: RecordLayout, out: Path, progress: bool
+) -> dict[int, list[int]]:
+    a = ckpt.args
+    total = len(a.moe_layer_ids) * a.num_experts
+    bar = tqdm(total=total, desc=f"converting experts ({layout.scheme.name})", disable=not progress)
+    crcs: dict[int, list[int]] = {}
+    for layer in a.moe_layer_ids:
+        crcs[layer] = []
+        with open(out / expert_file(layer), "wb") as f:
+            for e in range(a.num_experts):
+                gate, up, down = ckpt.expert(layer, e)  # [I, D], [I, D], [D, I]
+                w13 = torch.cat([gate.float(), up.float()])  # [2I, D]
+                rec = record_bytes(layout, quantize_expert(layout, w13, down.float()))
+                crcs[layer].append(crc32(rec))
+                f.write(rec)
+                bar.update()
+            f.flush()
+            os.fsync(f.fileno())
+    bar.close()
+    return crcs
+
+
+def _fsync_dir(folder: Path) -> None:
+    for p in folder.iterdir():
+        with open(p, "rb") as f:
+            os.fsync(f.fileno())

@@ -1,0 +1,43 @@
+"""CPU kernels for quantized expert records, reading the record's sections in place.
+
+- int4: `torch.ops.aten._weight_int4pack_mm_for_cpu` on the packed nibbles as stored (the store
+  uses the kernel's own AVX-512 layout, so there is no repack on the hot path); scale/zero are
+  stored bf16 and cast to the activation dtype per call (~1/4 of the packed bytes).
+- int8: torch 2.13's `_weight_int8pack_mm` only takes one scale per output row, and sym8 has one
+  per K-block of 32, so int8 dequantizes (one fused multiply) and calls F.linear; this is the
+  reference math, so it is exact.
+- bf16: cast to the activation dtype and F.linear, as the reference.
+
+`int4_kernel_ok()` checks once that this machine's torch packs int4 the way the store does
+(other vector widths pack differently); when it does not, dispatch falls back to the reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+
+from moestream.kernels.ref import dequantize
+from moestream.quant import INT4_BLOCK_N, pack_int4
+
+
+@functools.cache
+def int4_kernel_ok() -> bool:
+    """True when torch's CPU int4 packing equals moestream's stored layout on this machine."""
+    try:
+        q = torch.randint(0, 16, (2 * INT4_BLOCK_N, 64), generator=torch.Generator().manual_seed(0))
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
+    except (RuntimeError, AttributeError):
+        return False
+    return theirs.shape == (2 * INT4_BLOCK_N, 32) and torch.equal(theirs, pack_int4(q))
+
+
+def qlinear_cpu(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch.Tensor:
+    """x [T, K] -> [T, N] with the weight `name` of a record, no dequantized copy for int4."""
+    q = sec[f"{name}.q"]
+    if q.dtype == torch.uint8 and q.shape[0] % INT4_BLOCK_N == 0 and int4_kernel_ok():
+        sz = sec[f"{name}.sz"].to(x.dtype)  # [K/g, N, 2]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), q, group_size, sz)
+    return F.linear(x, dequantize(sec, name, group_size, x.dtype))

@@ -1,0 +1,184 @@
+"""The store-backed expert provider: streamed slot cache, OS mmap, or all experts resident.
+
+route -> make resident (slot table, pread misses) -> compute (quantized kernels) -> combine.
+All three modes run the same compute code in the same order (decode: the token's experts in
+ascending id order; prefill: tokens grouped by expert in ascending id order, as ResidentExperts),
+so at one quantization their greedy tokens are bit-identical.
+"""
+
+from __future__ import annotations
+
+import mmap
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.config import ConfigError
+from moestream.kernels.dispatch import qlinear
+from moestream.kernels.ref import expert_ffn_q
+from moestream.store.format import Store
+from moestream.store.io import IOConfig, RecordReader, SlotPool
+from moestream.store.policy import SlotTable, make_policy
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    memory_budget: int | None = None  # bytes of expert slots (direct/pagecache)
+    resident: bool = False  # every expert in RAM (ignores the budget)
+    io: IOConfig = field(default_factory=IOConfig)
+    policy: str = "lru"
+    kernel: str = "cpu"
+
+    def __post_init__(self):
+        streamed = not self.resident and self.io.mode != "mmap"
+        if streamed and self.memory_budget is None:
+            raise ConfigError("streaming needs --memory-budget (or use --resident / --io mmap)")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
+
+
+def min_budget(store: Store) -> int:
+    """The smallest legal budget: the top-k experts of one layer."""
+    return store.args.num_experts_per_tok * store.layout.size
+
+
+def _n_slots(store: Store, cfg: StreamConfig) -> int:
+    total = len(store.crc) * store.args.num_experts
+    if cfg.resident:
+        return total
+    if cfg.memory_budget < min_budget(store):
+        raise ConfigError(
+            f"--memory-budget {cfg.memory_budget} bytes is below the minimum {min_budget(store)} "
+            f"bytes ({min_budget(store) / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} "
+            f"experts x {store.layout.size} bytes per record); raise the budget"
+        )
+    return min(cfg.memory_budget // store.layout.size, total)
+
+
+class StreamingExperts:
+    """ExpertProvider over a Store. `stats()` returns cumulative IO and cache counters."""
+
+    def __init__(self, store: Store, cfg: StreamConfig):
+        self.store, self.cfg = store, cfg
+        self.g = store.scheme.group_size
+        self.linear = qlinear(cfg.kernel)
+        self.compute_seconds = 0.0
+        if cfg.io.mode == "mmap" and not cfg.resident:
+            self._maps = {layer: self._map(layer) for layer in store.crc}
+            self._touched: set[tuple[int, int]] = set()
+            self._mmap_io = 0.0
+            self.n_slots = 0
+            return
+        self.n_slots = _n_slots(store, cfg)
+        layers = sorted(store.crc)
+        policy = make_policy(cfg.policy, layers=layers)
+        self.table = SlotTable(self.n_slots, policy, store.args.num_experts_per_tok)
+        self.pool = SlotPool(store, self.n_slots)
+        self.reader = RecordReader(store, self.pool, cfg.io)
+        if cfg.resident:
+            for layer in layers:
+                self._slots(layer, list(range(store.args.num_experts)))
+
+    def _map(self, layer: int) -> torch.Tensor:
+        with open(self.store.path(layer), "rb") as f:
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: reads share pages
+        return torch.frombuffer(mm, dtype=torch.uint8)
+
+    # ---- make resident -------------------------------------------------------------------------
+    def _slots(self, layer: int, experts: list[int]) -> list[dict]:
+        """Section views of each expert, reading misses from disk."""
+        if self.n_slots == 0:
+            return [self._mapped(layer, e) for e in experts]
+        step = self.table.access(layer, experts)
+        try:
+            self.reader.read(layer, step.misses)
+        except BaseException:
+            for e, _ in step.misses:
+                self.table.discard((layer, e))
+            raise
+        return [self.pool.views[s] for s in step.slots]
+
+    def _mapped(self, layer: int, e: int) -> dict:
+        size = self.store.layout.size
+        rec = self._maps[layer][e * size : (e + 1) * size]
+        if (layer, e) not in self._touched:
+            t0 = time.perf_counter()
+            if self.cfg.io.verify:
+                self.store.check_record(layer, e, rec.numpy())  # faults the pages in
+            self._mmap_io += time.perf_counter() - t0
+            self._touched.add((layer, e))
+        return self.store.layout.views(rec)
+
+    # ---- compute -------------------------------------------------------------------------------
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, D], ids [T, K], weights [T, K] -> [T, D]."""
+        if x.shape[0] == 1:
+            order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
+            secs = self._slots(layer, [e for e, _ in order])
+            t0 = time.perf_counter()
+            out = torch.zeros_like(x)
+            for (_, k), sec in zip(order, secs):
+                y = expert_ffn_q(x, sec, self.g, self.linear)
+                out += (y * weights[:, k : k + 1]).to(x.dtype)
+            self.compute_seconds += time.perf_counter() - t0
+            return out
+        return self._grouped(layer, x, ids, weights)
+
+    def _grouped(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold."""
+        T, K = ids.shape
+        order = torch.argsort(ids.reshape(-1), stable=True)
+        counts = torch.bincount(ids.reshape(-1), minlength=1).tolist()
+        tok, slot = order // K, order % K
+        begin, present = [], []
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                present.append(e)
+                begin.append((start, n))
+            start += n
+        cap = self.n_slots or len(present)
+        out = torch.zeros_like(x)
+        for c in range(0, len(present), cap):
+            chunk = present[c : c + cap]
+            secs = self._slots(layer, chunk)
+            t0 = time.perf_counter()
+            for (b, n), sec in zip(begin[c : c + cap], secs):
+                t, s = tok[b : b + n], slot[b : b + n]
+                y = expert_ffn_q(x[t], sec, self.g, self.linear) * weights[t, s, None]
+                out.index_add_(0, t, y.to(out.dtype))
+            self.compute_seconds += time.perf_counter() - t0
+        return out
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        if self.n_slots == 0:
+            n = len(self._touched)
+            reads, io = n * self.store.layout.size, self._mmap_io
+            hits, misses, evictions = 0, n, 0  # first touches; the OS may re-read dropped pages
+        else:
+            reads, io = self.reader.bytes_read, self.reader.io_seconds
+            t = self.table
+            hits, misses, evictions = t.hits, t.misses, t.evictions
+        return {
+            "bytes_read": reads,
+            "hits": hits,
+            "misses": misses,
+            "evictions": evictions,
+            "io_seconds": io,
+            "compute_seconds": self.compute_seconds,
+        }
+
+    def close(self) -> None:
+        if self.n_slots:
+            self.reader.close()
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Counters for one generation, plus the achieved read bandwidth."""
+    d = {k: after[k] - before[k] for k in after}
+    d["read_gbps"] = d["bytes_read"] / d["io_seconds"] / 1e9 if d["io_seconds"] else 0.0
+    return d

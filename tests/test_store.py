@@ -1,0 +1,187 @@
+"""Expert store: convert, exactness of streaming vs resident, budgets, integrity, memory."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from tiny_models import ARCHS
+
+from moestream.config import ConfigError
+from moestream.convert import writer
+from moestream.convert.writer import convert
+from moestream.engine.kv_cache import KVCache
+from moestream.quant import make_scheme
+from moestream.store.format import Store, StoreError, is_store
+from moestream.store.io import IOConfig
+from moestream.store.load import load_store
+from moestream.store.stream import StreamConfig, min_budget
+
+PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(7))
+
+
+@pytest.fixture(scope="module")
+def stores(tiny_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("stores")
+    cache = {}
+
+    def get(arch: str, quant: str = "int4", layout: str = "fused"):
+        key = (arch, quant, layout)
+        if key not in cache:
+            cache[key] = convert(
+                tiny_dir(arch, layout), root / f"{arch}-{quant}-{layout}", make_scheme(quant), False
+            )
+        return cache[key]
+
+    return get
+
+
+def greedy(folder, cfg: StreamConfig, n: int = 16):
+    loaded = load_store(folder, cfg)
+    cache = KVCache(loaded.args, len(PROMPT) + n, torch.float32)
+    out, logits_seen = [], []
+    with torch.no_grad():
+        logits = loaded.model(PROMPT, cache, 0, last_only=True)[-1]
+        for pos in range(len(PROMPT), len(PROMPT) + n):
+            logits_seen.append(logits)
+            out.append(int(logits.argmax()))
+            logits = loaded.model(torch.tensor([out[-1]]), cache, pos, last_only=True)[-1]
+    provider = loaded.model.moe_blocks[0].provider
+    stats = provider.stats()
+    provider.close()
+    return out, torch.stack(logits_seen), stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_streaming_is_bit_identical_to_resident(stores, arch):
+    folder = stores(arch)
+    store = Store(folder)
+    want, want_logits, _ = greedy(folder, StreamConfig(resident=True))
+    total = len(store.crc) * store.args.num_experts * store.layout.size
+    for budget in (min_budget(store), total // 2):
+        got, logits, stats = greedy(folder, StreamConfig(memory_budget=budget))
+        assert got == want
+        assert torch.equal(logits, want_logits)
+        assert stats["hits"] + stats["misses"] > 0
+        if budget == min_budget(store):
+            assert stats["evictions"] > 0  # the minimum budget really streams
+    got, logits, _ = greedy(folder, StreamConfig(io=IOConfig(mode="mmap")))
+    assert torch.equal(logits, want_logits)
+
+
+@pytest.mark.parametrize("quant", ["bf16", "int8"])
+def test_other_quants_and_layouts_stream_exactly(stores, quant):
+    folder = stores("qwen2_moe", quant, "per_expert")
+    _, want, _ = greedy(folder, StreamConfig(resident=True), n=8)
+    io = IOConfig(mode="pagecache", split=3, threads=2)
+    _, got, _ = greedy(folder, StreamConfig(memory_budget=min_budget(Store(folder)), io=io), n=8)
+    assert torch.equal(got, want)
+
+
+def test_only_routed_experts_are_read(stores):
+    folder = stores("olmoe")
+    loaded = load_store(folder, StreamConfig(memory_budget=1 << 20))
+    p = loaded.model.moe_blocks[0].provider
+    x = torch.randn(1, loaded.args.hidden_size)
+    p.experts(0, x, torch.tensor([[5, 2]]), torch.tensor([[0.5, 0.5]]))
+    assert p.stats()["misses"] == 2 and p.stats()["bytes_read"] == 2 * p.store.layout.size
+    assert set(p.table.resident()) == {(0, 2), (0, 5)}
+    p.experts(0, x, torch.tensor([[2, 5]]), torch.tensor([[0.5, 0.5]]))
+    assert p.stats()["hits"] == 2 and p.stats()["bytes_read"] == 2 * p.store.layout.size
+
+
+def test_budget_below_minimum_states_it(stores):
+    folder = stores("mixtral")
+    need = min_budget(Store(folder))
+    with pytest.raises(ConfigError, match=f"below the minimum {need} bytes"):
+        load_store(folder, StreamConfig(memory_budget=need - 1))
+    with pytest.raises(ConfigError, match="needs --memory-budget"):
+        StreamConfig()
+
+
+def _corrupt(path, offset):
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_damaged_record_names_layer_and_expert(stores, tmp_path):
+    import shutil
+
+    folder = tmp_path / "s"
+    shutil.copytree(stores("qwen3_moe"), folder)
+    store = Store(folder)
+    _corrupt(store.path(2), store.offset(5) + 100)
+    loaded = load_store(folder, StreamConfig(memory_budget=1 << 20))
+    p = loaded.model.moe_blocks[0].provider
+    x = torch.randn(1, loaded.args.hidden_size)
+    with pytest.raises(StoreError, match="layer 2 expert 5 is damaged"):
+        p.experts(2, x, torch.tensor([[5, 1]]), torch.tensor([[0.5, 0.5]]))
+    assert (2, 5) not in p.table.resident()  # a failed read leaves no slot behind
+    with pytest.raises(StoreError, match="layer 2 expert 5 is damaged"):
+        load_store(folder, StreamConfig(resident=True))
+
+
+def test_truncated_store_names_layer_and_expert(stores, tmp_path):
+    import shutil
+
+    folder = tmp_path / "s"
+    shutil.copytree(stores("qwen3_moe"), folder)
+    store = Store(folder)
+    os.truncate(store.path(0), store.offset(6) + 10)
+    with pytest.raises(StoreError, match="layer 0 expert 6 .*cut off"):
+        Store(folder)
+
+
+def test_damaged_dense_tensor_is_an_error(stores, tmp_path):
+    import shutil
+
+    folder = tmp_path / "s"
+    shutil.copytree(stores("qwen3_moe"), folder)
+    size = (folder / "dense.safetensors").stat().st_size
+    _corrupt(folder / "dense.safetensors", size - 8)
+    with pytest.raises(StoreError, match="dense tensor .* is damaged"):
+        load_store(folder, StreamConfig(resident=True))
+
+
+def test_killed_convert_leaves_nothing(tiny_dir, tmp_path, monkeypatch):
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(writer, "_write_experts", boom)
+    with pytest.raises(KeyboardInterrupt):
+        convert(tiny_dir("olmoe"), tmp_path / "out", make_scheme("int8"), False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_convert_refuses_existing_destination_and_writes_manifest(stores, tiny_dir):
+    folder = stores("qwen3_moe")
+    with pytest.raises(ConfigError, match="already exists"):
+        convert(tiny_dir("qwen3_moe", "fused"), folder, make_scheme("int4"), False)
+    m = json.loads((folder / "manifest.json").read_text())
+    assert m["quant"] == {"name": "int4", "group_size": 32, "symmetric": False}
+    assert len(m["source"]["fingerprint"]) == 64 and set(m["experts"]) == {"0", "2"}
+    assert all(len(v) == 8 for v in m["experts"].values())
+    assert (folder / "tokenizer.json").is_file() and is_store(folder)
+
+
+def test_cli_hf_folder_is_converted_on_first_use(tiny_dir, tmp_path):
+    env = dict(os.environ, MOESTREAM_CACHE=str(tmp_path / "cache"))
+    cmd = [sys.executable, "-m", "moestream", "generate", "-m", str(tiny_dir("olmoe"))]
+    cmd += ["-p", "def fib", "-n", "6", "--json", "--ignore-eos", "--quant", "int8"]
+    outs = []
+    for extra in (["--resident"], ["--memory-budget", "1KiB"], ["--memory-budget", "64KiB"]):
+        r = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=120)
+        outs.append(r)
+    assert outs[1].returncode == 2 and "below the minimum" in outs[1].stderr
+    a, c = json.loads(outs[0].stdout), json.loads(outs[2].stdout)
+    assert a["ids"] == c["ids"]
+    for key in ("bytes_read", "hits", "misses", "evictions", "read_gbps", "io_seconds"):
+        assert key in c["stats"]
+    assert c["stats"]["bytes_read"] > 0 and len(list((tmp_path / "cache").iterdir())) == 1
