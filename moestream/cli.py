@@ -106,9 +106,7 @@ def _add_obs(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument(
-        "--no-memory-guard", action="store_true", help="do not stop on memory pressure"
-    )
+    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("stats", help="routing statistics of a trace")
