@@ -1,4 +1,4 @@
-"""Command line: `moestream generate ...`. argparse lives only here."""
+"""Command line: `moestream generate | serve | chat ...`. argparse lives only here."""
 
 from __future__ import annotations
 
@@ -35,7 +35,66 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
+    _add_store_args(p)
     p.set_defaults(func=cmd_generate)
+
+
+def _add_store_args(p) -> None:
+    """Expert store flags: any of them turns a Hugging Face folder into a (cached) store."""
+    g = p.add_argument_group("expert store (streaming)")
+    g.add_argument(
+        "--memory-budget", default=None, help="expert cache size, e.g. 512MiB (streams experts)"
+    )
+    g.add_argument("--resident", action="store_true", help="load every expert into RAM")
+    g.add_argument(
+        "--io",
+        default=None,
+        choices=["direct", "pagecache", "mmap"],
+        help="how misses are read: O_DIRECT pread (default), buffered pread, or OS mmap",
+    )
+    g.add_argument("--io-threads", type=int, default=4, help="parallel reads (default 4)")
+    g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
+    g.add_argument(
+        "--policy", default="lru", choices=["lru", "lfu", "sticky"], help="cache eviction"
+    )
+    g.add_argument(
+        "--quant",
+        default=None,
+        choices=["bf16", "int8", "int4"],
+        help="expert quantization when converting a Hugging Face folder (default bf16)",
+    )
+
+
+def _store_kwargs(a: argparse.Namespace) -> dict:
+    """open_model's stream/quant arguments from the flags; {} keeps the plain HF path."""
+    from moestream.config import parse_size
+    from moestream.store.io import IOConfig
+    from moestream.store.stream import StreamConfig
+
+    if a.memory_budget is None and not a.resident and a.io is None:
+        return {"quant": a.quant}
+    io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
+    budget = None if a.memory_budget is None else parse_size(a.memory_budget)
+    stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
+    return {"stream": stream, "quant": a.quant}
+
+
+def _add_convert(sub) -> None:
+    p = sub.add_parser("convert", help="convert a Hugging Face folder into an expert store")
+    p.add_argument("src", help="Hugging Face checkpoint folder")
+    p.add_argument("dst", help="store folder to create (must not exist)")
+    p.add_argument("--quant", default="int4", choices=["bf16", "int8", "int4"])
+    p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
+    p.set_defaults(func=cmd_convert)
+
+
+def cmd_convert(a: argparse.Namespace) -> int:
+    from moestream.convert.writer import convert
+    from moestream.quant import make_scheme
+
+    out = convert(a.src, a.dst, make_scheme(a.quant, a.group_size), progress=True)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
 
 
 def _setup_threads(n: int | None) -> None:
@@ -59,7 +118,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
         stop=tuple(a.stop),
         ignore_eos=a.ignore_eos,
     )
-    rt = open_model(a.model, dtype=a.dtype, progress=not a.json)
+    rt = open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a))
     prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)
@@ -88,6 +147,95 @@ def cmd_generate(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_model_args(p) -> None:
+    """The model-opening flags serve and chat share with generate (-m, dtype, threads, store)."""
+    p.add_argument("-m", "--model", required=True, help="Hugging Face checkpoint folder")
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="compute dtype (CPU default float32: this CPU has no bf16 instructions)",
+    )
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    _add_store_args(p)
+
+
+def _open_runtime(a: argparse.Namespace, progress: bool = True):
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    return open_model(a.model, dtype=a.dtype, progress=progress, **_store_kwargs(a))
+
+
+def _add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (requests served FIFO)")
+    _add_model_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument(
+        "--model-name", default=None, help="model id clients send (default: the folder name)"
+    )
+    p.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    try:
+        import uvicorn
+
+        from moestream.serve.app import create_app
+    except ImportError as e:
+        print(
+            f"moestream: error: serve needs FastAPI and uvicorn ({e}); "
+            "install them with: pip install 'moestream[serve]'",
+            file=sys.stderr,
+        )
+        return 2
+    from pathlib import Path
+
+    rt = _open_runtime(a)
+    model_id = a.model_name or Path(a.model).resolve().name
+    print(
+        f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
+        file=sys.stderr,
+    )
+    uvicorn.run(create_app(rt, model_id), host=a.host, port=a.port, log_level=a.log_level)
+    return 0
+
+
+def _add_chat(sub) -> None:
+    p = sub.add_parser("chat", help="interactive terminal chat with history and streamed replies")
+    _add_model_args(p)
+    p.add_argument("--system", default=None, help="system message that starts the conversation")
+    p.add_argument(
+        "-n", "--max-tokens", type=int, default=512, help="most tokens per reply (default 512)"
+    )
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
+    p.set_defaults(func=cmd_chat)
+
+
+def cmd_chat(a: argparse.Namespace) -> int:
+    from moestream.chat import run_chat
+
+    cfg = SamplingConfig(
+        temperature=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_new_tokens=a.max_tokens,
+        stop=tuple(a.stop),
+    )
+    rt = _open_runtime(a, progress=sys.stderr.isatty())
+    return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
+
+
 def _add_obs(sub) -> None:
     """Router observation: trace, stats, plot, simulate (moestream/obs/)."""
     p = sub.add_parser("trace", help="record every MoE layer's routing while generating")
@@ -107,6 +255,7 @@ def _add_obs(sub) -> None:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
     p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
+    _add_store_args(p)
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("stats", help="routing statistics of a trace")
@@ -143,6 +292,22 @@ def _add_obs(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_simulate)
 
+    bench = sub.add_parser("bench", help="experiments").add_subparsers(dest="bench", required=True)
+    p = bench.add_parser("warmup", help="pre-warming hot experts vs none (seed 000)")
+    p.add_argument("-m", "--model", required=True, help="store or checkpoint folder")
+    p.add_argument("--trace", required=True, help="trace of this model (hot experts)")
+    p.add_argument("-p", "--prompt", default="def fibonacci(n):", help="prompt text")
+    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens per trial")
+    p.add_argument("--top-n", type=int, default=20, help="experts pre-warmed per layer")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (arm order alternates)")
+    p.add_argument("--arms", default="none,hot,random", help="comma list of none,hot,random")
+    p.add_argument("--page-cache", default="warm,evicted", help="comma list of warm,evicted")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--out", default=None, help="append JSON lines (trials + summary) here")
+    _add_store_args(p)
+    p.set_defaults(func=cmd_bench_warmup)
+
 
 def cmd_trace(a: argparse.Namespace) -> int:
     from moestream.obs.guard import MemoryGuard
@@ -159,7 +324,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
         max_new_tokens=a.max_tokens,
         ignore_eos=a.ignore_eos,
     )
-    rt = open_model(a.model, dtype=a.dtype, progress=True)
+    rt = open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a))
     if not a.no_memory_guard:
         MemoryGuard().attach(rt.generator.model)
 
@@ -217,10 +382,59 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_warmup(a: argparse.Namespace) -> int:
+    from moestream.obs import warmup
+    from moestream.obs.trace import load_trace
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    cfg = warmup.WarmupConfig(
+        top_n=a.top_n,
+        reps=a.reps,
+        max_new_tokens=a.max_tokens,
+        arms=tuple(a.arms.split(",")),
+        page_cache=tuple(a.page_cache.split(",")),
+    )
+    if a.io is None and not a.resident and a.memory_budget is None:
+        a.io = "mmap"  # seed 000's setting: experts through the OS page cache
+    t = load_trace(a.trace)
+    rt = open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a))
+    prompt_ids = rt.encode_prompt(a.prompt)
+
+    def log(row):
+        print(
+            f"rep {row['rep']} {row['page_cache']:<7} {row['arm']:<6} TTFT "
+            f"{row['ttft_s'] * 1e3:7.1f} ms  {row['decode_tok_s']:7.2f} tok/s",
+            file=sys.stderr,
+        )
+
+    rows = warmup.run_warmup(rt, prompt_ids, t, cfg, log)
+    summary = warmup.summarize(rows)
+    print(warmup.format_summary(summary))
+    if a.out:
+        from pathlib import Path
+
+        meta = {
+            "bench": "warmup",
+            "model": str(a.model),
+            "trace": str(a.trace),
+            "io": a.io,
+            "env": warmup.environment(),
+        }
+        with open(Path(a.out), "a") as f:
+            for row in rows:
+                f.write(json.dumps({**meta, **row}) + "\n")
+            f.write(json.dumps({**meta, "summary": summary}) + "\n")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
+    _add_convert(sub)
+    _add_serve(sub)
+    _add_chat(sub)
     _add_obs(sub)
     return parser
 

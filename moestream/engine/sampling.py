@@ -12,7 +12,10 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
     logits = logits.float()
     if cfg.temperature == 0:
         return int(torch.argmax(logits))
-    logits = logits / cfg.temperature
+    # Shift by the max and keep the temperature a normal float32: a tiny one (say 1e-40) would
+    # otherwise make inf/inf or 0/0 -> NaN. Shifting leaves the softmax unchanged.
+    t = max(cfg.temperature, torch.finfo(torch.float32).tiny)
+    logits = (logits - logits.max()) / t
     if cfg.top_k > 0 and cfg.top_k < logits.shape[-1]:
         kth = torch.topk(logits, cfg.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -21,6 +24,7 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
         # Drop tokens once the mass before them already reaches top_p (always keep the first).
         drop = (cum - torch.softmax(sorted_logits, dim=-1)) >= cfg.top_p
+        drop[0] = False  # explicitly: a top_p that rounds to 0 in float32 would drop every token
         sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
