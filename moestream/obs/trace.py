@@ -268,6 +268,8 @@ def record_trace(
     `on_sequence(i, result)` is called after each prompt (progress output)."""
     from moestream.engine.generate import GenerationResult
 
+    if cfg.max_new_tokens < 1:
+        raise ConfigError("a trace needs at least one generated token (-n >= 1)")
     model = rt.generator.model
     info = TraceModel.from_args(rt.args, dtype, expert_bytes(model, dtype))
     sampling = dataclasses.asdict(cfg)
