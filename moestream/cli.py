@@ -35,6 +35,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
+    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
     _add_store_args(p)
     p.set_defaults(func=cmd_generate)
 
@@ -119,6 +120,10 @@ def cmd_generate(a: argparse.Namespace) -> int:
         ignore_eos=a.ignore_eos,
     )
     rt = open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a))
+    if not a.no_memory_guard:
+        from moestream.obs.guard import MemoryGuard
+
+        MemoryGuard().attach(rt.generator.model)  # PSI + swap growth; off without /proc files
     prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)

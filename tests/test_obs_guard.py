@@ -117,3 +117,19 @@ def test_attach_stops_forward(tmp_path):
         model(torch.zeros(1, 2))
     handle.remove()
     model(torch.zeros(1, 2))
+
+
+def test_generate_stops_with_a_clear_message(tiny_dir, tmp_path, monkeypatch, capsys):
+    from moestream.cli import main as cli_main
+
+    write_proc(tmp_path, full=90.0)
+    real_init = MemoryGuard.__init__
+    monkeypatch.setattr(
+        MemoryGuard, "__init__", lambda self, cfg=None, proc="/proc": real_init(self, cfg, tmp_path)
+    )
+    rc = cli_main(["generate", "-m", str(tiny_dir("olmoe")), "-p", "def f", "-n", "3"])
+    assert rc == 3
+    err = capsys.readouterr().err
+    assert "moestream: stopped: memory pressure: all tasks were stalled on memory 90%" in err
+    argv = ["generate", "-m", str(tiny_dir("olmoe")), "-p", "def f", "-n", "3", "--json"]
+    assert cli_main([*argv, "--no-memory-guard"]) == 0
