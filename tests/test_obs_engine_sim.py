@@ -25,14 +25,20 @@ def store(tiny_dir, tmp_path_factory):
     )
 
 
-# sticky gives each layer n_slots / layers slots, so its prompts are one token long: a prefill
-# needs every distinct expert of its prompt at once (see the report on prefill chunking).
 ONE_TOKEN = ["def", "if", " n"]
 
 
+# sticky gives each layer n_slots / layers slots: a multi-token prefill is then served in
+# chunks of that size, and the simulator must chunk the same way.
 @pytest.mark.parametrize(
     ("policy", "slots", "prompts"),
-    [("lru", 5, PROMPTS), ("lru", 9, PROMPTS), ("lfu", 6, PROMPTS), ("sticky", 6, ONE_TOKEN)],
+    [
+        ("lru", 5, PROMPTS),
+        ("lru", 9, PROMPTS),
+        ("lfu", 6, PROMPTS),
+        ("sticky", 6, PROMPTS),
+        ("sticky", 6, ONE_TOKEN),
+    ],
 )
 def test_engine_hits_equal_simulated_hits(store, tmp_path, policy, slots, prompts):
     io = IOConfig(mode="pagecache", threads=1)

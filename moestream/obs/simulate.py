@@ -140,11 +140,13 @@ def make_sim_policy(
 ) -> tuple[EvictionPolicy, list[tuple[int, list[int], bool]]]:
     """The policy object and the access list it will be replayed with. `pinned` pins the trace's
     own hottest experts, filling pin_fraction of the slots (in-sample, like a profile-guided pin)."""
-    steps = list(accesses(t, n_slots))
     if name == "belady":
+        steps = list(accesses(t, n_slots))
         return Belady([(layer, e) for layer, es, _ in steps for e in es]), steps
     pinned = hottest_keys(t, int(pin_fraction * n_slots)) if name == "pinned" else ()
-    return make_policy(name, layers=t.model.moe_layers, pinned=pinned), steps
+    policy = make_policy(name, layers=t.model.moe_layers, pinned=pinned)
+    # Same prefill chunking as the engine: what the policy lets one layer hold at once.
+    return policy, list(accesses(t, policy.capacity(n_slots)))
 
 
 def simulate(

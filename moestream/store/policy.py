@@ -63,6 +63,10 @@ class EvictionPolicy:
     def check(self, n_slots: int, min_slots: int) -> None:
         """Raise PolicyError if this policy cannot run with n_slots (min_slots = top-k)."""
 
+    def capacity(self, n_slots: int) -> int:
+        """Most experts of one layer a single `access` may name (a prefill chunk's size)."""
+        return n_slots
+
 
 class LRU(EvictionPolicy):
     name = "lru"
@@ -133,6 +137,9 @@ class Pinned(LRU):
     def victim(self, incoming: Key, protected: set[Key]) -> Key:
         return super().victim(incoming, protected | self.pinned)
 
+    def capacity(self, n_slots: int) -> int:
+        return n_slots - len(self.pinned)
+
     def check(self, n_slots: int, min_slots: int) -> None:
         if len(self.pinned) + min_slots > n_slots:
             raise PolicyError(
@@ -150,6 +157,9 @@ class Sticky(EvictionPolicy):
     def __init__(self, layers: Sequence[int]):
         self.per_layer: dict[int, LRU] = {layer: LRU() for layer in layers}
         self.quota = 0
+
+    def capacity(self, n_slots: int) -> int:
+        return n_slots // len(self.per_layer)
 
     def check(self, n_slots: int, min_slots: int) -> None:
         self.quota = n_slots // len(self.per_layer)

@@ -140,7 +140,8 @@ class StreamingExperts:
                 present.append(e)
                 begin.append((start, n))
             start += n
-        cap = self.n_slots or len(present)
+        # Chunk by what the policy lets one layer hold (sticky/pinned hold fewer than n_slots).
+        cap = self.table.policy.capacity(self.n_slots) if self.n_slots else len(present)
         out = torch.zeros_like(x)
         for c in range(0, len(present), cap):
             chunk = present[c : c + cap]
