@@ -1,4 +1,5 @@
-"""Pick the quantized-linear kernel: CPU kernels by default, the reference when asked (tests)."""
+"""Pick the quantized-linear kernel (CPU kernels by default, the reference when asked) and the
+whole-MoE kernel (reference or Triton on CUDA)."""
 
 from __future__ import annotations
 
@@ -12,3 +13,17 @@ def qlinear(kind: str = "cpu"):
     if kind not in KERNELS:
         raise ValueError(f"unknown kernel {kind!r}; use {', '.join(KERNELS)}")
     return KERNELS[kind]
+
+
+def moe_kernel(kind: str = "ref"):
+    """Whole routed-MoE kernel over a layer's `StackedExperts` (device tensors): 'ref' is the
+    pure-torch spec, 'triton' the CUDA kernels (imported only when asked: triton is optional)."""
+    if kind == "ref":
+        from moestream.kernels.triton.layout import moe_stacked_ref
+
+        return moe_stacked_ref
+    if kind == "triton":
+        from moestream.kernels.triton import moe_experts
+
+        return moe_experts
+    raise ValueError(f"unknown MoE kernel {kind!r}; use ref or triton")

@@ -1,0 +1,184 @@
+"""MoE-layer decode time of the Triton routed-only kernels on a CUDA GPU, against (a) reading all
+experts (the same kernel routed to every expert, plus a torch bmm over all experts for bf16),
+(b) a per-expert torch loop (dequantize + F.linear, kernels/ref.py) and (c) the HBM roofline of
+the routed bytes at the device-to-device copy bandwidth measured in the same run.
+
+Weights are random bytes in the store layout (timing does not depend on their values); each timed
+call is a CUDA graph over `--layers` layers with different weights and routing, and
+triton.testing.do_bench flushes the L2 cache before each replay, so weights come from HBM.
+Writes JSON lines (one per model x quant x tokens) and prints a table.
+  python benchmarks/bench_gpu_moe.py --out benchmarks/results/gpu_moe.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import commit, hardware, write_jsonl  # noqa: E402
+
+from moestream.kernels.triton.decode import DEFAULT_CONFIGS, DecodeConfig, moe_decode  # noqa: E402
+from moestream.kernels.triton.layout import StackedExperts, moe_loop_ref  # noqa: E402
+from moestream.quant import make_scheme, tensor_sections  # noqa: E402
+
+MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
+SWEEP = {
+    "bf16": [DecodeConfig(8, 4, 1), DecodeConfig(16, 4, 1), DecodeConfig(8, 8, 2)],
+    "int8": [DecodeConfig(8, 4, 1), DecodeConfig(16, 4, 1), DecodeConfig(8, 8, 2)],
+    "int4": [DecodeConfig(32, 2, 4), DecodeConfig(32, 4, 2), DecodeConfig(32, 2, 8)],
+}
+
+
+def random_layer(quant: str, D: int, I: int, E: int) -> StackedExperts:
+    """Random sections of E experts in the store layout, on the GPU."""
+    scheme, secs = make_scheme(quant), {}
+    for name, n, k in (("w13", 2 * I, D), ("w2", D, I)):
+        for sname, dtype, shape in tensor_sections(scheme, name, n, k):
+            shape = (E, *shape)
+            if dtype == torch.int8:
+                t = torch.randint(-127, 128, shape, dtype=dtype, device="cuda")
+            elif dtype == torch.uint8:
+                t = torch.randint(0, 256, shape, dtype=dtype, device="cuda")
+            elif sname.endswith(".q"):  # bf16 weights
+                t = (torch.randn(shape, device="cuda") / k**0.5).to(dtype)
+            else:  # scales (and int4 zero points)
+                t = (torch.rand(shape, device="cuda") * 1e-2).to(dtype)
+            secs[sname] = t
+    return StackedExperts(scheme, secs)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy, bytes read + written per second (the HBM ceiling)."""
+    a = torch.empty(1 << 28, device="cuda")  # 1 GiB
+    b = torch.empty_like(a)
+    ms = do_bench(lambda: b.copy_(a), warmup=50, rep=300, return_mode="median")
+    return 2 * a.numel() * 4 / (ms * 1e-3)
+
+
+def graph_ms(fn, n_calls: int) -> float:
+    """Median ms of one call, from a CUDA graph of n_calls calls (L2 flushed per replay)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm up (compile) outside the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return do_bench(g.replay, warmup=25, rep=200, return_mode="median") / n_calls
+
+
+def routing(T: int, E: int, K: int, gen):
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=gen), -1).cuda()
+    return ids, w
+
+
+def dense_bf16(x, w_all, ex: StackedExperts):
+    """Read-all-experts in torch: every expert's FFN for the token, weighted by a dense [E] gate."""
+    w13, w2 = ex.sections["w13.q"], ex.sections["w2.q"]  # [E, 2I, D], [E, D, I]
+    gu = torch.matmul(w13, x[0])  # [E, 2I]
+    g, u = gu.chunk(2, -1)
+    y = torch.matmul(w2, (F.silu(g) * u)[..., None])[..., 0]  # [E, D]
+    return (w_all[:, None] * y).sum(0, keepdim=True)
+
+
+def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
+    exs = [random_layer(quant, D, I, E) for _ in range(layers)]
+    eb = exs[0].expert_bytes()
+    rows = []
+    for T in tokens:
+        x = torch.randn(T, D, generator=gen).cuda().bfloat16()
+        routes = [routing(T, E, K, gen) for _ in range(layers)]
+        unique = sum(len(set(r[0].flatten().tolist())) for r in routes) / layers
+        routed_bytes = unique * eb
+        roof_ms = routed_bytes / bw * 1e3
+        times = {}
+        for cfg in SWEEP[quant] if T == 1 else [DEFAULT_CONFIGS[quant]]:
+
+            def step(cfg=cfg):
+                for ex, (ids, w) in zip(exs, routes):
+                    moe_decode(x, ids, w, ex, cfg)
+
+            times[cfg] = graph_ms(step, layers)
+        best = min(times, key=times.get)
+        ms = times[DEFAULT_CONFIGS[quant]] if DEFAULT_CONFIGS[quant] in times else times[best]
+        ids0, w0 = routes[0]
+        eager = do_bench(lambda: moe_decode(x, ids0, w0, exs[0]), warmup=25, rep=100,
+                         return_mode="median")  # fmt: skip
+        row = {
+            "bench": "gpu_moe", "model": model, "quant": quant, "tokens": T,
+            "config": {"D": D, "I": I, "E": E, "K": K, "layers_in_graph": layers},
+            "expert_bytes": eb, "routed_bytes": routed_bytes,
+            "copy_bw_gbps": bw / 1e9, "roofline_ms": roof_ms,
+            "triton_ms": ms, "triton_best_ms": times[best], "best_config": best.__repr__(),
+            "sweep_ms": {repr(c): t for c, t in times.items()},
+            "triton_eager_ms": eager,
+            "roofline_fraction": roof_ms / ms, "roofline_fraction_best": roof_ms / times[best],
+            "achieved_gbps": routed_bytes / ms / 1e6,
+        }  # fmt: skip
+        if T == 1:
+            row.update(baselines(x, ids0, w0, exs[0], quant, E, ms))
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def baselines(x, ids, w, ex, quant, E, ms) -> dict:
+    """(a) all experts read (same kernel; torch bmm for bf16), (b) per-expert torch loop."""
+    all_ids = torch.arange(E, device="cuda")[None]
+    w_all = torch.zeros(1, E, device="cuda")
+    w_all[0, ids[0]] = w[0]
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex), 1)
+    loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
+    out = {
+        "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
+        "loop_ms": loop_ms, "speedup_vs_loop": loop_ms / ms,
+    }  # fmt: skip
+    if quant == "bf16":
+        t = do_bench(lambda: dense_bf16(x, w_all[0], ex), warmup=10, rep=50, return_mode="median")
+        out.update(dense_torch_ms=t, speedup_vs_dense_torch=t / ms)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="benchmarks/results/gpu_moe.jsonl")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--quant", nargs="+", default=["int8", "int4", "bf16"])
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8])
+    ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
+    args = ap.parse_args()
+    gen = torch.Generator().manual_seed(0)
+    bw = copy_bandwidth()
+    hw = hardware()
+    rows = []
+    for model, (D, I, E, K) in MODELS.items():
+        for quant in args.quant:
+            rows += bench_one(model, quant, D, I, E, K, args.layers, bw, gen, args.tokens)
+            torch.cuda.empty_cache()
+    for r in rows:
+        r.update(triton=triton.__version__, source=args.commit or commit())
+    write_jsonl(args.out, rows)
+    print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s ({hw.get('gpu')})")
+    print(f"{'model':16} {'q':5} {'T':>2} {'MB':>6} {'us':>7} {'best':>7} {'roof':>5} "
+          f"{'eager':>7} {'dense':>7} {'xdense':>6} {'loop':>8} {'xloop':>6}")  # fmt: skip
+    for r in rows:
+        print(
+            f"{r['model']:16} {r['quant']:5} {r['tokens']:>2} {r['routed_bytes'] / 1e6:6.1f} "
+            f"{r['triton_ms'] * 1e3:7.1f} {r['triton_best_ms'] * 1e3:7.1f} "
+            f"{r['roofline_fraction']:5.2f} {r['triton_eager_ms'] * 1e3:7.1f} "
+            f"{r.get('dense_same_kernel_ms', 0) * 1e3:7.1f} {r.get('speedup_vs_dense', 0):6.1f} "
+            f"{r.get('loop_ms', 0) * 1e3:8.1f} {r.get('speedup_vs_loop', 0):6.1f}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""One MoE layer's experts stacked on the device in the store's record layout, and its reference.
+
+`StackedExperts` holds every section of quant.py with a leading expert axis E:
+  bf16: w13.q bf16 [E, 2I, D]              w2.q bf16 [E, D, I]
+  int8: w13.q int8 [E, 2I, D], w13.s fp32 [E, 2I, D/g]   (w2 likewise)
+  int4: w13.q uint8 [E, 2I, D/2] in the store's packed layout, w13.sz bf16 [E, D/g, 2I, 2]
+The int4 bytes stay in the store layout (no repack): per block of 64 rows the bytes are [K, 32]
+with row d in the low and row d + 32 in the high nibble, so a K-tile of one block is BK*32
+contiguous bytes (coalesced) and a record can be copied from host to a VRAM slot as it is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from moestream.kernels.ref import dequantize, expert_ffn, moe_ref
+from moestream.quant import QuantScheme, quantize
+
+NAMES = ("w13", "w2")
+
+
+@dataclass(frozen=True, slots=True)
+class StackedExperts:
+    scheme: QuantScheme
+    sections: dict[str, torch.Tensor]  # "w13.q" -> [E, ...]
+
+    def __post_init__(self):
+        q = self.sections["w13.q"]
+        e, n2, _ = q.shape
+        assert n2 % 2 == 0, f"w13 has an odd number of rows {n2}"
+        for name, t in self.sections.items():
+            assert t.shape[0] == e, f"{name}: {t.shape[0]} experts, w13.q has {e}"
+            assert t.is_contiguous(), f"{name} must be contiguous"
+
+    @property
+    def num_experts(self) -> int:
+        return self.sections["w13.q"].shape[0]
+
+    @property
+    def hidden(self) -> int:
+        return self.sections["w2.q"].shape[1]
+
+    @property
+    def inter(self) -> int:
+        return self.sections["w13.q"].shape[1] // 2
+
+    def expert(self, e: int) -> dict[str, torch.Tensor]:
+        """Section views of expert e, as a record's `RecordLayout.views` gives them."""
+        return {name: t[e] for name, t in self.sections.items()}
+
+    def expert_bytes(self) -> int:
+        """Bytes of one expert's sections (what a kernel must read per routed expert)."""
+        return sum(t[0].numel() * t.element_size() for t in self.sections.values())
+
+    def to(self, device) -> StackedExperts:
+        return StackedExperts(self.scheme, {k: v.to(device) for k, v in self.sections.items()})
+
+
+def stack_records(scheme: QuantScheme, records: list[dict[str, torch.Tensor]]) -> StackedExperts:
+    """Per-expert section dicts (e.g. store record views) -> one StackedExperts."""
+    names = records[0].keys()
+    return StackedExperts(scheme, {n: torch.stack([r[n] for r in records]) for n in names})
+
+
+def quantize_stacked(scheme: QuantScheme, w13: torch.Tensor, w2: torch.Tensor) -> StackedExperts:
+    """Dense w13 [E, 2I, D], w2 [E, D, I] -> StackedExperts under scheme (quant.py's quantizers)."""
+    records = []
+    for a, b in zip(w13, w2):
+        rec = {f"w13.{k}": v for k, v in quantize(scheme, a).items()}
+        rec.update({f"w2.{k}": v for k, v in quantize(scheme, b).items()})
+        records.append(rec)
+    return stack_records(scheme, records)
+
+
+def moe_stacked_ref(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
+) -> torch.Tensor:
+    """The spec: kernels/ref.py's dequantize + moe_ref, computed in x's dtype."""
+    g = experts.scheme.group_size
+
+    def get(e):
+        sec = experts.expert(e)
+        return tuple(dequantize(sec, n, g, x.dtype) for n in NAMES)
+
+    return moe_ref(x, ids, weights, get)
+
+
+def moe_loop_ref(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
+) -> torch.Tensor:
+    """Per-expert torch loop for one token (the benchmark's baseline b): dequantize each routed
+    expert, two F.linear, weighted sum. Reads the ids on the host (one sync)."""
+    g = experts.scheme.group_size
+    out = torch.zeros_like(x)
+    for e, w in zip(ids[0].tolist(), weights[0]):
+        sec = experts.expert(e)
+        out += (
+            expert_ffn(x, dequantize(sec, "w13", g, x.dtype), dequantize(sec, "w2", g, x.dtype)) * w
+        )
+    return out

@@ -1,0 +1,235 @@
+"""Prefill-path Triton kernels: tokens grouped by expert, each expert's weights read once per block
+of BLOCK_M (token, slot) rows and multiplied with tl.dot (tensor cores).
+
+`align_blocks` groups the pairs on the device without a host sync (bincount, cumsum, searchsorted,
+scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
+expert -1 and exit. Weight tiles are dequantized to the activation dtype ([BK, HALF] halves as in
+decode.py, int4 from the store layout) right before the dot; accumulation is fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from moestream.kernels.triton.decode import INT4_ROWS, QUANT_CODE
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillConfig:
+    block_m: int = 32
+    half: int = 32  # rows per half block; int4 needs 32
+    bk: int = 64
+    num_warps: int = 4
+
+    def __post_init__(self):
+        for name in ("block_m", "half", "bk"):
+            v = getattr(self, name)
+            assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16, got {v}"
+
+
+def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
+    """ids [T, K] -> (pair_of_row [R] int32 (P = padding), block_expert [B] int32 (-1 = unused))."""
+    flat = ids.reshape(-1).to(torch.int64)
+    P = flat.numel()
+    n_blocks = triton.cdiv(P, block_m) + min(num_experts, P)  # upper bound: one partial per expert
+    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    padded = (counts + block_m - 1) // block_m * block_m
+    pad_end = torch.cumsum(padded, 0)
+    sorted_e, order = torch.sort(flat, stable=True)
+    start = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    rank = torch.arange(P, device=ids.device) - start[sorted_e]
+    rows = (pad_end - padded)[sorted_e] + rank
+    pair_of_row = torch.full((n_blocks * block_m,), P, dtype=torch.int32, device=ids.device)
+    pair_of_row[rows] = order.to(torch.int32)
+    first_row = torch.arange(n_blocks, device=ids.device) * block_m
+    block_expert = torch.searchsorted(pad_end, first_row, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return pair_of_row, block_expert
+
+
+@triton.jit
+def _w_tiles(
+    q_ptr,
+    s_ptr,
+    e,
+    n0,
+    n_end,
+    k0,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BK: tl.constexpr,
+    HALF: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """Expert e's weight rows [n0, n0 + HALF) and [n0 + HALF, n0 + 2 HALF), inputs [k0, k0 + BK),
+    dequantized and transposed to two [BK, HALF] tiles in dtype DT."""
+    kk = k0 + tl.arange(0, BK)[:, None]  # [BK, 1]
+    di = tl.arange(0, HALF)[None, :]  # [1, HALF]
+    if QUANT == 2:
+        b = tl.load(q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32) + kk * 32 + di).to(tl.int32)
+        sp = s_ptr + e * ((K // G) * N * 2) + ((kk // G) * N + n0 + di) * 2  # [BK, 32]
+        s_lo = tl.load(sp).to(tl.float32)
+        s_hi = tl.load(sp + 64).to(tl.float32)
+        w_lo = ((b & 15).to(tl.float32) - 8.0) * s_lo + tl.load(sp + 1).to(tl.float32)
+        w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi + tl.load(sp + 65).to(tl.float32)
+    else:
+        r_lo = n0 + di
+        r_hi = r_lo + HALF
+        w = q_ptr + e * (N * K) + kk
+        w_lo = tl.load(w + r_lo * K, mask=r_lo < n_end, other=0.0).to(tl.float32)
+        w_hi = tl.load(w + r_hi * K, mask=r_hi < n_end, other=0.0).to(tl.float32)
+        if QUANT == 1:
+            sp = s_ptr + e * (N * (K // G)) + kk // G
+            w_lo = w_lo * tl.load(sp + r_lo * (K // G), mask=r_lo < n_end, other=0.0)
+            w_hi = w_hi * tl.load(sp + r_hi * (K // G), mask=r_hi < n_end, other=0.0)
+    return w_lo.to(DT), w_hi.to(DT)
+
+
+@triton.jit
+def _gate_up_grouped(
+    x_ptr,
+    pair_ptr,
+    bexp_ptr,
+    q_ptr,
+    s_ptr,
+    gu_ptr,
+    TOPK,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    HALF: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    n0 = tl.program_id(1) * (2 * HALF)
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    N: tl.constexpr = 2 * I
+    pair = tl.load(pair_ptr + blk * BM + tl.arange(0, BM))  # [BM]
+    valid = pair < P
+    tok = tl.where(valid, pair // TOPK, 0)
+    g_lo = tl.zeros([BM, HALF], tl.float32)
+    g_hi = tl.zeros([BM, HALF], tl.float32)
+    u_lo = tl.zeros([BM, HALF], tl.float32)
+    u_hi = tl.zeros([BM, HALF], tl.float32)
+    for k0 in range(0, D, BK):
+        xt = tl.load(x_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :]).to(DT)  # [BM, BK]
+        a, b = _w_tiles(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BK, HALF, DT)
+        g_lo = tl.dot(xt, a, g_lo, input_precision=PREC)
+        g_hi = tl.dot(xt, b, g_hi, input_precision=PREC)
+        a, b = _w_tiles(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BK, HALF, DT)
+        u_lo = tl.dot(xt, a, u_lo, input_precision=PREC)
+        u_hi = tl.dot(xt, b, u_hi, input_precision=PREC)
+    di = tl.arange(0, HALF)[None, :]
+    out = gu_ptr + pair[:, None].to(tl.int64) * N + n0 + di
+    m_lo = valid[:, None] & (n0 + di < I)
+    m_hi = valid[:, None] & (n0 + HALF + di < I)
+    tl.store(out, g_lo, mask=m_lo)
+    tl.store(out + HALF, g_hi, mask=m_hi)
+    tl.store(out + I, u_lo, mask=m_lo)
+    tl.store(out + I + HALF, u_hi, mask=m_hi)
+
+
+@triton.jit
+def _down_grouped(
+    gu_ptr,
+    pair_ptr,
+    bexp_ptr,
+    rw_ptr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    TOPK,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BK: tl.constexpr,
+    HALF: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    blk = tl.program_id(0)
+    n0 = tl.program_id(1) * (2 * HALF)
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(pair_ptr + blk * BM + tl.arange(0, BM))
+    valid = pair < P
+    safe = tl.where(valid, pair, 0).to(tl.int64)
+    rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    acc_lo = tl.zeros([BM, HALF], tl.float32)
+    acc_hi = tl.zeros([BM, HALF], tl.float32)
+    row = gu_ptr + safe[:, None] * (2 * I)
+    for k0 in range(0, I, BK):
+        kk = k0 + tl.arange(0, BK)[None, :]
+        g = tl.load(row + kk)
+        u = tl.load(row + I + kk)
+        h = (g / (1.0 + tl.exp(-g)) * u).to(DT)  # [BM, BK] silu(gate) * up of each slot
+        a, b = _w_tiles(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BK, HALF, DT)
+        acc_lo = tl.dot(h, a, acc_lo, input_precision=PREC)
+        acc_hi = tl.dot(h, b, acc_hi, input_precision=PREC)
+    di = tl.arange(0, HALF)[None, :]
+    out = out_ptr + (safe // TOPK)[:, None] * D + n0 + di
+    tl.atomic_add(out, acc_lo * rw[:, None], mask=valid[:, None] & (n0 + di < D), sem="relaxed")
+    tl.atomic_add(
+        out + HALF, acc_hi * rw[:, None], mask=valid[:, None] & (n0 + HALF + di < D), sem="relaxed"
+    )
+
+
+def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillConfig) -> str | None:
+    """None when the grouped kernels take these shapes, else why not."""
+    if hidden % cfg.bk or inter % cfg.bk or cfg.bk % group and quant != "bf16":
+        return f"D={hidden} and I={inter} must be multiples of BK={cfg.bk} (itself of G={group})"
+    if quant == "int4" and (inter % INT4_ROWS or hidden % INT4_ROWS or cfg.half != 32):
+        return f"int4 needs D and I multiples of {INT4_ROWS} and half=32"
+    return None
+
+
+def moe_prefill(
+    x, ids, weights, experts, cfg: PrefillConfig | None = None, out=None
+) -> torch.Tensor:
+    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, tokens grouped by expert."""
+    cfg = cfg or PrefillConfig()
+    quant = experts.scheme.name
+    T, D = x.shape
+    K = ids.shape[1]
+    P, I, G = T * K, experts.inter, experts.scheme.group_size
+    why = check_shapes(quant, D, I, G, cfg)
+    assert why is None, why
+    pair_of_row, block_expert = align_blocks(ids, experts.num_experts, cfg.block_m)
+    sec = experts.sections
+    scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
+    gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
+    acc = torch.zeros(T, D, device=x.device, dtype=torch.float32)
+    x, weights = x.contiguous(), weights.contiguous()
+    f32 = x.dtype == torch.float32
+    meta = dict(
+        QUANT=QUANT_CODE[quant], G=G, BM=cfg.block_m, BK=cfg.bk, HALF=cfg.half,
+        DT=tl.float32 if f32 else tl.bfloat16, PREC="ieee" if f32 else "tf32",
+        num_warps=cfg.num_warps,
+    )  # fmt: skip
+    nb = block_expert.numel()
+    grid = (nb, triton.cdiv(I, 2 * cfg.half))
+    _gate_up_grouped[grid](x, pair_of_row, block_expert, sec["w13.q"], sec[f"w13.{scale}"], gu,
+                           K, P, D, I, **meta)  # fmt: skip
+    grid = (nb, triton.cdiv(D, 2 * cfg.half))
+    _down_grouped[grid](gu, pair_of_row, block_expert, weights, sec["w2.q"], sec[f"w2.{scale}"],
+                        acc, K, P, D, I, **meta)  # fmt: skip
+    if out is not None:
+        return out.copy_(acc)
+    return acc if f32 else acc.to(x.dtype)
