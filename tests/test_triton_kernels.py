@@ -88,8 +88,9 @@ def test_stacked_sections_are_store_records(quant):
 def test_decode_interpreter(quant):
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
-    cfg = DecodeConfig(half=32 if quant == "int4" else 8, kg=1, split=2)
-    _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+    for elem in (False, True):
+        cfg = DecodeConfig(half=32 if quant == "int4" else 8, kg=1, split=2, elem=elem)
+        _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
 
 
 @needs_triton
@@ -124,6 +125,18 @@ def test_decode_cuda(quant, case, T):
     (E, D, I, K), dtype = case
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("elem", [False, True])
+@pytest.mark.parametrize("split", [1, 2])
+def test_decode_variants_cuda(quant, elem, split):
+    """Both accumulation orders and D splits (the benchmark's sweep) at the Qwen3-30B D, I."""
+    from moestream.kernels.triton.decode import DecodeConfig, moe_decode
+
+    cfg = DecodeConfig(half=32 if quant == "int4" else 16, kg=2, split=split, elem=elem)
+    _check(moe_decode, quant, 16, 2048, 768, 1, 8, torch.bfloat16, "cuda", seed=5, cfg=cfg)
 
 
 @pytest.mark.cuda

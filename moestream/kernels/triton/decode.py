@@ -31,6 +31,7 @@ class DecodeConfig:
     kg: int = 4  # groups of G inputs per K step (BK = kg * G)
     split: int = 1  # programs along D for gate/up
     num_warps: int = 4
+    elem: bool = False  # accumulate [KG, G, HALF] products, reduce once after the K loop
 
     def __post_init__(self):
         for name in ("half", "kg", "split"):
@@ -39,9 +40,12 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIGS = {
-    "bf16": DecodeConfig(half=8, kg=4, split=1, num_warps=4),
-    "int8": DecodeConfig(half=8, kg=4, split=1, num_warps=4),
-    "int4": DecodeConfig(half=32, kg=2, split=4, num_warps=4),
+    # Best of the first H200 sweep at T=1 (half 8 / kg 8 / split 2 beat 8/4/1 by 1.4x).
+    "bf16": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
+    "int8": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
+    # Measured on the H200 (benchmarks/results/gpu_moe.jsonl): reducing every K step made int4
+    # compute-bound (0.06 of roofline); elementwise accumulation is the int4 default.
+    "int4": DecodeConfig(half=32, kg=2, split=4, num_warps=4, elem=True),
 }
 
 
@@ -99,6 +103,50 @@ def _tile_dot(
 
 
 @triton.jit
+def _tile_prod(
+    q_ptr,
+    s_ptr,
+    e,
+    n0,
+    n_end,
+    k0,
+    x3,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    KG: tl.constexpr,
+    HALF: tl.constexpr,
+):
+    """As _tile_dot, but the dequantized weights times x3, unreduced: two [KG, G, HALF]."""
+    gi = tl.arange(0, KG)[:, None, None]
+    kk = k0 + gi * G + tl.arange(0, G)[None, :, None]  # [KG, G, 1]
+    d3 = tl.arange(0, HALF)[None, None, :]
+    kg3 = k0 // G + gi  # [KG, 1, 1]
+    if QUANT == 2:
+        base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
+        b = tl.load(base + kk * 32 + d3).to(tl.int32)  # [KG, G, 32]
+        sp = s_ptr + e * ((K // G) * N * 2) + (kg3 * N + n0 + d3) * 2  # [KG, 1, 32]
+        s_lo = tl.load(sp).to(tl.float32)
+        s_hi = tl.load(sp + 64).to(tl.float32)
+        z_lo = tl.load(sp + 1).to(tl.float32) - 8.0 * s_lo
+        z_hi = tl.load(sp + 65).to(tl.float32) - 8.0 * s_hi
+        w_lo = (b & 15).to(tl.float32) * s_lo + z_lo
+        w_hi = (b >> 4).to(tl.float32) * s_hi + z_hi
+    else:
+        r_lo = n0 + d3
+        r_hi = r_lo + HALF
+        w = q_ptr + e * (N * K) + kk
+        w_lo = tl.load(w + r_lo * K, mask=r_lo < n_end, other=0.0).to(tl.float32)
+        w_hi = tl.load(w + r_hi * K, mask=r_hi < n_end, other=0.0).to(tl.float32)
+        if QUANT == 1:
+            sp = s_ptr + e * (N * (K // G)) + kg3  # [KG, 1, 1]
+            w_lo = w_lo * tl.load(sp + r_lo * (K // G), mask=r_lo < n_end, other=0.0)
+            w_hi = w_hi * tl.load(sp + r_hi * (K // G), mask=r_hi < n_end, other=0.0)
+    return w_lo * x3, w_hi * x3
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr,
     ids_ptr,
@@ -114,6 +162,7 @@ def _gate_up_kernel(
     KG: tl.constexpr,
     HALF: tl.constexpr,
     SPLIT: tl.constexpr,
+    ELEM: tl.constexpr,
 ):
     p = tl.program_id(0)
     n0 = tl.program_id(1) * (2 * HALF)
@@ -121,21 +170,36 @@ def _gate_up_kernel(
     t = p // TOPK
     e = tl.load(ids_ptr + p).to(tl.int64)
     N: tl.constexpr = 2 * I
-    g_lo = tl.zeros([HALF], tl.float32)
-    g_hi = tl.zeros([HALF], tl.float32)
-    u_lo = tl.zeros([HALF], tl.float32)
-    u_hi = tl.zeros([HALF], tl.float32)
+    if ELEM:
+        g_lo = tl.zeros([KG, G, HALF], tl.float32)
+        g_hi = tl.zeros([KG, G, HALF], tl.float32)
+        u_lo = tl.zeros([KG, G, HALF], tl.float32)
+        u_hi = tl.zeros([KG, G, HALF], tl.float32)
+    else:
+        g_lo = tl.zeros([HALF], tl.float32)
+        g_hi = tl.zeros([HALF], tl.float32)
+        u_lo = tl.zeros([HALF], tl.float32)
+        u_hi = tl.zeros([HALF], tl.float32)
     kx = tl.arange(0, KG)[:, None, None] * G + tl.arange(0, G)[None, :, None]  # [KG, G, 1]
     for kb in range(0, K_LEN, KG * G):  # K_LEN = D // SPLIT
         k0 = sk * K_LEN + kb
         x3 = tl.load(x_ptr + t * D + k0 + kx).to(tl.float32)
-        xs = tl.sum(x3, 1)
-        a, b = _tile_dot(q_ptr, s_ptr, e, n0, I, k0, x3, xs, N, D, QUANT, G, KG, HALF)
+        if ELEM:
+            a, b = _tile_prod(q_ptr, s_ptr, e, n0, I, k0, x3, N, D, QUANT, G, KG, HALF)
+            c, d = _tile_prod(q_ptr, s_ptr, e, n0 + I, N, k0, x3, N, D, QUANT, G, KG, HALF)
+        else:
+            xs = tl.sum(x3, 1)
+            a, b = _tile_dot(q_ptr, s_ptr, e, n0, I, k0, x3, xs, N, D, QUANT, G, KG, HALF)
+            c, d = _tile_dot(q_ptr, s_ptr, e, n0 + I, N, k0, x3, xs, N, D, QUANT, G, KG, HALF)
         g_lo += a
         g_hi += b
-        a, b = _tile_dot(q_ptr, s_ptr, e, n0 + I, N, k0, x3, xs, N, D, QUANT, G, KG, HALF)
-        u_lo += a
-        u_hi += b
+        u_lo += c
+        u_hi += d
+    if ELEM:
+        g_lo = tl.sum(tl.sum(g_lo, 1), 0)
+        g_hi = tl.sum(tl.sum(g_hi, 1), 0)
+        u_lo = tl.sum(tl.sum(u_lo, 1), 0)
+        u_hi = tl.sum(tl.sum(u_hi, 1), 0)
     di = tl.arange(0, HALF)
     out = gu_ptr + p * N + n0 + di
     m_lo = n0 + di < I
@@ -167,24 +231,34 @@ def _down_kernel(
     G: tl.constexpr,
     KG: tl.constexpr,
     HALF: tl.constexpr,
+    ELEM: tl.constexpr,
 ):
     p = tl.program_id(0)
     n0 = tl.program_id(1) * (2 * HALF)
     t = p // TOPK
     e = tl.load(ids_ptr + p).to(tl.int64)
     rw = tl.load(rw_ptr + p).to(tl.float32)
-    acc_lo = tl.zeros([HALF], tl.float32)
-    acc_hi = tl.zeros([HALF], tl.float32)
+    if ELEM:
+        acc_lo = tl.zeros([KG, G, HALF], tl.float32)
+        acc_hi = tl.zeros([KG, G, HALF], tl.float32)
+    else:
+        acc_lo = tl.zeros([HALF], tl.float32)
+        acc_hi = tl.zeros([HALF], tl.float32)
     kx = tl.arange(0, KG)[:, None, None] * G + tl.arange(0, G)[None, :, None]
     row = gu_ptr + p * (2 * I)
     for k0 in range(0, I, KG * G):
         g = tl.load(row + k0 + kx)
         u = tl.load(row + I + k0 + kx)
         h = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, [KG, G, 1]
-        hs = tl.sum(h, 1)
-        a, b = _tile_dot(q_ptr, s_ptr, e, n0, D, k0, h, hs, D, I, QUANT, G, KG, HALF)
+        if ELEM:
+            a, b = _tile_prod(q_ptr, s_ptr, e, n0, D, k0, h, D, I, QUANT, G, KG, HALF)
+        else:
+            a, b = _tile_dot(q_ptr, s_ptr, e, n0, D, k0, h, tl.sum(h, 1), D, I, QUANT, G, KG, HALF)
         acc_lo += a
         acc_hi += b
+    if ELEM:
+        acc_lo = tl.sum(tl.sum(acc_lo, 1), 0)
+        acc_hi = tl.sum(tl.sum(acc_hi, 1), 0)
     di = tl.arange(0, HALF)
     out = out_ptr + t * D + n0 + di
     tl.atomic_add(out, acc_lo * rw, mask=n0 + di < D, sem="relaxed")
@@ -216,7 +290,8 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     ws = torch.zeros(P * 2 * I + T * D, device=x.device, dtype=torch.float32)
     gu, acc = ws[: P * 2 * I], ws[P * 2 * I :].view(T, D)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    meta = dict(QUANT=QUANT_CODE[quant], G=G, KG=cfg.kg, HALF=cfg.half, num_warps=cfg.num_warps)
+    meta = dict(QUANT=QUANT_CODE[quant], G=G, KG=cfg.kg, HALF=cfg.half, ELEM=cfg.elem)
+    meta["num_warps"] = cfg.num_warps
     w13q, w13s = sec["w13.q"], sec[f"w13.{scale}"]
     grid = (P, triton.cdiv(I, 2 * cfg.half), cfg.split)
     _gate_up_kernel[grid](x, ids, w13q, w13s, gu, K, D, I, D // cfg.split, SPLIT=cfg.split, **meta)

@@ -77,14 +77,16 @@ def quantize_stacked(scheme: QuantScheme, w13: torch.Tensor, w2: torch.Tensor) -
 def moe_stacked_ref(
     x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
 ) -> torch.Tensor:
-    """The spec: kernels/ref.py's dequantize + moe_ref, computed in x's dtype."""
+    """The spec: kernels/ref.py's dequantize + moe_ref in x's dtype. moe_ref indexes with CPU
+    tensors, so it runs on the CPU (only the routed experts are copied) and returns on x's device."""
     g = experts.scheme.group_size
 
     def get(e):
         sec = experts.expert(e)
-        return tuple(dequantize(sec, n, g, x.dtype) for n in NAMES)
+        return tuple(dequantize(sec, n, g, x.dtype).cpu() for n in NAMES)
 
-    return moe_ref(x, ids, weights, get)
+    out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
+    return out.to(x.device)
 
 
 def moe_loop_ref(
