@@ -91,6 +91,8 @@ def test_decode_interpreter(quant):
     for elem in (False, True):
         cfg = DecodeConfig(half=32 if quant == "int4" else 8, kg=1, split=2, elem=elem)
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+    # the default tiles, fitted to a small shape (int4: kg 4, split 1 at D=I=128)
+    _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
 
 
 @needs_triton

@@ -23,8 +23,10 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
 
     s = experts.scheme
     if tokens <= DECODE_MAX_TOKENS:
-        cfg = decode.DEFAULT_CONFIGS[s.name]
-        return decode.check_shapes(s.name, experts.hidden, experts.inter, s.group_size, cfg)
+        cfg = decode.fit_config(
+            s.name, experts.hidden, experts.inter, s.group_size, decode.DEFAULT_CONFIGS[s.name]
+        )
+        return None if cfg else f"no decode tile fits D={experts.hidden}, I={experts.inter}"
     return prefill.check_shapes(
         s.name, experts.hidden, experts.inter, s.group_size, prefill.PrefillConfig()
     )

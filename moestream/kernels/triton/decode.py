@@ -15,7 +15,7 @@ becomes s * sum(q x) + (z - 8 s) * sum(x) per group.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -43,9 +43,9 @@ DEFAULT_CONFIGS = {
     # Best of the first H200 sweep at T=1 (half 8 / kg 8 / split 2 beat 8/4/1 by 1.4x).
     "bf16": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
     "int8": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
-    # Measured on the H200 (benchmarks/results/gpu_moe.jsonl): reducing every K step made int4
-    # compute-bound (0.06 of roofline); elementwise accumulation is the int4 default.
-    "int4": DecodeConfig(half=32, kg=2, split=4, num_warps=4, elem=True),
+    # H200 (benchmarks/results/gpu_moe.jsonl): reducing every K step left int4 compute-bound
+    # (0.06 of roofline); elementwise accumulation with kg 4 / split 4 was best of the second sweep.
+    "int4": DecodeConfig(half=32, kg=4, split=4, num_warps=4, elem=True),
 }
 
 
@@ -275,14 +275,23 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     return None
 
 
+def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
+    """Halve split, then kg, until the shapes fit (small models); None when nothing does."""
+    while check_shapes(quant, hidden, inter, group, cfg) and cfg.split > 1:
+        cfg = replace(cfg, split=cfg.split // 2)
+    while check_shapes(quant, hidden, inter, group, cfg) and cfg.kg > 1:
+        cfg = replace(cfg, kg=cfg.kg // 2)
+    return None if check_shapes(quant, hidden, inter, group, cfg) else cfg
+
+
 def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None) -> torch.Tensor:
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
     when given)."""
     quant = experts.scheme.name
-    cfg = cfg or DEFAULT_CONFIGS[quant]
     T, D = x.shape
     K = ids.shape[1]
     P, I, G = T * K, experts.inter, experts.scheme.group_size
+    cfg = cfg or fit_config(quant, D, I, G, DEFAULT_CONFIGS[quant]) or DEFAULT_CONFIGS[quant]
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
     sec = experts.sections
