@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 
 
 class ConfigError(ValueError):
@@ -75,6 +75,21 @@ class ModelArgs:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     torch_dtype: str = "float32"
+    # DeepSeek-V3 / GLM-4.5 routing: sigmoid scores, group-limited top-k, scaled weights.
+    n_shared_experts: int = 0  # ungated shared experts of width moe_intermediate_size * n
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the last layer (ignored)
+    partial_rotary_factor: float = 1.0  # RoPE covers the first head_dim * factor dims
+    use_qk_norm: bool = False  # glm4_moe: per-head q/k RMSNorm
+    # DeepSeek multi-head latent attention (kv_lora_rank > 0); head_dim is then qk_rope_head_dim.
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -111,10 +126,47 @@ class ModelArgs:
             raise ConfigError(
                 f"config.json: hidden_act {self.hidden_act!r} is not supported (only silu)"
             )
+        if self.n_group > 1:
+            per_group = self.num_experts // self.n_group
+            if self.num_experts % self.n_group or per_group < 2:
+                raise ConfigError(
+                    f"config.json: n_routed_experts ({self.num_experts}) must split into n_group "
+                    f"({self.n_group}) groups of at least 2 experts"
+                )
+            if not 0 < self.topk_group <= self.n_group:
+                raise ConfigError(
+                    f"config.json: topk_group ({self.topk_group}) must be in 1..n_group ({self.n_group})"
+                )
+            if self.num_experts_per_tok > self.topk_group * per_group:
+                raise ConfigError(
+                    f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
+                    f"experts in topk_group ({self.topk_group}) groups of {per_group}"
+                )
+        if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
+            raise ConfigError(
+                f"config.json: rotary dim {self.rotary_dim} (head_dim {self.head_dim} x "
+                f"partial_rotary_factor {self.partial_rotary_factor}) must be even and <= head_dim"
+            )
 
     @property
     def moe_layer_ids(self) -> list[int]:
         return [i for i, m in enumerate(self.moe_layers) if m]
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def kv_cache_dims(self) -> tuple[int, int, int]:
+        """(heads, key dim, value dim) of one layer's KV cache.
+
+        MLA caches the expanded per-head K (nope + rope) and V: decode then projects only the new
+        token through kv_b_proj instead of re-expanding the whole latent cache every step.
+        """
+        if self.kv_lora_rank:
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            return self.num_attention_heads, qk, self.v_head_dim
+        return self.num_key_value_heads, self.head_dim, self.head_dim
 
 
 def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
@@ -163,8 +215,16 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
     n_heads = int(_require(cfg, "num_attention_heads", path))
     n_kv = cfg.get("num_key_value_heads") or n_heads
     head_dim = cfg.get("head_dim") or hidden // n_heads
+    extra = _deepseek_style_fields(cfg, mt) if mt in _DEEPSEEK_STYLE else {}
+    if mt == "deepseek_v3":
+        head_dim = extra["qk_rope_head_dim"]  # RoPE and the config's head_dim cover the rope part
     if mt == "mixtral":
         n_exp, moe_inter = cfg.get("num_local_experts", 8), cfg.get("intermediate_size", 14336)
+    elif mt in _DEEPSEEK_STYLE:
+        n_exp = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
+        if n_exp is None:
+            raise ConfigError(f"{path}: missing required field 'n_routed_experts'")
+        moe_inter = int(_require(cfg, "moe_intermediate_size", path))
     else:
         # transformers 5 may write `num_local_experts` where hub configs say `num_experts`.
         n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
@@ -177,6 +237,10 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         moe_layers = tuple(
             (i not in dense_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)
         )
+    elif mt in _DEEPSEEK_STYLE:
+        # transformers reads only first_k_dense_replace (DeepSeek's moe_layer_freq is always 1).
+        first_dense = int(cfg.get("first_k_dense_replace", 3 if mt == "deepseek_v3" else 1) or 0)
+        moe_layers = tuple(i >= first_dense and n_exp > 0 for i in range(n_layers))
     else:
         moe_layers = (True,) * n_layers
     sliding = _sliding_windows(cfg, mt, n_layers)
@@ -197,7 +261,9 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rope=_rope_from_config(cfg),
-        norm_topk_prob=True if mt == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        norm_topk_prob=True
+        if mt == "mixtral"
+        else bool(cfg.get("norm_topk_prob", mt in _DEEPSEEK_STYLE)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
         qkv_bias=bool(cfg.get("qkv_bias", mt == "qwen2_moe")),
@@ -209,7 +275,45 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
         torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
+        partial_rotary_factor=_partial_rotary_factor(cfg, mt),
+        **extra,
     )
+
+
+_DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
+
+
+def _partial_rotary_factor(cfg: dict[str, Any], mt: str) -> float:
+    # transformers 5 keeps it in rope_parameters; hub configs have it at the top level. GLM-4.5
+    # rotates half of each head when neither says (Glm4MoeConfig.__post_init__).
+    params = cfg.get("rope_parameters") or {}
+    default = 0.5 if mt == "glm4_moe" else 1.0
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+
+
+def _deepseek_style_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
+    """Routing, shared-expert, MTP and (deepseek_v3) latent-attention fields, with transformers'
+    defaults for each type."""
+    ds = mt == "deepseek_v3"
+    out: dict[str, Any] = dict(
+        n_shared_experts=int(cfg.get("n_shared_experts", 1) or 0),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if ds else 1.0)),
+        n_group=int(cfg.get("n_group", 8 if ds else 1) or 1),
+        topk_group=int(cfg.get("topk_group", 4 if ds else 1) or 1),
+        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0),
+        use_qk_norm=bool(cfg.get("use_qk_norm", False)),
+    )
+    if ds:
+        q_lora = cfg.get("q_lora_rank", 1536)
+        out.update(
+            q_lora_rank=None if q_lora is None else int(q_lora),
+            kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
+            v_head_dim=int(cfg.get("v_head_dim", 128)),
+            rope_interleave=bool(cfg.get("rope_interleave", True)),
+        )
+    return out
 
 
 def _sliding_windows(cfg: dict[str, Any], mt: str, n_layers: int) -> tuple[int | None, ...]:

@@ -35,7 +35,11 @@ def resolve_dtype(name: str | torch.dtype) -> torch.dtype:
 def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
     with torch.device("meta"):
         model = model_module(args.model_type).build(args)
-    return model.to_empty(device="cpu").to(dtype).eval()
+    model = model.to_empty(device="cpu").to(dtype).eval()
+    for m in model.modules():
+        if getattr(m, "keep_fp32", False):  # e.g. sigmoid routers: fp32 as in transformers
+            m.float()
+    return model
 
 
 def load_dense(
@@ -77,7 +81,7 @@ def load_dense(
                 raise CheckpointError(
                     f"tensor {by_ours[name]!r} has shape {list(t.shape)}, expected {expected[name]}"
                 )
-            params[name].copy_(t.to(dtype))
+            params[name].copy_(t.to(params[name].dtype))
         if ckpt.args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
 
@@ -77,6 +77,52 @@ def hf_config(arch: str, **over):
             attention_bias=True,
             clip_qkv=4.0,
         )
+    elif arch == "glm4_moe":
+        # Half-rotary heads, q/k norm, q/k/v bias; 4 groups of 2 experts, 2 groups kept.
+        cfg = T.Glm4MoeConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=3,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            norm_topk_prob=False,
+            routed_scaling_factor=1.5,
+            use_qk_norm=True,
+            attention_bias=True,
+        )
+    elif arch == "deepseek_v3":
+        # MLA with a q LoRA, interleaved yarn RoPE (mscale in the softmax scale); 4 groups of 4.
+        cfg = T.DeepseekV3Config(
+            **{**common, "num_key_value_heads": 4},
+            intermediate_size=48,
+            moe_intermediate_size=32,  # a multiple of the store's quantization group (32)
+            n_routed_experts=16,
+            n_shared_experts=2,
+            num_experts_per_tok=4,
+            n_group=4,
+            topk_group=2,
+            first_k_dense_replace=1,
+            routed_scaling_factor=2.5,
+            q_lora_rank=24,
+            kv_lora_rank=32,
+            qk_nope_head_dim=16,
+            qk_rope_head_dim=8,
+            v_head_dim=12,
+            rope_interleave=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                original_max_position_embeddings=64,
+                mscale=1.0,
+                mscale_all_dim=0.8,
+            ),
+        )
     else:
         raise ValueError(arch)
     for k, v in over.items():
@@ -94,9 +140,14 @@ def perturbed_model(arch: str, seed: int = 0, **over):
         "qwen2_moe": T.Qwen2MoeForCausalLM,
         "mixtral": T.MixtralForCausalLM,
         "olmoe": T.OlmoeForCausalLM,
+        "glm4_moe": T.Glm4MoeForCausalLM,
+        "deepseek_v3": T.DeepseekV3ForCausalLM,
     }[arch]
     model = cls(cfg).float().eval()
     with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a buffer, but learned state
+                b.copy_(0.1 * torch.randn_like(b))
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
                 p.copy_(1.0 + 0.2 * torch.randn_like(p))

@@ -2,7 +2,8 @@
 
 Every tensor in the folder is classified as a dense weight, an expert weight or explicitly ignored;
 anything else is an error that names it. Expert tensors are read lazily, one expert at a time, so a
-converter never holds more than a few experts.
+converter never holds more than a few experts. FP8 weights (`*.weight_scale_inv` block scales) are
+dequantized as they are read; multi-token-prediction layers past the last layer are ignored.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from safetensors import safe_open
 
 from moestream.config import ModelArgs, load_model_args
+from moestream.convert.fp8 import Fp8Error, dequantize_fp8, fp8_block_size
 
 
 class CheckpointError(ValueError):
@@ -33,6 +35,9 @@ _FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_pr
 _ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Buffers some exporters save that carry no learned state.
 _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$)")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# FP8 block scales: `X.weight_scale_inv` (or `X_scale_inv` for fused experts) belongs to `X(.weight)`.
+_SCALE_INV = "_scale_inv"
 
 
 def _shard_header(path: Path) -> dict:
@@ -92,6 +97,8 @@ class HFCheckpoint:
         self.dense_names: list[str] = []
         self.experts: dict[tuple[int, int], ExpertRef] = {}
         self.ignored: list[str] = []
+        self._scale_of: dict[str, str] = {}  # FP8 weight name -> its scale_inv tensor
+        self._fp8_block: tuple[int, int] | None = None
         self._classify()
 
     # ---- files -------------------------------------------------------------------------------
@@ -143,23 +150,52 @@ class HFCheckpoint:
         return h
 
     def tensor(self, name: str) -> torch.Tensor:
+        """A tensor as stored, except FP8 weights, which come back dequantized to fp32."""
         if name not in self._shard_of:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
-        return self._handle(self._shard_of[name]).get_tensor(name)
+        t = self._handle(self._shard_of[name]).get_tensor(name)
+        scale = self._scale_of.get(name)
+        if scale is None:
+            return self._not_fp8(name, t)
+        return self._dequantize(name, t, self._handle(self._shard_of[scale]).get_tensor(scale))
+
+    @staticmethod
+    def _not_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
+        # An FP8 tensor without its scale would load off by the scale factor, silently.
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            raise CheckpointError(f"tensor {name!r} is FP8 but has no {name}_scale_inv")
+        return t
+
+    def _dequantize(self, name: str, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        try:
+            return dequantize_fp8(t, scale, self._fp8_block)
+        except Fp8Error as e:
+            raise CheckpointError(f"tensor {name!r}: {e}") from e
 
     def shape(self, name: str) -> list[int]:
         return self._shapes[name]
 
     def _slice(self, name: str, index: int) -> torch.Tensor:
-        return self._handle(self._shard_of[name]).get_slice(name)[index]
+        t = self._handle(self._shard_of[name]).get_slice(name)[index]
+        scale = self._scale_of.get(name)
+        if scale is None:
+            return self._not_fp8(name, t)
+        return self._dequantize(
+            name, t, self._handle(self._shard_of[scale]).get_slice(scale)[index]
+        )
 
     # ---- classification ----------------------------------------------------------------------
     def _classify(self) -> None:
         a = self.args
         per: dict[tuple[int, int], dict[str, str]] = {}
         fused: dict[int, dict[str, str]] = {}
+        self._pair_fp8_scales()
         for name in self._shard_of:
-            if m := _PER_EXPERT.match(name):
+            if self._is_mtp(name):
+                self.ignored.append(name)
+            elif name.endswith(_SCALE_INV):
+                continue  # paired with its weight by _pair_fp8_scales
+            elif m := _PER_EXPERT.match(name):
                 layer, e, role = int(m[1]), int(m[2]), _ROLE.get(m[3], m[3])
                 per.setdefault((layer, e), {})[role] = name
             elif m := _FUSED.match(name):
@@ -214,6 +250,27 @@ class HFCheckpoint:
             raise CheckpointError(
                 f"unexpected expert tensor(s) for a layer/expert the config does not have: {', '.join(sorted(stray)[:5])}"
             )
+
+    def _is_mtp(self, name: str) -> bool:
+        """Multi-token-prediction layers (GLM-4.5 / DeepSeek-V3 store them as the layers after the
+        last one): the engine decodes one token per step and does not use them."""
+        m = _LAYER.match(name)
+        n = self.args.num_hidden_layers
+        return m is not None and n <= int(m[1]) < n + self.args.num_mtp_layers
+
+    def _pair_fp8_scales(self) -> None:
+        scales = [n for n in self._shard_of if n.endswith(_SCALE_INV) and not self._is_mtp(n)]
+        if not scales:
+            return
+        try:
+            self._fp8_block = fp8_block_size(self.config)
+        except Fp8Error as e:
+            raise CheckpointError(f"{self.folder}: {e}") from e
+        for scale in scales:
+            weight = scale[: -len(_SCALE_INV)]
+            if weight not in self._shard_of:
+                raise CheckpointError(f"scale tensor {scale!r} has no weight {weight!r} to scale")
+            self._scale_of[weight] = scale
 
     def _check_shape(self, name: str, want: list[int]) -> None:
         got = self._shapes[name]

@@ -1,4 +1,5 @@
-"""Preallocated per-layer KV cache for one sequence: [Hkv, max_len, hd] per layer, no reallocation."""
+"""Preallocated per-layer KV cache for one sequence: [Hkv, max_len, hd] per layer (MLA: [H, max_len,
+qk_nope+qk_rope] keys and [H, max_len, v_head_dim] values), no reallocation."""
 
 from __future__ import annotations
 
@@ -9,12 +10,14 @@ from moestream.config import ModelArgs
 
 class KVCache:
     def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device="cpu"):
-        shape = (args.num_key_value_heads, max_len, args.head_dim)
+        heads, k_dim, v_dim = args.kv_cache_dims  # MLA: K and V widths differ
         self.k = [
-            torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
+            torch.empty((heads, max_len, k_dim), dtype=dtype, device=device)
+            for _ in range(args.num_hidden_layers)
         ]
         self.v = [
-            torch.empty(shape, dtype=dtype, device=device) for _ in range(args.num_hidden_layers)
+            torch.empty((heads, max_len, v_dim), dtype=dtype, device=device)
+            for _ in range(args.num_hidden_layers)
         ]
         self.max_len = max_len
 

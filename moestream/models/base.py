@@ -42,7 +42,7 @@ class MoeCausalLM(nn.Module):
         )
         self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-        self.rope = Rope(args.rope, args.head_dim, args.max_position_embeddings)
+        self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
 
     @property
     def moe_blocks(self) -> list[SparseMoe]:

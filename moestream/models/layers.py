@@ -135,8 +135,12 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [..., T, hd], cos/sin [T, hd]
-    return x * cos + rotate_half(x) * sin
+    # x [..., T, hd], cos/sin [T, rd]; partial rotary (rd < hd) rotates the first rd dims only.
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    rot = x[..., :rd]
+    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., rd:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -240,6 +244,46 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def sigmoid_group_topk(
+    logits: torch.Tensor, bias: torch.Tensor, args: ModelArgs
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 / GLM-4.5 routing on fp32 logits [T, E]: sigmoid scores; the correction bias
+    steers only the choice (best topk_group groups by the sum of their top-2, then top-k inside
+    them); weights come from the unbiased scores, optionally renormalised, then scaled."""
+    G, E = args.n_group, args.num_experts
+    scores = logits.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
+    group_idx = torch.topk(group_scores, k=args.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    ids = torch.topk(choice, k=args.num_experts_per_tok, dim=-1, sorted=False)[1]
+    w = scores.gather(1, ids)
+    if args.norm_topk_prob:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * args.routed_scaling_factor, ids
+
+
+class SigmoidRouter(nn.Module):
+    """`mlp.gate`: router weight and selection bias, both kept in fp32 whatever the model dtype
+    (transformers' _keep_in_fp32_modules_strict); the loader honours `keep_fp32`."""
+
+    keep_fp32 = True
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.weight = nn.Parameter(torch.empty(args.num_experts, args.hidden_size))
+        self.e_score_correction_bias = nn.Parameter(
+            torch.zeros(args.num_experts), requires_grad=False
+        )
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
+        return sigmoid_group_topk(logits, self.e_score_correction_bias.float(), self.args)
+
+
 def softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 softmax over all experts, top-k, optional renormalisation. Returns (weights fp32, ids)."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -257,11 +301,21 @@ class SparseMoe(nn.Module):
     """
 
     def __init__(
-        self, args: ModelArgs, layer: int, *, weights_in_act_dtype: bool, shared: bool = False
+        self,
+        args: ModelArgs,
+        layer: int,
+        *,
+        weights_in_act_dtype: bool,
+        shared: bool = False,
+        gate: nn.Module | None = None,
     ):
         super().__init__()
         self.layer, self.k, self.renorm = layer, args.num_experts_per_tok, args.norm_topk_prob
-        self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        # `gate` is the router module (checkpoint name `mlp.gate`); subclasses with another
+        # routing rule pass their own and override `route`.
+        self.gate = (
+            gate if gate is not None else nn.Linear(args.hidden_size, args.num_experts, bias=False)
+        )
         # Qwen/OLMoE cast the top-k weights to the activation dtype; Mixtral keeps them in fp32.
         self.weights_in_act_dtype = weights_in_act_dtype
         if shared:
@@ -274,8 +328,12 @@ class SparseMoe(nn.Module):
         # the router's input. It must not synchronise (see moestream/obs/trace.py).
         self.observer = None
 
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, K] fp32, ids [T, K])."""
+        return softmax_topk(self.gate(x), self.k, self.renorm)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = softmax_topk(self.gate(x), self.k, self.renorm)  # [T, K] each
+        w, ids = self.route(x)  # [T, K] each
         if self.weights_in_act_dtype:
             w = w.to(x.dtype)
         if self.observer is not None:
@@ -284,3 +342,20 @@ class SparseMoe(nn.Module):
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+class SigmoidMoe(SparseMoe):
+    """DeepSeek-V3 / GLM-4.5 MoE block: sigmoid group-limited router, routed weights kept in fp32
+    when combined, plus ungated shared experts (`mlp.shared_experts`) added after the routed sum."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        super().__init__(args, layer, weights_in_act_dtype=False, gate=SigmoidRouter(args))
+        inter = args.moe_intermediate_size * args.n_shared_experts
+        self.shared_experts = MLP(args.hidden_size, inter) if inter else None
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.gate(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out if self.shared_experts is None else out + self.shared_experts(x)
