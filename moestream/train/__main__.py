@@ -15,29 +15,32 @@ import os
 import sys
 import time
 
+_TYPES = {"int": int, "float": float, "str": str, "bool": bool, "dict": dict}
+
+
+def _add_fields(ap, cls, skip=()):
+    """One --option per dataclass field (bools as --x/--no-x)."""
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        typ = _TYPES.get(f.type, f.type) if isinstance(f.type, str) else f.type
+        opt = "--" + f.name.replace("_", "-")
+        if typ is bool:
+            ap.add_argument(opt, action=argparse.BooleanOptionalAction, default=f.default)
+        else:
+            ap.add_argument(opt, type=typ, default=f.default)
+
 
 def _spec_args(ap):
     from .trainer import ModelSpec
 
-    for f in dataclasses.fields(ModelSpec):
-        if f.name in ("vocab_size", "eot_id"):
-            continue
-        t = {bool: lambda s: s.lower() in ("1", "true", "yes")}.get(f.type if not isinstance(f.type, str) else eval(f.type), None)
-        ap.add_argument("--" + f.name.replace("_", "-"), type=t or (eval(f.type) if isinstance(f.type, str) else f.type),
-                        default=f.default)
+    _add_fields(ap, ModelSpec, skip=("vocab_size", "eot_id"))
 
 
 def _train_args(ap):
     from .trainer import TrainArgs
 
-    for f in dataclasses.fields(TrainArgs):
-        if f.name in ("spec", "data"):
-            continue
-        typ = eval(f.type) if isinstance(f.type, str) else f.type
-        if typ is bool:
-            ap.add_argument("--" + f.name.replace("_", "-"), action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            ap.add_argument("--" + f.name.replace("_", "-"), type=typ, default=f.default)
+    _add_fields(ap, TrainArgs, skip=("spec", "data"))
 
 
 def _load_data(data_dir):
@@ -57,7 +60,7 @@ def _build(ns):
     spec_kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ModelSpec) if hasattr(ns, f.name)}
     spec = ModelSpec(**spec_kw, vocab_size=meta["vocab_size"], eot_id=meta["eot_id"])
     targs = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)
-                         if hasattr(ns, f.name) and f.name != "spec"}, data=ns.data)
+                         if hasattr(ns, f.name) and f.name != "spec"})
     targs.spec = dataclasses.asdict(spec)
     return Trainer(spec, targs, train, valid), meta
 
@@ -65,18 +68,25 @@ def _build(ns):
 def cmd_tokenizer(ns):
     import numpy as np
 
-    from .tokenizer import EOT, save_tokenizer, tokenize_file, train_tokenizer
+    from .tokenizer import EOT, load_tokenizer, save_tokenizer, tokenize_file, train_tokenizer
+
+    def corpus_file(split):
+        path = os.path.join(ns.corpus, f"{split}.txt")
+        return path if os.path.exists(path) else path + ".xz"
 
     t = time.time()
-    tok = train_tokenizer([os.path.join(ns.corpus, "train.txt")], ns.vocab)
-    save_tokenizer(tok, ns.out)
+    if ns.tokenizer:  # tokenize only, with an existing tokenizer
+        tok = load_tokenizer(ns.tokenizer)
+        os.makedirs(ns.out, exist_ok=True)
+    else:
+        tok = train_tokenizer([corpus_file("train")], ns.vocab)
+        save_tokenizer(tok, ns.out)
     meta = {"vocab_size": tok.get_vocab_size(), "eot_id": tok.token_to_id(EOT)}
     for split in ("train", "valid"):
-        arr = tokenize_file(tok, os.path.join(ns.corpus, f"{split}.txt"))
+        arr = tokenize_file(tok, corpus_file(split))
         np.save(os.path.join(ns.out, f"{split}.npy"), arr)
         meta[f"{split}_tokens"] = int(arr.size)
-        nbytes = os.path.getsize(os.path.join(ns.corpus, f"{split}.txt"))
-        print(f"{split}: {arr.size} tokens, {nbytes / max(1, arr.size):.2f} bytes/token, {time.time() - t:.0f}s")
+        print(f"{split}: {arr.size} tokens, {time.time() - t:.0f}s", flush=True)
     with open(os.path.join(ns.out, "meta.json"), "w") as f:
         json.dump(meta, f, indent=1)
 
@@ -97,6 +107,26 @@ def cmd_bench(ns):
     import torch
 
     results = []
+    # correctness of the local grouped bf16 experts forward against HF's eager loop in fp32
+    from .trainer import ModelSpec, _grouped_bf16_experts_forward, make_model
+
+    torch.manual_seed(1)
+    m = make_model(ModelSpec(), seed=1).cuda()
+    ex = m.model.layers[0].mlp.experts
+    with torch.no_grad():
+        for p_ in (ex.gate_up_proj, ex.down_proj):
+            p_.normal_(0, 0.05)
+        x = torch.randn(4096, m.config.hidden_size, device="cuda")
+        logits = torch.randn(4096, m.config.num_experts, device="cuda")
+        w, idx = torch.topk(logits.softmax(-1), m.config.num_experts_per_tok, dim=-1)
+        w = w / w.sum(-1, keepdim=True)
+        m.set_experts_implementation("eager")
+        ref = ex(x.double().float(), idx, w)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = _grouped_bf16_experts_forward(ex, x, idx, w)
+        rel = ((got.float() - ref).norm() / ref.norm()).item()
+    print(json.dumps({"check": "grouped_bf16 vs eager fp32", "rel_err": rel}), flush=True)
+    del m
     for variant in ns.variants.split(","):
         impl, _, comp = variant.partition("+")
         ns.experts_impl, ns.compile = impl, comp == "compile"
@@ -143,6 +173,7 @@ def main(argv=None):
     p.add_argument("--corpus", default="data/corpus")
     p.add_argument("--out", default="data/tok")
     p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--tokenizer", default="", help="existing tokenizer folder: tokenize only")
     p.set_defaults(fn=cmd_tokenizer)
 
     for name, fn in (("fit", cmd_fit), ("bench", cmd_bench)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import os
 from collections.abc import Iterator
 
@@ -25,7 +26,8 @@ CHAT_TEMPLATE = (
 def iter_documents(path: str, chunk_chars: int = 1 << 20) -> Iterator[str]:
     """Yield the documents of a corpus file (documents end with a line holding EOT)."""
     buf = ""
-    with open(path, encoding="utf-8") as f:
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
         while True:
             block = f.read(chunk_chars)
             if not block:

@@ -406,13 +406,23 @@ def export_hf(ckpt: str, out_dir: str, tokenizer_dir: str, max_shard_size: str =
     model.load_state_dict(sd, strict=False)
     model.tie_weights()
     model = model.to(torch.bfloat16)
-    model.config.torch_dtype = torch.bfloat16
+    model.config.dtype = torch.bfloat16
     model.config.use_cache = True
     model.generation_config = GenerationConfig(
         bos_token_id=spec.eot_id, eos_token_id=spec.eot_id, pad_token_id=spec.eot_id,
         do_sample=False, max_new_tokens=256,
     )
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
+    # transformers 5 writes `num_local_experts`; published qwen3_moe configs (and older transformers)
+    # use `num_experts`, which transformers 5 maps back on load.
+    cfg_path = os.path.join(out_dir, "config.json")
+    with open(cfg_path) as f:
+        cfg = json.load(f)
+    if "num_local_experts" in cfg:
+        cfg["num_experts"] = cfg.pop("num_local_experts")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=2, sort_keys=True)
+            f.write("\n")
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         src = os.path.join(tokenizer_dir, name)
         if os.path.exists(src):
