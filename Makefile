@@ -3,7 +3,10 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # CPU wheel: an unpinned torch pulls a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
-DEMO_MODEL ?= .cache/demo-model
+# The bundled reference model (models/pystd-moe-29m) and its int8 expert store.
+DEMO_MODEL ?= models/pystd-moe-29m
+DEMO_STORE ?= .cache/pystd-moe-29m-int8
+DEMO_BUDGET ?= 4MiB
 
 .PHONY: venv test lint demo clean
 
@@ -22,11 +25,13 @@ lint: venv
 test: venv lint
 	$(PY) -m pytest -q
 
-$(DEMO_MODEL)/config.json: | venv
-	$(PY) scripts/make_demo_model.py $(DEMO_MODEL)
+$(DEMO_STORE)/manifest.json: | venv
+	$(PY) -m moestream convert $(DEMO_MODEL) $(DEMO_STORE) --quant int8
 
-demo: venv $(DEMO_MODEL)/config.json
-	$(PY) -m moestream generate -m $(DEMO_MODEL) -p "def fibonacci(n):" -n 48
+# Experts stay on disk; a 4 MiB cache holds ~15% of them and streams the rest.
+demo: venv $(DEMO_STORE)/manifest.json
+	$(PY) -m moestream generate -m $(DEMO_STORE) -p "def fibonacci(n):" -n 64 \
+		--memory-budget $(DEMO_BUDGET) --threads 2
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache

@@ -1,8 +1,12 @@
+import os
 import sys
 from pathlib import Path
 
-import pytest
-import torch
+# Sleeping OpenMP threads: spinning ones make tests crawl when another process shares the cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
