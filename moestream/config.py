@@ -11,7 +11,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SUPPORTED_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "qwen3_5_moe",
+)
+# config.json model_type -> the model file that runs it (text-only variants of multimodal models).
+MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 class ConfigError(ValueError):
@@ -90,6 +100,15 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # Token mixer per layer: "attention", or a recurrent one ("linear_attention": Gated DeltaNet)
+    # whose decode state lives in KVCache.state instead of K/V; empty = attention everywhere.
+    layer_mixers: tuple[str, ...] = ()
+    # Gated DeltaNet (qwen3_5_moe linear-attention layers)
+    linear_conv_kernel_dim: int = 4
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -142,6 +161,19 @@ class ModelArgs:
                     f"config.json: num_experts_per_tok ({self.num_experts_per_tok}) exceeds the "
                     f"experts in topk_group ({self.topk_group}) groups of {per_group}"
                 )
+        if self.layer_mixers and len(self.layer_mixers) != self.num_hidden_layers:
+            raise ConfigError(
+                f"config.json: layer_types has {len(self.layer_mixers)} entries for "
+                f"{self.num_hidden_layers} layers"
+            )
+        if "linear_attention" in self.layer_mixers and (
+            self.linear_num_key_heads <= 0
+            or self.linear_num_value_heads % self.linear_num_key_heads
+        ):
+            raise ConfigError(
+                f"config.json: linear_num_value_heads ({self.linear_num_value_heads}) must be a "
+                f"multiple of linear_num_key_heads ({self.linear_num_key_heads})"
+            )
         if self.rotary_dim % 2 or not 0 < self.rotary_dim <= self.head_dim:
             raise ConfigError(
                 f"config.json: rotary dim {self.rotary_dim} (head_dim {self.head_dim} x "
@@ -155,6 +187,13 @@ class ModelArgs:
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def attention_layers(self) -> tuple[bool, ...]:
+        """Per layer: does it keep a KV cache (False for recurrent mixers)."""
+        if not self.layer_mixers:
+            return (True,) * self.num_hidden_layers
+        return tuple(m == "attention" for m in self.layer_mixers)
 
     @property
     def kv_cache_dims(self) -> tuple[int, int, int]:
@@ -202,6 +241,9 @@ def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
 def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> ModelArgs:
     """Build ModelArgs from a Hugging Face config dict, applying each architecture's defaults."""
     mt = cfg.get("model_type")
+    if mt == "qwen3_5_moe" and "text_config" in cfg:
+        cfg = _text_config(cfg)
+    mt = MODEL_TYPE_ALIASES.get(mt, mt)
     if mt is None:
         raise ConfigError(
             f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?"
@@ -231,6 +273,8 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         if n_exp is None:
             raise ConfigError(f"{path}: missing required field 'num_experts'")
         moe_inter = int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 0)))
+    if mt == "qwen3_5_moe":
+        extra.update(_linear_attention_fields(cfg, n_layers))
     if mt in ("qwen3_moe", "qwen2_moe"):
         step = int(cfg.get("decoder_sparse_step", 1))
         dense_only = set(cfg.get("mlp_only_layers") or [])
@@ -262,7 +306,7 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rope=_rope_from_config(cfg),
         norm_topk_prob=True
-        if mt == "mixtral"
+        if mt in ("mixtral", "qwen3_5_moe")  # qwen3_5_moe always renormalises
         else bool(cfg.get("norm_topk_prob", mt in _DEEPSEEK_STYLE)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
@@ -283,11 +327,48 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
 _DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
 
 
+def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal checkpoints (Qwen3.5) nest the language model's fields under text_config; the
+    top level keeps tie_word_embeddings (and sometimes eos_token_id)."""
+    text = dict(cfg["text_config"])
+    text["model_type"] = "qwen3_5_moe"
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:  # transformers ties by the top-level config
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+def _linear_attention_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Qwen3.5 hybrid layers: layer_types (or every full_attention_interval-th layer full
+    attention, as Qwen3_5MoeTextConfig) and the Gated DeltaNet dims, with transformers' defaults."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(n_layers)
+        ]
+    known = {"full_attention": "attention", "linear_attention": "linear_attention"}
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        raise ConfigError(f"config.json: layer type(s) {', '.join(unknown)} are not supported")
+    return dict(
+        layer_mixers=tuple(known[t] for t in types),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+    )
+
+
 def _partial_rotary_factor(cfg: dict[str, Any], mt: str) -> float:
     # transformers 5 keeps it in rope_parameters; hub configs have it at the top level. GLM-4.5
     # rotates half of each head when neither says (Glm4MoeConfig.__post_init__).
     params = cfg.get("rope_parameters") or {}
-    default = 0.5 if mt == "glm4_moe" else 1.0
+    default = {"glm4_moe": 0.5, "qwen3_5_moe": 0.25}.get(mt, 1.0)
     return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
 
 

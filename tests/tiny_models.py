@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "qwen3_5_moe")
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
 
@@ -123,6 +123,31 @@ def hf_config(arch: str, **over):
                 mscale_all_dim=0.8,
             ),
         )
+    elif arch in ("qwen3_5_moe", "qwen3_5_moe_text"):
+        # Hybrid: Gated DeltaNet layers (2 key heads serving 4 value heads) around a gated
+        # full-attention layer with the default quarter-rotary heads; every layer MoE + shared expert.
+        text = dict(
+            **common,
+            head_dim=16,
+            layer_types=["linear_attention", "full_attention", "linear_attention"],
+            linear_conv_kernel_dim=4,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=40,
+            num_experts=8,
+            num_experts_per_tok=3,
+        )
+        text.update(over)
+        if arch == "qwen3_5_moe_text":
+            return T.Qwen3_5MoeTextConfig(**text)
+        # The hub layout: a multimodal checkpoint with a (tiny) vision tower we must ignore.
+        vision = dict(
+            depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64
+        )
+        return T.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
     else:
         raise ValueError(arch)
     for k, v in over.items():
@@ -142,6 +167,8 @@ def perturbed_model(arch: str, seed: int = 0, **over):
         "olmoe": T.OlmoeForCausalLM,
         "glm4_moe": T.Glm4MoeForCausalLM,
         "deepseek_v3": T.DeepseekV3ForCausalLM,
+        "qwen3_5_moe": T.Qwen3_5MoeForConditionalGeneration,
+        "qwen3_5_moe_text": T.Qwen3_5MoeForCausalLM,
     }[arch]
     model = cls(cfg).float().eval()
     with torch.no_grad():
@@ -150,7 +177,8 @@ def perturbed_model(arch: str, seed: int = 0, **over):
                 b.copy_(0.1 * torch.randn_like(b))
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
+                # Around the init constant: 1, or 0 for norms computing x * (1 + w) (qwen3_5_moe).
+                p.copy_(p + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("mlp.gate.weight"):

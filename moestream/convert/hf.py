@@ -19,6 +19,7 @@ from safetensors import safe_open
 
 from moestream.config import ModelArgs, load_model_args
 from moestream.convert.fp8 import Fp8Error, dequantize_fp8, fp8_block_size
+from moestream.models import model_module
 
 
 class CheckpointError(ValueError):
@@ -26,16 +27,19 @@ class CheckpointError(ValueError):
 
 
 # Per-expert layouts: Qwen/OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`.
+# Multimodal checkpoints (Qwen3.5) prefix the language model's layers with `model.language_model.`.
 _PER_EXPERT = re.compile(
-    r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 # Fused layout written by transformers 5 (`save_original_format=False`) and some hub models.
-_FUSED = re.compile(r"^model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_FUSED = re.compile(
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$"
+)
 _ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # Buffers some exporters save that carry no learned state.
 _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$)")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 # FP8 block scales: `X.weight_scale_inv` (or `X_scale_inv` for fused experts) belongs to `X(.weight)`.
 _SCALE_INV = "_scale_inv"
 
@@ -190,8 +194,10 @@ class HFCheckpoint:
         per: dict[tuple[int, int], dict[str, str]] = {}
         fused: dict[int, dict[str, str]] = {}
         self._pair_fp8_scales()
+        # Tensors a model file declares unused (e.g. a vision tower, separate MTP heads).
+        skip = [re.compile(p) for p in getattr(model_module(a.model_type), "IGNORED", ())]
         for name in self._shard_of:
-            if self._is_mtp(name):
+            if self._is_mtp(name) or any(p.search(name) for p in skip):
                 self.ignored.append(name)
             elif name.endswith(_SCALE_INV):
                 continue  # paired with its weight by _pair_fp8_scales

@@ -1,7 +1,8 @@
 """The decoder stack every supported architecture shares: embed -> layers -> norm -> lm_head.
 
-Model files provide `make_attention(args, i)` and `make_mlp(args, i)`; this file owns the residual
-wiring and the forward pass over one sequence (no batch dimension: the engine serves one request).
+Model files provide `make_attention(args, i)` and `make_mlp(args, i)` (hybrid models: a whole
+`make_layer(args, i)` and their own norm class); this file owns the residual wiring and the forward
+pass over one sequence (no batch dimension: the engine serves one request).
 """
 
 from __future__ import annotations
@@ -31,16 +32,28 @@ class DecoderLayer(nn.Module):
 class MoeCausalLM(nn.Module):
     """Parameter names mirror transformers (`model.layers.{i}.self_attn.q_proj.weight`, ...)."""
 
-    def __init__(self, args: ModelArgs, make_attention: Callable, make_mlp: Callable):
+    def __init__(
+        self,
+        args: ModelArgs,
+        make_attention: Callable | None,
+        make_mlp: Callable | None,
+        *,
+        make_layer: Callable | None = None,
+        norm: type[nn.Module] = RMSNorm,
+    ):
         super().__init__()
         self.args = args
         self.model = nn.Module()
         self.model.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        if make_layer is None:
+
+            def make_layer(a: ModelArgs, i: int) -> nn.Module:
+                return DecoderLayer(a, make_attention(a, i), make_mlp(a, i))
+
         self.model.layers = nn.ModuleList(
-            DecoderLayer(args, make_attention(args, i), make_mlp(args, i))
-            for i in range(args.num_hidden_layers)
+            make_layer(args, i) for i in range(args.num_hidden_layers)
         )
-        self.model.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.model.norm = norm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
 
