@@ -65,6 +65,25 @@ def _add_store_args(p) -> None:
         choices=["bf16", "int8", "int4"],
         help="expert quantization when converting a Hugging Face folder (default bf16)",
     )
+    g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
+    g.add_argument(
+        "--predictor",
+        default="none",
+        choices=["none", "temporal", "stale-gate", "prerouter", "oracle"],
+        help="predict upcoming experts and prefetch them (default none: on-demand reads)",
+    )
+    g.add_argument(
+        "--routing",
+        default="exact",
+        choices=["exact", "predicted"],
+        help="exact: predictions only prefetch (tokens identical); predicted: the prediction is "
+        "the routing (Edge0, lossy)",
+    )
+    g.add_argument("--oracle-trace", default=None, help="trace folder the oracle predictor replays")
+
+
+def _predict_kwargs(a: argparse.Namespace) -> dict:
+    return {"predictor": a.predictor, "routing": a.routing, "trace": a.oracle_trace}
 
 
 def _store_kwargs(a: argparse.Namespace) -> dict:
@@ -74,11 +93,11 @@ def _store_kwargs(a: argparse.Namespace) -> dict:
     from moestream.store.stream import StreamConfig
 
     if a.memory_budget is None and not a.resident and a.io is None:
-        return {"quant": a.quant}
+        return {"quant": a.quant, **_predict_kwargs(a)}
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
     budget = None if a.memory_budget is None else parse_size(a.memory_budget)
     stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
-    return {"stream": stream, "quant": a.quant}
+    return {"stream": stream, "quant": a.quant, **_predict_kwargs(a)}
 
 
 def _add_convert(sub) -> None:
@@ -434,6 +453,170 @@ def cmd_bench_warmup(a: argparse.Namespace) -> int:
     return 0
 
 
+def _add_predict(sub) -> None:
+    p = sub.add_parser(
+        "train-prerouter", help="distil Edge0 prerouter heads from traces with hidden states"
+    )
+    p.add_argument("-m", "--model", required=True, help="checkpoint or store folder")
+    p.add_argument(
+        "--traces", required=True, nargs="+", help="trace folders (moestream trace --hidden)"
+    )
+    p.add_argument("--hidden", type=int, default=256, help="fc1 width (default 256)")
+    p.add_argument("--epochs", type=int, default=30)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--batch", type=int, default=512)
+    p.add_argument("--val-fraction", type=float, default=0.15, help="held-out sequences")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
+    p.add_argument("-o", "--out", default=None, help="heads file (default: beside the model)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--json", action="store_true", help="print the per-head report as JSON")
+    p.set_defaults(func=cmd_train_prerouter)
+
+    p = sub.add_parser("eval", help="perplexity, flips vs an fp32 oracle, KL over a text file")
+    _add_model_args(p)
+    p.add_argument("--text", required=True, help="UTF-8 text file to score")
+    p.add_argument("--max-tokens", type=int, default=2048, help="tokens scored (default 2048)")
+    p.add_argument("--ctx", type=int, default=256, help="window length (default 256)")
+    p.add_argument(
+        "--reference",
+        default=None,
+        help="oracle folder run in fp32 with every expert resident (default: -m itself)",
+    )
+    p.add_argument("--no-reference", action="store_true", help="perplexity only")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_eval)
+
+
+def _add_recall(sub) -> None:
+    p = sub.add_parser("recall", help="per-layer recall of routing predictors over a trace")
+    p.add_argument("-m", "--model", required=True, help="the model the trace was recorded from")
+    p.add_argument("--trace", required=True, help="trace folder (hidden states for stale-gate)")
+    p.add_argument(
+        "--predictor",
+        action="append",
+        default=None,
+        help="temporal|stale-gate|prerouter|oracle (repeatable; default: all available)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.set_defaults(func=cmd_recall)
+
+
+def cmd_recall(a: argparse.Namespace) -> int:
+    from moestream.obs.trace import load_trace
+    from moestream.predict.prerouter import PrerouterHeads, find_heads
+    from moestream.predict.recall import format_recall, overall, recall_table
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    rt = open_model(a.model, progress=False)
+    t = load_trace(a.trace)
+    found = find_heads(a.model, rt.folder)
+    heads = PrerouterHeads.load(found) if found else None
+    names = a.predictor or ["temporal"]
+    if a.predictor is None and t.hidden is not None:
+        names += ["stale-gate"] + (["prerouter"] if heads is not None else [])
+    table = recall_table(rt.generator.model, t, names, heads)
+    if a.json:
+        print(
+            json.dumps({"per_layer": table, "overall": {n: overall(r) for n, r in table.items()}})
+        )
+    else:
+        print(format_recall(table))
+    return 0
+
+
+def cmd_train_prerouter(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from moestream.obs.trace import load_trace
+    from moestream.predict.prerouter import HEADS_FILE
+    from moestream.predict.train import TrainConfig, train_heads
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    if len(a.traces) > 1:
+        from moestream.predict.train import merge_traces
+
+        trace = merge_traces([load_trace(t) for t in a.traces])
+    else:
+        trace = load_trace(a.traces[0])
+    rt = open_model(a.model, progress=False)
+    routers = [b.gate.weight.detach().float() for b in rt.generator.model.moe_blocks]
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = TrainConfig(
+        hidden=a.hidden,
+        epochs=a.epochs,
+        lr=a.lr,
+        batch=a.batch,
+        val_fraction=a.val_fraction,
+        seed=a.seed,
+        device=device,
+    )
+
+    def log(col, r):
+        if not a.json:
+            print(
+                f"head {col} -> layer {col + 1}: loss {r['loss_before']:.3f} -> {r['loss_after']:.3f}"
+                f"  held-out recall@K {100 * r['recall_before']:.1f}% -> "
+                f"{100 * r['recall_after']:.1f}%  ({r['train_rows']} train rows)",
+                file=sys.stderr,
+            )
+
+    heads, report = train_heads(trace, routers, cfg, log)
+    out = Path(a.out) if a.out else Path(a.model) / HEADS_FILE
+    heads.save(out)
+    if a.json:
+        print(json.dumps({"out": str(out), "heads": report}))
+    else:
+        print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def cmd_eval(a: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from moestream.quality.eval import evaluate
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    cand = open_model(a.model, dtype=a.dtype, progress=False, **_store_kwargs(a))
+    ref = None
+    if not a.no_reference:
+        ref = open_model(a.reference or a.model, dtype="float32", progress=False)
+    ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
+    ctx = min(a.ctx, cand.args.max_position_embeddings)
+    stepwise = a.routing == "predicted"
+    out = evaluate(cand, ref, ids, ctx, stepwise)
+    provider = cand.generator.model.moe_blocks[0].provider
+    if hasattr(provider, "stats"):
+        out["provider"] = provider.stats()
+    out["config"] = {
+        "model": str(a.model),
+        "dtype": a.dtype,
+        "quant": a.quant,
+        "predictor": a.predictor,
+        "routing": a.routing,
+        "reference": None if ref is None else str(a.reference or a.model),
+        "ctx": ctx,
+    }
+    if a.json:
+        print(json.dumps(out))
+        return 0
+    print(f"perplexity {out['perplexity']:.4f} +/- {out['stderr']:.4f} ({out['tokens']} tokens)")
+    if ref is not None:
+        o = out["oracle"]
+        print(f"oracle     {o['perplexity']:.4f} +/- {o['stderr']:.4f}")
+        print(
+            f"flips {out['flips']}/{out['positions']} (margin >= 0.1; {out['ties']} ties)  "
+            f"KL mean {out['kl_mean']:.5f} max {out['kl_max']:.4f}"
+        )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -442,6 +625,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_chat(sub)
     _add_obs(sub)
+    _add_predict(sub)
+    _add_recall(sub)
     return parser
 
 

@@ -44,15 +44,34 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
     return () if tid is None else (tid,)
 
 
+def _attach_predictor(model, name: str, routing: str, trace, folders) -> None:
+    from moestream.obs.trace import load_trace
+    from moestream.predict.pipeline import attach, make_predictor
+    from moestream.predict.prerouter import PrerouterHeads, find_heads
+
+    if name == "none":
+        raise ConfigError("--routing predicted needs a --predictor (e.g. prerouter)")
+    heads = None
+    if name == "prerouter":
+        found = find_heads(*folders)
+        heads = PrerouterHeads.load(found) if found is not None else None
+    tr = load_trace(trace) if trace is not None else None
+    attach(model, make_predictor(name, model, heads=heads, trace=tr), routing)
+
+
 def open_model(
     path: str | Path,
     dtype: str = "float32",
     progress: bool = False,
     stream: StreamConfig | None = None,
     quant: str | None = None,
+    predictor: str = "none",
+    routing: str = "exact",
+    trace: str | Path | None = None,
 ) -> Runtime:
     """A store opens with `stream` (default: all experts resident). A Hugging Face folder loads
-    directly, unless `stream` or `quant` is given: then it is converted once into the cache."""
+    directly, unless `stream` or `quant` is given: then it is converted once into the cache.
+    `predictor`/`routing`/`trace`: routing prediction and prefetch (moestream/predict/)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -70,5 +89,7 @@ def open_model(
             )
     else:
         loaded = load_hf(folder, dtype, progress)
+    if predictor != "none" or routing != "exact":
+        _attach_predictor(loaded.model, predictor, routing, trace, (Path(path), folder))
     gen = Generator(loaded.model, loaded.args, tokenizer, eos_ids(folder, loaded.args, tokenizer))
     return Runtime(loaded.args, tokenizer, gen, folder)

@@ -121,6 +121,7 @@ class Generator:
         cache = KVCache(self.args, total, self.dtype)
         text = TextStream(self.tok, cfg.stop)
         before = self._provider_stats()
+        self._reset_provider()
         t0 = time.perf_counter()
         logits = self.model(torch.tensor(prompt_ids), cache, 0, last_only=True)[-1]
         res.prefill_seconds = time.perf_counter() - t0
@@ -152,6 +153,13 @@ class Generator:
         if tail:
             yield tail
         res.text = text.text
+
+    def _reset_provider(self) -> None:
+        """Tell a provider that tracks positions (routing prediction) that a sequence starts."""
+        blocks = self.model.moe_blocks
+        reset = getattr(blocks[0].provider, "reset", None) if blocks else None
+        if reset is not None:
+            reset()
 
     def _provider_stats(self) -> dict | None:
         """Cumulative counters of a provider that keeps them (the expert store), else None."""

@@ -3,15 +3,19 @@
 Slots are one anonymous mmap (page aligned, so every record-sized slot is aligned for O_DIRECT).
 Misses are read with os.preadv straight into their slots, optionally split into N parallel
 page-aligned parts, then checksummed, all in the pool's threads (pread and zlib.crc32 release
-the GIL).
+the GIL). The pool is a priority queue: demand reads (the layer computing now waits on them)
+jump ahead of queued prefetch reads.
 """
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +37,47 @@ class IOConfig:
             raise ConfigError(f"unknown --io {self.mode!r}; use direct, pagecache or mmap")
         if self.threads < 1 or self.split < 1:
             raise ConfigError("IO threads and record split must be >= 1")
+
+
+DEMAND, PREFETCH = 0, 1  # IO priorities: lower runs first
+
+
+class PriorityPool:
+    """A thread pool whose queue is ordered by (priority, arrival): a demand read submitted after
+    queued prefetches starts before them. Jobs already running are not preempted."""
+
+    def __init__(self, threads: int, name: str = "moestream-io"):
+        self.q: queue.PriorityQueue = queue.PriorityQueue()
+        self.seq = itertools.count()
+        self.workers = [
+            threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+            for i in range(threads)
+        ]
+        for w in self.workers:
+            w.start()
+
+    def submit(self, fn, *args, priority: int = DEMAND) -> Future:
+        fut: Future = Future()
+        self.q.put((priority, next(self.seq), fut, fn, args))
+        return fut
+
+    def _work(self) -> None:
+        while True:
+            _, _, fut, fn, args = self.q.get()
+            if fut is None:
+                return
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            try:
+                fut.set_result(fn(*args))
+            except BaseException as e:  # handed to whoever waits on the future
+                fut.set_exception(e)
+
+    def shutdown(self) -> None:
+        for _ in self.workers:  # sentinels sort after every queued job
+            self.q.put((PREFETCH + 1, next(self.seq), None, None, None))
+        for w in self.workers:
+            w.join()
 
 
 class SlotPool:
@@ -66,7 +111,7 @@ class RecordReader:
                     f"cannot open {store.path(layer)} with --io {cfg.mode} ({e}); "
                     "the filesystem may not support O_DIRECT: use --io pagecache"
                 ) from e
-        self.exec = ThreadPoolExecutor(cfg.threads, thread_name_prefix="moestream-io")
+        self.exec = PriorityPool(cfg.threads)
         part = -(-pool.size // cfg.split)
         self.part = -(-part // RECORD_ALIGN) * RECORD_ALIGN
         self.bytes_read = 0
@@ -105,8 +150,19 @@ class RecordReader:
         self.io_seconds += time.perf_counter() - t0
         self.bytes_read += len(misses) * self.pool.size
 
+    def _read_record(self, layer: int, e: int, slot: int) -> None:
+        for start in range(0, self.pool.size, self.part):
+            self._read_part(layer, e, slot, start)
+        if self.cfg.verify:
+            self.store.check_record(layer, e, self.pool.memview(slot))
+
+    def read_async(self, layer: int, e: int, slot: int) -> Future:
+        """Prefetch one record into its slot behind every queued demand read. The caller must keep
+        the slot from being reused until the future is done (SlotTable.busy)."""
+        return self.exec.submit(self._read_record, layer, e, slot, priority=PREFETCH)
+
     def close(self) -> None:
-        self.exec.shutdown(wait=True)
+        self.exec.shutdown()
         for fd in self.fds.values():
             os.close(fd)
         self.fds = {}

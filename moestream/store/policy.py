@@ -218,6 +218,8 @@ class SlotTable:
         self.slot_of: dict[Key, int] = {}
         self.free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.hits = self.misses = self.evictions = 0
+        # Keys whose slots are being written by an asynchronous read (prefetch): never victims.
+        self.busy: set[Key] = set()
 
     def access(self, layer: int, experts: Sequence[int]) -> Step:
         if len(experts) > self.n_slots:
@@ -226,24 +228,44 @@ class SlotTable:
             )
         step = Step()
         protected = {(layer, e) for e in experts}
-        for e in experts:
-            key = (layer, e)
-            slot = self.slot_of.get(key)
-            if slot is None:
-                slot = self._take_slot(key, protected, step)
-                self.slot_of[key] = slot
-                step.misses.append((e, slot))
-                self.misses += 1
-            else:
-                self.hits += 1
-            self.policy.touch(key)
-            step.slots.append(slot)
+        try:
+            for e in experts:
+                key = (layer, e)
+                slot = self.slot_of.get(key)
+                if slot is None:
+                    slot = self._take_slot(key, protected, step)
+                    self.slot_of[key] = slot
+                    step.misses.append((e, slot))
+                    self.misses += 1
+                else:
+                    self.hits += 1
+                self.policy.touch(key)
+                step.slots.append(slot)
+        except PolicyError:
+            # No victim (busy slots): undo the half-done step so no key is resident unfilled.
+            for e, _ in step.misses:
+                self.discard((layer, e))
+            self.misses -= len(step.misses)
+            self.hits -= len(step.slots) - len(step.misses)
+            raise
         return step
+
+    def insert(self, key: Key, protected: set[Key]) -> tuple[int, list[Key]] | None:
+        """Make room for one non-resident key without counting a hit or miss (a prefetch).
+        Returns (slot, evicted keys), or None when every candidate victim is protected or busy."""
+        step = Step()
+        try:
+            slot = self._take_slot(key, protected, step)
+        except PolicyError:
+            return None
+        self.slot_of[key] = slot
+        self.policy.touch(key)
+        return slot, step.evicted
 
     def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
         if self.free and not self.policy.wants_victim(key, len(self.free)):
             return self.free.pop()
-        old = self.policy.victim(key, protected)
+        old = self.policy.victim(key, protected | self.busy if self.busy else protected)
         self.policy.evicted(old)
         step.evicted.append(old)
         self.evictions += 1

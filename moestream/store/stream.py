@@ -4,6 +4,13 @@ route -> make resident (slot table, pread misses) -> compute (quantized kernels)
 All three modes run the same compute code in the same order (decode: the token's experts in
 ascending id order; prefill: tokens grouped by expert in ascending id order, as ResidentExperts),
 so at one quantization their greedy tokens are bit-identical.
+
+Prefetch (`prefetch(layer, experts)`, driven by moestream/predict/): predicted experts get slots
+now and are read by the IO pool behind demand reads while compute proceeds; a slot being read is
+`busy` (never a victim); a demand access that needs an in-flight record waits for it. Counters:
+prefetch reads, used (a demand access found the record before it was evicted), late (demand had
+to wait for the read), wasted (evicted unused), dropped (no slot could be freed), cancelled (still
+queued when the router proved the prediction wrong: never read).
 """
 
 from __future__ import annotations
@@ -17,9 +24,9 @@ import torch
 from moestream.config import ConfigError
 from moestream.kernels.dispatch import qlinear
 from moestream.kernels.ref import expert_ffn_q
-from moestream.store.format import Store
+from moestream.store.format import Store, StoreError
 from moestream.store.io import IOConfig, RecordReader, SlotPool
-from moestream.store.policy import SlotTable, make_policy
+from moestream.store.policy import PolicyError, SlotTable, make_policy
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +71,10 @@ class StreamingExperts:
         self.g = store.scheme.group_size
         self.linear = qlinear(cfg.kernel)
         self.compute_seconds = 0.0
+        self.inflight: dict[tuple[int, int], object] = {}  # key -> Future of its prefetch read
+        self.prefetched: set[tuple[int, int]] = set()  # read ahead, not yet used by demand
+        self.pf = dict.fromkeys(("reads", "used", "late", "wasted", "dropped", "cancelled"), 0)
+        self.pf_wait = 0.0
         if cfg.io.mode == "mmap" and not cfg.resident:
             self._maps = {layer: self._map(layer) for layer in store.crc}
             self._touched: set[tuple[int, int]] = set()
@@ -90,7 +101,19 @@ class StreamingExperts:
         """Section views of each expert, reading misses from disk."""
         if self.n_slots == 0:
             return [self._mapped(layer, e) for e in experts]
-        step = self.table.access(layer, experts)
+        self._await(layer, experts)
+        try:
+            step = self.table.access(layer, experts)
+        except PolicyError:
+            if not self.inflight:
+                raise
+            self._drain()  # every free candidate was busy with a prefetch read
+            step = self.table.access(layer, experts)
+        self._forget(step.evicted)
+        for e in experts:
+            if (layer, e) in self.prefetched:
+                self.prefetched.discard((layer, e))
+                self.pf["used"] += 1
         try:
             self.reader.read(layer, step.misses)
         except BaseException:
@@ -98,6 +121,87 @@ class StreamingExperts:
                 self.table.discard((layer, e))
             raise
         return [self.pool.views[s] for s in step.slots]
+
+    # ---- prefetch ------------------------------------------------------------------------------
+    def prefetch(self, layer: int, experts, protect=()) -> int:
+        """Start asynchronous reads of the non-resident experts among `experts` of `layer`; slots
+        of `protect` keys (the layer computing now) are not taken. Returns the reads started."""
+        if self.n_slots == 0 or self.cfg.resident:
+            return 0
+        self._reap()
+        protected = set(protect) | {(layer, e) for e in experts}
+        started = 0
+        for e in experts:
+            key = (layer, e)
+            if key in self.table.slot_of:
+                continue
+            got = self.table.insert(key, protected)
+            if got is None:
+                self.pf["dropped"] += 1
+                continue
+            slot, evicted = got
+            self._forget(evicted)
+            self.inflight[key] = self.reader.read_async(layer, e, slot)
+            self.table.busy.add(key)
+            self.prefetched.add(key)
+            started += 1
+        self.pf["reads"] += started
+        return started
+
+    def cancel_prefetch(self, layer: int, experts) -> int:
+        """Drop prefetch reads of these experts of `layer` that have not started (a prediction
+        the router just proved wrong): the disk is left to demand reads. Returns how many."""
+        n = 0
+        for e in experts:
+            key = (layer, e)
+            fut = self.inflight.get(key)
+            if fut is not None and fut.cancel():
+                del self.inflight[key]
+                self.table.busy.discard(key)
+                self.table.discard(key)
+                self.prefetched.discard(key)
+                n += 1
+        self.pf["reads"] -= n
+        self.pf["cancelled"] += n
+        return n
+
+    def _finish(self, key, fut) -> None:
+        """A prefetch read ended: free its busy mark; a failed read gives the slot back (the
+        demand access then reads it again and reports the damage)."""
+        del self.inflight[key]
+        self.table.busy.discard(key)
+        try:
+            fut.result()
+        except (OSError, StoreError):
+            self.table.discard(key)
+            self.prefetched.discard(key)
+
+    def _reap(self) -> None:
+        for key, fut in list(self.inflight.items()):
+            if fut.done():
+                self._finish(key, fut)
+
+    def _await(self, layer: int, experts: list[int]) -> None:
+        self._reap()
+        waits = [(layer, e) for e in experts if (layer, e) in self.inflight]
+        if waits:
+            t0 = time.perf_counter()
+            for key in waits:
+                self._finish(key, self.inflight[key])
+            self.pf_wait += time.perf_counter() - t0
+            self.pf["late"] += len(waits)
+
+    def _drain(self) -> None:
+        t0 = time.perf_counter()
+        for key, fut in list(self.inflight.items()):
+            self._finish(key, fut)
+        self.pf_wait += time.perf_counter() - t0
+
+    def _forget(self, evicted) -> None:
+        for key in evicted:
+            if key in self.prefetched:
+                self.prefetched.discard(key)
+                self.pf["wasted"] += 1
 
     def _mapped(self, layer: int, e: int) -> dict:
         size = self.store.layout.size
@@ -164,22 +268,34 @@ class StreamingExperts:
             reads, io = self.reader.bytes_read, self.reader.io_seconds
             t = self.table
             hits, misses, evictions = t.hits, t.misses, t.evictions
+        size = self.store.layout.size
         return {
-            "bytes_read": reads,
+            "bytes_read": reads + self.pf["reads"] * size,
             "hits": hits,
             "misses": misses,
             "evictions": evictions,
             "io_seconds": io,
             "compute_seconds": self.compute_seconds,
+            "prefetch_reads": self.pf["reads"],
+            "prefetch_used": self.pf["used"],
+            "prefetch_late": self.pf["late"],
+            "prefetch_dropped": self.pf["dropped"],
+            "prefetch_cancelled": self.pf["cancelled"],
+            "prefetch_wasted_bytes": self.pf["wasted"] * size,
+            "prefetch_wait_seconds": self.pf_wait,
         }
 
     def close(self) -> None:
         if self.n_slots:
+            self._drain()
             self.reader.close()
 
 
 def stats_delta(before: dict, after: dict) -> dict:
     """Counters for one generation, plus the achieved read bandwidth."""
-    d = {k: after[k] - before[k] for k in after}
-    d["read_gbps"] = d["bytes_read"] / d["io_seconds"] / 1e9 if d["io_seconds"] else 0.0
+    d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+    if d.get("prefetch_reads"):
+        d["prefetch_precision"] = d["prefetch_used"] / d["prefetch_reads"]
+    io = d.get("io_seconds", 0.0)
+    d["read_gbps"] = d.get("bytes_read", 0) / io / 1e9 if io else 0.0
     return d

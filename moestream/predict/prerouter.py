@@ -1,0 +1,117 @@
+"""Edge0 prerouter heads: a head at MoE layer N, run at token t, predicts layer N+1's routing
+for token t+1 (one token ahead, so a whole token's predictions can be staged at once).
+
+Input  x = concat(h [D], onehot(top-k of t at N) [E], onehot(top-k of t-1 at N) [E])
+Output logits [E] = fc2(gelu_erf(fc1(x))) + l(x), `l` warm-started from layer N+1's router
+(its one-hot columns and fc2 start at zero, so an untrained head is the stale gate).
+Heads are saved beside the model as prerouter.heads (safetensors format) and found by `find_heads`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.predict.base import Prediction, Predictor, topk_list
+
+HEADS_FILE = "prerouter.heads"  # safetensors bytes; not *.safetensors, which HF loaders scan
+
+
+class PrerouterHead(nn.Module):
+    def __init__(self, dim: int, experts: int, hidden: int):
+        super().__init__()
+        n_in = dim + 2 * experts
+        self.fc1 = nn.Linear(n_in, hidden)
+        self.fc2 = nn.Linear(hidden, experts)
+        self.l = nn.Linear(n_in, experts, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D + 2E] -> logits [T, E]."""
+        return self.fc2(F.gelu(self.fc1(x))) + self.l(x)
+
+
+class PrerouterHeads(nn.Module):
+    """One head per MoE column 0..L-2 (head N predicts column N+1)."""
+
+    def __init__(self, n_layers: int, dim: int, experts: int, top_k: int, hidden: int = 256):
+        super().__init__()
+        self.dim, self.experts, self.top_k, self.hidden = dim, experts, top_k, hidden
+        self.heads = nn.ModuleList(PrerouterHead(dim, experts, hidden) for _ in range(n_layers - 1))
+
+    def warm_start(self, router_weights: list[torch.Tensor]) -> None:
+        """router_weights[col] [E, D]: head N's `l` starts as router N+1 on the hidden part."""
+        with torch.no_grad():
+            for n, head in enumerate(self.heads):
+                head.l.weight.zero_()
+                head.l.weight[:, : self.dim].copy_(router_weights[n + 1].float())
+                head.fc2.weight.zero_()
+                head.fc2.bias.zero_()
+
+    def features(self, h: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor) -> torch.Tensor:
+        """h [T, D], ids/prev [T, K] (prev rows of -1 = no previous token) -> [T, D + 2E]."""
+        T = h.shape[0]
+        one = torch.zeros(T, 2 * self.experts, dtype=torch.float32, device=h.device)
+        one.scatter_(1, ids.long(), 1.0)
+        has_prev = prev[:, 0] >= 0
+        p = prev.long().clamp(min=0) + self.experts
+        one[has_prev] = one[has_prev].scatter(1, p[has_prev], 1.0)
+        return torch.cat((h.float(), one), dim=1)
+
+    def save(self, path: str | Path) -> Path:
+        from safetensors.torch import save_file
+
+        meta = {
+            "dim": self.dim,
+            "experts": self.experts,
+            "top_k": self.top_k,
+            "hidden": self.hidden,
+            "layers": len(self.heads) + 1,
+        }
+        sd = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(path), metadata={"moestream_prerouter": json.dumps(meta)})
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> PrerouterHeads:
+        from safetensors import safe_open
+        from safetensors.torch import load_file
+
+        with safe_open(str(path), "pt") as f:
+            meta = json.loads(f.metadata()["moestream_prerouter"])
+        heads = cls(meta["layers"], meta["dim"], meta["experts"], meta["top_k"], meta["hidden"])
+        heads.load_state_dict(load_file(str(path)))
+        return heads.eval()
+
+
+def find_heads(*folders: str | Path) -> Path | None:
+    """The first prerouter.heads among the folders (the -m folder, then the store)."""
+    for folder in folders:
+        p = Path(folder) / HEADS_FILE
+        if p.is_file():
+            return p
+    return None
+
+
+class PrerouterPredictor(Predictor):
+    name = "prerouter"
+
+    def __init__(self, heads: PrerouterHeads):
+        self.heads = heads
+        self.prev: dict[int, list[int]] = {}  # col -> top-k of the previous token
+
+    def reset(self) -> None:
+        self.prev = {}
+
+    @torch.no_grad()
+    def observe(self, col: int, pos: int, x: torch.Tensor, ids: list[int]) -> list[Prediction]:
+        prev = self.prev.get(col, [-1] * len(ids))
+        self.prev[col] = list(ids)
+        if col >= len(self.heads.heads):
+            return []
+        feats = self.heads.features(x.reshape(1, -1), torch.tensor([ids]), torch.tensor([prev]))
+        logits = self.heads.heads[col](feats)[0]
+        return [Prediction(col + 1, pos + 1, topk_list(logits, self.heads.top_k))]

@@ -1,0 +1,58 @@
+"""`moestream eval`: run a candidate configuration and an fp32 oracle over the same text, in
+independent windows of `ctx` tokens (fresh KV cache each), and compare them.
+
+Exact routing runs each window as one forward pass; `stepwise` (needed for predicted routing,
+whose predictions are made token by token) feeds the window one token at a time through the
+KV cache, exactly as decode does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.engine.kv_cache import KVCache
+from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
+
+
+@torch.inference_mode()
+def window_logits(model, args, ids: list[int], stepwise: bool) -> torch.Tensor:
+    """logits [T, V] (fp32) of every position of one window."""
+    dtype = model.model.embed_tokens.weight.dtype
+    cache = KVCache(args, len(ids), dtype)
+    reset = getattr(model.moe_blocks[0].provider, "reset", None) if model.moe_blocks else None
+    if reset is not None:
+        reset()
+    if not stepwise:
+        return model(torch.tensor(ids), cache, 0).float()
+    rows = [model(torch.tensor([t]), cache, p, last_only=True)[-1] for p, t in enumerate(ids)]
+    return torch.stack(rows).float()
+
+
+def windows(ids: list[int], ctx: int) -> list[list[int]]:
+    return [ids[i : i + ctx] for i in range(0, len(ids), ctx) if len(ids[i : i + ctx]) > 1]
+
+
+def evaluate(cand, ref, ids: list[int], ctx: int, stepwise: bool = False, log=None) -> dict:
+    """cand/ref: Runtimes (ref = the oracle, or None to skip flips/KL) -> metrics dict."""
+    nll, ref_nll, kls, flip, ties, pos = [], [], [], 0, 0, 0
+    for w, win in enumerate(windows(ids, ctx)):
+        tgt = torch.tensor(win[1:])
+        lc = window_logits(cand.generator.model, cand.args, win, stepwise)[:-1]
+        nll.append(token_nll(lc, tgt))
+        if ref is not None:
+            lo = window_logits(ref.generator.model, ref.args, win, False)[:-1]
+            ref_nll.append(token_nll(lo, tgt))
+            kls.append(kl_div(lc, lo))
+            f = flips(lc, lo)
+            flip, ties, pos = flip + f["flips"], ties + f["ties"], pos + f["positions"]
+        if log is not None:
+            log(w, len(win))
+    out = perplexity(torch.cat(nll))
+    if ref is not None:
+        r = perplexity(torch.cat(ref_nll))
+        out["oracle"] = {"perplexity": r["perplexity"], "stderr": r["stderr"]}
+        kl = torch.cat(kls)
+        out["kl_mean"] = float(kl.mean())
+        out["kl_max"] = float(kl.max())
+        out["flips"], out["ties"], out["positions"] = flip, ties, pos
+    return out

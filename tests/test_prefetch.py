@@ -1,0 +1,106 @@
+"""Prefetch pipeline in the store: demand reads jump ahead of queued prefetches; prefetched
+records are the right bytes; precision/used/wasted counters add up."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from moestream.convert.writer import convert
+from moestream.quant import make_scheme
+from moestream.store.io import DEMAND, PREFETCH, IOConfig, PriorityPool
+from moestream.store.load import load_store
+from moestream.store.stream import StreamConfig, stats_delta
+
+
+def test_demand_reads_jump_ahead_of_queued_prefetches():
+    pool = PriorityPool(1)
+    gate, order = threading.Event(), []
+    pool.submit(gate.wait)  # occupies the only worker
+    futs = [pool.submit(order.append, name, priority=PREFETCH) for name in ("p1", "p2")]
+    futs.append(pool.submit(order.append, "d1", priority=DEMAND))
+    cancelled = pool.submit(order.append, "p3", priority=PREFETCH)
+    assert cancelled.cancel()
+    gate.set()
+    for f in futs:
+        f.result(timeout=10)
+    pool.shutdown()
+    assert order == ["d1", "p1", "p2"]
+
+
+@pytest.fixture(scope="module")
+def store(tiny_dir, tmp_path_factory):
+    return convert(
+        tiny_dir("olmoe"), tmp_path_factory.mktemp("pf") / "s", make_scheme("int8"), False
+    )
+
+
+def provider(store, slots: int):
+    from moestream.store.format import Store
+
+    size = Store(store).layout.size
+    io = IOConfig(mode="pagecache", threads=2)
+    loaded = load_store(store, StreamConfig(memory_budget=slots * size, io=io))
+    return loaded.model.moe_blocks[0].provider, size
+
+
+def test_prefetch_counters_add_up(store):
+    p, size = provider(store, 4)
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    x = torch.randn(1, p.store.args.hidden_size)
+    w = torch.tensor([[0.6, 0.4]])
+    before = p.stats()
+    assert p.prefetch(0, [1, 2]) == 2
+    assert p.prefetch(0, [1, 2]) == 0  # already resident or in flight: nothing new
+    out = p.experts(0, x, torch.tensor([[1, 3]]), w)  # 1 was prefetched, 3 is a demand miss
+    assert torch.equal(out, ref.experts(0, x, torch.tensor([[1, 3]]), w))  # the right bytes
+    s = p.stats()
+    assert (s["prefetch_reads"], s["prefetch_used"], s["misses"], s["hits"]) == (2, 1, 1, 1)
+    assert s["bytes_read"] == 3 * size
+    # Expert 2 (prefetched, never used) is the LRU victim once 4 new experts arrive.
+    p.experts(0, x, torch.tensor([[4, 5]]), w)
+    p.experts(0, x, torch.tensor([[6, 7]]), w)
+    d = stats_delta(before, p.stats())
+    assert d["prefetch_wasted_bytes"] == size
+    assert d["prefetch_precision"] == 0.5
+    assert d["prefetch_used"] + d["prefetch_wasted_bytes"] // size == d["prefetch_reads"]
+    p.close()
+
+
+def test_prefetch_never_takes_the_computing_layers_slots(store):
+    p, _ = provider(store, 2)  # the minimum: top-k 2 slots
+    x = torch.randn(1, p.store.args.hidden_size)
+    w = torch.tensor([[0.5, 0.5]])
+    p.experts(0, x, torch.tensor([[0, 1]]), w)
+    # Both slots hold layer 0's experts, which are protected: nothing can be prefetched.
+    assert p.prefetch(1, [3, 4], protect=[(0, 0), (0, 1)]) == 0
+    assert p.stats()["prefetch_dropped"] == 2
+    assert p.prefetch(1, [3], protect=[(0, 0)]) == 1  # (0, 1) may go
+    # A demand access while the prefetch may still be in flight: waits for or drains it.
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    out = p.experts(1, x, torch.tensor([[5, 6]]), w)
+    assert torch.equal(out, ref.experts(1, x, torch.tensor([[5, 6]]), w))
+    out = p.experts(1, x, torch.tensor([[3, 6]]), w)
+    assert torch.equal(out, ref.experts(1, x, torch.tensor([[3, 6]]), w))
+    p.close()
+
+
+def test_queued_prefetch_of_a_wrong_prediction_is_cancelled(store):
+    p, size = provider(store, 4)
+    gate = threading.Event()
+    blocker = p.reader.exec.submit(gate.wait)  # holds one IO thread...
+    blocker2 = p.reader.exec.submit(gate.wait)  # ...and the other: prefetches stay queued
+    assert p.prefetch(0, [1, 2]) == 2
+    assert p.cancel_prefetch(0, [2]) == 1
+    assert (0, 2) not in p.table.resident() and (0, 2) not in p.table.busy
+    gate.set()
+    blocker.result(timeout=10)
+    blocker2.result(timeout=10)
+    x = torch.randn(1, p.store.args.hidden_size)
+    p.experts(0, x, torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]]))
+    s = p.stats()
+    assert (s["prefetch_reads"], s["prefetch_cancelled"], s["prefetch_used"]) == (1, 1, 1)
+    assert s["bytes_read"] == 2 * size  # expert 1 prefetched, 3 on demand, 2 never read
+    p.close()

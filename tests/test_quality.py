@@ -1,0 +1,85 @@
+"""Quality metrics: perplexity equals transformers' exp(mean NLL), the stderr formula, the flip
+margin rule, KL; `moestream eval --json` end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from moestream.quality.eval import evaluate
+from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
+from moestream.runtime import open_model
+
+TEXT = "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\n" * 3
+
+
+def test_perplexity_equals_transformers_exp_mean_nll(tiny_dir):
+    import transformers
+
+    folder = tiny_dir("qwen3_moe")
+    rt = open_model(folder)
+    ids = rt.tokenizer.encode(TEXT)
+    assert len(ids) > 20
+    got = evaluate(rt, None, ids, ctx=len(ids))
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        loss = hf(torch.tensor([ids]), labels=torch.tensor([ids])).loss
+    assert got["tokens"] == len(ids) - 1
+    assert got["perplexity"] == pytest.approx(math.exp(float(loss)), rel=1e-5)
+    # Windows: two halves are scored independently (the second one restarts its context).
+    half = evaluate(rt, None, ids, ctx=len(ids) // 2 + 1)
+    assert half["tokens"] == len(ids) - 2
+
+
+def test_stderr_is_delta_method():
+    nll = torch.tensor([1.0, 2.0, 0.5, 3.0])
+    got = perplexity(nll)
+    mean, sd = 1.625, float(nll.std(unbiased=True))
+    assert got["perplexity"] == pytest.approx(math.exp(mean))
+    assert got["stderr"] == pytest.approx(math.exp(mean) * sd / 2.0)
+    assert token_nll(torch.tensor([[0.0, 0.0]]), torch.tensor([1]))[0] == pytest.approx(math.log(2))
+
+
+def test_flip_counts_only_when_oracle_margin_is_at_least_a_tenth():
+    oracle = torch.tensor(
+        [
+            [2.0, 1.95, 0.0],  # candidate picks 1: margin 0.05 -> tie
+            [2.0, 1.5, 0.0],  # candidate picks 1: margin 0.5 -> flip
+            [0.0, 3.0, 2.9],  # candidate agrees (1)
+            [1.0, 0.0, 0.9],  # candidate picks 2: margin exactly 0.1 -> flip (>=)
+        ]
+    )
+    cand = torch.tensor([[0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 1.0, 0.0], [0.0, 0.0, 1.0]])
+    f = flips(cand, oracle)
+    assert (f["flips"], f["ties"], f["positions"]) == (2, 1, 4)
+    assert f["flip_positions"] == [1, 3]
+
+
+def test_kl_divergence():
+    a = torch.tensor([[0.0, 0.0]])
+    assert float(kl_div(a, a)[0]) == 0.0
+    b = torch.log(torch.tensor([[0.25, 0.75]]))
+    want = 0.5 * math.log(0.5 / 0.25) + 0.5 * math.log(0.5 / 0.75)
+    assert float(kl_div(b, a)[0]) == pytest.approx(want)
+
+
+def test_cli_eval_json_compares_int8_and_predicted_routing(tiny_dir, tmp_path):
+    folder = tiny_dir("olmoe")
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    base = [sys.executable, "-m", "moestream", "eval", "-m", str(folder), "--text", str(text)]
+    base += ["--json", "--threads", "1", "--ctx", "32"]
+    out = json.loads(subprocess.run(base, capture_output=True, text=True, check=True).stdout)
+    assert out["flips"] == 0 and out["kl_mean"] < 1e-9  # fp32 against itself
+    assert out["perplexity"] == pytest.approx(out["oracle"]["perplexity"])
+    cmd = base + ["--quant", "int8", "--resident", "--predictor", "stale-gate"]
+    cmd += ["--routing", "predicted"]
+    r = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    out = json.loads(r.stdout)
+    assert {"perplexity", "stderr", "flips", "kl_mean"} <= out.keys()
+    assert out["kl_mean"] > 0 and out["provider"]["predict_forced_layers"] > 0
