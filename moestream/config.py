@@ -18,6 +18,7 @@ SUPPORTED_MODEL_TYPES = (
     "olmoe",
     "glm4_moe",
     "deepseek_v3",
+    "gpt_oss",
     "qwen3_5_moe",
 )
 # config.json model_type -> the model file that runs it (text-only variants of multimodal models).
@@ -100,6 +101,11 @@ class ModelArgs:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # gpt_oss experts: biases on gate_up/down and the clamped SwiGLU
+    # (up.clamp(-limit, limit) + 1) * g * sigmoid(alpha * g), g = gate.clamp(max=limit).
+    expert_bias: bool = False
+    swiglu_limit: float | None = None  # None: plain silu(gate) * up
+    swiglu_alpha: float = 1.702
     # Token mixer per layer: "attention", or a recurrent one ("linear_attention": Gated DeltaNet)
     # whose decode state lives in KVCache.state instead of K/V; empty = attention everywhere.
     layer_mixers: tuple[str, ...] = ()
@@ -210,8 +216,11 @@ class ModelArgs:
 
 def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
-    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    mt = cfg.get("model_type")
+    params = dict(
+        cfg.get("rope_parameters") or cfg.get("rope_scaling") or _DEFAULT_ROPE.get(mt, {})
+    )
+    theta = params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA.get(mt, 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
     orig = params.get("original_max_position_embeddings")
     if rope_type in ("yarn", "llama3") and orig is None:
@@ -230,6 +239,20 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
         low_freq_factor=params.get("low_freq_factor"),
         high_freq_factor=params.get("high_freq_factor"),
     )
+
+
+# transformers' defaults when config.json names no RoPE parameters (GptOssConfig.__post_init__).
+_DEFAULT_ROPE = {
+    "gpt_oss": dict(
+        rope_type="yarn",
+        factor=32.0,
+        beta_fast=32.0,
+        beta_slow=1.0,
+        truncate=False,
+        original_max_position_embeddings=4096,
+    )
+}
+_DEFAULT_THETA = {"gpt_oss": 150000.0}
 
 
 def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
@@ -309,7 +332,7 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         if mt in ("mixtral", "qwen3_5_moe")  # qwen3_5_moe always renormalises
         else bool(cfg.get("norm_topk_prob", mt in _DEEPSEEK_STYLE)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", False)),
+        attention_bias=bool(cfg.get("attention_bias", mt == "gpt_oss")),
         qkv_bias=bool(cfg.get("qkv_bias", mt == "qwen2_moe")),
         clip_qkv=cfg.get("clip_qkv"),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
@@ -321,6 +344,7 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
         partial_rotary_factor=_partial_rotary_factor(cfg, mt),
         **extra,
+        **(_gpt_oss_fields(cfg) if mt == "gpt_oss" else {}),
     )
 
 
@@ -397,8 +421,21 @@ def _deepseek_style_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
     return out
 
 
+def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    return dict(
+        expert_bias=True,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+    )
+
+
 def _sliding_windows(cfg: dict[str, Any], mt: str, n_layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
+    if mt == "gpt_oss":  # no use_sliding_window flag: layer_types, sliding on even layers
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+        ]
+        return tuple(window if t == "sliding_attention" else None for t in types)
     if mt == "mixtral":
         return (window,) * n_layers
     if mt == "olmoe" or not cfg.get("use_sliding_window", False) or window is None:

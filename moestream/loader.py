@@ -10,6 +10,7 @@ from tqdm import tqdm
 
 from moestream.config import ModelArgs
 from moestream.convert.hf import CheckpointError, HFCheckpoint
+from moestream.kernels.ref import ExpertActivation
 from moestream.models import model_module
 from moestream.models.base import MoeCausalLM
 from moestream.store.provider import ResidentExperts
@@ -91,20 +92,28 @@ def load_resident_experts(
 ) -> ResidentExperts:
     a = ckpt.args
     w13, w2 = {}, {}
+    b13, b2 = ({}, {}) if a.expert_bias else (None, None)
     layers = a.moe_layer_ids
     bar = tqdm(total=len(layers) * a.num_experts, desc="experts", disable=not progress, leave=False)
     for layer in layers:
         E, I, D = a.num_experts, a.moe_intermediate_size, a.hidden_size
         w13[layer] = torch.empty(E, 2 * I, D, dtype=dtype)
         w2[layer] = torch.empty(E, D, I, dtype=dtype)
+        if b13 is not None:
+            b13[layer] = torch.empty(E, 2 * I, dtype=dtype)
+            b2[layer] = torch.empty(E, D, dtype=dtype)
         for e in range(E):
             gate, up, down = ckpt.expert(layer, e)
             w13[layer][e, :I].copy_(gate)
             w13[layer][e, I:].copy_(up)
             w2[layer][e].copy_(down)
+            if b13 is not None:
+                b_gate, b_up, b_down = ckpt.expert_biases(layer, e)
+                b13[layer][e].copy_(torch.cat([b_gate, b_up]))
+                b2[layer][e].copy_(b_down)
             bar.update()
     bar.close()
-    return ResidentExperts(w13, w2)
+    return ResidentExperts(w13, w2, b13, b2, ExpertActivation.from_args(a))
 
 
 @dataclass

@@ -10,7 +10,8 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   int8: `q` int8 [N, K], `s` fp32 [N, K/g]             w = q * s
   int4: `q` uint8 [N, K/2] packed as torch's CPU tinygemm kernel packs it on AVX-512 (blocks of
         64 rows; see pack_int4), `sz` bf16 [K/g, N, 2] (scale, zero)   w = (q - 8) * s + z
-An expert record holds w13 [2I, D] then w2 [D, I], each section 64-byte aligned, and is padded
+An expert record holds w13 [2I, D] then w2 [D, I] (then, for experts with biases (gpt_oss),
+`b13` fp32 [2I] and `b2` fp32 [D], never quantized), each section 64-byte aligned, and is padded
 to a 4 KiB multiple so O_DIRECT can read it in place.
 """
 
@@ -95,13 +96,19 @@ class RecordLayout:
     size: int  # padded to RECORD_ALIGN
 
     @staticmethod
-    def build(scheme: QuantScheme, hidden: int, inter: int) -> RecordLayout:
+    def build(scheme: QuantScheme, hidden: int, inter: int, bias: bool = False) -> RecordLayout:
+        specs = [
+            spec
+            for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter))
+            for spec in tensor_sections(scheme, name, n, k)
+        ]
+        if bias:
+            specs += [("b13", torch.float32, (2 * inter,)), ("b2", torch.float32, (hidden,))]
         secs, off = [], 0
-        for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter)):
-            for sname, dtype, shape in tensor_sections(scheme, name, n, k):
-                s = Section(sname, dtype, shape, off)
-                secs.append(s)
-                off = -(-(off + s.nbytes) // SECTION_ALIGN) * SECTION_ALIGN
+        for sname, dtype, shape in specs:
+            s = Section(sname, dtype, shape, off)
+            secs.append(s)
+            off = -(-(off + s.nbytes) // SECTION_ALIGN) * SECTION_ALIGN
         size = -(-off // RECORD_ALIGN) * RECORD_ALIGN
         return RecordLayout(scheme, tuple(secs), size)
 
@@ -191,13 +198,20 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_expert(
-    layout: RecordLayout, w13: torch.Tensor, w2: torch.Tensor
+    layout: RecordLayout,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """w13 [2I, D], w2 [D, I] -> section name -> tensor, ready to write into a record."""
+    """w13 [2I, D], w2 [D, I] (and biases b13 [2I], b2 [D], kept fp32) -> section name -> tensor,
+    ready to write into a record."""
     out = {}
     for name, w in (("w13", w13), ("w2", w2)):
         for suffix, t in quantize(layout.scheme, w).items():
             out[f"{name}.{suffix}"] = t
+    if b13 is not None:
+        out["b13"], out["b2"] = b13.float(), b2.float()
     return out
 
 

@@ -2,7 +2,7 @@
 
 Every parameter is perturbed (norms and biases start as constants in transformers), routers are
 sharpened so top-k choices are not near ties, and checkpoints are saved per-expert, fused
-(`save_original_format=False`) or sharded.
+(`save_original_format=False`) or sharded; `layouts(arch)` lists the ones an architecture has.
 """
 
 from __future__ import annotations
@@ -12,9 +12,25 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe", "glm4_moe", "deepseek_v3", "qwen3_5_moe")
+ARCHS = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "olmoe",
+    "glm4_moe",
+    "deepseek_v3",
+    "gpt_oss",
+    "qwen3_5_moe",
+)
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
+# gpt_oss has no per-expert layout: save_pretrained writes the fused tensors either way.
+NO_PER_EXPERT = ("gpt_oss",)
+
+
+def layouts(arch: str) -> tuple[str, ...]:
+    return tuple(lay for lay in LAYOUTS if lay != "per_expert" or arch not in NO_PER_EXPERT)
+
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -148,6 +164,29 @@ def hf_config(arch: str, **over):
             depth=1, hidden_size=32, num_heads=2, intermediate_size=32, out_hidden_size=64
         )
         return T.Qwen3_5MoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False)
+    elif arch == "gpt_oss":
+        # Sliding (window 8 < the 24-token prompt) / full / sliding layers, attention sinks, yarn
+        # RoPE past its original context, and a low swiglu_limit so the clamp binds.
+        cfg = T.GptOssConfig(
+            **common,
+            head_dim=16,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            sliding_window=8,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            swiglu_limit=1.5,
+            attention_bias=True,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=150000.0,
+                factor=4.0,
+                beta_fast=32.0,
+                beta_slow=1.0,
+                truncate=False,
+                original_max_position_embeddings=64,
+            ),
+        )
     else:
         raise ValueError(arch)
     for k, v in over.items():
@@ -167,6 +206,7 @@ def perturbed_model(arch: str, seed: int = 0, **over):
         "olmoe": T.OlmoeForCausalLM,
         "glm4_moe": T.Glm4MoeForCausalLM,
         "deepseek_v3": T.DeepseekV3ForCausalLM,
+        "gpt_oss": T.GptOssForCausalLM,
         "qwen3_5_moe": T.Qwen3_5MoeForConditionalGeneration,
         "qwen3_5_moe_text": T.Qwen3_5MoeForCausalLM,
     }[arch]
@@ -181,7 +221,9 @@ def perturbed_model(arch: str, seed: int = 0, **over):
                 p.copy_(p + 0.2 * torch.randn_like(p))
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
-            elif name.endswith("mlp.gate.weight"):
+            elif name.endswith("self_attn.sinks"):
+                p.copy_(torch.randn_like(p))
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
                 p.copy_(torch.randn_like(p) * 3.0 / p.shape[1] ** 0.5)  # sharpened router
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)

@@ -3,7 +3,8 @@
 Every tensor in the folder is classified as a dense weight, an expert weight or explicitly ignored;
 anything else is an error that names it. Expert tensors are read lazily, one expert at a time, so a
 converter never holds more than a few experts. FP8 weights (`*.weight_scale_inv` block scales) are
-dequantized as they are read; multi-token-prediction layers past the last layer are ignored.
+dequantized as they are read, and so are gpt_oss's MXFP4 experts (`*_blocks` + `*_scales`);
+multi-token-prediction layers past the last layer are ignored.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from safetensors import safe_open
 
 from moestream.config import ModelArgs, load_model_args
 from moestream.convert.fp8 import Fp8Error, dequantize_fp8, fp8_block_size
+from moestream.convert.mxfp4 import Mxfp4Error, dequantize_mxfp4
 from moestream.models import model_module
 
 
@@ -34,9 +36,13 @@ _PER_EXPERT = re.compile(
 )
 # Fused layout written by transformers 5 (`save_original_format=False`) and some hub models.
 _FUSED = re.compile(
-    r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(?:\.weight)?$"
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?$"
 )
 _ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+# gpt_oss stores fused experts as [E, in, out] (x @ W) with gate/up interleaved along out
+# (gate = [..., ::2], up = [..., 1::2]), biases `*_bias`, and on the hub as MXFP4
+# `*_blocks` [E, out, in/32, 16] + `*_scales` [E, out, in/32]; it has no per-expert layout.
+_INTERLEAVED = ("gpt_oss",)
 # Buffers some exporters save that carry no learned state.
 _IGNORED = re.compile(r"(\.rotary_emb\.inv_freq$)")
 _LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
@@ -83,6 +89,9 @@ class ExpertRef:
     gate: str  # tensor name (fused: the gate_up_proj tensor)
     up: str
     down: str
+    interleaved: bool = False  # gpt_oss layout (see _INTERLEAVED); names may be MXFP4 `*_blocks`
+    gate_up_bias: str | None = None
+    down_bias: str | None = None
 
 
 class HFCheckpoint:
@@ -205,13 +214,15 @@ class HFCheckpoint:
                 layer, e, role = int(m[1]), int(m[2]), _ROLE.get(m[3], m[3])
                 per.setdefault((layer, e), {})[role] = name
             elif m := _FUSED.match(name):
-                fused.setdefault(int(m[1]), {})[m[2]] = name
+                fused.setdefault(int(m[1]), {})[m[2] + (m[3] or "")] = name
             elif _IGNORED.search(name):
                 self.ignored.append(name)
             else:
                 self.dense_names.append(name)
         for layer in a.moe_layer_ids:
-            if layer in fused:
+            if layer in fused and a.model_type in _INTERLEAVED:
+                self._interleaved_experts(layer, fused[layer])
+            elif layer in fused:
                 f = fused[layer]
                 for key in ("gate_up_proj", "down_proj"):
                     if key not in f:
@@ -257,6 +268,40 @@ class HFCheckpoint:
                 f"unexpected expert tensor(s) for a layer/expert the config does not have: {', '.join(sorted(stray)[:5])}"
             )
 
+    def _interleaved_experts(self, layer: int, f: dict[str, str]) -> None:
+        """gpt_oss: gate_up_proj [E, D, 2I] + down_proj [E, I, D] (or their MXFP4 blocks/scales)
+        and the biases gate_up_proj_bias [E, 2I], down_proj_bias [E, D]."""
+        E, I, D = self.args.num_experts, self.args.moe_intermediate_size, self.args.hidden_size
+        names = {}
+        for key, (n_out, n_in) in (("gate_up_proj", (2 * I, D)), ("down_proj", (D, I))):
+            if key in f:
+                self._check_shape(f[key], [E, n_in, n_out])
+                names[key] = f[key]
+            elif f"{key}_blocks" in f and f"{key}_scales" in f:
+                self._check_shape(f[f"{key}_blocks"], [E, n_out, n_in // 32, 16])
+                self._check_shape(f[f"{key}_scales"], [E, n_out, n_in // 32])
+                names[key] = f[f"{key}_blocks"]
+            else:
+                raise CheckpointError(
+                    f"layer {layer}: fused experts tensor '{key}' (or '{key}_blocks' + "
+                    f"'{key}_scales') is missing"
+                )
+            if f"{key}_bias" not in f:
+                raise CheckpointError(f"layer {layer}: experts tensor '{key}_bias' is missing")
+            self._check_shape(f[f"{key}_bias"], [E, n_out])
+        for e in range(E):
+            self.experts[(layer, e)] = ExpertRef(
+                layer,
+                e,
+                True,
+                names["gate_up_proj"],
+                names["gate_up_proj"],
+                names["down_proj"],
+                interleaved=True,
+                gate_up_bias=f["gate_up_proj_bias"],
+                down_bias=f["down_proj_bias"],
+            )
+
     def _is_mtp(self, name: str) -> bool:
         """Multi-token-prediction layers (GLM-4.5 / DeepSeek-V3 store them as the layers after the
         last one): the engine decodes one token per step and does not use them."""
@@ -286,8 +331,34 @@ class HFCheckpoint:
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, D], up [I, D], down [D, I]) of one expert, reading only its bytes."""
         ref = self.experts[(layer, e)]
+        if ref.interleaved:
+            gate_up = self._out_in(ref.gate, e)  # [2I, D], gate and up rows interleaved
+            return gate_up[0::2], gate_up[1::2], self._out_in(ref.down, e)
         if ref.fused:
             gate_up = self._slice(ref.gate, e)  # [2I, D]
             I = gate_up.shape[0] // 2
             return gate_up[:I], gate_up[I:], self._slice(ref.down, e)
         return self.tensor(ref.gate), self.tensor(ref.up), self.tensor(ref.down)
+
+    def expert_biases(
+        self, layer: int, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [I], up [I], down [D]) biases of one expert, or None when experts have none."""
+        ref = self.experts[(layer, e)]
+        if ref.gate_up_bias is None:
+            return None
+        gate_up = self._slice(ref.gate_up_bias, e)  # [2I], interleaved like the weight
+        return gate_up[0::2], gate_up[1::2], self._slice(ref.down_bias, e)
+
+    def _out_in(self, name: str, e: int) -> torch.Tensor:
+        """Expert e of a gpt_oss fused tensor as [out, in]: MXFP4 blocks are stored [out, in/32,
+        16] and dequantized; plain tensors are stored [in, out] and transposed."""
+        if not name.endswith("_blocks"):
+            return self._slice(name, e).t()
+        scale_name = name[: -len("_blocks")] + "_scales"
+        blocks = self._handle(self._shard_of[name]).get_slice(name)[e]  # [out, in/32, 16]
+        scales = self._handle(self._shard_of[scale_name]).get_slice(scale_name)[e]
+        try:
+            return dequantize_mxfp4(blocks, scales)
+        except Mxfp4Error as err:
+            raise CheckpointError(f"tensor {name!r}: {err}") from err

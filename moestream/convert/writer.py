@@ -51,7 +51,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
         raise ConfigError(f"{dst} already exists; remove it or choose another destination")
     ckpt = HFCheckpoint(src)
     a = ckpt.args
-    layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size)
+    layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
@@ -101,7 +101,12 @@ def _write_experts(
             for e in range(a.num_experts):
                 gate, up, down = ckpt.expert(layer, e)  # [I, D], [I, D], [D, I]
                 w13 = torch.cat([gate.float(), up.float()])  # [2I, D]
-                rec = record_bytes(layout, quantize_expert(layout, w13, down.float()))
+                b13 = b2 = None
+                if a.expert_bias:
+                    b_gate, b_up, b2 = ckpt.expert_biases(layer, e)  # [I], [I], [D]
+                    b13 = torch.cat([b_gate, b_up])
+                tensors = quantize_expert(layout, w13, down.float(), b13, b2)
+                rec = record_bytes(layout, tensors)
                 crcs[layer].append(crc32(rec))
                 f.write(rec)
                 bar.update()

@@ -2,18 +2,56 @@
 
 One expert e: y = down_e(silu(gate_e(x)) * up_e(x)). gate and up share the token's input; down
 takes each slot's own activation (mixing these up silently corrupts output, see seed 001).
+gpt_oss experts add biases (b13 after gate/up, b2 after down) and a clamped activation
+(`ExpertActivation`); both are optional and the plain path runs the same ops as without them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 
-def expert_ffn(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
-    """x [T, D], w13 [2I, D] (gate rows then up rows), w2 [D, I] -> [T, D]."""
-    gate, up = F.linear(x, w13).chunk(2, dim=-1)
-    return F.linear(F.silu(gate) * up, w2)
+@dataclass(frozen=True, slots=True)
+class ExpertActivation:
+    """gpt_oss's clamped SwiGLU: g = gate.clamp(max=limit), u = up.clamp(-limit, limit),
+    (u + 1) * g * sigmoid(alpha * g) (transformers' GptOssExperts._apply_gate). `None` stands for
+    the plain silu(gate) * up everywhere an activation is passed."""
+
+    alpha: float
+    limit: float
+
+    def __call__(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        gate = gate.clamp(min=None, max=self.limit)
+        up = up.clamp(min=-self.limit, max=self.limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+
+    @staticmethod
+    def from_args(args) -> ExpertActivation | None:
+        """The activation a ModelArgs asks for (None: silu)."""
+        if args.swiglu_limit is None:
+            return None
+        return ExpertActivation(args.swiglu_alpha, args.swiglu_limit)
+
+
+def expert_ffn(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    b13: torch.Tensor | None = None,
+    b2: torch.Tensor | None = None,
+    act: ExpertActivation | None = None,
+) -> torch.Tensor:
+    """x [T, D], w13 [2I, D] (gate rows then up rows), w2 [D, I], optional biases b13 [2I] and
+    b2 [D] -> [T, D]. Biases are added after the matmul, as transformers' gpt_oss does."""
+    h = F.linear(x, w13)
+    if b13 is not None:
+        h = h + b13
+    gate, up = h.chunk(2, dim=-1)
+    y = F.linear(F.silu(gate) * up if act is None else act(gate, up), w2)
+    return y if b2 is None else y + b2
 
 
 def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_expert) -> torch.Tensor:
@@ -61,7 +99,19 @@ def qlinear_ref(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch
     return F.linear(x, dequantize(sec, name, group_size, x.dtype))
 
 
-def expert_ffn_q(x: torch.Tensor, sec: dict, group_size: int, linear=qlinear_ref) -> torch.Tensor:
-    """One expert from its record sections: x [T, D] -> [T, D]; `linear` picks the kernel."""
-    gate, up = linear(x, sec, "w13", group_size).chunk(2, dim=-1)
-    return linear(F.silu(gate) * up, sec, "w2", group_size)
+def expert_ffn_q(
+    x: torch.Tensor,
+    sec: dict,
+    group_size: int,
+    linear=qlinear_ref,
+    act: ExpertActivation | None = None,
+) -> torch.Tensor:
+    """One expert from its record sections: x [T, D] -> [T, D]; `linear` picks the kernel.
+    Records with bias sections (`b13`, `b2`, stored unquantized) add them as expert_ffn does."""
+    h = linear(x, sec, "w13", group_size)
+    b13, b2 = sec.get("b13"), sec.get("b2")
+    if b13 is not None:
+        h = h + b13.to(x.dtype)
+    gate, up = h.chunk(2, dim=-1)
+    y = linear(F.silu(gate) * up if act is None else act(gate, up), sec, "w2", group_size)
+    return y if b2 is None else y + b2.to(x.dtype)

@@ -211,12 +211,16 @@ class Attention(nn.Module):
         mask = attention_mask(T, S, start, self.window, x.device)
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        if q.dtype != torch.float32:
-            probs = probs.to(q.dtype)
+        probs = self.softmax(scores)
         out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, hd]
         out = out.reshape(self.H, T, self.hd).transpose(0, 1).reshape(T, self.H * self.hd)
         return self.o_proj(out)
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [Hkv, G, T, S] -> probabilities in the scores' dtype (softmax in fp32);
+        overridden by attention with sinks (gpt_oss)."""
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        return probs if scores.dtype == torch.float32 else probs.to(scores.dtype)
 
 
 def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:

@@ -81,8 +81,9 @@ class Store:
         self.args: ModelArgs = model_args_from_dict(self.config, str(self.folder / "config.json"))
         q = m["quant"]
         self.scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
+        a = self.args
         self.layout = RecordLayout.build(
-            self.scheme, self.args.hidden_size, self.args.moe_intermediate_size
+            self.scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias
         )
         if self.layout.to_json() != m["record"]:
             raise StoreError(f"{path}: record layout differs from this version's; convert again")

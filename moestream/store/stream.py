@@ -23,7 +23,7 @@ import torch
 
 from moestream.config import ConfigError
 from moestream.kernels.dispatch import qlinear
-from moestream.kernels.ref import expert_ffn_q
+from moestream.kernels.ref import ExpertActivation, expert_ffn_q
 from moestream.store.format import Store, StoreError
 from moestream.store.io import IOConfig, RecordReader, SlotPool
 from moestream.store.policy import PolicyError, SlotTable, make_policy
@@ -69,6 +69,7 @@ class StreamingExperts:
     def __init__(self, store: Store, cfg: StreamConfig):
         self.store, self.cfg = store, cfg
         self.g = store.scheme.group_size
+        self.act = ExpertActivation.from_args(store.args)
         self.linear = qlinear(cfg.kernel)
         self.compute_seconds = 0.0
         self.inflight: dict[tuple[int, int], object] = {}  # key -> Future of its prefetch read
@@ -225,7 +226,7 @@ class StreamingExperts:
             t0 = time.perf_counter()
             out = torch.zeros_like(x)
             for (_, k), sec in zip(order, secs):
-                y = expert_ffn_q(x, sec, self.g, self.linear)
+                y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
                 out += (y * weights[:, k : k + 1]).to(x.dtype)
             self.compute_seconds += time.perf_counter() - t0
             return out
@@ -253,7 +254,7 @@ class StreamingExperts:
             t0 = time.perf_counter()
             for (b, n), sec in zip(begin[c : c + cap], secs):
                 t, s = tok[b : b + n], slot[b : b + n]
-                y = expert_ffn_q(x[t], sec, self.g, self.linear) * weights[t, s, None]
+                y = expert_ffn_q(x[t], sec, self.g, self.linear, self.act) * weights[t, s, None]
                 out.index_add_(0, t, y.to(out.dtype))
             self.compute_seconds += time.perf_counter() - t0
         return out

@@ -1,0 +1,75 @@
+"""gpt-oss (`gpt_oss`): GQA attention with q/k/v/o bias and a learned per-head sink logit in the
+softmax, sliding-window and full layers alternating (`layer_types`), yarn RoPE; every layer is MoE
+with a biased router (top-k on the logits, softmax over the k) and experts with biases and the
+clamped SwiGLU (`kernels/ref.py: ExpertActivation`), computed by the provider. RMSNorm multiplies
+its weight in fp32, before the cast back."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.config import ModelArgs
+from moestream.models.base import MoeCausalLM
+from moestream.models.layers import Attention, RMSNorm, SparseMoe
+
+# Checkpoint name -> ours: the router is `mlp.router` in gpt_oss, `mlp.gate` in SparseMoe.
+RENAMES = ((".mlp.router.", ".mlp.gate."),)
+
+
+class GptOssRMSNorm(RMSNorm):
+    """The weight multiplies the fp32 normalised input before the cast back (Llama's RMSNorm
+    casts first)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return super().forward(x)
+        return (self.weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)).to(x.dtype)
+
+
+class SinkAttention(Attention):
+    """Attention whose softmax also spans one learned logit per head (`sinks`), dropped after."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        bias = args.attention_bias
+        super().__init__(args, layer, qkv_bias=bias, o_bias=bias)
+        self.sinks = nn.Parameter(torch.empty(args.num_attention_heads))
+
+    def softmax(self, scores: torch.Tensor) -> torch.Tensor:
+        Hkv, G, T, _ = scores.shape  # query head h = kv * G + g, as the sinks are ordered
+        sinks = self.sinks.to(scores.dtype).view(Hkv, G, 1, 1).expand(Hkv, G, T, 1)
+        logits = torch.cat([scores, sinks], dim=-1)  # [Hkv, G, T, S + 1]
+        # transformers subtracts the max itself and runs the softmax in the activation dtype.
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+
+
+class GptOssMoe(SparseMoe):
+    """Router with bias: top-k on the raw logits, then softmax over those k (activation dtype)."""
+
+    def __init__(self, args: ModelArgs, layer: int):
+        gate = nn.Linear(args.hidden_size, args.num_experts, bias=True)
+        super().__init__(args, layer, weights_in_act_dtype=True, gate=gate)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        top, ids = torch.topk(self.gate(x), self.k, dim=-1)  # [T, K] each
+        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+
+
+def make_attention(args: ModelArgs, i: int) -> SinkAttention:
+    return SinkAttention(args, i)
+
+
+def make_mlp(args: ModelArgs, i: int) -> GptOssMoe:
+    return GptOssMoe(args, i)
+
+
+def build(args: ModelArgs) -> MoeCausalLM:
+    model = MoeCausalLM(args, make_attention, make_mlp)
+    D, eps = args.hidden_size, args.rms_norm_eps
+    for layer in model.model.layers:
+        layer.input_layernorm = GptOssRMSNorm(D, eps)
+        layer.post_attention_layernorm = GptOssRMSNorm(D, eps)
+    model.model.norm = GptOssRMSNorm(D, eps)
+    return model

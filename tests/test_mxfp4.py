@@ -1,0 +1,190 @@
+"""gpt_oss hub checkpoints: MXFP4 experts (`*_blocks` + `*_scales`) dequantized exactly as
+transformers does, a whole MXFP4 checkpoint loading and converting like its dequantized twin, and
+the hub config.json read like transformers reads it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_parity import PROMPT
+
+from moestream.convert.hf import CheckpointError, HFCheckpoint
+from moestream.convert.mxfp4 import Mxfp4Error, dequantize_mxfp4
+from moestream.engine.kv_cache import KVCache
+from moestream.loader import load_hf
+
+
+def _random_mxfp4(shape, seed: int, exps=(118, 136)):
+    """blocks uint8 [*shape, 16] (every byte value likely) and scales uint8 [*shape]."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (*shape, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(*exps, shape, dtype=torch.uint8, generator=g)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_matches_transformers(dtype):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    blocks, scales = _random_mxfp4((3, 10, 4), seed=0, exps=(100, 160))
+    blocks[0, 0, 0] = torch.arange(16, dtype=torch.uint8) * 17  # both nibbles: every code
+    want = convert_moe_packed_tensors(blocks, scales, dtype=dtype)  # [E, in, out]
+    got = dequantize_mxfp4(blocks, scales)  # [E, out, in] fp32
+    assert got.dtype == torch.float32 and got.shape == (3, 10, 128)
+    assert torch.equal(got.transpose(1, 2).to(dtype), want)
+    if dtype == torch.float32:  # every FP4 value times 2^k is exact in fp32
+        assert torch.equal(got.transpose(1, 2), want)
+    # One expert's slice (what the checkpoint reader dequantizes) equals its part of the whole.
+    assert torch.equal(dequantize_mxfp4(blocks[1], scales[1]), got[1])
+
+
+def test_dequantize_rejects_mismatched_tensors():
+    blocks, scales = _random_mxfp4((2, 4), seed=1)
+    with pytest.raises(Mxfp4Error, match="do not match"):
+        dequantize_mxfp4(blocks, scales[:, :3])
+    with pytest.raises(Mxfp4Error, match="uint8"):
+        dequantize_mxfp4(blocks.to(torch.int32), scales)
+
+
+def _mxfp4_twins(tiny_dir, tmp_path):
+    """(dense, mxfp4): the tiny gpt_oss checkpoint with random MXFP4 experts, stored once
+    dequantized by transformers (bf16 values, exact in fp32) and once as blocks + scales."""
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    src = tiny_dir("gpt_oss", "fused")
+    dense, quant = tmp_path / "dense", tmp_path / "mxfp4"
+    shutil.copytree(src, dense)
+    shutil.copytree(src, quant)
+    (shard,) = dense.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    qtensors = dict(tensors)
+    for i, name in enumerate(n for n in tensors if n.endswith(("gate_up_proj", "down_proj"))):
+        E, n_in, n_out = tensors[name].shape
+        blocks, scales = _random_mxfp4((E, n_out, n_in // 32), seed=10 + i)
+        tensors[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        del qtensors[name]
+        qtensors[f"{name}_blocks"], qtensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    save_file(qtensors, str(quant / shard.name), metadata={"format": "pt"})
+    config = json.loads((quant / "config.json").read_text())
+    config["quantization_config"] = {  # as on the hub
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (quant / "config.json").write_text(json.dumps(config))
+    return dense, quant
+
+
+def test_mxfp4_checkpoint_loads_like_its_dequantized_twin(tiny_dir, tmp_path):
+    """Ours on the MXFP4 folder == ours on the dequantized twin (bit for bit), and within 1e-4
+    of transformers loading the MXFP4 folder itself (its CPU path dequantizes on load)."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    dense, quant = _mxfp4_twins(tiny_dir, tmp_path)
+    ckpt = HFCheckpoint(quant)
+    assert not [n for n in ckpt.dense_names if "experts" in n]
+    want, got = load_hf(dense), load_hf(quant)
+    ref = AutoModelForCausalLM.from_pretrained(
+        quant,
+        dtype=torch.float32,
+        attn_implementation="eager",
+        quantization_config=Mxfp4Config(dequantize=True),
+    ).eval()
+    with torch.no_grad():
+        a = want.model(PROMPT, KVCache(want.args, 64, torch.float32), 0)
+        b = got.model(PROMPT, KVCache(got.args, 64, torch.float32), 0)
+        theirs = ref(PROMPT[None]).logits[0]
+    assert torch.equal(a, b)
+    assert (theirs - b).abs().max().item() < 1e-4
+
+
+def test_mxfp4_checkpoint_converts_to_the_same_store(tiny_dir, tmp_path):
+    from moestream.convert.writer import convert
+    from moestream.quant import make_scheme
+
+    dense, quant = _mxfp4_twins(tiny_dir, tmp_path)
+    stores = [
+        convert(f, tmp_path / f"{f.name}-store", make_scheme("bf16"), False) for f in (dense, quant)
+    ]
+    m = [json.loads((s / "manifest.json").read_text()) for s in stores]
+    assert m[0]["experts"] == m[1]["experts"]  # crc32 of every record: same bytes
+    assert [s["name"] for s in m[1]["record"]["sections"]] == ["w13.q", "w2.q", "b13", "b2"]
+
+
+def test_mxfp4_missing_scales_is_an_error(tiny_dir, tmp_path):
+    _, quant = _mxfp4_twins(tiny_dir, tmp_path)
+    (shard,) = quant.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    del tensors["model.layers.1.mlp.experts.down_proj_scales"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match="layer 1: fused experts tensor 'down_proj'"):
+        HFCheckpoint(quant)
+
+
+# config.json of openai/gpt-oss-20b (the fields that matter here; 24 layers alternate).
+GPT_OSS_20B = {
+    "model_type": "gpt_oss",
+    "attention_bias": True,
+    "eos_token_id": 200002,
+    "experts_per_token": 4,
+    "head_dim": 64,
+    "hidden_act": "silu",
+    "hidden_size": 2880,
+    "initial_context_length": 4096,
+    "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "num_attention_heads": 64,
+    "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
+    "num_key_value_heads": 8,
+    "num_local_experts": 32,
+    "pad_token_id": 199999,
+    "rms_norm_eps": 1e-05,
+    "rope_scaling": {
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "factor": 32.0,
+        "original_max_position_embeddings": 4096,
+        "rope_type": "yarn",
+        "truncate": False,
+    },
+    "rope_theta": 150000,
+    "sliding_window": 128,
+    "swiglu_limit": 7.0,
+    "tie_word_embeddings": False,
+    "vocab_size": 201088,
+}
+
+
+@pytest.mark.parametrize("drop", [(), ("rope_scaling", "rope_theta", "layer_types")])
+def test_hub_config_reads_like_transformers(drop):
+    """The hub config (and one relying on transformers' defaults) gives the same windows, expert
+    fields and yarn RoPE frequencies / attention scale as transformers derives."""
+    import transformers as T
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from moestream.config import model_args_from_dict
+    from moestream.models.layers import rope_inv_freq
+
+    raw = {k: v for k, v in GPT_OSS_20B.items() if k not in drop}
+    a = model_args_from_dict(raw)
+    cfg = T.AutoConfig.for_model(**raw)
+    want_windows = tuple(128 if t == "sliding_attention" else None for t in cfg.layer_types)
+    assert a.sliding_windows == want_windows and a.sliding_windows[:2] == (128, None)
+    assert (a.num_experts, a.num_experts_per_tok, a.moe_intermediate_size) == (32, 4, 2880)
+    assert (a.swiglu_limit, a.swiglu_alpha) == (cfg.swiglu_limit, cfg.swiglu_alpha)
+    assert a.expert_bias and a.attention_bias and all(a.moe_layers)
+    want, want_scale = ROPE_INIT_FUNCTIONS[cfg.rope_parameters["rope_type"]](cfg, "cpu")
+    got, got_scale = rope_inv_freq(a.rope, a.rotary_dim, a.max_position_embeddings)
+    torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
+    assert got_scale == pytest.approx(want_scale)
