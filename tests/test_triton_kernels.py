@@ -81,6 +81,16 @@ def test_stacked_sections_are_store_records(quant):
             assert torch.equal(a, dequantize(recs[e], name, 32, torch.float32))
 
 
+def test_biased_records_are_refused():
+    """gpt_oss records (bias sections, clamped activation) must not run bias-less kernels."""
+    layout = RecordLayout.build(make_scheme("int8"), 64, 32, bias=True)
+    rec = quantize_expert(
+        layout, torch.randn(64, 64), torch.randn(64, 32), torch.randn(64), torch.randn(64)
+    )
+    with pytest.raises(NotImplementedError, match="gpt_oss"):
+        stack_records(layout.scheme, [rec, rec])
+
+
 # ---- interpreter (CPU) -----------------------------------------------------------------------
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")

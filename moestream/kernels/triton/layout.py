@@ -27,6 +27,11 @@ class StackedExperts:
     sections: dict[str, torch.Tensor]  # "w13.q" -> [E, ...]
 
     def __post_init__(self):
+        if "b13" in self.sections:  # the kernels and moe_stacked_ref would drop them silently
+            raise NotImplementedError(
+                "experts with biases and the clamped SwiGLU (gpt_oss) are not supported by the "
+                "Triton kernels yet; run them with a CPU provider"
+            )
         q = self.sections["w13.q"]
         e, n2, _ = q.shape
         assert n2 % 2 == 0, f"w13 has an odd number of rows {n2}"
