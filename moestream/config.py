@@ -20,6 +20,7 @@ SUPPORTED_MODEL_TYPES = (
     "deepseek_v3",
     "gpt_oss",
     "qwen3_5_moe",
+    "lfm2_moe",
 )
 # config.json model_type -> the model file that runs it (text-only variants of multimodal models).
 MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
@@ -115,6 +116,11 @@ class ModelArgs:
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0
     linear_value_head_dim: int = 0
+    # LFM2 short-convolution layers (layer_mixers "conv"): depthwise kernel width; conv/proj biases
+    conv_kernel: int = 0
+    conv_bias: bool = False
+    # lfm2_moe routing: sigmoid scores plus a learned `expert_bias` used for the top-k choice only
+    selection_bias: bool = False
 
     def __post_init__(self):
         if self.model_type not in SUPPORTED_MODEL_TYPES:
@@ -267,6 +273,8 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
     if mt == "qwen3_5_moe" and "text_config" in cfg:
         cfg = _text_config(cfg)
     mt = MODEL_TYPE_ALIASES.get(mt, mt)
+    if mt == "lfm2_moe":
+        cfg = _lfm2_config(cfg)
     if mt is None:
         raise ConfigError(
             f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?"
@@ -298,12 +306,17 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
         moe_inter = int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 0)))
     if mt == "qwen3_5_moe":
         extra.update(_linear_attention_fields(cfg, n_layers))
+    if mt == "lfm2_moe":
+        extra.update(_lfm2_fields(cfg, n_layers))
     if mt in ("qwen3_moe", "qwen2_moe"):
         step = int(cfg.get("decoder_sparse_step", 1))
         dense_only = set(cfg.get("mlp_only_layers") or [])
         moe_layers = tuple(
             (i not in dense_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)
         )
+    elif mt == "lfm2_moe":
+        dense = int(cfg.get("num_dense_layers", 2))
+        moe_layers = tuple(i >= dense and n_exp > 0 for i in range(n_layers))
     elif mt in _DEEPSEEK_STYLE:
         # transformers reads only first_k_dense_replace (DeepSeek's moe_layer_freq is always 1).
         first_dense = int(cfg.get("first_k_dense_replace", 3 if mt == "deepseek_v3" else 1) or 0)
@@ -362,6 +375,39 @@ def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
     if "tie_word_embeddings" in cfg:  # transformers ties by the top-level config
         text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
     return text
+
+
+def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's own spellings and defaults (Lfm2MoeConfig): norm_eps, tie_embedding, theta 1e6,
+    renormalised top-k."""
+    out = dict(cfg)
+    out["rms_norm_eps"] = cfg.get("norm_eps", 1e-5)
+    out["tie_word_embeddings"] = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
+    out.setdefault("norm_topk_prob", True)
+    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        out["rope_theta"] = 1000000.0
+    return out
+
+
+def _lfm2_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
+    """Which layers are short convolutions (layer_types, or older configs' full_attn_idxs)."""
+    types = cfg.get("layer_types")
+    if types is None:
+        if "full_attn_idxs" not in cfg:
+            raise ConfigError("config.json: lfm2_moe needs layer_types (or full_attn_idxs)")
+        full = set(cfg["full_attn_idxs"])
+        types = ["full_attention" if i in full else "conv" for i in range(n_layers)]
+    known = {"full_attention": "attention", "conv": "conv"}
+    unknown = sorted(set(types) - set(known))
+    if unknown:
+        raise ConfigError(f"config.json: layer type(s) {', '.join(unknown)} are not supported")
+    return dict(
+        layer_mixers=tuple(known[t] for t in types),
+        conv_kernel=int(cfg.get("conv_L_cache", 3)),
+        conv_bias=bool(cfg.get("conv_bias", False)),
+        selection_bias=bool(cfg.get("use_expert_bias", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
 
 
 def _linear_attention_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:

@@ -40,6 +40,10 @@ def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
     for m in model.modules():
         if getattr(m, "keep_fp32", False):  # e.g. sigmoid routers: fp32 as in transformers
             m.float()
+        for name in getattr(m, "keep_fp32_params", ()):  # single tensors (lfm2_moe expert_bias)
+            p = getattr(m, name)
+            if p is not None:
+                p.data = p.data.float()
     return model
 
 

@@ -29,7 +29,8 @@ def hf_routes(folder, fed: list[int]):
     ).eval()
     got, hooks = {}, []
     for i, layer in enumerate(model.model.layers):
-        gate = getattr(layer.mlp, "gate", None)
+        block = layer.mlp if hasattr(layer, "mlp") else layer.feed_forward  # lfm2_moe
+        gate = getattr(block, "gate", None) or getattr(block, "router", None)  # gpt_oss
         if gate is None or not hasattr(gate, "top_k"):
             continue
 

@@ -21,6 +21,7 @@ ARCHS = (
     "deepseek_v3",
     "gpt_oss",
     "qwen3_5_moe",
+    "lfm2_moe",
 )
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
@@ -139,6 +140,21 @@ def hf_config(arch: str, **over):
                 mscale_all_dim=0.8,
             ),
         )
+    elif arch == "lfm2_moe":
+        # Short-conv / attention layers (conv and projection biases on), one dense layer, then
+        # sigmoid routing with a selection-only expert bias and a routed scaling factor.
+        cfg = T.Lfm2MoeConfig(
+            **common,
+            intermediate_size=48,
+            moe_intermediate_size=32,
+            num_experts=8,
+            num_experts_per_tok=3,
+            num_dense_layers=1,
+            layer_types=["conv", "full_attention", "conv"],
+            conv_L_cache=3,
+            conv_bias=True,
+            routed_scaling_factor=1.5,
+        )
     elif arch in ("qwen3_5_moe", "qwen3_5_moe_text"):
         # Hybrid: Gated DeltaNet layers (2 key heads serving 4 value heads) around a gated
         # full-attention layer with the default quarter-rotary heads; every layer MoE + shared expert.
@@ -207,13 +223,15 @@ def perturbed_model(arch: str, seed: int = 0, **over):
         "glm4_moe": T.Glm4MoeForCausalLM,
         "deepseek_v3": T.DeepseekV3ForCausalLM,
         "gpt_oss": T.GptOssForCausalLM,
+        "lfm2_moe": T.Lfm2MoeForCausalLM,
         "qwen3_5_moe": T.Qwen3_5MoeForConditionalGeneration,
         "qwen3_5_moe_text": T.Qwen3_5MoeForCausalLM,
     }[arch]
     model = cls(cfg).float().eval()
     with torch.no_grad():
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):  # a buffer, but learned state
+            # Buffers, but learned state (DeepSeek/GLM correction bias, LFM2 expert bias).
+            if name.endswith(("e_score_correction_bias", "expert_bias")):
                 b.copy_(0.1 * torch.randn_like(b))
         for name, p in model.named_parameters():
             if name.endswith("norm.weight") or "layernorm" in name:
@@ -223,7 +241,9 @@ def perturbed_model(arch: str, seed: int = 0, **over):
                 p.copy_(0.1 * torch.randn_like(p))
             elif name.endswith("self_attn.sinks"):
                 p.copy_(torch.randn_like(p))
-            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            elif name.endswith(
+                ("mlp.gate.weight", "mlp.router.weight", "feed_forward.gate.weight")
+            ):
                 p.copy_(torch.randn_like(p) * 3.0 / p.shape[1] ** 0.5)  # sharpened router
             else:
                 p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)

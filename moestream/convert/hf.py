@@ -28,15 +28,16 @@ class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded as is; the message names the file or tensor."""
 
 
-# Per-expert layouts: Qwen/OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`.
+# Per-expert layouts: Qwen/OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`,
+# LFM2 `feed_forward.experts.{e}.w1`.
 # Multimodal checkpoints (Qwen3.5) prefix the language model's layers with `model.language_model.`.
 _PER_EXPERT = re.compile(
-    r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\."
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\."
     r"(gate_proj|up_proj|down_proj|w1|w2|w3)\.weight$"
 )
 # Fused layout written by transformers 5 (`save_original_format=False`) and some hub models.
 _FUSED = re.compile(
-    r"^model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?$"
+    r"^model\.(?:language_model\.)?layers\.(\d+)\.(?:mlp|feed_forward)\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?(?:\.weight)?$"
 )
 _ROLE = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 # gpt_oss stores fused experts as [E, in, out] (x @ W) with gate/up interleaved along out

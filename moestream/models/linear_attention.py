@@ -10,6 +10,8 @@ The decode state (conv: last K-1 inputs [C, K-1]; recurrent: [Hv, dk, dv] fp32) 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -23,15 +25,30 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def recurrent_state(cache, layer: int, start: int, init: Callable[[], dict]) -> dict:
+    """The layer's slot in `cache.state`, filled by `init()` when a sequence starts at 0."""
+    st = cache.state[layer]
+    if start == 0:
+        st.clear()
+        st.update(init())
+    elif not st:
+        raise ValueError(f"layer {layer}: no recurrent state to continue from position {start}")
+    return st
+
+
 def causal_conv(
-    x: torch.Tensor, state: torch.Tensor, weight: torch.Tensor
+    x: torch.Tensor,
+    state: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    silu: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Depthwise causal conv + SiLU. x [C, T], state [C, K-1] (the inputs before x), weight [C, K]
-    -> (out [C, T], new state [C, K-1])."""
+    """Depthwise causal conv (+ SiLU). x [C, T], state [C, K-1] (the inputs before x), weight
+    [C, K] -> (out [C, T], new state [C, K-1])."""
     K, T = weight.shape[-1], x.shape[-1]
     xx = torch.cat((state, x), dim=-1)  # [C, K-1+T]
-    out = F.conv1d(xx[None], weight[:, None, :], groups=weight.shape[0])[0]  # [C, T]
-    return F.silu(out[:, -T:]), xx[:, xx.shape[-1] - (K - 1) :]
+    out = F.conv1d(xx[None], weight[:, None, :], bias, groups=weight.shape[0])[0][:, -T:]
+    return (F.silu(out) if silu else out), xx[:, xx.shape[-1] - (K - 1) :]
 
 
 def chunk_gated_delta_rule(
@@ -128,19 +145,18 @@ class GatedDeltaNet(nn.Module):
         self.in_proj_b = nn.Linear(D, self.Hv, bias=False)
         self.in_proj_a = nn.Linear(D, self.Hv, bias=False)
 
-    def _state(self, cache, start: int, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        st = cache.state[self.layer]
-        if start == 0 or not st:  # a new sequence: zero conv inputs and recurrent state
-            if start:
-                raise ValueError(f"layer {self.layer}: no recurrent state to continue at {start}")
-            C, K = self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1]
-            st["conv"] = x.new_zeros(C, K - 1)
-            st["recurrent"] = torch.zeros(self.Hv, self.dk, self.dv, device=x.device)
-        return st
-
     def forward(self, x: torch.Tensor, cos, sin, cache, start: int) -> torch.Tensor:
         T = x.shape[0]
-        st = self._state(cache, start, x)
+        C, K = self.conv1d.weight.shape[0], self.conv1d.weight.shape[-1]
+        st = recurrent_state(
+            cache,
+            self.layer,
+            start,
+            lambda: {
+                "conv": x.new_zeros(C, K - 1),
+                "recurrent": torch.zeros(self.Hv, self.dk, self.dv, device=x.device),
+            },
+        )
         qkv, st["conv"] = causal_conv(self.in_proj_qkv(x).T, st["conv"], self.conv1d.weight[:, 0])
         q, k, v = torch.split(qkv.T, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         z = self.in_proj_z(x).reshape(T * self.Hv, self.dv)
