@@ -47,7 +47,23 @@ def _add_store_args(p) -> None:
     g.add_argument(
         "--memory-budget", default=None, help="expert cache size, e.g. 512MiB (streams experts)"
     )
-    g.add_argument("--resident", action="store_true", help="load every expert into RAM")
+    g.add_argument(
+        "--resident", action="store_true", help="load every expert into RAM (VRAM with cuda)"
+    )
+    g.add_argument(
+        "--device",
+        default="cpu",
+        choices=["cpu", "cuda"],
+        help="cuda: dense weights, KV cache and an expert slot pool in VRAM (default cpu)",
+    )
+    g.add_argument(
+        "--gpu-budget", default=None, help="VRAM expert slots with --device cuda, e.g. 2GiB"
+    )
+    g.add_argument(
+        "--pin-experts",
+        action="store_true",
+        help="with --gpu-budget: keep every expert record in pinned host RAM (no disk reads)",
+    )
     g.add_argument(
         "--io",
         default=None,
@@ -88,6 +104,8 @@ def _predict_kwargs(a: argparse.Namespace) -> dict:
 
 def _store_kwargs(a: argparse.Namespace) -> dict:
     """open_model's stream/quant arguments from the flags; {} keeps the plain HF path."""
+    if a.device == "cuda":
+        return _gpu_kwargs(a)
     from moestream.config import parse_size
     from moestream.store.io import IOConfig
     from moestream.store.stream import StreamConfig
@@ -98,6 +116,27 @@ def _store_kwargs(a: argparse.Namespace) -> dict:
     budget = None if a.memory_budget is None else parse_size(a.memory_budget)
     stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
     return {"stream": stream, "quant": a.quant, **_predict_kwargs(a)}
+
+
+def _gpu_kwargs(a: argparse.Namespace) -> dict:
+    from moestream.config import ConfigError, parse_size
+    from moestream.store.gpu import GpuConfig
+    from moestream.store.io import IOConfig
+
+    if getattr(a, "predictor", "none") != "none" or getattr(a, "routing", "exact") != "exact":
+        raise ConfigError("routing prediction is not implemented with --device cuda")
+    if a.memory_budget is not None:
+        raise ConfigError("--memory-budget is the CPU cache; with --device cuda use --gpu-budget")
+    budget = None if a.gpu_budget is None else parse_size(a.gpu_budget)
+    io = IOConfig(mode=a.io or "pagecache", threads=a.io_threads, split=a.io_split)
+    gpu = GpuConfig(
+        gpu_budget=budget,
+        resident=a.resident or budget is None,
+        pinned_mirror=a.pin_experts,
+        io=io,
+        policy=a.policy,
+    )
+    return {"quant": a.quant, "device": "cuda", "gpu": gpu}
 
 
 def _add_convert(sub) -> None:

@@ -68,19 +68,28 @@ def open_model(
     predictor: str = "none",
     routing: str = "exact",
     trace: str | Path | None = None,
+    device: str = "cpu",
+    gpu=None,
 ) -> Runtime:
     """A store opens with `stream` (default: all experts resident). A Hugging Face folder loads
     directly, unless `stream` or `quant` is given: then it is converted once into the cache.
+    `device="cuda"` (a store, converted if needed): `gpu` is a store.gpu.GpuConfig (default: every
+    expert in VRAM).
     `predictor`/`routing`/`trace`: routing prediction and prefetch (moestream/predict/)."""
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
             f"model folder {folder} does not exist; pass -m a checkpoint folder"
         )
-    if not is_store(folder) and (stream is not None or quant is not None):
+    on_gpu = device != "cpu"
+    if not is_store(folder) and (stream is not None or quant is not None or on_gpu):
         folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
     tokenizer = Tokenizer(folder)
-    if is_store(folder):
+    if on_gpu:  # dense weights, KV cache and an expert slot pool on the GPU (store/gpu.py)
+        from moestream.store.gpu import GpuConfig, load_store_gpu
+
+        loaded = load_store_gpu(folder, gpu or GpuConfig(resident=True), dtype, device, progress)
+    elif is_store(folder):
         loaded = load_store(folder, stream or StreamConfig(resident=True), dtype, progress)
         if quant is not None and quant != loaded.model.moe_blocks[0].provider.store.scheme.name:
             raise ConfigError(

@@ -95,6 +95,7 @@ class Generator:
         self.model, self.args, self.tok = model, args, tokenizer
         self.eos_ids = set(eos_ids)
         self.dtype = model.model.embed_tokens.weight.dtype
+        self.device = model.model.embed_tokens.weight.device  # KV cache and token ids live there
 
     @torch.inference_mode()
     def stream(
@@ -118,16 +119,18 @@ class Generator:
         if cfg.max_new_tokens == 0:
             return
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-        cache = KVCache(self.args, total, self.dtype)
+        cache = KVCache(self.args, total, self.dtype, self.device)
         text = TextStream(self.tok, cfg.stop)
         before = self._provider_stats()
         self._reset_provider()
         t0 = time.perf_counter()
-        logits = self.model(torch.tensor(prompt_ids), cache, 0, last_only=True)[-1]
+        prompt = torch.tensor(prompt_ids, device=self.device)
+        logits = self.model(prompt, cache, 0, last_only=True)[-1]
         res.prefill_seconds = time.perf_counter() - t0
         pos = len(prompt_ids)
         t1 = time.perf_counter()
         while True:
+            logits = logits.cpu()  # on a GPU: one copy per token, sampled on the host
             token = sample(logits, cfg, gen)
             res.ids.append(token)
             res.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
@@ -142,7 +145,8 @@ class Generator:
                 break
             if len(res.ids) >= cfg.max_new_tokens:
                 break
-            logits = self.model(torch.tensor([token]), cache, pos, last_only=True)[-1]
+            nxt = torch.tensor([token], device=self.device)
+            logits = self.model(nxt, cache, pos, last_only=True)[-1]
             pos += 1
         res.decode_seconds = time.perf_counter() - t1
         if before is not None:

@@ -56,6 +56,7 @@ class MoeCausalLM(nn.Module):
         self.model.norm = norm(args.hidden_size, args.rms_norm_eps)
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
+        self._rope_dev: dict = {}  # (dtype, device) -> cos/sin tables copied once to a GPU
 
     @property
     def moe_blocks(self) -> list[SparseMoe]:
@@ -69,12 +70,27 @@ class MoeCausalLM(nn.Module):
         for block in self.moe_blocks:
             block.observer = observer
 
+    def _rope_on(self, start: int, end: int, x: torch.Tensor):
+        """cos/sin on x's device: the CPU tables as they are; on a GPU a copy of the whole table made
+        once (a per-step copy from pageable memory would synchronise the stream)."""
+        if x.device.type == "cpu":
+            return self.rope(start, end, x.dtype)
+        if self.rope.r.rope_type == "dynamic":  # the table changes with the length
+            cos, sin = self.rope(start, end, x.dtype)
+            return cos.to(x.device), sin.to(x.device)
+        key = (x.dtype, x.device)
+        tab = self._rope_dev.get(key)
+        if tab is None or tab[0].shape[0] < end:
+            cos, sin = self.rope(0, max(end, self.args.max_position_embeddings), x.dtype)
+            tab = self._rope_dev[key] = (cos.to(x.device), sin.to(x.device))
+        return tab[0][start:end], tab[1][start:end]
+
     def forward(
         self, ids: torch.Tensor, cache, start: int, last_only: bool = False
     ) -> torch.Tensor:
         """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only)."""
         x = self.model.embed_tokens(ids)  # [T, D]
-        cos, sin = self.rope(start, start + ids.shape[0], x.dtype)
+        cos, sin = self._rope_on(start, start + ids.shape[0], x)
         for layer in self.model.layers:
             x = layer(x, cos, sin, cache, start)
         if last_only:

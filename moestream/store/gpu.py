@@ -1,0 +1,317 @@
+"""The GPU expert provider: a VRAM slot pool fed from pinned host buffers, Triton kernels on slot ids.
+
+route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> combine.
+
+- The VRAM pool is one `StackedExperts` whose leading axis is the slot, so the routed-only kernels
+  run on slot ids unchanged. `resident=True` gives every (layer, expert) its own slot
+  (slot = layer index * E + expert): the slot ids are computed on the device and nothing syncs.
+- Streaming (`gpu_budget` bytes of slots): the slot table is store/policy.py's `SlotTable` (plain
+  Python). A device tensor `slot_map [L, E]` (-1 = not resident) turns the routed ids into slot ids
+  on the GPU; the ids come to the host once per MoE layer (the one synchronisation, counted in
+  `sync_seconds`) so the table can resolve misses. Misses are read by the store's IO pool
+  (`RecordReader`, pread) into pinned host staging buffers (or come from a pinned mirror of every
+  record with `pinned_mirror=True`), copied host->device in one transfer on a separate CUDA stream,
+  scattered into the pool's section tensors there, and the compute stream waits on that copy's event.
+- `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from moestream.config import ConfigError
+from moestream.kernels.dispatch import moe_kernel
+from moestream.kernels.triton.layout import StackedExperts
+from moestream.store.format import Store
+from moestream.store.io import IOConfig, RecordReader
+from moestream.store.policy import SlotTable, make_policy
+
+PAGE = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    gpu_budget: int | None = None  # bytes of VRAM expert slots (streaming)
+    resident: bool = False  # every expert in VRAM
+    pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
+    io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
+    policy: str = "lru"
+    kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
+
+    def __post_init__(self):
+        if not self.resident and self.gpu_budget is None:
+            raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
+        if self.gpu_budget is not None and self.gpu_budget <= 0:
+            raise ConfigError(f"--gpu-budget must be > 0, got {self.gpu_budget}")
+
+
+class PinnedPool:
+    """n record buffers in one page-aligned (pinned when `pin`) host allocation; the interface
+    `RecordReader` reads into (`size`, `memview(slot)`)."""
+
+    def __init__(self, size: int, n: int, pin: bool):
+        self.size, self.n = size, n
+        raw = torch.empty(n * size + PAGE, dtype=torch.uint8, pin_memory=pin)
+        off = -raw.data_ptr() % PAGE  # O_DIRECT wants page-aligned buffers
+        self.buf = raw[off : off + n * size].view(n, size)
+        self._np = self.buf.view(-1).numpy()
+
+    def memview(self, slot: int) -> memoryview:
+        return memoryview(self._np[slot * self.size : (slot + 1) * self.size])
+
+
+def _n_slots(store: Store, cfg: GpuConfig) -> int:
+    total = len(store.crc) * store.args.num_experts
+    if cfg.resident:
+        return total
+    least = store.args.num_experts_per_tok * store.layout.size
+    if cfg.gpu_budget < least:
+        raise ConfigError(
+            f"--gpu-budget {cfg.gpu_budget} bytes is below the minimum {least} bytes "
+            f"({least / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} experts x "
+            f"{store.layout.size} bytes per record); raise the budget"
+        )
+    return min(cfg.gpu_budget // store.layout.size, total)
+
+
+class GpuExperts:
+    """ExpertProvider with a VRAM (or, for tests, CPU) slot pool. `stats()`: cumulative counters."""
+
+    def __init__(self, store: Store, cfg: GpuConfig, device: str | torch.device = "cuda"):
+        self.store, self.cfg = store, cfg
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.kernel = moe_kernel(cfg.kernel)
+        layout, a = store.layout, store.args
+        self.layers = sorted(store.crc)
+        self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
+        self.E, self.K = a.num_experts, a.num_experts_per_tok
+        self.n_slots = _n_slots(store, cfg)
+        self.size = layout.size
+        # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id).
+        self.pool = StackedExperts(
+            store.scheme,
+            {
+                s.name: torch.empty((self.n_slots, *s.shape), dtype=s.dtype, device=self.device)
+                for s in layout.sections
+            },
+        )
+        self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.h2d_bytes = 0
+        self.syncs = 0
+        self.sync_seconds = 0.0
+        self.table_seconds = 0.0  # host time in the slot table (after the sync, before copies)
+        self.copy_seconds = 0.0  # host time issuing copies (and waiting for staging reuse)
+        self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._copy_gpu_ms = 0.0
+        self._last_copy: torch.cuda.Event | None = None
+        self.table = None
+        if cfg.resident:
+            self.reader, self.host = None, None
+            self._fill_resident()
+            return
+        self.table = SlotTable(self.n_slots, make_policy(cfg.policy, layers=self.layers), self.K)
+        # slot_map[layer index, expert] = slot, -1 when not resident (kept equal to the table).
+        self.slot_map = torch.full(
+            (len(self.layers), self.E), -1, dtype=torch.int64, device=self.device
+        )
+        n_stage = len(self.layers) * self.E if cfg.pinned_mirror else min(self.E, self.n_slots)
+        self.host = PinnedPool(self.size, n_stage, pin=self.cuda)
+        self.reader = RecordReader(store, self.host, cfg.io)
+        if cfg.pinned_mirror:  # read every record once; a miss is then one host->device copy
+            for i, layer in enumerate(self.layers):
+                self.reader.read(layer, [(e, i * self.E + e) for e in range(self.E)])
+        # Device staging for one batch of records (scattered into the section tensors from there).
+        n_dev = min(self.E, self.n_slots)
+        self.dev_stage = torch.empty((n_dev, self.size), dtype=torch.uint8, device=self.device)
+        # Pinned scratch for the small index tensors sent with each layer's misses (slots, slot_map
+        # updates): one layer touches at most E experts, so 7E entries hold one call's. Reused
+        # once the last call's copies are done (the next layer's sync, or an explicit one).
+        self._meta = torch.empty(8 * self.E, dtype=torch.int64, pin_memory=self.cuda)
+        self._meta_np = self._meta.numpy()
+        self._meta_at = 0
+
+    # ---- filling slots -------------------------------------------------------------------------
+    def _fill_resident(self) -> None:
+        """Every record through a pinned staging pool of one layer into its fixed slot."""
+        stage = PinnedPool(self.size, self.E, pin=self.cuda)
+        reader = RecordReader(self.store, stage, self.cfg.io)
+        try:
+            for i, layer in enumerate(self.layers):
+                reader.read(layer, [(e, e) for e in range(self.E)])
+                dev = stage.buf.to(self.device)
+                slots = torch.arange(i * self.E, (i + 1) * self.E, device=self.device)
+                self._scatter(dev, slots)
+                self.h2d_bytes += dev.numel()
+        finally:
+            reader.close()
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def _scatter(self, records: torch.Tensor, slots: torch.Tensor) -> None:
+        """records [m, size] uint8 on the device -> the pool's section tensors at `slots` [m]."""
+        m = records.shape[0]
+        for s in self.store.layout.sections:
+            src = records[:, s.offset : s.offset + s.nbytes].contiguous().view(s.dtype)
+            self.pool.sections[s.name].index_copy_(0, slots, src.view(m, *s.shape))
+
+    def _load_misses(self, li: int, layer: int, misses: list[tuple[int, int]], evicted) -> None:
+        """Fill the VRAM slots of misses [(expert, slot)] and bring slot_map up to date: evicted
+        keys -> -1, misses -> their slot (one small pinned host->device copy)."""
+        t0 = time.perf_counter()
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        self._meta_at = 0
+        cap = self.dev_stage.shape[0]
+        for b in range(0, len(misses), cap):
+            batch = misses[b : b + cap]
+            m = len(batch)
+            if not self.cfg.pinned_mirror:
+                # Staging buffers are reused: the previous batch's copy must have left them.
+                if self._last_copy is not None:
+                    self._last_copy.synchronize()
+                self.reader.read(layer, [(e, j) for j, (e, _) in enumerate(batch)])
+            slots = self._send([s for _, s in batch])
+            if self.cuda:
+                self.copy_stream.wait_stream(cur)  # slots being overwritten are no longer read
+                with torch.cuda.stream(self.copy_stream):
+                    start = torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    self._copy_batch(li, batch, slots)
+                    end = torch.cuda.Event(enable_timing=True)
+                    end.record()
+                self._copy_events.append((start, end))
+                self._last_copy = end
+                cur.wait_event(end)
+            else:
+                self._copy_batch(li, batch, slots)
+            self.h2d_bytes += m * self.size
+        upd = [self.layer_index[lay] * self.E + e for lay, e in evicted]
+        upd += [li * self.E + e for e, _ in misses]
+        if upd:
+            u = self._send(upd + [-1] * len(evicted) + [s for _, s in misses])
+            self.slot_map.view(-1)[u[: len(upd)]] = u[len(upd) :]
+        self.copy_seconds += time.perf_counter() - t0
+
+    def _send(self, values: list[int]) -> torch.Tensor:
+        """Small int64 list -> device tensor through the pinned scratch (no stream sync, no
+        allocation of pinned memory per call)."""
+        if not self.cuda:
+            return torch.tensor(values, dtype=torch.int64)
+        a, b = self._meta_at, self._meta_at + len(values)
+        self._meta_np[a:b] = values
+        self._meta_at = b
+        return self._meta[a:b].to(self.device, non_blocking=True)
+
+    def _copy_batch(self, li: int, batch: list[tuple[int, int]], slots: torch.Tensor) -> None:
+        m = len(batch)
+        dev = self.dev_stage[:m]
+        if self.cfg.pinned_mirror:  # records straight from the mirror, one copy each
+            for j, (e, _) in enumerate(batch):
+                dev[j].copy_(self.host.buf[li * self.E + e], non_blocking=True)
+        else:
+            dev.copy_(self.host.buf[:m], non_blocking=True)
+        self._scatter(dev, slots)
+
+    # ---- compute -------------------------------------------------------------------------------
+    def _slot_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
+        li = self.layer_index[layer]
+        if self.cfg.resident:
+            return ids + li * self.E  # on the device, no sync
+        t0 = time.perf_counter()
+        host_ids = ids.cpu()  # the one synchronisation per layer: misses are resolved on the host
+        self.sync_seconds += time.perf_counter() - t0
+        self.syncs += 1
+        t1 = time.perf_counter()
+        experts = sorted(set(host_ids.reshape(-1).tolist()))
+        cap = self.table.policy.capacity(self.n_slots)
+        if len(experts) > cap:
+            return None  # prefill chunks (see _chunked)
+        step = self.table.access(layer, experts)
+        self.table_seconds += time.perf_counter() - t1
+        if step.misses or step.evicted:
+            self._load_misses(li, layer, step.misses, step.evicted)
+        return self.slot_map[li][ids]
+
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, D], ids [T, K], weights [T, K] (on self.device) -> [T, D]."""
+        slots = self._slot_ids(layer, ids)
+        if slots is None:
+            return self._chunked(layer, x, ids, weights)
+        return self.kernel(x, slots, weights, self.pool)
+
+    def _chunked(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """A prefill whose experts do not fit the pool at once: the (token, k) pairs of each chunk
+        of experts run as a K=1 problem over their tokens."""
+        li = self.layer_index[layer]
+        T, K = ids.shape
+        flat = ids.reshape(-1)
+        host = flat.cpu()
+        experts = sorted(set(host.tolist()))
+        cap = self.table.policy.capacity(self.n_slots)
+        out = torch.zeros_like(x)
+        for c in range(0, len(experts), cap):
+            if c and self.cuda:  # the pinned scratch and staging of the last chunk are reused
+                torch.cuda.current_stream(self.device).synchronize()
+            chunk = experts[c : c + cap]
+            step = self.table.access(layer, chunk)
+            self._load_misses(li, layer, step.misses, step.evicted)
+            sel = torch.nonzero((host >= chunk[0]) & (host <= chunk[-1])).reshape(-1)
+            sel = sel.to(self.device)
+            tok = sel // K
+            slots = self.slot_map[li][flat[sel]].reshape(-1, 1)
+            y = self.kernel(x[tok], slots, weights.reshape(-1)[sel].reshape(-1, 1), self.pool)
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+    # ---- stats ---------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        for start, end in self._copy_events:
+            end.synchronize()
+            self._copy_gpu_ms += start.elapsed_time(end)
+        self._copy_events.clear()
+        t = self.table
+        return {
+            "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
+            "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,
+            "hits": t.hits if t else 0,
+            "misses": t.misses if t else 0,
+            "evictions": t.evictions if t else 0,
+            "h2d_bytes": self.h2d_bytes,
+            "h2d_gpu_seconds": self._copy_gpu_ms / 1e3,
+            "copy_seconds": self.copy_seconds,
+            "syncs": self.syncs,
+            "sync_seconds": self.sync_seconds,
+            "table_seconds": self.table_seconds,
+        }
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+def load_store_gpu(
+    folder,
+    cfg: GpuConfig,
+    dtype: str | torch.dtype = "bfloat16",
+    device: str = "cuda",
+    progress: bool = False,
+):
+    """A store as a runnable model on `device`: dense weights (and, through the generator, the KV
+    cache) there, experts in a `GpuExperts` slot pool."""
+    from pathlib import Path
+
+    from moestream.loader import Loaded, build_model, load_dense, resolve_dtype
+
+    dtype = resolve_dtype(dtype)
+    store = Store(folder)
+    model = build_model(store.args, dtype)
+    load_dense(store, model, dtype, progress)
+    store.release_dense()
+    model = model.to(device)
+    model.set_provider(GpuExperts(store, cfg, device))
+    return Loaded(store.args, model, Path(folder))
