@@ -10,6 +10,27 @@ import sys
 from moestream.config import SamplingConfig
 
 
+def _add_sampling_args(p) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling(a: argparse.Namespace) -> SamplingConfig:
+    """The SamplingConfig of a command built with _add_sampling_args (and -n, --ignore-eos)."""
+    return SamplingConfig(
+        temperature=a.temp,
+        top_p=a.top_p,
+        top_k=a.top_k,
+        seed=a.seed,
+        max_new_tokens=a.max_tokens,
+        stop=tuple(a.stop),
+        ignore_eos=getattr(a, "ignore_eos", False),
+    )
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     p.add_argument("-m", "--model", required=True, help="Hugging Face checkpoint folder")
@@ -17,11 +38,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)"
     )
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
     p.add_argument(
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
@@ -169,15 +186,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
-    cfg = SamplingConfig(
-        temperature=a.temp,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        seed=a.seed,
-        max_new_tokens=a.max_tokens,
-        stop=tuple(a.stop),
-        ignore_eos=a.ignore_eos,
-    )
+    cfg = _sampling(a)
     rt = open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a))
     if not a.no_memory_guard:
         from moestream.obs.guard import MemoryGuard
@@ -276,11 +285,7 @@ def _add_chat(sub) -> None:
     p.add_argument(
         "-n", "--max-tokens", type=int, default=512, help="most tokens per reply (default 512)"
     )
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_args(p)
     p.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
     p.set_defaults(func=cmd_chat)
 
@@ -288,14 +293,7 @@ def _add_chat(sub) -> None:
 def cmd_chat(a: argparse.Namespace) -> int:
     from moestream.chat import run_chat
 
-    cfg = SamplingConfig(
-        temperature=a.temp,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        seed=a.seed,
-        max_new_tokens=a.max_tokens,
-        stop=tuple(a.stop),
-    )
+    cfg = _sampling(a)
     rt = _open_runtime(a, progress=sys.stderr.isatty())
     return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
 
@@ -311,10 +309,7 @@ def _add_obs(sub) -> None:
     p.add_argument("-o", "--out", required=True, help="trace folder to write")
     p.add_argument("--hidden", action="store_true", help="also save router inputs (float16)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
@@ -380,14 +375,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
 
     _setup_threads(a.threads)
     prompts = read_prompts(a.prompts)
-    cfg = SamplingConfig(
-        temperature=a.temp,
-        top_p=a.top_p,
-        top_k=a.top_k,
-        seed=a.seed,
-        max_new_tokens=a.max_tokens,
-        ignore_eos=a.ignore_eos,
-    )
+    cfg = _sampling(a)
     rt = open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a))
     if not a.no_memory_guard:
         MemoryGuard().attach(rt.generator.model)
