@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 CHILD = r"""
+import os
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads starve IO threads
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]))
 from moestream.engine.kv_cache import KVCache
