@@ -37,8 +37,13 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
     x = torch.randn(T, shape[1], generator=g)
     want, got = qlinear_ref(x, sec, "w", 32), qlinear_cpu(x, sec, "w", 32)
     if quant == "int4":
-        tol = 1e-4 * shape[1] ** 0.5 * want.abs().max().item()
+        # The int4 kernel multiplies bf16 activations (torch's fast path) and returns bf16-rounded
+        # results: documented tolerance 1% of the output's magnitude (bf16 has 8 mantissa bits).
+        tol = 1e-2 * want.abs().max().item()
         assert (got - want).abs().max().item() <= tol
+        # ... and close to the reference on bf16-rounded activations (only output rounding differs).
+        ref_b = qlinear_ref(x.bfloat16().float(), sec, "w", 32)
+        assert (got - ref_b).abs().max().item() <= 4e-3 * want.abs().max().item()
     else:
         assert torch.equal(got, want)
 

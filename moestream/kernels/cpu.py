@@ -38,6 +38,9 @@ def qlinear_cpu(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch
     """x [T, K] -> [T, N] with the weight `name` of a record, no dequantized copy for int4."""
     q = sec[f"{name}.q"]
     if q.dtype == torch.uint8 and q.shape[0] % INT4_BLOCK_N == 0 and int4_kernel_ok():
-        sz = sec[f"{name}.sz"].to(x.dtype)  # [K/g, N, 2]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), q, group_size, sz)
+        # bf16 activations: with fp32 ones torch 2.13 takes a slow path (0.21 vs 11.2 GB/s of
+        # packed weights measured at D=2048, 2 threads; benchmarks/bench_kernels_cpu.py).
+        sz = sec[f"{name}.sz"].to(torch.bfloat16)  # [K/g, N, 2]
+        xb = x.to(torch.bfloat16).contiguous()
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, q, group_size, sz).to(x.dtype)
     return F.linear(x, dequantize(sec, name, group_size, x.dtype))
