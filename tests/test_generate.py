@@ -112,32 +112,24 @@ def test_empty_prompt_is_an_error(rt):
         rt.generator.generate([], SamplingConfig())
 
 
-def test_cli_json_interface(tiny_dir, rt):
-    folder = tiny_dir("qwen3_moe")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moestream",
-            "generate",
-            "-m",
-            str(folder),
-            "-p",
-            "def fib",
-            "-n",
-            "8",
-            "--json",
-            "--ignore-eos",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
+def run_generate(folder, *extra: str) -> subprocess.CompletedProcess:
+    """`moestream generate` on the tiny model: 8 greedy tokens of "def fib", past EOS."""
+    cmd = [sys.executable, "-m", "moestream", "generate", "-m", str(folder), "-p", "def fib"]
+    return subprocess.run(
+        [*cmd, "-n", "8", "--ignore-eos", *extra], capture_output=True, text=True, check=True
     )
-    out = json.loads(r.stdout)
-    assert set(out) == {"prompt_ids", "ids", "text", "logprobs", "stats"}
-    want = rt.generator.generate(
+
+
+def greedy_8(rt):
+    return rt.generator.generate(
         rt.encode_prompt("def fib"), SamplingConfig(max_new_tokens=8, ignore_eos=True)
     )
+
+
+def test_cli_json_interface(tiny_dir, rt):
+    out = json.loads(run_generate(tiny_dir("qwen3_moe"), "--json").stdout)
+    assert set(out) == {"prompt_ids", "ids", "text", "logprobs", "stats"}
+    want = greedy_8(rt)
     assert out["prompt_ids"] == rt.encode_prompt("def fib")
     assert out["ids"] == want.ids and out["text"] == want.text
     assert len(out["logprobs"]) == 8
@@ -146,27 +138,7 @@ def test_cli_json_interface(tiny_dir, rt):
 
 
 def test_cli_streams_text_then_stats(tiny_dir, rt):
-    folder = tiny_dir("qwen3_moe")
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "moestream",
-            "generate",
-            "-m",
-            str(folder),
-            "-p",
-            "def fib",
-            "-n",
-            "8",
-            "--ignore-eos",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    want = rt.generator.generate(
-        rt.encode_prompt("def fib"), SamplingConfig(max_new_tokens=8, ignore_eos=True)
-    )
+    r = run_generate(tiny_dir("qwen3_moe"))
+    want = greedy_8(rt)
     assert r.stdout.rstrip("\n") == want.text
     assert "decode 8 tok" in r.stderr and "peak RSS" in r.stderr
