@@ -182,6 +182,16 @@ def _setup_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def _expert_stats(s: dict) -> str:
+    """Expert-store part of the stats line: hit rate, MB read per token, read GB/s."""
+    if "bytes_read" not in s:
+        return ""
+    looked_up = s["hits"] + s["misses"]
+    hit = 100 * s["hits"] / looked_up if looked_up else 0.0
+    per_tok = s["bytes_read"] / max(s["prompt_tokens"] + s["generated_tokens"], 1) / 2**20
+    return f"experts hit {hit:.0f}%, {per_tok:.2f} MiB read/tok, {s['read_gbps']:.2f} GB/s | "
+
+
 def cmd_generate(a: argparse.Namespace) -> int:
     from moestream.runtime import open_model
 
@@ -214,7 +224,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
     print(
         f"\n[prompt {s['prompt_tokens']} tok, {s['prefill_tok_s']:.1f} tok/s | "
         f"decode {s['generated_tokens']} tok, {s['decode_tok_s']:.1f} tok/s | "
-        f"peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB]",
+        f"{_expert_stats(s)}peak RSS {s['peak_rss_bytes'] / 2**20:.0f} MiB]",
         file=sys.stderr,
     )
     return 0

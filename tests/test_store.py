@@ -185,3 +185,14 @@ def test_cli_hf_folder_is_converted_on_first_use(tiny_dir, tmp_path):
     for key in ("bytes_read", "hits", "misses", "evictions", "read_gbps", "io_seconds"):
         assert key in c["stats"]
     assert c["stats"]["bytes_read"] > 0 and len(list((tmp_path / "cache").iterdir())) == 1
+    # Without --json the stats line carries the expert cache's numbers.
+    text = subprocess.run(
+        [x for x in cmd if x != "--json"] + ["--memory-budget", "64KiB"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    hit = 100 * c["stats"]["hits"] / (c["stats"]["hits"] + c["stats"]["misses"])
+    assert f"experts hit {hit:.0f}%" in text.stderr and "MiB read/tok" in text.stderr
