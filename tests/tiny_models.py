@@ -12,17 +12,10 @@ from pathlib import Path
 
 import torch
 
-ARCHS = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "glm4_moe",
-    "deepseek_v3",
-    "gpt_oss",
-    "qwen3_5_moe",
-    "lfm2_moe",
-)
+from moestream.config import SUPPORTED_MODEL_TYPES
+
+# Every supported model type: a new one cannot land without a tiny config here.
+ARCHS = SUPPORTED_MODEL_TYPES
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
 # gpt_oss has no per-expert layout: save_pretrained writes the fused tensors either way.
