@@ -89,9 +89,17 @@ def test_bf16_within_documented_tolerance(tiny_dir, arch):
     ref = hf_load(folder, torch.bfloat16)
     ours = load_hf(folder, "bfloat16")
     with torch.no_grad():
-        want = ref(PROMPT[None]).logits[0].float()
-        got = ours.model(PROMPT, KVCache(ours.args, 64, torch.bfloat16), 0).float()
+        hf = ref(PROMPT[None], use_cache=True)
+        want = hf.logits[0].float()
+        cache = KVCache(ours.args, 64, torch.bfloat16)
+        got = ours.model(PROMPT, cache, 0).float()
+        # One decode step too: the one-token path (attention over the cache, the K-expert loop)
+        # is not the prefill path.
+        nxt = want[-1].argmax().view(1)
+        want_step = ref(nxt[None], past_key_values=hf.past_key_values).logits[0].float()
+        got_step = ours.model(nxt, cache, PROMPT.shape[0]).float()
     assert (want - got).abs().max().item() <= BF16_TOL
+    assert (want_step - got_step).abs().max().item() <= BF16_TOL
     want_ids, _ = hf_greedy_with_routes(ref, PROMPT, 16)
     got_ids, _ = our_greedy_with_routes(ours, PROMPT, 16, torch.bfloat16)
     assert got_ids == want_ids

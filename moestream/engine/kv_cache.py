@@ -31,6 +31,7 @@ class KVCache:
         end = start + k.shape[1]
         if end > self.max_len:
             raise ValueError(f"KV cache full: {end} positions > capacity {self.max_len}")
-        self.k[layer][:, start:end] = k
-        self.v[layer][:, start:end] = v
-        return self.k[layer][:, :end], self.v[layer][:, :end]
+        kc, vc = self.k[layer], self.v[layer]
+        kc.narrow(1, start, end - start).copy_(k)  # narrow: one view op (decode counts ops)
+        vc.narrow(1, start, end - start).copy_(v)
+        return kc.narrow(1, 0, end), vc.narrow(1, 0, end)

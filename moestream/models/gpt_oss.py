@@ -37,12 +37,13 @@ class SinkAttention(Attention):
         self.sinks = nn.Parameter(torch.empty(args.num_attention_heads))
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        Hkv, G, T, _ = scores.shape  # query head h = kv * G + g, as the sinks are ordered
-        sinks = self.sinks.to(scores.dtype).view(Hkv, G, 1, 1).expand(Hkv, G, T, 1)
-        logits = torch.cat([scores, sinks], dim=-1)  # [Hkv, G, T, S + 1]
+        Hkv, GT, S = scores.shape  # query head h = kv * G + g, as the sinks are ordered
+        G = self.H // self.Hkv
+        sinks = self.sinks.to(scores.dtype).view(Hkv, G, 1, 1).expand(Hkv, G, GT // G, 1)
+        logits = torch.cat([scores.view(Hkv, G, GT // G, S), sinks], dim=-1)  # [Hkv, G, T, S+1]
         # transformers subtracts the max itself and runs the softmax in the activation dtype.
         logits = logits - logits.amax(dim=-1, keepdim=True)
-        return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1]
+        return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].reshape(Hkv, GT, S)
 
 
 class GptOssMoe(SparseMoe):

@@ -104,7 +104,8 @@ class Rope:
     def __call__(
         self, start: int, end: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin [end-start, hd] for positions start..end-1, from a table grown on demand."""
+        """cos/sin [end-start, hd] for positions start..end-1, from a table grown on demand. The
+        first half of sin is negated: apply_rope takes this signed table."""
         if self.r.rope_type == "dynamic" and self._dynamic_update(end):
             self._tables.clear()
         cos, sin = self._tables.get(dtype, (None, None))
@@ -113,6 +114,7 @@ class Rope:
             freqs = torch.arange(n).float()[:, None] * self.inv_freq[None, :]  # [n, hd/2]
             emb = torch.cat((freqs, freqs), dim=-1)
             cos, sin = (emb.cos() * self.scale).to(dtype), (emb.sin() * self.scale).to(dtype)
+            sin[:, : self.dim // 2].neg_()  # signed for apply_rope's roll (exact: a sign flip)
             self._tables[dtype] = (cos, sin)
         return cos[start:end], sin[start:end]
 
@@ -135,12 +137,14 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # x [..., T, hd], cos/sin [T, rd]; partial rotary (rd < hd) rotates the first rd dims only.
+    """x [..., T, hd], cos/sin [T, rd] from `Rope` (sin signed); partial rotary (rd < hd) rotates
+    the first rd dims only. Equals transformers' x*cos + rotate_half(x)*sin bit for bit: the roll
+    swaps the halves and the signed table supplies rotate_half's minus (4 ops instead of 6)."""
     rd = cos.shape[-1]
     if rd == x.shape[-1]:
-        return x * cos + rotate_half(x) * sin
+        return x * cos + x.roll(rd // 2, -1) * sin
     rot = x[..., :rd]
-    return torch.cat((rot * cos + rotate_half(rot) * sin, x[..., rd:]), dim=-1)
+    return torch.cat((rot * cos + rot.roll(rd // 2, -1) * sin, x[..., rd:]), dim=-1)
 
 
 class Attention(nn.Module):
@@ -179,6 +183,7 @@ class Attention(nn.Module):
                 RMSNorm(H * hd, args.rms_norm_eps),
                 RMSNorm(Hkv * hd, args.rms_norm_eps),
             )
+        self._qk_key = None  # source of the cached side-by-side q/k norm weight
         self.clip_qkv = clip_qkv
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
@@ -186,41 +191,72 @@ class Attention(nn.Module):
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int
     ) -> torch.Tensor:
-        T = x.shape[0]
+        T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*hd], [T, Hkv*hd] x2
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        q = q.view(T, self.H, self.hd)
-        k = k.view(T, self.Hkv, self.hd)
+        # q and k normed (per head) and rotated together: fewer ops per decode step.
+        qk = torch.cat((q.view(T, H, hd), k.view(T, Hkv, hd)), dim=1)  # [T, H+Hkv, hd]
         if self.qk_norm == "head":
-            q, k = self.q_norm(q), self.k_norm(k)
-        # q and k rotated together: fewer ops per decode step.
-        qk = apply_rope(torch.cat((q, k), dim=1).transpose(0, 1), cos, sin)  # [H+Hkv, T, hd]
-        q, k = qk[: self.H], qk[self.H :]
-        v = v.view(T, self.Hkv, self.hd).transpose(0, 1)
-        k, v = cache.update(self.layer, k, v, start)  # [Hkv, S, hd] with S = start + T
-        S = k.shape[1]
-        G = self.H // self.Hkv
-        # Group query heads under their KV head instead of repeating K/V (no copy).
-        scores = (
-            torch.matmul(q.view(self.Hkv, G, T, self.hd), k.unsqueeze(1).transpose(-1, -2))
-            * self.scaling
-        )
-        mask = attention_mask(T, S, start, self.window, x.device)
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = self.softmax(scores)
-        out = torch.matmul(probs, v.unsqueeze(1))  # [Hkv, G, T, hd]
-        out = out.reshape(self.H, T, self.hd).transpose(0, 1).reshape(T, self.H * self.hd)
+            qk = self._head_norm(qk)
+        qk = apply_rope(qk.transpose(0, 1), cos, sin)  # [H+Hkv, T, hd]
+        q, k = qk.split((H, Hkv))
+        k, v = cache.update(self.layer, k, v.view(T, Hkv, hd).transpose(0, 1), start)
+        out = gqa_attention(q, k, v, self.scaling, start, self.window, self.softmax)
         return self.o_proj(out)
 
+    def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """q_norm on the H query heads and k_norm on the Hkv key heads of qk [T, H+Hkv, hd] in
+        one normalisation times the two weights side by side: the same roundings as two
+        RMSNorm calls (normalise, cast, then the weight), one op fewer."""
+        qw, kw = self.q_norm.weight, self.k_norm.weight
+        key = (qw.data_ptr(), kw.data_ptr(), qw._version, kw._version)
+        if self._qk_key != key:  # weights loaded, replaced or moved since: rebuild
+            self._qk_weight = torch.cat((qw.expand(self.H, -1), kw.expand(self.Hkv, -1)))
+            self._qk_key = key
+        eps = self.q_norm.eps
+        if qk.dtype == torch.float32:
+            return self._qk_weight * F.rms_norm(qk, (self.hd,), None, eps)
+        return self._qk_weight * F.rms_norm(qk.float(), (self.hd,), None, eps).to(qk.dtype)
+
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
-        """scores [Hkv, G, T, S] -> probabilities in the scores' dtype (softmax in fp32);
-        overridden by attention with sinks (gpt_oss)."""
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-        return probs if scores.dtype == torch.float32 else probs.to(scores.dtype)
+        """Overridden by attention with sinks (gpt_oss)."""
+        return softmax_fp32(scores)
+
+
+def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
+    """scores [Hkv, G*T, S] (query head h = kv * G + g) -> probabilities in the scores' dtype,
+    the softmax in fp32 (as transformers' eager attention)."""
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    return probs if scores.dtype == torch.float32 else probs.to(scores.dtype)
+
+
+def gqa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scaling: float,
+    start: int,
+    window: int | None,
+    softmax=softmax_fp32,
+) -> torch.Tensor:
+    """q [H, T, hd], k [Hkv, S, hd] and v [Hkv, S, vd] (the cache prefix) -> [T, H*vd].
+
+    Query heads grouped under their KV head: one batched GEMM per KV head over its G*T query
+    rows, without repeat_kv copies or a broadcast matmul (which copies K per query group)."""
+    H, T, hd = q.shape
+    Hkv, S, vd = v.shape
+    G = H // Hkv
+    scores = torch.bmm(q.reshape(Hkv, G * T, hd), k.transpose(1, 2)) * scaling
+    mask = attention_mask(T, S, start, window, q.device)
+    if mask is not None:
+        scores = scores.view(Hkv, G, T, S).masked_fill(mask, float("-inf")).view(Hkv, G * T, S)
+    out = torch.bmm(softmax(scores), v)  # [Hkv, G*T, vd] = [H, T, vd]
+    if T == 1:
+        return out.view(1, H * vd)
+    return out.view(H, T, vd).transpose(0, 1).reshape(T, H * vd)
 
 
 def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:
@@ -338,7 +374,7 @@ class SparseMoe(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.route(x)  # [T, K] each
-        if self.weights_in_act_dtype:
+        if self.weights_in_act_dtype and w.dtype != x.dtype:
             w = w.to(x.dtype)
         if self.observer is not None:
             self.observer(self.layer, ids, w, x)

@@ -16,7 +16,7 @@ from torch import nn
 
 from moestream.config import ModelArgs
 from moestream.models.base import MoeCausalLM
-from moestream.models.layers import SparseMoe, apply_rope, attention_mask
+from moestream.models.layers import SparseMoe, apply_rope, gqa_attention
 from moestream.models.linear_attention import GatedDeltaNet
 
 RENAMES = (("model.language_model.", "model."),)
@@ -67,15 +67,8 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(self.k_proj(x).view(T, Hkv, hd)).transpose(0, 1), cos, sin)
         v = self.v_proj(x).view(T, Hkv, hd).transpose(0, 1)
         k, v = cache.update(self.layer, k, v, start)  # [Hkv, S, hd]
-        S, G = k.shape[1], H // Hkv
-        scores = torch.matmul(q.view(Hkv, G, T, hd), k.unsqueeze(1).transpose(-1, -2))
-        scores = scores * self.scaling  # [Hkv, G, T, S]
-        mask = attention_mask(T, S, start, None, x.device)
-        if mask is not None:
-            scores = scores.masked_fill(mask, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = torch.matmul(probs, v.unsqueeze(1)).reshape(H, T, hd).transpose(0, 1)
-        out = out.reshape(T, H * hd) * torch.sigmoid(gate.reshape(T, H * hd))
+        out = gqa_attention(q, k, v, self.scaling, start, None)  # [T, H*hd]
+        out = out * torch.sigmoid(gate.reshape(T, H * hd))
         return self.o_proj(out)
 
 
