@@ -98,10 +98,11 @@ def test_biased_records_are_refused():
 def test_decode_interpreter(quant):
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
-    for elem in (False, True):
-        cfg = DecodeConfig(half=32 if quant == "int4" else 8, kg=1, split=2, elem=elem)
+    bn = 64 if quant == "int4" else 8
+    for elem, split, split_d in ((False, 2, 1), (True, 1, 2)):
+        cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32, split_d=split_d, elem=elem)
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
-    # the default tiles, fitted to a small shape (int4: kg 4, split 1 at D=I=128)
+    # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
 
 
@@ -142,13 +143,21 @@ def test_decode_cuda(quant, case, T):
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("elem", [False, True])
-@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("split", [1, 2, 4])
 def test_decode_variants_cuda(quant, elem, split):
-    """Both accumulation orders and D splits (the benchmark's sweep) at the Qwen3-30B D, I."""
+    """Accumulation orders, D and I splits, no prefetch / no PDL (the benchmark's sweep) at the
+    Qwen3-30B D, I; each config twice, so the counters reset by the last programs are reused."""
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
-    cfg = DecodeConfig(half=32 if quant == "int4" else 16, kg=2, split=split, elem=elem)
-    _check(moe_decode, quant, 16, 2048, 768, 1, 8, torch.bfloat16, "cuda", seed=5, cfg=cfg)
+    bn = 64 if quant == "int4" else 8
+    for prefetch in (False, True):
+        cfg = DecodeConfig(bn=bn, bk=64 if quant == "int4" else 256, split=split,
+                           bn_d=64 if quant == "int4" else 16, bk_d=64 if quant == "int4" else 128,
+                           split_d=3 - split if split < 3 else 1, elem=elem, prefetch=prefetch,
+                           pdl=prefetch)  # fmt: skip
+        for T in (1, 2):
+            _check(moe_decode, quant, 16, 2048, 768, T, 8, torch.bfloat16, "cuda", seed=5 + T,
+                   cfg=cfg)  # fmt: skip
 
 
 @pytest.mark.cuda

@@ -1,16 +1,20 @@
-"""Decode-path Triton kernels (1-8 tokens): one program per (token, slot) pair and row block, so
-only the routed experts' bytes are read and no host-side grouping runs on the hot path.
+"""Decode-path Triton kernels (1-8 tokens): only the routed experts' bytes are read, no host-side
+grouping runs on the hot path, and a layer is two launches (no memset, no cast kernel).
 
-Two launches after one memset:
-  _gate_up_kernel  gu[p] = x[t] @ w13[e].T (gate and up rows of the same block, one pass over the
-                   shared token input); split along D into SPLIT programs (fp32 atomics) when the
-                   row blocks alone would not fill the GPU.
-  _down_kernel     out[t] += weights[t, k] * (silu(g) * u)[p] @ w2[e].T; each slot has its own
-                   activation (down is per slot, seed 001); slots meet in an fp32 atomic add.
-Everything accumulates in fp32; tiles are [KG groups, G, HALF rows] so a group's scale multiplies a
-32-wide partial sum, not each weight. int4 uses the store layout: a block of 64 rows is
-[K, 32] bytes (row d low nibble, row d + 32 high nibble), so HALF is 32 and w = (q - 8) s + z
-becomes s * sum(q x) + (z - 8 s) * sum(x) per group.
+  _gate_up_kernel  one program per (pair p = (token, slot), block of BN rows of w13, split of D):
+                   a partial gate/up row sum, stored (not added) to part[split, p, 2I]. It also
+                   asks L2 for a slice of the pair's w2 (bulk prefetch), so the down weights
+                   stream from HBM while gate/up computes, and lets the down kernel launch early
+                   (programmatic dependent launch, PDL).
+  _down_kernel     one program per (pair, block of BN_D output rows, split of I): loads its first
+                   weight tile, waits for gate/up (PDL), sums the split partials into
+                   h = silu(g) * u, multiplies, weights by the routing weight and stores to
+                   dpart. The last program of a (token, row block) to finish (fp32 counter)
+                   adds the K * SPLIT_D partials in a fixed order and writes the output in its
+                   dtype, so the combine is deterministic and needs no zeroed buffer.
+Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
+mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. int4 uses the
+store layout: a block of 64 rows is [K, 32] bytes (row d low nibble, row d + 32 high nibble).
 """
 
 from __future__ import annotations
@@ -23,270 +27,403 @@ import triton.language as tl
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
+L2_PREFETCH_BYTES = 24 << 20  # prefetch w2 only while the pairs' w2 fit well inside L2 (50 MB)
 
 
 @dataclass(frozen=True, slots=True)
 class DecodeConfig:
-    half: int = 8  # rows per half block (block = 2 * half rows); int4 forces 32
-    kg: int = 4  # groups of G inputs per K step (BK = kg * G)
-    split: int = 1  # programs along D for gate/up
+    bn: int = 16  # gate rows (and as many up rows) per gate/up program (int4: 64, a packed block)
+    bk: int = 256  # inputs per K step (a multiple of the group size)
+    split: int = 1  # gate/up programs along D (partials summed by the down kernel)
+    bn_d: int = 16  # output rows per down program (int4: 64)
+    bk_d: int = 256
+    split_d: int = 1  # down programs along I (partials summed by the last program)
     num_warps: int = 4
-    elem: bool = False  # accumulate [KG, G, HALF] products, reduce once after the K loop
+    elem: bool = True  # int4: accumulate [groups, G, 32] products, reduce once at the end
+    prefetch: bool = True  # gate/up prefetches w2 into L2
+    pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
 
     def __post_init__(self):
-        for name in ("half", "kg", "split"):
+        for name in ("bn", "bk", "split", "bn_d", "bk_d", "split_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
 
 
 DEFAULT_CONFIGS = {
-    # Best of the first H200 sweep at T=1 (half 8 / kg 8 / split 2 beat 8/4/1 by 1.4x).
-    "bf16": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
-    "int8": DecodeConfig(half=8, kg=8, split=2, num_warps=4),
-    # H200 (benchmarks/results/gpu_moe.jsonl): reducing every K step left int4 compute-bound
-    # (0.06 of roofline); elementwise accumulation with kg 4 / split 4 was best of the second sweep.
-    "int4": DecodeConfig(half=32, kg=4, split=4, num_warps=4, elem=True),
+    "bf16": DecodeConfig(bn=8, bk=256, split=1, bn_d=16, bk_d=256),
+    "int8": DecodeConfig(bn=8, bk=512, split=1, bn_d=32, bk_d=256),
+    "int4": DecodeConfig(bn=64, bk=64, split=4, bn_d=64, bk_d=64),
 }
 
 
+# ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
 @triton.jit
-def _tile_dot(
-    q_ptr,
-    s_ptr,
-    e,
-    n0,
-    n_end,
-    k0,
-    x3,
-    xs,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    KG: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """Rows [n0, n0 + HALF) and [n0 + HALF, n0 + 2 HALF) of expert e's [N, K] weight times the
-    input tile x3 [KG, G, 1] (xs [KG, 1] its group sums) -> two fp32 [HALF] partial sums."""
-    gi = tl.arange(0, KG)[:, None, None]
-    kk = k0 + gi * G + tl.arange(0, G)[None, :, None]  # [KG, G, 1]
-    di = tl.arange(0, HALF)
-    kg = k0 // G + tl.arange(0, KG)[:, None]  # [KG, 1]
-    if QUANT == 2:
-        base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
-        b = tl.load(base + kk * 32 + di[None, None, :]).to(tl.int32)  # [KG, G, 32]
-        lo = tl.sum((b & 15).to(tl.float32) * x3, 1)  # [KG, 32]
-        hi = tl.sum((b >> 4).to(tl.float32) * x3, 1)
-        sp = s_ptr + e * ((K // G) * N * 2) + (kg * N + n0 + di[None, :]) * 2  # [KG, 32]
-        s_lo = tl.load(sp).to(tl.float32)
-        z_lo = tl.load(sp + 1).to(tl.float32)
-        s_hi = tl.load(sp + 64).to(tl.float32)
-        z_hi = tl.load(sp + 65).to(tl.float32)
-        acc_lo = tl.sum(s_lo * lo + (z_lo - 8.0 * s_lo) * xs, 0)
-        acc_hi = tl.sum(s_hi * hi + (z_hi - 8.0 * s_hi) * xs, 0)
+def _s8_f32(q, FAST: tl.constexpr):
+    """int8 -> fp32. FAST: xor 0x80 (offset binary), byte into the mantissa of 2^23, subtract."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 u, m;
+            xor.b32 u, $4, 0x80808080;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, u, m, 0x7440;
+            prmt.b32 $1, u, m, 0x7441;
+            prmt.b32 $2, u, m, 0x7442;
+            prmt.b32 $3, u, m, 0x7443;
+            sub.f32 $0, $0, 0f4B000080;
+            sub.f32 $1, $1, 0f4B000080;
+            sub.f32 $2, $2, 0f4B000080;
+            sub.f32 $3, $3, 0f4B000080;
+            }""",
+            "=r,=r,=r,=r,r",
+            [q],
+            dtype=tl.float32,
+            is_pure=True,
+            pack=4,
+        )
     else:
-        r_lo = n0 + di[None, None, :]  # [1, 1, HALF]
-        r_hi = r_lo + HALF
-        m_lo = r_lo < n_end
-        m_hi = r_hi < n_end
-        w = q_ptr + e * (N * K) + kk
-        p_lo = tl.sum(tl.load(w + r_lo * K, mask=m_lo, other=0.0).to(tl.float32) * x3, 1)
-        p_hi = tl.sum(tl.load(w + r_hi * K, mask=m_hi, other=0.0).to(tl.float32) * x3, 1)
-        if QUANT == 1:
-            sp = s_ptr + e * (N * (K // G)) + kg
-            r2 = n0 + di[None, :]  # [1, HALF]
-            p_lo = p_lo * tl.load(sp + r2 * (K // G), mask=r2 < n_end, other=0.0)
-            p_hi = p_hi * tl.load(sp + (r2 + HALF) * (K // G), mask=r2 + HALF < n_end, other=0.0)
-        acc_lo = tl.sum(p_lo, 0)
-        acc_hi = tl.sum(p_hi, 0)
-    return acc_lo, acc_hi
+        return q.to(tl.float32)
 
 
 @triton.jit
-def _tile_prod(
-    q_ptr,
-    s_ptr,
-    e,
-    n0,
-    n_end,
-    k0,
-    x3,
-    N: tl.constexpr,
-    K: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    KG: tl.constexpr,
-    HALF: tl.constexpr,
-):
-    """As _tile_dot, but the dequantized weights times x3, unreduced: two [KG, G, HALF]."""
-    gi = tl.arange(0, KG)[:, None, None]
-    kk = k0 + gi * G + tl.arange(0, G)[None, :, None]  # [KG, G, 1]
-    d3 = tl.arange(0, HALF)[None, None, :]
-    kg3 = k0 // G + gi  # [KG, 1, 1]
-    if QUANT == 2:
-        base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
-        b = tl.load(base + kk * 32 + d3).to(tl.int32)  # [KG, G, 32]
-        sp = s_ptr + e * ((K // G) * N * 2) + (kg3 * N + n0 + d3) * 2  # [KG, 1, 32]
-        s_lo = tl.load(sp).to(tl.float32)
-        s_hi = tl.load(sp + 64).to(tl.float32)
-        z_lo = tl.load(sp + 1).to(tl.float32) - 8.0 * s_lo
-        z_hi = tl.load(sp + 65).to(tl.float32) - 8.0 * s_hi
-        w_lo = (b & 15).to(tl.float32) * s_lo + z_lo
-        w_hi = (b >> 4).to(tl.float32) * s_hi + z_hi
+def _u4_f32(b, FAST: tl.constexpr):
+    """Packed int4 bytes -> (low nibble - 8, high nibble - 8) as fp32."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 lo, hi, m;
+            and.b32 lo, $8, 0x0F0F0F0F;
+            shr.b32 hi, $8, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            mov.b32 m, 0x4B000000;
+            prmt.b32 $0, lo, m, 0x7440;
+            prmt.b32 $1, lo, m, 0x7441;
+            prmt.b32 $2, lo, m, 0x7442;
+            prmt.b32 $3, lo, m, 0x7443;
+            prmt.b32 $4, hi, m, 0x7440;
+            prmt.b32 $5, hi, m, 0x7441;
+            prmt.b32 $6, hi, m, 0x7442;
+            prmt.b32 $7, hi, m, 0x7443;
+            sub.f32 $0, $0, 0f4B000008;
+            sub.f32 $1, $1, 0f4B000008;
+            sub.f32 $2, $2, 0f4B000008;
+            sub.f32 $3, $3, 0f4B000008;
+            sub.f32 $4, $4, 0f4B000008;
+            sub.f32 $5, $5, 0f4B000008;
+            sub.f32 $6, $6, 0f4B000008;
+            sub.f32 $7, $7, 0f4B000008;
+            }""",
+            "=r,=r,=r,=r,=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.float32, tl.float32),
+            is_pure=True,
+            pack=4,
+        )
     else:
-        r_lo = n0 + d3
-        r_hi = r_lo + HALF
-        w = q_ptr + e * (N * K) + kk
-        w_lo = tl.load(w + r_lo * K, mask=r_lo < n_end, other=0.0).to(tl.float32)
-        w_hi = tl.load(w + r_hi * K, mask=r_hi < n_end, other=0.0).to(tl.float32)
-        if QUANT == 1:
-            sp = s_ptr + e * (N * (K // G)) + kg3  # [KG, 1, 1]
-            w_lo = w_lo * tl.load(sp + r_lo * (K // G), mask=r_lo < n_end, other=0.0)
-            w_hi = w_hi * tl.load(sp + r_hi * (K // G), mask=r_hi < n_end, other=0.0)
-    return w_lo * x3, w_hi * x3
+        w = b.to(tl.int32)
+        return (w & 15).to(tl.float32) - 8.0, (w >> 4).to(tl.float32) - 8.0
+
+
+@triton.jit
+def _prefetch_l2(base, start, end, NT: tl.constexpr):
+    """Bulk-prefetch bytes [start, end) after `base` into L2, split over NT threads (16 B units)."""
+    sub = ((end - start + NT - 1) // NT + 15) // 16 * 16
+    lo = start + tl.arange(0, NT) * sub
+    size = tl.minimum(lo + sub, end) - lo
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        setp.gt.s32 p, $2, 0;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""",
+        "=r,l,r",
+        [base + lo, size.to(tl.int32)],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+# ---- tiles: offsets of the inputs a K step needs, and the step's products ----------------------
+@triton.jit
+def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Input offsets of one K step, broadcast to the weight tile's full shape: a load through them
+    gets the weight tile's register layout, so no [BN, BK] tile is shuffled through shared
+    memory to meet a [1, BK] input vector (the L1 serves the repeated reads)."""
+    if QUANT == 0:
+        return tl.zeros([BN, 1], tl.int32) + tl.arange(0, BK)[None, :]  # [BN, BK]
+    elif QUANT == 1:
+        kk = tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+        return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NG, G]
+    else:
+        return tl.arange(0, BK // G)[:, None, None] * G + tl.arange(0, G)[None, :, None]
+
+
+@triton.jit
+def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               ELEM: tl.constexpr):  # fmt: skip
+    if QUANT == 0:
+        a = tl.zeros([BN, BK], tl.float32)
+        return a, a
+    elif QUANT == 1:
+        a = tl.zeros([BN, BK // G], tl.float32)
+        return a, a
+    elif ELEM:
+        a = tl.zeros([BK // G, G, 32], tl.float32)
+        return a, a
+    else:
+        a = tl.zeros([BK // G, 32], tl.float32)
+        return a, a
+
+
+@triton.jit
+def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
+            G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Raw weight tile of expert e, rows from n0 (int4: the 64-row block at n0), inputs from k0."""
+    if QUANT == 0:
+        r = n0 + tl.arange(0, BN)[:, None]
+        return tl.load(q_ptr + e * (N * K) + r * K + k0 + tl.arange(0, BK)[None, :])
+    elif QUANT == 1:
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        kk = k0 + tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
+        return tl.load(q_ptr + e * (N * K) + r * K + kk)  # [BN, NG, G]
+    else:
+        base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
+        kk = k0 + _k_offsets(QUANT, G, 1, BK)
+        return tl.load(base + kk * 32 + tl.arange(0, 32)[None, None, :])  # [NG, G, 32]
+
+
+@triton.jit
+def _step(w, s_ptr, e, n0, k0, xv, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
+          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
+          FAST: tl.constexpr):  # fmt: skip
+    """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments."""
+    NG: tl.constexpr = BK // G
+    if QUANT == 0:
+        p = w.to(tl.float32) * xv
+        return p, p
+    elif QUANT == 1:
+        r = n0 + tl.arange(0, BN)[:, None]
+        s = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
+        p = tl.sum(_s8_f32(w, FAST) * xv, 2) * s  # [BN, NG]
+        return p, p
+    else:
+        lo, hi = _u4_f32(w, FAST)  # q - 8, [NG, G, 32]
+        # (scale, zero) bf16 pairs read as one int32: [K/G, N] words per expert
+        if ELEM:
+            j = tl.arange(0, 32)[None, None, :]
+            kg = k0 // G + tl.arange(0, NG)[:, None, None]
+        else:
+            j = tl.arange(0, 32)[None, :]
+            kg = k0 // G + tl.arange(0, NG)[:, None]
+        sp = s_ptr + e * ((K // G) * N) + kg * N + n0 + j
+        v_lo = tl.load(sp)
+        v_hi = tl.load(sp + 32)
+        s_lo = (v_lo << 16).to(tl.float32, bitcast=True)
+        z_lo = (v_lo & -65536).to(tl.float32, bitcast=True)
+        s_hi = (v_hi << 16).to(tl.float32, bitcast=True)
+        z_hi = (v_hi & -65536).to(tl.float32, bitcast=True)
+        if ELEM:
+            return (lo * s_lo + z_lo) * xv, (hi * s_hi + z_hi) * xv
+        else:
+            xs = tl.sum(xv, 1)  # [NG, 1]
+            return (tl.sum(lo * xv, 1) * s_lo + z_lo * xs, tl.sum(hi * xv, 1) * s_hi + z_hi * xs)
+
+
+@triton.jit
+def _reduce(a, b, QUANT: tl.constexpr, ELEM: tl.constexpr):
+    """Accumulators -> row sums: [BN] (and a dummy), or int4's (low rows [32], high rows [32])."""
+    if QUANT == 2:
+        if ELEM:
+            return tl.sum(tl.sum(a, 1), 0), tl.sum(tl.sum(b, 1), 0)
+        else:
+            return tl.sum(a, 0), tl.sum(b, 0)
+    else:
+        y = tl.sum(a, 1)
+        return y, y
+
+
+@triton.jit
+def _rows_store(ptr, ya, yb, QUANT: tl.constexpr, BN: tl.constexpr):
+    """Store row sums from _reduce at ptr[0:BN] (int4: low rows then high rows)."""
+    if QUANT == 2:
+        tl.store(ptr + tl.arange(0, 32), ya)
+        tl.store(ptr + 32 + tl.arange(0, 32), yb)
+    else:
+        tl.store(ptr + tl.arange(0, BN), ya)
+
+
+@triton.jit
+def _silu_mul(g, u):
+    return g / (1.0 + tl.exp(-g)) * u
 
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr,
-    ids_ptr,
-    q_ptr,
-    s_ptr,
-    gu_ptr,
-    TOPK,
-    D: tl.constexpr,
-    I: tl.constexpr,
-    K_LEN: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    KG: tl.constexpr,
-    HALF: tl.constexpr,
-    SPLIT: tl.constexpr,
-    ELEM: tl.constexpr,
-):
+    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
+    FAST: tl.constexpr, PREFETCH: tl.constexpr, W2Q_BYTES: tl.constexpr,
+    W2S_BYTES: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair p's
+    expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a counter
+    when SPLIT > 1)."""
     p = tl.program_id(0)
-    n0 = tl.program_id(1) * (2 * HALF)
+    nb = tl.program_id(1)
     sk = tl.program_id(2)
-    t = p // TOPK
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     N: tl.constexpr = 2 * I
-    if ELEM:
-        g_lo = tl.zeros([KG, G, HALF], tl.float32)
-        g_hi = tl.zeros([KG, G, HALF], tl.float32)
-        u_lo = tl.zeros([KG, G, HALF], tl.float32)
-        u_hi = tl.zeros([KG, G, HALF], tl.float32)
-    else:
-        g_lo = tl.zeros([HALF], tl.float32)
-        g_hi = tl.zeros([HALF], tl.float32)
-        u_lo = tl.zeros([HALF], tl.float32)
-        u_hi = tl.zeros([HALF], tl.float32)
-    kx = tl.arange(0, KG)[:, None, None] * G + tl.arange(0, G)[None, :, None]  # [KG, G, 1]
-    for kb in range(0, K_LEN, KG * G):  # K_LEN = D // SPLIT
-        k0 = sk * K_LEN + kb
-        x3 = tl.load(x_ptr + t * D + k0 + kx).to(tl.float32)
-        if ELEM:
-            a, b = _tile_prod(q_ptr, s_ptr, e, n0, I, k0, x3, N, D, QUANT, G, KG, HALF)
-            c, d = _tile_prod(q_ptr, s_ptr, e, n0 + I, N, k0, x3, N, D, QUANT, G, KG, HALF)
-        else:
-            xs = tl.sum(x3, 1)
-            a, b = _tile_dot(q_ptr, s_ptr, e, n0, I, k0, x3, xs, N, D, QUANT, G, KG, HALF)
-            c, d = _tile_dot(q_ptr, s_ptr, e, n0 + I, N, k0, x3, xs, N, D, QUANT, G, KG, HALF)
-        g_lo += a
-        g_hi += b
-        u_lo += c
-        u_hi += d
-    if ELEM:
-        g_lo = tl.sum(tl.sum(g_lo, 1), 0)
-        g_hi = tl.sum(tl.sum(g_hi, 1), 0)
-        u_lo = tl.sum(tl.sum(u_lo, 1), 0)
-        u_hi = tl.sum(tl.sum(u_hi, 1), 0)
-    di = tl.arange(0, HALF)
-    out = gu_ptr + p * N + n0 + di
-    m_lo = n0 + di < I
-    m_hi = n0 + HALF + di < I
+    NB = tl.num_programs(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if PREFETCH:  # this program's share of the pair's w2 (and its scales)
+        j = (nb * SPLIT + sk).to(tl.int64)
+        n_j = NB * SPLIT
+        qb = w2q_ptr.to(tl.pointer_type(tl.int8)) + e * W2Q_BYTES
+        _prefetch_l2(qb, j * W2Q_BYTES // n_j, (j + 1) * W2Q_BYTES // n_j, NT)
+        if W2S_BYTES > 0:
+            sb = w2s_ptr.to(tl.pointer_type(tl.int8)) + e * W2S_BYTES
+            _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
+    n0 = nb * BN
+    KC: tl.constexpr = D // SPLIT
+    xrow = x_ptr + (p // TOPK) * D + sk * KC
+    koff = _k_offsets(QUANT, G, BN, BK)
+    ga, gb = _acc_zeros(QUANT, G, BN, BK, ELEM)
+    ua, ub = _acc_zeros(QUANT, G, BN, BK, ELEM)
+    for kb in tl.static_range(0, KC, BK):
+        k0 = sk * KC + kb
+        wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
+        wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
+        xv = tl.load(xrow + kb + koff).to(tl.float32)
+        a, b = _step(wg, s_ptr, e, n0, k0, xv, N, D, QUANT, G, BN, BK, ELEM, FAST)
+        ga += a
+        gb += b
+        a, b = _step(wu, s_ptr, e, I + n0, k0, xv, N, D, QUANT, G, BN, BK, ELEM, FAST)
+        ua += a
+        ub += b
+    g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
+    u_a, u_b = _reduce(ua, ub, QUANT, ELEM)
     if SPLIT == 1:
-        tl.store(out, g_lo, mask=m_lo)
-        tl.store(out + HALF, g_hi, mask=m_hi)
-        tl.store(out + I, u_lo, mask=m_lo)
-        tl.store(out + I + HALF, u_hi, mask=m_hi)
+        _rows_store(h_ptr + p * I + n0, _silu_mul(g_a, u_a), _silu_mul(g_b, u_b), QUANT, BN)
     else:
-        tl.atomic_add(out, g_lo, mask=m_lo, sem="relaxed")
-        tl.atomic_add(out + HALF, g_hi, mask=m_hi, sem="relaxed")
-        tl.atomic_add(out + I, u_lo, mask=m_lo, sem="relaxed")
-        tl.atomic_add(out + I + HALF, u_hi, mask=m_hi, sem="relaxed")
+        mine = part_ptr + (sk * P + p) * N + n0
+        _rows_store(mine, g_a, g_b, QUANT, BN)
+        _rows_store(mine + I, u_a, u_b, QUANT, BN)
+        cnt = cnt_ptr + p * NB + nb
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            r = n0 + tl.arange(0, BN)
+            g = tl.zeros([BN], tl.float32)
+            u = tl.zeros([BN], tl.float32)
+            for i in tl.static_range(SPLIT):
+                g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
+                u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
+            tl.store(h_ptr + p * I + r, _silu_mul(g, u))
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
 def _down_kernel(
-    gu_ptr,
-    ids_ptr,
-    rw_ptr,
-    q_ptr,
-    s_ptr,
-    out_ptr,
-    TOPK,
-    D: tl.constexpr,
-    I: tl.constexpr,
-    QUANT: tl.constexpr,
-    G: tl.constexpr,
-    KG: tl.constexpr,
-    HALF: tl.constexpr,
-    ELEM: tl.constexpr,
-):
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT_D: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (p, nb, sd): output rows [n0, n0 + BN) of pair p over I split sd, times the
+    routing weight; the token's last program for the row block writes the sum in out's dtype."""
     p = tl.program_id(0)
-    n0 = tl.program_id(1) * (2 * HALF)
-    t = p // TOPK
+    nb = tl.program_id(1)
+    sd = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
-    rw = tl.load(rw_ptr + p).to(tl.float32)
-    if ELEM:
-        acc_lo = tl.zeros([KG, G, HALF], tl.float32)
-        acc_hi = tl.zeros([KG, G, HALF], tl.float32)
-    else:
-        acc_lo = tl.zeros([HALF], tl.float32)
-        acc_hi = tl.zeros([HALF], tl.float32)
-    kx = tl.arange(0, KG)[:, None, None] * G + tl.arange(0, G)[None, :, None]
-    row = gu_ptr + p * (2 * I)
-    for k0 in range(0, I, KG * G):
-        g = tl.load(row + k0 + kx)
-        u = tl.load(row + I + k0 + kx)
-        h = g / (1.0 + tl.exp(-g)) * u  # silu(gate) * up, [KG, G, 1]
-        if ELEM:
-            a, b = _tile_prod(q_ptr, s_ptr, e, n0, D, k0, h, D, I, QUANT, G, KG, HALF)
+    n0 = nb * BN
+    KC: tl.constexpr = I // SPLIT_D
+    koff = _k_offsets(QUANT, G, BN, BK)
+    w_first = _load_w(q_ptr, e, n0, sd * KC, D, I, QUANT, G, BN, BK)  # weights need no wait
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
+    acc_a, acc_b = _acc_zeros(QUANT, G, BN, BK, ELEM)
+    for kb in tl.static_range(0, KC, BK):
+        k0 = sd * KC + kb
+        if kb == 0:
+            w = w_first
         else:
-            a, b = _tile_dot(q_ptr, s_ptr, e, n0, D, k0, h, tl.sum(h, 1), D, I, QUANT, G, KG, HALF)
-        acc_lo += a
-        acc_hi += b
-    if ELEM:
-        acc_lo = tl.sum(tl.sum(acc_lo, 1), 0)
-        acc_hi = tl.sum(tl.sum(acc_hi, 1), 0)
-    di = tl.arange(0, HALF)
-    out = out_ptr + t * D + n0 + di
-    tl.atomic_add(out, acc_lo * rw, mask=n0 + di < D, sem="relaxed")
-    tl.atomic_add(out + HALF, acc_hi * rw, mask=n0 + HALF + di < D, sem="relaxed")
+            w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
+        hv = tl.load(h_ptr + p * I + k0 + koff)
+        a, b = _step(w, s_ptr, e, n0, k0, hv, D, I, QUANT, G, BN, BK, ELEM, FAST)
+        acc_a += a
+        acc_b += b
+    ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
+    rw = tl.load(rw_ptr + p).to(tl.float32)
+    _rows_store(dpart_ptr + (p * SPLIT_D + sd) * D + n0, ya * rw, yb * rw, QUANT, BN)
+    # The last of the token's TOPK * SPLIT_D programs for this row block combines them.
+    t = p // TOPK
+    cnt = cnt_ptr + t * tl.num_programs(1) + nb
+    tl.debug_barrier()  # every thread's partial is stored before the release below
+    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK * SPLIT_D - 1:
+        r = n0 + tl.arange(0, BN)
+        tot = tl.zeros([BN], tl.float32)
+        for i in range(TOPK * SPLIT_D):  # fixed order: deterministic
+            tot += tl.load(dpart_ptr + (t * TOPK * SPLIT_D + i) * D + r, cache_modifier=".cg")
+        tl.store(out_ptr + t * D + r, tot.to(out_ptr.dtype.element_ty))
+        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
+# ---- host side ----------------------------------------------------------------------------------
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig) -> str | None:
     """None when the kernels take these shapes, else why not (the dispatcher falls back)."""
-    bk = cfg.kg * group
-    if hidden % (bk * cfg.split) or inter % bk:
-        return f"D={hidden} (split {cfg.split}) and I={inter} must be multiples of BK={bk}"
-    if quant == "int4" and (inter % INT4_ROWS or hidden % INT4_ROWS or cfg.half != 32):
-        return f"int4 needs D and I multiples of {INT4_ROWS} and half=32"
+    if quant == "int4":
+        if inter % INT4_ROWS or hidden % INT4_ROWS or cfg.bn != 64 or cfg.bn_d != 64:
+            return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
+    if cfg.bk % group or cfg.bk_d % group:
+        return f"bk={cfg.bk}, bk_d={cfg.bk_d} must be multiples of the group size {group}"
+    if hidden % (cfg.bk * cfg.split) or inter % (cfg.bk_d * cfg.split_d):
+        return f"D={hidden} (split {cfg.split}) and I={inter} (split {cfg.split_d}) vs bk/bk_d"
+    if inter % cfg.bn or hidden % cfg.bn_d:
+        return f"I={inter} must be a multiple of bn={cfg.bn}, D={hidden} of bn_d={cfg.bn_d}"
     return None
 
 
 def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
-    """Halve split, then kg, until the shapes fit (small models); None when nothing does."""
-    while check_shapes(quant, hidden, inter, group, cfg) and cfg.split > 1:
-        cfg = replace(cfg, split=cfg.split // 2)
-    while check_shapes(quant, hidden, inter, group, cfg) and cfg.kg > 1:
-        cfg = replace(cfg, kg=cfg.kg // 2)
+    """Halve splits, then K steps, then row blocks until the shapes fit (small models); None when
+    nothing does."""
+    for name, low in (("split", 1), ("split_d", 1), ("bk", group), ("bk_d", group),
+                      ("bn", 1), ("bn_d", 1)):  # fmt: skip
+        while check_shapes(quant, hidden, inter, group, cfg) and getattr(cfg, name) > low:
+            if quant == "int4" and name in ("bn", "bn_d"):
+                break
+            cfg = replace(cfg, **{name: getattr(cfg, name) // 2})
     return None if check_shapes(quant, hidden, inter, group, cfg) else cfg
+
+
+_WORKSPACE: dict = {}
+
+
+def _workspace(device, split: int, P: int, I: int, T: int, D: int, split_d: int, nbg: int,
+               nbd: int):  # fmt: skip
+    """fp32 gate/up partials [split, P, 2I], h [P, I], down partials [P * split_d, D] and int32
+    counters (gate/up [P, nbg], combine [T, nbd]; zero, and every program that completes a block
+    resets its counter). Cached so CUDA graphs captured after a first call reuse the buffers."""
+    key = (str(device), split, P, I, T, D, split_d, nbg, nbd)
+    ws = _WORKSPACE.get(key)
+    if ws is None:
+        f32 = dict(device=device, dtype=torch.float32)
+        cnt = torch.zeros(P * nbg + T * nbd, device=device, dtype=torch.int32)
+        ws = (
+            torch.empty(max(split, 2) * P * 2 * I, **f32),
+            torch.empty(P * I, **f32),
+            torch.empty(P * split_d * D, **f32),
+            cnt[: P * nbg],
+            cnt[P * nbg :],
+        )
+        _WORKSPACE[key] = ws
+    return ws
 
 
 def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None) -> torch.Tensor:
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
-    when given)."""
+    when given, which must be contiguous)."""
     quant = experts.scheme.name
     T, D = x.shape
     K = ids.shape[1]
@@ -294,19 +431,32 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     cfg = cfg or fit_config(quant, D, I, G, DEFAULT_CONFIGS[quant]) or DEFAULT_CONFIGS[quant]
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
-    sec = experts.sections
+    gpu = x.device.type == "cuda"  # else the interpreter: plain casts, no PTX
+    sec = dict(experts.sections)
+    if quant == "int4":  # (scale, zero) bf16 pairs as one int32 word
+        sec = {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in sec.items()}
     scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
-    ws = torch.zeros(P * 2 * I + T * D, device=x.device, dtype=torch.float32)
-    gu, acc = ws[: P * 2 * I], ws[P * 2 * I :].view(T, D)
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    meta = dict(QUANT=QUANT_CODE[quant], G=G, KG=cfg.kg, HALF=cfg.half, ELEM=cfg.elem)
-    meta["num_warps"] = cfg.num_warps
-    w13q, w13s = sec["w13.q"], sec[f"w13.{scale}"]
-    grid = (P, triton.cdiv(I, 2 * cfg.half), cfg.split)
-    _gate_up_kernel[grid](x, ids, w13q, w13s, gu, K, D, I, D // cfg.split, SPLIT=cfg.split, **meta)
     w2q, w2s = sec["w2.q"], sec[f"w2.{scale}"]
-    grid = (P, triton.cdiv(D, 2 * cfg.half))
-    _down_kernel[grid](gu, ids, weights, w2q, w2s, acc, K, D, I, **meta)
-    if out is not None:
-        return out.copy_(acc)
-    return acc if x.dtype == torch.float32 else acc.to(x.dtype)
+    w2q_bytes = w2q[0].numel() * w2q.element_size()
+    w2s_bytes = 0 if quant == "bf16" else w2s[0].numel() * w2s.element_size()
+    prefetch = gpu and cfg.prefetch and P * (w2q_bytes + w2s_bytes) <= L2_PREFETCH_BYTES
+    bn, bn_d = cfg.bn, cfg.bn_d
+    nbg, nbd = I // bn, D // bn_d
+    part, h, dpart, cnt_g, cnt_d = _workspace(x.device, cfg.split, P, I, T, D, cfg.split_d, nbg, nbd)
+    if out is None:
+        out = torch.empty(T, D, device=x.device, dtype=x.dtype)
+    assert out.is_contiguous() and out.shape == (T, D)
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=K, ELEM=cfg.elem, FAST=gpu)
+    pdl = gpu and cfg.pdl
+    _gate_up_kernel[(P, nbg, cfg.split)](
+        x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, w2q, w2s, P,
+        BN=bn, BK=cfg.bk, SPLIT=cfg.split, PREFETCH=prefetch, W2Q_BYTES=w2q_bytes,
+        W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps, PDL=pdl, num_warps=cfg.num_warps, **common,
+    )  # fmt: skip
+    _down_kernel[(P, nbd, cfg.split_d)](
+        h, ids, weights, w2q, w2s, dpart, cnt_d, out, P,
+        BN=bn_d, BK=cfg.bk_d, SPLIT_D=cfg.split_d, PDL=pdl,
+        num_warps=cfg.num_warps, **common, **({"launch_pdl": True} if pdl else {}),
+    )  # fmt: skip
+    return out
