@@ -184,6 +184,7 @@ class Attention(nn.Module):
                 RMSNorm(Hkv * hd, args.rms_norm_eps),
             )
         self._qk_key = None  # source of the cached side-by-side q/k norm weight
+        self._fused, self._fused_key = None, None  # fused q/k/v weight and bias, see _qkv_proj
         self.clip_qkv = clip_qkv
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
@@ -192,20 +193,57 @@ class Attention(nn.Module):
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int
     ) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
-        q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # [T, H*hd], [T, Hkv*hd] x2
-        if self.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if self.clip_qkv is not None:
-            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
-        # q and k normed (per head) and rotated together: fewer ops per decode step.
-        qk = torch.cat((q.view(T, H, hd), k.view(T, Hkv, hd)), dim=1)  # [T, H+Hkv, hd]
+        qkv = self._qkv_proj(x)  # [T, (H + 2*Hkv) * hd]: q heads, k heads, v heads
+        if self.qk_norm == "full" or self.clip_qkv is not None:
+            q, k, v = qkv.split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
+            if self.qk_norm == "full":
+                q, k = self.q_norm(q), self.k_norm(k)
+            if self.clip_qkv is not None:
+                q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+            qk = torch.cat((q.view(T, H, hd), k.view(T, Hkv, hd)), dim=1)
+            v = v.view(T, Hkv, hd)
+        else:
+            # q and k heads side by side already: normed (per head) and rotated together.
+            qk, v = qkv.view(T, H + 2 * Hkv, hd).split((H + Hkv, Hkv), dim=1)
         if self.qk_norm == "head":
             qk = self._head_norm(qk)
         qk = apply_rope(qk.transpose(0, 1), cos, sin)  # [H+Hkv, T, hd]
         q, k = qk.split((H, Hkv))
-        k, v = cache.update(self.layer, k, v.view(T, Hkv, hd).transpose(0, 1), start)
+        k, v = cache.update(self.layer, k, v.transpose(0, 1), start)
         out = gqa_attention(q, k, v, self.scaling, start, self.window, self.softmax)
         return self.o_proj(out)
+
+    def _qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
+        """q, k and v projections as one GEMM. At inference q/k/v_proj's parameters are views of
+        one fused weight (and bias), made on first use and remade whenever the parameters were
+        replaced (loaded, moved, cast) since, so the fusion costs no memory. With gradients on,
+        the three modules run as they are (the fused tensor is not a parameter)."""
+        if torch.is_grad_enabled():
+            return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
+        if self._fused is None or self._fused_key != self._param_key():
+            with torch.inference_mode(False), torch.no_grad():
+                self._fuse_qkv()
+        w, b = self._fused
+        return F.linear(x, w, b)
+
+    def _param_key(self) -> tuple:
+        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        return tuple(p.data_ptr() for p in ps)
+
+    def _fuse_qkv(self) -> None:
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        fused = []
+        for name in ("weight", "bias"):
+            parts = [getattr(p, name) for p in projs]
+            if parts[0] is None:
+                fused.append(None)
+                continue
+            whole = torch.cat([t.detach() for t in parts])
+            for p, t, view in zip(projs, parts, whole.split([t.shape[0] for t in parts])):
+                setattr(p, name, nn.Parameter(view, requires_grad=t.requires_grad))
+            fused.append(whole)
+        self._fused = tuple(fused)
+        self._fused_key = self._param_key()
 
     def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """q_norm on the H query heads and k_norm on the Hkv key heads of qk [T, H+Hkv, hd] in
