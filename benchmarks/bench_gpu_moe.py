@@ -31,34 +31,34 @@ from moestream.kernels.triton.layout import StackedExperts, moe_loop_ref  # noqa
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
-# Sweep at T=1 (the first entry is DEFAULT_CONFIGS): tile sizes, splits, and the L2 prefetch of w2
-# and the programmatic dependent launch of the down kernel switched off one at a time.
+# Sweep at T=1 (the first entry is DEFAULT_CONFIGS, tuned per kernel on an H200): tiles, the down
+# kernel over all slots (bf16/int8) or per slot with a counter combine, and the programmatic
+# dependent launch and the L2 prefetch of w2 switched one at a time.
 _D = DEFAULT_CONFIGS
 SWEEP = {
     "bf16": [
         _D["bf16"],
-        replace(_D["bf16"], prefetch=False),
-        replace(_D["bf16"], prefetch=False, pdl=False),
-        replace(_D["bf16"], bn=4, bn_d=8),
-        replace(_D["bf16"], bn=16, bk=128, split=2),
-        replace(_D["bf16"], bk=512, bk_d=256, num_warps=8),
+        replace(_D["bf16"], bn_d=4),
+        replace(_D["bf16"], down_all=False, bn_d=16, bk_d=256),
+        replace(_D["bf16"], pdl=False),
+        replace(_D["bf16"], prefetch=True),
+        replace(_D["bf16"], bn=4, bk=128, num_warps=4),
     ],
     "int8": [
         _D["int8"],
-        replace(_D["int8"], prefetch=False),
-        replace(_D["int8"], prefetch=False, pdl=False),
-        replace(_D["int8"], bn=4, bn_d=16),
-        replace(_D["int8"], bn=16, bk=256, split=2),
-        replace(_D["int8"], bk_d=128, split_d=2),
+        replace(_D["int8"], bn_d=4),
+        replace(_D["int8"], down_all=False, bn_d=8, bk_d=256, warps_d=2),
+        replace(_D["int8"], pdl=False),
+        replace(_D["int8"], bn=2, num_warps=2),
+        replace(_D["int8"], bn=8),
     ],
     "int4": [
         _D["int4"],
-        replace(_D["int4"], prefetch=False),
-        replace(_D["int4"], prefetch=False, pdl=False),
-        replace(_D["int4"], split=8),
-        replace(_D["int4"], split=2),
-        replace(_D["int4"], split_d=2),
-        replace(_D["int4"], elem=False),
+        replace(_D["int4"], split=4),
+        replace(_D["int4"], bk=32),
+        replace(_D["int4"], pdl=False),
+        replace(_D["int4"], prefetch=True),
+        replace(_D["int4"], bk_d=64, split_d=2),
     ],
 }
 

@@ -102,6 +102,9 @@ def test_decode_interpreter(quant):
     for elem, split, split_d in ((False, 2, 1), (True, 1, 2)):
         cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32, split_d=split_d, elem=elem)
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+    if quant != "int4":  # one down program over all slots; K = 3 and I = 96 are padded and masked
+        cfg = DecodeConfig(bn=bn, bk=32, bn_d=4, down_all=True)
+        _check(moe_decode, quant, 5, 64, 96, 2, 3, torch.float32, "cpu", seed=3, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
 
@@ -154,7 +157,7 @@ def test_decode_variants_cuda(quant, elem, split):
         cfg = DecodeConfig(bn=bn, bk=64 if quant == "int4" else 256, split=split,
                            bn_d=64 if quant == "int4" else 16, bk_d=64 if quant == "int4" else 128,
                            split_d=3 - split if split < 3 else 1, elem=elem, prefetch=prefetch,
-                           pdl=prefetch)  # fmt: skip
+                           pdl=prefetch, down_all=quant != "int4" and elem)  # fmt: skip
         for T in (1, 2):
             _check(moe_decode, quant, 16, 2048, 768, T, 8, torch.bfloat16, "cuda", seed=5 + T,
                    cfg=cfg)  # fmt: skip

@@ -38,7 +38,9 @@ class DecodeConfig:
     bn_d: int = 16  # output rows per down program (int4: 64)
     bk_d: int = 256
     split_d: int = 1  # down programs along I (partials summed by the last program)
-    num_warps: int = 4
+    down_all: bool = False  # bf16/int8: one down program per row block covers all slots and I
+    num_warps: int = 4  # gate/up programs
+    warps_d: int = 4  # down programs
     elem: bool = True  # int4: accumulate [groups, G, 32] products, reduce once at the end
     prefetch: bool = True  # gate/up prefetches w2 into L2
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
@@ -50,9 +52,10 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIGS = {
-    "bf16": DecodeConfig(bn=8, bk=256, split=1, bn_d=16, bk_d=256),
-    "int8": DecodeConfig(bn=8, bk=512, split=1, bn_d=32, bk_d=256),
-    "int4": DecodeConfig(bn=64, bk=64, split=4, bn_d=64, bk_d=64),
+    # H200 per-kernel sweep (tune at T=1, benchmarks/results/gpu_moe.jsonl has the full sweep)
+    "bf16": DecodeConfig(bn=8, bk=256, num_warps=2, bn_d=2, down_all=True, prefetch=False),
+    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=2, down_all=True, prefetch=False),
+    "int4": DecodeConfig(bn=64, bk=128, split=8, bn_d=64, bk_d=128, prefetch=False),
 }
 
 
@@ -306,7 +309,10 @@ def _gate_up_kernel(
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
     u_a, u_b = _reduce(ua, ub, QUANT, ELEM)
     if SPLIT == 1:
-        _rows_store(h_ptr + p * I + n0, _silu_mul(g_a, u_a), _silu_mul(g_b, u_b), QUANT, BN)
+        hd = h_ptr.dtype.element_ty
+        _rows_store(
+            h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
+        )
     else:
         mine = part_ptr + (sk * P + p) * N + n0
         _rows_store(mine, g_a, g_b, QUANT, BN)
@@ -320,7 +326,7 @@ def _gate_up_kernel(
             for i in tl.static_range(SPLIT):
                 g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
                 u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
-            tl.store(h_ptr + p * I + r, _silu_mul(g, u))
+            tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
@@ -350,7 +356,7 @@ def _down_kernel(
             w = w_first
         else:
             w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
-        hv = tl.load(h_ptr + p * I + k0 + koff)
+        hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
         a, b = _step(w, s_ptr, e, n0, k0, hv, D, I, QUANT, G, BN, BK, ELEM, FAST)
         acc_a += a
         acc_b += b
@@ -370,18 +376,66 @@ def _down_kernel(
         tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
+@triton.jit
+def _down_all_kernel(
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, out_ptr,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    KP: tl.constexpr, BKD: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    """bf16/int8 program (t, nb): output rows [n0, n0 + BN) of token t over all its TOPK slots
+    and all of I in one tile [KP, BN, BKD] (slots and I padded to powers of two, masked). Every
+    weight load is issued before the PDL wait, and the slots are summed in registers: no
+    partials, no counters, no combine tail."""
+    t = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    slot = tl.arange(0, KP)
+    sm = slot < TOPK
+    e = tl.load(ids_ptr + t * TOPK + slot, mask=sm, other=0).to(tl.int64)
+    row = n0 + tl.arange(0, BN)
+    if QUANT == 0:
+        k = tl.zeros([KP, BN, 1], tl.int32) + tl.arange(0, BKD)[None, None, :]
+        m = sm[:, None, None] & (k < I)
+        w = tl.load(q_ptr + e[:, None, None] * (D * I) + row[None, :, None] * I + k, mask=m)
+    else:
+        NG: tl.constexpr = BKD // G
+        kk = tl.arange(0, NG)[None, None, :, None] * G + tl.arange(0, G)[None, None, None, :]
+        k = tl.zeros([KP, BN, 1, 1], tl.int32) + kk  # [KP, BN, NG, G]
+        m = sm[:, None, None, None] & (k < I)
+        w = tl.load(q_ptr + e[:, None, None, None] * (D * I) + row[None, :, None, None] * I + k,
+                    mask=m, other=0)  # fmt: skip
+        gi = tl.arange(0, NG)[None, None, :]
+        ms = sm[:, None, None] & (gi < I // G)
+        sc = tl.load(s_ptr + e[:, None, None] * (D * (I // G)) + row[None, :, None] * (I // G) + gi,
+                     mask=ms, other=0.0)  # fmt: skip
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
+    if QUANT == 0:
+        hv = tl.load(h_ptr + (t * TOPK + slot)[:, None, None] * I + k, mask=m, other=0.0)
+        y = tl.sum(w.to(tl.float32) * hv.to(tl.float32), 2)  # [KP, BN]
+    else:
+        hv = tl.load(h_ptr + (t * TOPK + slot)[:, None, None, None] * I + k, mask=m, other=0.0)
+        y = tl.sum(tl.sum(_s8_f32(w, FAST) * hv.to(tl.float32), 3) * sc, 2)  # [KP, BN]
+    rw = tl.load(rw_ptr + t * TOPK + slot, mask=sm, other=0.0).to(tl.float32)
+    y = tl.sum(y * rw[:, None], 0)
+    tl.store(out_ptr + t * D + row, y.to(out_ptr.dtype.element_ty))
+
+
 # ---- host side ----------------------------------------------------------------------------------
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig) -> str | None:
     """None when the kernels take these shapes, else why not (the dispatcher falls back)."""
     if quant == "int4":
         if inter % INT4_ROWS or hidden % INT4_ROWS or cfg.bn != 64 or cfg.bn_d != 64:
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
-    if cfg.bk % group or cfg.bk_d % group:
-        return f"bk={cfg.bk}, bk_d={cfg.bk_d} must be multiples of the group size {group}"
-    if hidden % (cfg.bk * cfg.split) or inter % (cfg.bk_d * cfg.split_d):
-        return f"D={hidden} (split {cfg.split}) and I={inter} (split {cfg.split_d}) vs bk/bk_d"
+    if cfg.bk % group or hidden % (cfg.bk * cfg.split):
+        return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
         return f"I={inter} must be a multiple of bn={cfg.bn}, D={hidden} of bn_d={cfg.bn_d}"
+    if cfg.down_all:
+        if quant == "int4" or inter > 2048 or inter % group:
+            return "down_all takes bf16/int8 with I <= 2048 (one register tile over I)"
+    elif cfg.bk_d % group or inter % (cfg.bk_d * cfg.split_d):
+        return f"I={inter} (split {cfg.split_d}) must be a multiple of bk_d={cfg.bk_d}"
     return None
 
 
@@ -401,18 +455,18 @@ _WORKSPACE: dict = {}
 
 
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, split_d: int, nbg: int,
-               nbd: int):  # fmt: skip
-    """fp32 gate/up partials [split, P, 2I], h [P, I], down partials [P * split_d, D] and int32
+               nbd: int, h_dtype: torch.dtype):  # fmt: skip
+    """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 down partials [P * split_d, D] and int32
     counters (gate/up [P, nbg], combine [T, nbd]; zero, and every program that completes a block
     resets its counter). Cached so CUDA graphs captured after a first call reuse the buffers."""
-    key = (str(device), split, P, I, T, D, split_d, nbg, nbd)
+    key = (str(device), split, P, I, T, D, split_d, nbg, nbd, h_dtype)
     ws = _WORKSPACE.get(key)
     if ws is None:
         f32 = dict(device=device, dtype=torch.float32)
         cnt = torch.zeros(P * nbg + T * nbd, device=device, dtype=torch.int32)
         ws = (
             torch.empty(max(split, 2) * P * 2 * I, **f32),
-            torch.empty(P * I, **f32),
+            torch.empty(P * I, device=device, dtype=h_dtype),
             torch.empty(P * split_d * D, **f32),
             cnt[: P * nbg],
             cnt[P * nbg :],
@@ -421,9 +475,18 @@ def _workspace(device, split: int, P: int, I: int, T: int, D: int, split_d: int,
     return ws
 
 
-def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None) -> torch.Tensor:
+def moe_decode(
+    x,
+    ids,
+    weights,
+    experts,
+    cfg: DecodeConfig | None = None,
+    out=None,
+    stages: str = "gate_up+down",
+) -> torch.Tensor:
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
-    when given, which must be contiguous)."""
+    when given, which must be contiguous). `stages` launches only one kernel when it names one
+    (the benchmark times each kernel; the output is then not the MoE result)."""
     quant = experts.scheme.name
     T, D = x.shape
     K = ids.shape[1]
@@ -442,21 +505,35 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     prefetch = gpu and cfg.prefetch and P * (w2q_bytes + w2s_bytes) <= L2_PREFETCH_BYTES
     bn, bn_d = cfg.bn, cfg.bn_d
     nbg, nbd = I // bn, D // bn_d
-    part, h, dpart, cnt_g, cnt_d = _workspace(x.device, cfg.split, P, I, T, D, cfg.split_d, nbg, nbd)
+    part, h, dpart, cnt_g, cnt_d = _workspace(
+        x.device, cfg.split, P, I, T, D, cfg.split_d, nbg, nbd, x.dtype
+    )
     if out is None:
         out = torch.empty(T, D, device=x.device, dtype=x.dtype)
     assert out.is_contiguous() and out.shape == (T, D)
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=K, ELEM=cfg.elem, FAST=gpu)
     pdl = gpu and cfg.pdl
-    _gate_up_kernel[(P, nbg, cfg.split)](
-        x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, w2q, w2s, P,
-        BN=bn, BK=cfg.bk, SPLIT=cfg.split, PREFETCH=prefetch, W2Q_BYTES=w2q_bytes,
-        W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps, PDL=pdl, num_warps=cfg.num_warps, **common,
-    )  # fmt: skip
-    _down_kernel[(P, nbd, cfg.split_d)](
-        h, ids, weights, w2q, w2s, dpart, cnt_d, out, P,
-        BN=bn_d, BK=cfg.bk_d, SPLIT_D=cfg.split_d, PDL=pdl,
-        num_warps=cfg.num_warps, **common, **({"launch_pdl": True} if pdl else {}),
-    )  # fmt: skip
+    if "gate_up" in stages:
+        _gate_up_kernel[(P, nbg, cfg.split)](
+            x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, w2q, w2s, P,
+            BN=bn, BK=cfg.bk, SPLIT=cfg.split, PREFETCH=prefetch, W2Q_BYTES=w2q_bytes,
+            W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps, PDL=pdl, num_warps=cfg.num_warps,
+            **common,
+        )  # fmt: skip
+    launch_d = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}), **common)
+    if "down" in stages and cfg.down_all:
+        kp, bkd = triton.next_power_of_2(K), triton.next_power_of_2(I)
+        # about 16 weights a thread: the whole [KP, BN, I] tile is in flight before the wait
+        warps = min(8, max(cfg.warps_d, kp * bn_d * bkd // 512))
+        launch_d.pop("ELEM")
+        _down_all_kernel[(T, nbd)](
+            h, ids, weights, w2q, w2s, out,
+            BN=bn_d, KP=kp, BKD=bkd, num_warps=warps, **launch_d,
+        )  # fmt: skip
+    elif "down" in stages:
+        _down_kernel[(P, nbd, cfg.split_d)](
+            h, ids, weights, w2q, w2s, dpart, cnt_d, out, P,
+            BN=bn_d, BK=cfg.bk_d, SPLIT_D=cfg.split_d, num_warps=cfg.warps_d, **launch_d,
+        )  # fmt: skip
     return out
