@@ -114,6 +114,12 @@ def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
                 s["prefetch_used"] + s["prefetch_wasted_bytes"] // store.layout.size
                 <= s["prefetch_reads"]
             )
+        # Two layers ahead, reads filtered by confidence: still only prefetching.
+        model = load_store(folder, StreamConfig(memory_budget=budget, io=io)).model
+        p = attach(model, make_predictor("stale-gate", model, ahead=2), min_score=0.2)
+        got, logits = greedy(model, PROMPT, 12)
+        p.close()
+        assert got == want and torch.equal(logits, want_logits), budget
 
 
 def test_predicted_routing_with_the_oracle_matches_exact(stores):
@@ -196,6 +202,27 @@ def test_stale_gate_is_next_router_on_this_hidden(stores):
             assert p.layer == col + 1 and p.pos == row
             assert p.experts == tuple(sorted(want[0].tolist()))
         assert pred.observe(len(blocks) - 1, row, x, [0, 1]) == []
+
+
+def test_stale_gate_scores_and_two_layers_ahead(stores):
+    model = load_store(stores("qwen3_moe"), StreamConfig(resident=True)).model
+    _, t = record(model, PROMPT, 4, hidden=True)
+    blocks = model.moe_blocks
+    pred = make_predictor("stale-gate", model, ahead=2)
+    x = torch.from_numpy(t.hidden[5, 0]).float()
+    ps = pred.observe(0, 5, x, t.ids[5, 0].tolist())
+    assert [(p.layer, p.pos) for p in ps] == [(1, 5), (2, 5)][: len(blocks) - 1]
+    for p in ps:
+        probs = torch.softmax(blocks[p.layer].gate(x[None]).float(), -1)[0]
+        assert p.experts == tuple(sorted(torch.topk(probs, blocks[0].k).indices.tolist()))
+        torch.testing.assert_close(torch.tensor(p.scores), probs[list(p.experts)])
+
+
+def test_ranked_prediction_orders_by_confidence():
+    p = Prediction(1, 0, (3, 5, 9), (0.1, 0.5, 0.01))
+    assert p.ranked() == [5, 3, 9]
+    assert p.ranked(min_score=0.05) == [5, 3]
+    assert Prediction(1, 0, (3, 5)).ranked(min_score=0.9) == [3, 5]  # no scores: all, as given
 
 
 def test_prerouter_input_and_warm_start(stores):

@@ -104,3 +104,41 @@ def test_queued_prefetch_of_a_wrong_prediction_is_cancelled(store):
     assert (s["prefetch_reads"], s["prefetch_cancelled"], s["prefetch_used"]) == (1, 1, 1)
     assert s["bytes_read"] == 2 * size  # expert 1 prefetched, 3 on demand, 2 never read
     p.close()
+
+
+def test_a_record_read_cancels_only_before_it_starts(store):
+    p, _ = provider(store, 4)
+    gate = threading.Event()
+    blockers = [p.reader.exec.submit(gate.wait) for _ in range(2)]  # both IO threads held
+    queued = p.reader.submit(0, 1, 0, PREFETCH)
+    assert queued.cancel() and queued.done()
+    gate.set()
+    for b in blockers:
+        b.result(timeout=10)
+    read = p.reader.submit(0, 2, 1, PREFETCH)
+    read.result(timeout=10)
+    assert not read.cancel()  # finished: its slot holds the record
+    p.close()
+
+
+def test_requested_demand_reads_run_before_prefetches_issued_after(store):
+    p, _ = provider(store, 6)
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    order, read_part = [], p.reader._read_part
+    p.reader._read_part = lambda layer, e, slot, start: (
+        order.append((layer, e)) or read_part(layer, e, slot, start)
+    )
+    gate = threading.Event()
+    blockers = [p.reader.exec.submit(gate.wait) for _ in range(2)]
+    assert p.prefetch(1, [2]) == 1  # queued first, behind the blockers
+    p.request(0, [1, 3])  # the computing layer's misses: demand reads, queued after
+    gate.set()
+    for b in blockers:
+        b.result(timeout=10)
+    x = torch.randn(1, p.store.args.hidden_size)
+    ids, w = torch.tensor([[1, 3]]), torch.tensor([[0.5, 0.5]])
+    assert torch.equal(p.experts(0, x, ids, w), ref.experts(0, x, ids, w))
+    p.close()
+    assert order[:2] == [(0, 1), (0, 3)] and order[-1] == (1, 2)
+    s = p.stats()
+    assert (s["misses"], s["prefetch_reads"]) == (2, 1)

@@ -7,8 +7,10 @@ input x (the post-attention normed hidden state) and the router's own top-k:
 
     preds = predictor.observe(col, pos, x, ids)   # -> [Prediction(col', pos', experts)]
 
-The pipeline prefetches each prediction at once and, with `--routing predicted`, uses it as the
-routing of (col', pos'). A prediction must target a later point: (col', pos') > (col, pos).
+The pipeline prefetches each prediction at once (most confident experts first when the predictor
+gives scores) and, with `--routing predicted`, uses it as the routing of (col', pos'). A
+prediction must target a later point: (col', pos') > (col, pos); a later prediction for the same
+point replaces an earlier one.
 """
 
 from __future__ import annotations
@@ -25,6 +27,14 @@ class Prediction:
     layer: int  # MoE column
     pos: int  # token position
     experts: tuple[int, ...]
+    scores: tuple[float, ...] = ()  # optional confidence of each expert (e.g. router probability)
+
+    def ranked(self, min_score: float = 0.0) -> list[int]:
+        """Experts most confident first; those scored below min_score left out."""
+        if not self.scores:
+            return list(self.experts)
+        pairs = sorted(zip(self.scores, self.experts), key=lambda p: -p[0])
+        return [e for s, e in pairs if s >= min_score]
 
 
 class Predictor:

@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 
 from moestream.config import ConfigError
-from moestream.models.layers import softmax_topk
+from moestream.models.layers import SparseMoe, softmax_topk
 from moestream.predict.base import PREDICTORS, Prediction, Predictor
+from moestream.store.io import PREFETCH, PREFETCH_LOW
 
 ROUTINGS = ("exact", "predicted")
 
@@ -41,14 +42,21 @@ def routing_weights(block, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 class PredictingExperts:
     """ExpertProvider wrapper; other attributes (store, table, close...) reach the wrapped one."""
 
-    def __init__(self, inner, predictor: Predictor, blocks, routing: str = "exact"):
+    def __init__(
+        self, inner, predictor: Predictor, blocks, routing: str = "exact", min_score: float = 0.0
+    ):
+        """min_score: prefetch only predicted experts whose confidence score reaches it (for
+        predictors that give scores); ignored with predicted routing, which runs them all."""
         if routing not in ROUTINGS:
             raise ConfigError(f"unknown --routing {routing!r}; use exact or predicted")
         self.inner, self.predictor, self.routing = inner, predictor, routing
+        self.min_score = min_score if routing == "exact" else 0.0
         self.blocks = list(blocks)
         self.layers = [b.layer for b in self.blocks]
         self.col = {layer: i for i, layer in enumerate(self.layers)}
         self.can_prefetch = hasattr(inner, "prefetch") and hasattr(inner, "cancel_prefetch")
+        self.can_request = hasattr(inner, "request")
+        self.can_hint = hasattr(inner, "hint")
         self.c = dict.fromkeys(("predicted", "correct", "routed", "forced"), 0)
         self.pos = 0
         self.pending: dict[tuple[int, int], tuple[int, ...]] = {}
@@ -80,11 +88,13 @@ class PredictingExperts:
                 self.c["forced"] += 1
         if guess is not None and self.can_prefetch:
             self._cancel_wrong(col, last, guess, ids[-1].tolist())
+        if T == 1 and self.can_request:
+            self.inner.request(layer, sorted(ids[0].tolist()))  # demand reads queue first
         # Prefill: the predictor needs only the last tokens' state.
         for row in range(max(0, T - 2), T):
             preds = self.predictor.observe(col, self.pos + row, x[row], routed[row].tolist())
             if row == T - 1:
-                self._stage(preds, layer, ids[row].tolist())
+                self._stage(preds, col, self.pos + row, ids[row].tolist())
         if col == len(self.layers) - 1:
             self.pos += T
         return self.inner.experts(layer, x, ids, weights)
@@ -106,12 +116,30 @@ class PredictingExperts:
             self.c["predicted"] += len(guess)
             self.c["correct"] += len(set(guess) & set(routed))
 
-    def _stage(self, preds: list[Prediction], layer: int, now: list[int]) -> None:
-        protect = [(layer, e) for e in now]
+    def _stage(self, preds: list[Prediction], col: int, pos: int, now: list[int]) -> None:
+        """Record the predictions and prefetch them, nearest target first, each most confident
+        expert first; reads for the next layer queue ahead of those further out. Neither the
+        computing layer's slots nor those of other pending predictions are taken."""
+        L = len(self.layers)
+        preds = sorted(preds, key=lambda p: (p.pos - pos) * L + p.layer - col)
+        old = {(p.layer, p.pos): self.pending.get((p.layer, p.pos)) for p in preds}
         for p in preds:
             self.pending[(p.layer, p.pos)] = p.experts
-            if self.can_prefetch:
-                self.inner.prefetch(self.layers[p.layer], p.experts, protect)
+        if not self.can_prefetch:
+            return
+        protect = {(self.layers[col], e) for e in now}
+        for (c, _), experts in self.pending.items():
+            protect.update((self.layers[c], e) for e in experts)
+        if self.can_hint:
+            self.inner.hint(protect - {(self.layers[col], e) for e in now})
+        for p in preds:
+            layer = self.layers[p.layer]
+            stale = old[(p.layer, p.pos)]
+            if stale:  # a replaced prediction: its reads not started are dropped
+                self.inner.cancel_prefetch(layer, [e for e in stale if e not in p.experts])
+            lead = (p.pos - pos) * L + p.layer - col
+            prio = PREFETCH if lead <= 1 else PREFETCH_LOW
+            self.inner.prefetch(layer, p.ranked(self.min_score), protect, priority=prio)
 
     def stats(self) -> dict:
         s = self.inner.stats() if hasattr(self.inner, "stats") else {}
@@ -133,8 +161,17 @@ def _router(block):
     return lambda x: softmax_topk(block.gate(x), block.k, block.renorm)
 
 
-def make_predictor(name: str, model, *, heads=None, trace=None) -> Predictor:
-    """Build a predictor for a loaded model: heads = PrerouterHeads, trace = a Trace (oracle)."""
+def _scorer(block):
+    """Router probabilities x [T, D] -> [T, E] for softmax routers; None for other rules."""
+    gate = getattr(block, "gate", None)
+    if type(block).route is not SparseMoe.route or not isinstance(gate, torch.nn.Linear):
+        return None
+    return lambda x: torch.softmax(gate(x), dim=-1, dtype=torch.float32)
+
+
+def make_predictor(name: str, model, *, heads=None, trace=None, ahead: int = 1) -> Predictor:
+    """Build a predictor for a loaded model: heads = PrerouterHeads, trace = a Trace (oracle);
+    ahead = how many layers ahead the stale gate names."""
     from moestream.predict.base import Predictor as NoPredictor
     from moestream.predict.oracle import OraclePredictor
     from moestream.predict.prerouter import PrerouterPredictor
@@ -147,7 +184,10 @@ def make_predictor(name: str, model, *, heads=None, trace=None) -> Predictor:
     if name == "temporal":
         return TemporalPredictor(len(blocks))
     if name == "stale-gate":
-        return StaleGatePredictor([_router(b) for b in blocks])
+        scorers = [_scorer(b) for b in blocks]
+        return StaleGatePredictor(
+            [_router(b) for b in blocks], None if None in scorers else scorers, ahead
+        )
     if name == "prerouter":
         if heads is None:
             raise ConfigError(
@@ -164,12 +204,14 @@ def make_predictor(name: str, model, *, heads=None, trace=None) -> Predictor:
     raise ConfigError(f"unknown --predictor {name!r}; use one of {', '.join(PREDICTORS)}")
 
 
-def attach(model, predictor: Predictor, routing: str = "exact") -> PredictingExperts:
+def attach(
+    model, predictor: Predictor, routing: str = "exact", min_score: float = 0.0
+) -> PredictingExperts:
     """Wrap the model's expert provider with prediction/prefetch; returns the wrapper."""
     blocks = model.moe_blocks
     inner = blocks[0].provider
     if isinstance(inner, PredictingExperts):
         inner = inner.inner
-    wrapper = PredictingExperts(inner, predictor, blocks, routing)
+    wrapper = PredictingExperts(inner, predictor, blocks, routing, min_score)
     model.set_provider(wrapper)
     return wrapper

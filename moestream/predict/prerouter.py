@@ -113,5 +113,7 @@ class PrerouterPredictor(Predictor):
         if col >= len(self.heads.heads):
             return []
         feats = self.heads.features(x.reshape(1, -1), torch.tensor([ids]), torch.tensor([prev]))
-        logits = self.heads.heads[col](feats)[0]
-        return [Prediction(col + 1, pos + 1, topk_list(logits, self.heads.top_k))]
+        probs = torch.softmax(self.heads.heads[col](feats)[0], dim=-1)
+        experts = topk_list(probs, self.heads.top_k)
+        scores = tuple(probs[list(experts)].tolist())  # confidence, for ranked prefetch
+        return [Prediction(col + 1, pos + 1, experts, scores)]

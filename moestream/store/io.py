@@ -2,9 +2,10 @@
 
 Slots are one anonymous mmap (page aligned, so every record-sized slot is aligned for O_DIRECT).
 Misses are read with os.preadv straight into their slots, optionally split into N parallel
-page-aligned parts, then checksummed, all in the pool's threads (pread and zlib.crc32 release
-the GIL). The pool is a priority queue: demand reads (the layer computing now waits on them)
-jump ahead of queued prefetch reads.
+page-aligned parts (each part one pool job; the last part to finish checksums the record), all in
+the pool's threads (pread and zlib.crc32 release the GIL). The pool is a priority queue: demand
+reads (the layer computing now waits on them) jump ahead of queued prefetch reads, and a demand
+read waits at most for the parts already running, not for whole queued records.
 """
 
 from __future__ import annotations
@@ -19,6 +20,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+
+try:  # ISA-L's crc32 is zlib's checksum at ~10x the speed (12.7 vs 1.3 GB/s on the dev box)
+    from isal.isal_zlib import crc32 as _crc32
+
+    CRC_IMPL = "isal"
+except ImportError:  # optional accelerator: zlib gives the same values
+    from zlib import crc32 as _crc32
+
+    CRC_IMPL = "zlib"
 
 from moestream.config import ConfigError
 from moestream.quant import RECORD_ALIGN
@@ -39,7 +49,7 @@ class IOConfig:
             raise ConfigError("IO threads and record split must be >= 1")
 
 
-DEMAND, PREFETCH = 0, 1  # IO priorities: lower runs first
+DEMAND, PREFETCH, PREFETCH_LOW = 0, 1, 2  # IO priorities: lower runs first
 
 
 class PriorityPool:
@@ -75,9 +85,48 @@ class PriorityPool:
 
     def shutdown(self) -> None:
         for _ in self.workers:  # sentinels sort after every queued job
-            self.q.put((PREFETCH + 1, next(self.seq), None, None, None))
+            self.q.put((PREFETCH_LOW + 1, next(self.seq), None, None, None))
         for w in self.workers:
             w.join()
+
+
+class RecordRead:
+    """One record read as several part jobs; future-like (`done`, `result`, `cancel`). The last
+    part to finish runs the checksum and completes it. `cancel` succeeds only before any part
+    has started (a started read must finish: its slot is being written)."""
+
+    def __init__(self, parts: int):
+        self.lock = threading.Lock()
+        self.left, self.started, self.cancelled = parts, False, False
+        self.error: BaseException | None = None
+        self.fut: Future = Future()
+
+    def begin(self) -> bool:
+        """A part is about to run; False when the read was cancelled (the part is skipped)."""
+        with self.lock:
+            if not self.cancelled:
+                self.started = True
+            return not self.cancelled
+
+    def end(self, error: BaseException | None) -> bool:
+        """A part ended; True for the last one."""
+        with self.lock:
+            self.error = self.error or error
+            self.left -= 1
+            return self.left == 0
+
+    def cancel(self) -> bool:
+        with self.lock:
+            if self.started:
+                return False
+            self.cancelled = True
+        return self.fut.cancel() or self.fut.cancelled()
+
+    def done(self) -> bool:
+        return self.fut.done()
+
+    def result(self, timeout: float | None = None):
+        return self.fut.result(timeout)
 
 
 class SlotPool:
@@ -128,38 +177,61 @@ class RecordReader:
                 f"(read {got} of {n} bytes at offset {off}); convert the model again"
             )
 
+    def _part(self, rr: RecordRead, layer: int, e: int, slot: int, start: int) -> None:
+        if not rr.begin():
+            return
+        err = None
+        try:
+            self._read_part(layer, e, slot, start)
+        except BaseException as ex:  # handed to whoever waits on the record
+            err = ex
+        if not rr.end(err):
+            return
+        if rr.error is None and self.cfg.verify:
+            try:
+                self.check(layer, e, self.pool.memview(slot))
+            except BaseException as ex:
+                rr.error = ex
+        if rr.error is None:
+            rr.fut.set_result(None)
+        else:
+            rr.fut.set_exception(rr.error)
+
+    def check(self, layer: int, e: int, buf) -> None:
+        """The record's crc32 against the manifest; the store's own check names the damage."""
+        if _crc32(buf) & 0xFFFFFFFF != self.store.crc[layer][e]:
+            self.store.check_record(layer, e, buf)
+
+    def submit(self, layer: int, e: int, slot: int, priority: int = DEMAND) -> RecordRead:
+        """Queue one record's part reads (and its checksum) into its slot."""
+        starts = range(0, self.pool.size, self.part)
+        rr = RecordRead(len(starts))
+        for start in starts:
+            self.exec.submit(self._part, rr, layer, e, slot, start, priority=priority)
+        return rr
+
     def read(self, layer: int, misses: list[tuple[int, int]]) -> None:
         """Fill slots for misses [(expert, slot)] of one layer; raises StoreError on damage."""
         if not misses:
             return
+        self.wait([self.submit(layer, e, slot) for e, slot in misses])
+
+    def wait(self, reads: list[RecordRead]) -> None:
+        """Wait for demand reads; counts their bytes and the time spent waiting (the stall)."""
+        if not reads:
+            return
         t0 = time.perf_counter()
-        jobs = [
-            self.exec.submit(self._read_part, layer, e, slot, start)
-            for e, slot in misses
-            for start in range(0, self.pool.size, self.part)
-        ]
-        for j in jobs:
-            j.result()
-        if self.cfg.verify:
-            checks = [
-                self.exec.submit(self.store.check_record, layer, e, self.pool.memview(slot))
-                for e, slot in misses
-            ]
-            for c in checks:
-                c.result()
+        errors = [r.fut.exception() for r in reads]  # waits for every read: none left writing
+        for err in errors:
+            if err is not None:
+                raise err
         self.io_seconds += time.perf_counter() - t0
-        self.bytes_read += len(misses) * self.pool.size
+        self.bytes_read += len(reads) * self.pool.size
 
-    def _read_record(self, layer: int, e: int, slot: int) -> None:
-        for start in range(0, self.pool.size, self.part):
-            self._read_part(layer, e, slot, start)
-        if self.cfg.verify:
-            self.store.check_record(layer, e, self.pool.memview(slot))
-
-    def read_async(self, layer: int, e: int, slot: int) -> Future:
+    def read_async(self, layer: int, e: int, slot: int, priority: int = PREFETCH) -> RecordRead:
         """Prefetch one record into its slot behind every queued demand read. The caller must keep
-        the slot from being reused until the future is done (SlotTable.busy)."""
-        return self.exec.submit(self._read_record, layer, e, slot, priority=PREFETCH)
+        the slot from being reused until the read is done (SlotTable.busy)."""
+        return self.submit(layer, e, slot, priority)
 
     def close(self) -> None:
         self.exec.shutdown()

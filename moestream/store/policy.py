@@ -220,6 +220,8 @@ class SlotTable:
         self.hits = self.misses = self.evictions = 0
         # Keys whose slots are being written by an asynchronous read (prefetch): never victims.
         self.busy: set[Key] = set()
+        # Keys a predictor expects to be used soon: victims only when nothing else can go.
+        self.keep: set[Key] = set()
 
     def access(self, layer: int, experts: Sequence[int]) -> Step:
         if len(experts) > self.n_slots:
@@ -265,7 +267,15 @@ class SlotTable:
     def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
         if self.free and not self.policy.wants_victim(key, len(self.free)):
             return self.free.pop()
-        old = self.policy.victim(key, protected | self.busy if self.busy else protected)
+        hard = protected | self.busy if self.busy else protected
+        old = None
+        if self.keep:
+            try:
+                old = self.policy.victim(key, hard | self.keep)
+            except PolicyError:
+                pass  # every other candidate is kept: fall back to the policy's own choice
+        if old is None:
+            old = self.policy.victim(key, hard)
         self.policy.evicted(old)
         step.evicted.append(old)
         self.evictions += 1

@@ -25,7 +25,7 @@ from moestream.config import ConfigError
 from moestream.kernels.dispatch import qlinear
 from moestream.kernels.ref import ExpertActivation, expert_ffn_q
 from moestream.store.format import Store, StoreError
-from moestream.store.io import IOConfig, RecordReader, SlotPool
+from moestream.store.io import PREFETCH, IOConfig, RecordReader, SlotPool
 from moestream.store.policy import PolicyError, SlotTable, make_policy
 
 
@@ -74,6 +74,7 @@ class StreamingExperts:
         self.compute_seconds = 0.0
         self.inflight: dict[tuple[int, int], object] = {}  # key -> Future of its prefetch read
         self.prefetched: set[tuple[int, int]] = set()  # read ahead, not yet used by demand
+        self.requested = None  # a decode step's demand reads queued by request(), not yet awaited
         self.pf = dict.fromkeys(("reads", "used", "late", "wasted", "dropped", "cancelled"), 0)
         self.pf_wait = 0.0
         if cfg.io.mode == "mmap" and not cfg.resident:
@@ -102,7 +103,31 @@ class StreamingExperts:
         """Section views of each expert, reading misses from disk."""
         if self.n_slots == 0:
             return [self._mapped(layer, e) for e in experts]
-        self._await(layer, experts)
+        req, self.requested = self.requested, None
+        if req is None or req[:2] != (layer, experts):
+            if req is not None:
+                self._complete(*req)  # requested but not computed: settle its reads first
+            req = self._start(layer, experts)
+        self._await(layer, experts)  # prefetches of these experts still in flight
+        step = self._complete(*req)
+        if any((layer, e) not in self.table.slot_of for e in experts):
+            step = self._complete(*self._start(layer, experts))  # a prefetch read failed: again
+        return [self.pool.views[s] for s in step.slots]
+
+    def request(self, layer: int, experts: list[int]) -> None:
+        """Decode: make `experts` (ascending) of `layer` resident asynchronously: the demand reads
+        are queued now, so prefetches issued afterwards run behind them; the next `experts()`
+        call for this layer waits for them."""
+        if self.n_slots == 0 or self.cfg.resident:
+            return
+        req, self.requested = self.requested, None
+        if req is not None:
+            self._complete(*req)
+        self.requested = self._start(layer, experts)
+
+    def _start(self, layer: int, experts: list[int]):
+        """Slot-table access now; misses become queued demand reads (busy until completed)."""
+        self._reap()
         try:
             step = self.table.access(layer, experts)
         except PolicyError:
@@ -115,18 +140,27 @@ class StreamingExperts:
             if (layer, e) in self.prefetched:
                 self.prefetched.discard((layer, e))
                 self.pf["used"] += 1
+        reads = [self.reader.submit(layer, e, slot) for e, slot in step.misses]
+        self.table.busy.update((layer, e) for e, _ in step.misses)
+        return layer, experts, step, reads
+
+    def _complete(self, layer: int, experts, step, reads):
+        """Wait for a step's demand reads; a failed read gives its slots back and raises."""
         try:
-            self.reader.read(layer, step.misses)
+            self.reader.wait(reads)
         except BaseException:
             for e, _ in step.misses:
                 self.table.discard((layer, e))
             raise
-        return [self.pool.views[s] for s in step.slots]
+        finally:
+            self.table.busy.difference_update((layer, e) for e, _ in step.misses)
+        return step
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def prefetch(self, layer: int, experts, protect=()) -> int:
-        """Start asynchronous reads of the non-resident experts among `experts` of `layer`; slots
-        of `protect` keys (the layer computing now) are not taken. Returns the reads started."""
+    def prefetch(self, layer: int, experts, protect=(), priority: int = PREFETCH) -> int:
+        """Start asynchronous reads of the non-resident experts among `experts` of `layer`, in the
+        given order; slots of `protect` keys (the layer computing now, other pending predictions)
+        are not taken. Returns the reads started."""
         if self.n_slots == 0 or self.cfg.resident:
             return 0
         self._reap()
@@ -142,19 +176,27 @@ class StreamingExperts:
                 continue
             slot, evicted = got
             self._forget(evicted)
-            self.inflight[key] = self.reader.read_async(layer, e, slot)
+            self.inflight[key] = self.reader.read_async(layer, e, slot, priority)
             self.table.busy.add(key)
             self.prefetched.add(key)
             started += 1
         self.pf["reads"] += started
         return started
 
+    def hint(self, keys) -> None:
+        """(layer, expert) keys predicted to be used soon: eviction takes other keys first."""
+        if self.n_slots:
+            self.table.keep = set(keys)
+
     def cancel_prefetch(self, layer: int, experts) -> int:
         """Drop prefetch reads of these experts of `layer` that have not started (a prediction
         the router just proved wrong): the disk is left to demand reads. Returns how many."""
         n = 0
+        req = self.requested
         for e in experts:
             key = (layer, e)
+            if req is not None and req[0] == layer and e in req[1]:
+                continue  # the step being made resident counts on this read
             fut = self.inflight.get(key)
             if fut is not None and fut.cancel():
                 del self.inflight[key]
@@ -288,6 +330,9 @@ class StreamingExperts:
 
     def close(self) -> None:
         if self.n_slots:
+            if self.requested is not None:
+                req, self.requested = self.requested, None
+                self._complete(*req)
             self._drain()
             self.reader.close()
 
