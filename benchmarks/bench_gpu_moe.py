@@ -42,11 +42,11 @@ SWEEP = {
         replace(_D["bf16"], down_all=False, bn_d=16, bk_d=256),
         replace(_D["bf16"], pdl=False),
         replace(_D["bf16"], prefetch=True),
-        replace(_D["bf16"], bn=4, bk=128, num_warps=4),
+        replace(_D["bf16"], bn=8, bk=256, num_warps=2),
     ],
     "int8": [
         _D["int8"],
-        replace(_D["int8"], bn_d=4),
+        replace(_D["int8"], bn_d=2),
         replace(_D["int8"], down_all=False, bn_d=8, bk_d=256, warps_d=2),
         replace(_D["int8"], pdl=False),
         replace(_D["int8"], bn=2, num_warps=2),
@@ -210,7 +210,10 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     all_ids = torch.arange(E, device="cuda")[None]
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
-    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex), 1)
+    # every expert as a slot of the one token: the per-slot down kernel (down_all is for K <= 16)
+    dense_cfg = replace(DEFAULT_CONFIGS[quant], down_all=False, bn_d=64 if quant == "int4" else 16,
+                        bk_d=128 if quant == "int4" else 256)  # fmt: skip
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, dense_cfg), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
         "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,

@@ -53,8 +53,8 @@ class DecodeConfig:
 
 DEFAULT_CONFIGS = {
     # H200 per-kernel sweep (tune at T=1, benchmarks/results/gpu_moe.jsonl has the full sweep)
-    "bf16": DecodeConfig(bn=8, bk=256, num_warps=2, bn_d=2, down_all=True, prefetch=False),
-    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=2, down_all=True, prefetch=False),
+    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=2, down_all=True, prefetch=False),
+    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=4, down_all=True, prefetch=False),
     "int4": DecodeConfig(bn=64, bk=128, split=8, bn_d=64, bk_d=128, prefetch=False),
 }
 
@@ -522,7 +522,7 @@ def moe_decode(
             **common,
         )  # fmt: skip
     launch_d = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}), **common)
-    if "down" in stages and cfg.down_all:
+    if "down" in stages and cfg.down_all and K <= 16:  # a [K, BN, I] tile: few slots only
         kp, bkd = triton.next_power_of_2(K), triton.next_power_of_2(I)
         # about 16 weights a thread: the whole [KP, BN, I] tile is in flight before the wait
         warps = min(8, max(cfg.warps_d, kp * bn_d * bkd // 512))
