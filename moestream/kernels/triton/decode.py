@@ -1,20 +1,22 @@
 """Decode-path Triton kernels (1-8 tokens): only the routed experts' bytes are read, no host-side
 grouping runs on the hot path, and a layer is two launches (no memset, no cast kernel).
 
-  _gate_up_kernel  one program per (pair p = (token, slot), block of BN rows of w13, split of D):
-                   a partial gate/up row sum, stored (not added) to part[split, p, 2I]. It also
-                   asks L2 for a slice of the pair's w2 (bulk prefetch), so the down weights
-                   stream from HBM while gate/up computes, and lets the down kernel launch early
-                   (programmatic dependent launch, PDL).
-  _down_kernel     one program per (pair, block of BN_D output rows, split of I): loads its first
-                   weight tile, waits for gate/up (PDL), sums the split partials into
-                   h = silu(g) * u, multiplies, weights by the routing weight and stores to
-                   dpart. The last program of a (token, row block) to finish (fp32 counter)
-                   adds the K * SPLIT_D partials in a fixed order and writes the output in its
-                   dtype, so the combine is deterministic and needs no zeroed buffer.
+  _gate_up_kernel  one program per (pair p = (token, slot), block of BN gate rows and the same up
+                   rows, split of D): h[p] = silu(g) * u; with SPLIT > 1 the last program of a
+                   block (fp32 partials, int32 counter) sums the splits. Optionally asks L2 for a
+                   slice of the pair's w2 (bulk prefetch; off: it slowed the H200 down). Lets the
+                   down kernel launch early (programmatic dependent launch, PDL).
+  _down_all_kernel bf16/int8: one program per (token, block of BN output rows) over all K slots and
+                   all of I in one register tile; its weights are loaded before the PDL wait, the
+                   slots are summed in registers, and the output is written in its dtype.
+  _down_kernel     int4 (and the read-all benchmark): one program per (pair, 64-row block, split of
+                   I); the last program of a (token, row block) adds the K * SPLIT_D partials in a
+                   fixed order (deterministic, no zeroed buffer) and writes the output.
 Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
-mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. int4 uses the
-store layout: a block of 64 rows is [K, 32] bytes (row d low nibble, row d + 32 high nibble).
+mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. Inputs are
+loaded through offsets broadcast to the weight tile's shape, so they take its register layout and no
+tile goes through shared memory. int4 uses the store layout: a block of 64 rows is [K, 32] bytes
+(row d low nibble, row d + 32 high nibble). Measurements and limits: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ class DecodeConfig:
     num_warps: int = 4  # gate/up programs
     warps_d: int = 4  # down programs
     elem: bool = True  # int4: accumulate [groups, G, 32] products, reduce once at the end
-    prefetch: bool = True  # gate/up prefetches w2 into L2
+    prefetch: bool = False  # gate/up prefetches w2 into L2 (cost 15-25% on the H200: off)
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
 
     def __post_init__(self):
@@ -52,10 +54,10 @@ class DecodeConfig:
 
 
 DEFAULT_CONFIGS = {
-    # H200 per-kernel sweep (tune at T=1, benchmarks/results/gpu_moe.jsonl has the full sweep)
-    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=2, down_all=True, prefetch=False),
-    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=4, down_all=True, prefetch=False),
-    "int4": DecodeConfig(bn=64, bk=128, split=8, bn_d=64, bk_d=128, prefetch=False),
+    # Best gate/up and down tiles of a per-kernel sweep at T=1 on the H200 (docs/gpu.md)
+    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=2, down_all=True),
+    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=4, down_all=True),
+    "int4": DecodeConfig(bn=64, bk=128, split=8, bn_d=64, bk_d=128),
 }
 
 
