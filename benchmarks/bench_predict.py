@@ -7,17 +7,20 @@ predictor's predictions computed by running that predictor over the same trace (
 the reference model's next router on its hidden states, prerouter = its trained heads). Each
 mode runs in its own subprocess after the store is evicted from the page cache (O_DIRECT reads).
 Prints decode tok/s per budget (10/25/50% of expert bytes) and mode, the ratio to on-demand,
-read GB/s against a raw O_DIRECT ceiling measured in the same run, prefetch precision and
-prediction recall; appends JSON lines to benchmarks/results/predict.jsonl.
+bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
+ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
+recall; with --repeats N the modes run N times interleaved and medians are added. Appends JSON
+lines to benchmarks/results/predict.jsonl.
 
     .venv/bin/python benchmarks/bench_predict.py --ref models/pystd-moe-29m \
-        --trace .cache/predict/trace-valid
+        --trace .cache/predict/trace-valid --repeats 3
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +54,8 @@ store, mode, trace_dir, preds_file = sys.argv[1], json.loads(sys.argv[2]), sys.a
 seq, warm, n = (int(a) for a in sys.argv[6:9])
 t = load_trace(trace_dir)
 s = t.sequences[seq]
-cfg = StreamConfig(memory_budget=mode["budget"], io=IOConfig(mode="direct", threads=4))
+io = IOConfig(mode="direct", threads=4, split=mode["split"], verify=mode["verify"])
+cfg = StreamConfig(memory_budget=mode["budget"], io=io)
 loaded = load_store(store, cfg)
 model = loaded.model
 cursor = [0]
@@ -68,10 +72,11 @@ class Replay(Predictor):
     def __init__(self, table):
         self.table = table
     def observe(self, col, pos, x, ids):
-        return [Prediction(l, p, tuple(e)) for l, p, e in self.table.get(f"{pos},{col}", [])]
+        rows = self.table.get(f"{pos},{col}", [])
+        return [Prediction(l, p, tuple(e), tuple(sc)) for l, p, e, sc in rows]
 if mode["predictor"] != "none":
     table = json.load(open(preds_file))
-    attach(model, Replay(table), mode["routing"]).reset()
+    attach(model, Replay(table), mode["routing"], mode["min_score"]).reset()
 p = model.moe_blocks[0].provider
 V = loaded.args.vocab_size
 tokens = [int(v) % V for v in t.tokens[s["offset"] : s["offset"] + s["length"]]]
@@ -106,7 +111,9 @@ def build_store(work: Path, layers: int, experts: int, top_k: int) -> Path:
     return store
 
 
-def prediction_tables(ref: Path, trace, seq: int, heads: Path | None, work: Path) -> dict:
+def prediction_tables(
+    ref: Path, trace, seq: int, heads: Path | None, work: Path, ahead: int
+) -> dict:
     """predictor -> file of {"pos,col": [[layer, pos, experts], ...]} emitted along sequence seq,
     plus each predictor's recall over that sequence's generated tokens."""
     import numpy as np
@@ -122,7 +129,7 @@ def prediction_tables(ref: Path, trace, seq: int, heads: Path | None, work: Path
     out = {}
     s = trace.sequences[seq]
     for name in ("temporal", "stale-gate", "prerouter", "oracle"):
-        pred = make_predictor(name, model, heads=h, trace=trace)
+        pred = make_predictor(name, model, heads=h, trace=trace, ahead=ahead)
         pred.reset()
         for _ in range(seq):
             pred.reset()  # the oracle replays sequence `seq`
@@ -134,7 +141,9 @@ def prediction_tables(ref: Path, trace, seq: int, heads: Path | None, work: Path
                     x = torch.from_numpy(np.array(trace.hidden[row, col], dtype=np.float32))
                     ps = pred.observe(col, pos, x, [int(e) for e in trace.ids[row, col]])
                     if ps:
-                        table[f"{pos},{col}"] = [[p.layer, p.pos, list(p.experts)] for p in ps]
+                        table[f"{pos},{col}"] = [
+                            [p.layer, p.pos, list(p.experts), list(p.scores)] for p in ps
+                        ]
         path = work / f"preds-{name}-seq{seq}.json"
         path.write_text(json.dumps(table))
         fresh = make_predictor(name, model, heads=h, trace=trace)
@@ -146,6 +155,7 @@ def prediction_tables(ref: Path, trace, seq: int, heads: Path | None, work: Path
 def main() -> None:
     from moestream.obs.trace import load_trace
     from moestream.predict.prerouter import find_heads
+    from moestream.store.io import CRC_IMPL
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ref", required=True, help="reference model folder (prerouter heads beside)")
@@ -155,6 +165,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48, help="timed decode tokens")
     ap.add_argument("--budgets", default="10,25,50", help="percent of expert bytes")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--split", type=int, default=4, help="parallel part reads per record")
+    ap.add_argument(
+        "--min-score",
+        type=float,
+        default=0.04,
+        help="prefetch only experts the predictor scores at least this (router probability)",
+    )
+    ap.add_argument("--ahead", type=int, default=1, help="layers ahead the stale gate names")
+    ap.add_argument("--no-verify", action="store_true", help="skip the crc32 of each record read")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per mode; medians reported")
+    ap.add_argument("--modes", default=None, help="comma list of mode names (default: all)")
     ap.add_argument("--work", default=".cache/bench_predict")
     ap.add_argument("--out", default="benchmarks/results/predict.jsonl")
     a = ap.parse_args()
@@ -163,7 +184,7 @@ def main() -> None:
     trace = load_trace(a.trace)
     L, E, K = trace.n_layers, trace.num_experts, trace.top_k
     store = build_store(work, L, E, K)
-    tables = prediction_tables(Path(a.ref), trace, a.sequence, find_heads(a.ref), work)
+    tables = prediction_tables(Path(a.ref), trace, a.sequence, find_heads(a.ref), work, a.ahead)
     expert_bytes = sum(p.stat().st_size for p in store.glob("experts-*.bin"))
     evict(store)
     ceiling = seq_read_ceiling(next(store.glob("experts-*.bin")))
@@ -176,6 +197,11 @@ def main() -> None:
         "sequence": a.sequence,
         "tokens": a.tokens,
         "threads": a.threads,
+        "io_split": a.split,
+        "min_score": a.min_score,
+        "stale_gate_ahead": a.ahead,
+        "verify_crc": not a.no_verify,
+        "crc_impl": CRC_IMPL,
         "expert_bytes": expert_bytes,
         "record_bytes": record,
         "seq_read_ceiling_gbps": ceiling,
@@ -185,59 +211,98 @@ def main() -> None:
         f"{expert_bytes / 1e9:.2f} GB; O_DIRECT ceiling {ceiling:.2f} GB/s"
     )
     print(
-        f"{'budget':>6} {'mode':18} {'tok/s':>7} {'x':>5} {'GB/tok':>7} {'read GB/s':>9} "
-        f"{'hit %':>6} {'pf prec':>7} {'recall':>6}"
+        f"{'budget':>6} {'mode':20} {'tok/s':>7} {'x':>5} {'GB/tok':>7} {'disk GB/s':>9} "
+        f"{'stall ms':>8} {'hit %':>6} {'pf prec':>7} {'recall':>6}"
     )
     rows = []
     for pct in (int(b) for b in a.budgets.split(",")):
-        base = None
-        for name, predictor, routing in MODES:
-            mode = {"budget": expert_bytes * pct // 100, "predictor": predictor, "routing": routing}
-            table, recall = tables.get(predictor, (work / "none.json", None))
-            evict(store)
-            r = subprocess.run(
-                [
-                    sys.executable,
-                    "-c",
-                    CHILD,
-                    str(store),
-                    json.dumps(mode),
-                    a.trace,
-                    str(table),
-                    str(a.threads),
-                    str(a.sequence),
-                    str(a.warmup),
-                    str(a.tokens),
-                ],
-                capture_output=True,
-                text=True,
-            )
-            if r.returncode:
-                print(r.stderr[-2000:], file=sys.stderr)
-                r.check_returncode()
-            s = json.loads(r.stdout.strip().splitlines()[-1])
-            base = s["tok_s"] if base is None else base
-            looks = s["hits"] + s["misses"]
-            row = {
-                **meta,
-                "budget_pct": pct,
-                "mode": name,
-                "predictor": predictor,
-                "routing": routing,
-                **s,
-                "speedup": s["tok_s"] / base,
-                "gb_per_token": s["bytes_read"] / a.tokens / 1e9,
-                "hit_rate": s["hits"] / looks if looks else 0.0,
-                "recall": recall,
-            }
-            rows.append(row)
-            print(
-                f"{pct:5d}% {name:18} {s['tok_s']:7.2f} {row['speedup']:5.2f} "
-                f"{row['gb_per_token']:7.3f} {s['read_gbps']:9.2f} {100 * row['hit_rate']:6.1f} "
-                f"{s.get('prefetch_precision', 0.0):7.2f} "
-                f"{'' if recall is None else f'{100 * recall:5.1f}%'}"
-            )
+        samples: dict[str, list[dict]] = {}
+        for rep in range(a.repeats):  # modes interleaved, so slow spells of the box hit all
+            base = None
+            for name, predictor, routing in MODES:
+                if a.modes and name not in a.modes.split(","):
+                    continue
+                mode = {
+                    "budget": expert_bytes * pct // 100,
+                    "predictor": predictor,
+                    "routing": routing,
+                    "split": a.split,
+                    "min_score": a.min_score,
+                    "verify": not a.no_verify,
+                }
+                table, recall = tables.get(predictor, (work / "none.json", None))
+                s = run_mode(store, mode, table, a)
+                base = s["tok_s"] if base is None else base
+                row = {
+                    **meta,
+                    "budget_pct": pct,
+                    "mode": name,
+                    "predictor": predictor,
+                    "routing": routing,
+                    "repeat": rep,
+                    **s,
+                    **derived(s, a.tokens),
+                    "speedup": s["tok_s"] / base,
+                    "recall": recall,
+                }
+                rows.append(row)
+                samples.setdefault(name, []).append(row)
+                print(line(pct, name, row, recall))
+        if a.repeats > 1:
+            print(f"median of {a.repeats} runs ({pct}%):")
+            base = statistics.median(r["tok_s"] for r in next(iter(samples.values())))
+            for name, rs in samples.items():
+                keys = [k for k in MEDIAN_KEYS if all(k in r for r in rs)]
+                med = {k: statistics.median(r[k] for r in rs) for k in keys}
+                summary = {**rs[0], **med, "repeat": "median", "speedup": med["tok_s"] / base}
+                summary["tok_s_samples"] = [r["tok_s"] for r in rs]
+                rows.append(summary)
+                print(line(pct, name, summary, summary["recall"]))
     write_jsonl(a.out, rows)
+
+
+MEDIAN_KEYS = (
+    "tok_s",
+    "gb_per_token",
+    "disk_gbps",
+    "stall_ms_per_token",
+    "hit_rate",
+    "prefetch_precision",
+)
+
+
+def run_mode(store: Path, mode: dict, table: Path, a) -> dict:
+    """One mode in a fresh process, after evicting the store from the page cache."""
+    evict(store)
+    args = [str(store), json.dumps(mode), a.trace, str(table), str(a.threads)]
+    args += [str(a.sequence), str(a.warmup), str(a.tokens)]
+    r = subprocess.run([sys.executable, "-c", CHILD, *args], capture_output=True, text=True)
+    if r.returncode:
+        print(r.stderr[-2000:], file=sys.stderr)
+        r.check_returncode()
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def derived(s: dict, tokens: int) -> dict:
+    looks = s["hits"] + s["misses"]
+    return {
+        "gb_per_token": s["bytes_read"] / tokens / 1e9,
+        "hit_rate": s["hits"] / looks if looks else 0.0,
+        # all bytes read (demand + prefetch) per second of decode, against the ceiling
+        "disk_gbps": s["bytes_read"] / s["decode_s"] / 1e9,
+        # decode time spent blocked on reads (demand misses + prefetches not yet done)
+        "stall_ms_per_token": 1e3 * (s["io_seconds"] + s["prefetch_wait_seconds"]) / tokens,
+    }
+
+
+def line(pct: int, name: str, row: dict, recall) -> str:
+    return (
+        f"{pct:5d}% {name:20} {row['tok_s']:7.2f} {row['speedup']:5.2f} "
+        f"{row['gb_per_token']:7.3f} {row['disk_gbps']:9.2f} "
+        f"{row['stall_ms_per_token']:8.1f} {100 * row['hit_rate']:6.1f} "
+        f"{row.get('prefetch_precision', 0.0):7.2f} "
+        f"{'' if recall is None else f'{100 * recall:5.1f}%'}"
+    )
 
 
 if __name__ == "__main__":
