@@ -227,8 +227,11 @@ class Attention(nn.Module):
         return F.linear(x, w, b)
 
     def _param_key(self) -> tuple:
-        ps = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        return tuple(p.data_ptr() for p in ps)
+        return (
+            self.q_proj.weight.data_ptr(),
+            self.k_proj.weight.data_ptr(),
+            self.v_proj.weight.data_ptr(),
+        )
 
     def _fuse_qkv(self) -> None:
         projs = (self.q_proj, self.k_proj, self.v_proj)
