@@ -314,6 +314,7 @@ class StreamingExperts:
         size = self.store.layout.size
         return {
             "bytes_read": reads + self.pf["reads"] * size,
+            "demand_bytes_read": reads,  # read while decode waited (io_seconds)
             "hits": hits,
             "misses": misses,
             "evictions": evictions,
@@ -343,5 +344,7 @@ def stats_delta(before: dict, after: dict) -> dict:
     if d.get("prefetch_reads"):
         d["prefetch_precision"] = d["prefetch_used"] / d["prefetch_reads"]
     io = d.get("io_seconds", 0.0)
-    d["read_gbps"] = d.get("bytes_read", 0) / io / 1e9 if io else 0.0
+    # Demand reads over the time decode waited for them (prefetched bytes overlap compute).
+    demand = d.get("demand_bytes_read", d.get("bytes_read", 0))  # providers without prefetch
+    d["read_gbps"] = demand / io / 1e9 if io else 0.0
     return d
