@@ -196,3 +196,15 @@ def test_cli_hf_folder_is_converted_on_first_use(tiny_dir, tmp_path):
     )
     hit = 100 * c["stats"]["hits"] / (c["stats"]["hits"] + c["stats"]["misses"])
     assert f"experts hit {hit:.0f}%" in text.stderr and "MiB read/tok" in text.stderr
+
+
+def test_record_checksum_is_isal_and_equals_zlib():
+    import zlib
+
+    from moestream.store.io import CRC_IMPL, _crc32
+
+    assert CRC_IMPL == "isal"  # a declared dependency: a slow fallback here means a broken install
+    data = torch.randint(0, 256, (1 << 16,), generator=torch.Generator().manual_seed(0))
+    raw = data.to(torch.uint8).numpy().tobytes()
+    assert _crc32(raw) == zlib.crc32(raw)
+    assert _crc32(raw[7:], 12345) == zlib.crc32(raw[7:], 12345)
