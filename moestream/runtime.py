@@ -44,19 +44,32 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
     return () if tid is None else (tid,)
 
 
-def _attach_predictor(model, name: str, routing: str, trace, folders) -> None:
+def _check_predict_options(name: str, routing: str, min_score: float, ahead: int) -> None:
+    """Before anything loads: the prediction flags make sense together."""
+    if name == "none" and routing != "exact":
+        raise ConfigError("--routing predicted needs a --predictor (e.g. prerouter)")
+    if not 0.0 <= min_score < 1.0:
+        raise ConfigError(f"--min-score {min_score} must be in [0, 1): a router probability")
+    if ahead not in (1, 2):
+        raise ConfigError(f"--predict-ahead {ahead}: the stale gate names 1 or 2 layers ahead")
+    if ahead != 1 and name != "stale-gate":
+        raise ConfigError(f"--predict-ahead applies to --predictor stale-gate, not {name}")
+
+
+def _attach_predictor(
+    model, name: str, routing: str, trace, folders, min_score: float = 0.0, ahead: int = 1
+) -> None:
     from moestream.obs.trace import load_trace
     from moestream.predict.pipeline import attach, make_predictor
     from moestream.predict.prerouter import PrerouterHeads, find_heads
 
-    if name == "none":
-        raise ConfigError("--routing predicted needs a --predictor (e.g. prerouter)")
     heads = None
     if name == "prerouter":
         found = find_heads(*folders)
         heads = PrerouterHeads.load(found) if found is not None else None
     tr = load_trace(trace) if trace is not None else None
-    attach(model, make_predictor(name, model, heads=heads, trace=tr), routing)
+    predictor = make_predictor(name, model, heads=heads, trace=tr, ahead=ahead)
+    attach(model, predictor, routing, min_score=min_score)
 
 
 def open_model(
@@ -68,6 +81,8 @@ def open_model(
     predictor: str = "none",
     routing: str = "exact",
     trace: str | Path | None = None,
+    min_score: float = 0.0,
+    predict_ahead: int = 1,
     device: str = "cpu",
     gpu=None,
 ) -> Runtime:
@@ -75,7 +90,9 @@ def open_model(
     directly, unless `stream` or `quant` is given: then it is converted once into the cache.
     `device="cuda"` (a store, converted if needed): `gpu` is a store.gpu.GpuConfig (default: every
     expert in VRAM).
-    `predictor`/`routing`/`trace`: routing prediction and prefetch (moestream/predict/)."""
+    `predictor`/`routing`/`trace`/`min_score`/`predict_ahead`: routing prediction and prefetch
+    (moestream/predict/)."""
+    _check_predict_options(predictor, routing, min_score, predict_ahead)
     folder = Path(path)
     if not folder.is_dir():
         raise FileNotFoundError(
@@ -99,6 +116,9 @@ def open_model(
     else:
         loaded = load_hf(folder, dtype, progress)
     if predictor != "none" or routing != "exact":
-        _attach_predictor(loaded.model, predictor, routing, trace, (Path(path), folder))
+        folders = (Path(path), folder)
+        _attach_predictor(
+            loaded.model, predictor, routing, trace, folders, min_score, predict_ahead
+        )
     gen = Generator(loaded.model, loaded.args, tokenizer, eos_ids(folder, loaded.args, tokenizer))
     return Runtime(loaded.args, tokenizer, gen, folder)

@@ -261,3 +261,27 @@ def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path):
     path = heads.save(tmp_path / "prerouter.heads")
     after = overall(replay_recall(PrerouterPredictor(PrerouterHeads.load(path)), t))
     assert after > before + 0.05
+
+
+def test_open_model_passes_prefetch_options_and_rejects_bad_ones(stores):
+    from moestream.config import ConfigError
+    from moestream.runtime import open_model
+
+    folder = stores("qwen3_moe")
+    store = Store(folder)
+    stream = StreamConfig(memory_budget=min_budget(store), io=IOConfig(mode="pagecache"))
+    want, _ = greedy(load_store(folder, StreamConfig(resident=True)).model, PROMPT, 6)
+    rt = open_model(folder, stream=stream, predictor="stale-gate", min_score=0.2, predict_ahead=2)
+    wrapper = rt.generator.model.moe_blocks[0].provider
+    assert wrapper.min_score == 0.2 and wrapper.predictor.ahead == 2
+    got, _ = greedy(rt.generator.model, PROMPT, 6)
+    wrapper.close()
+    assert got == want
+    bad = [
+        ({"predictor": "stale-gate", "min_score": 1.5}, "--min-score"),
+        ({"predictor": "temporal", "predict_ahead": 2}, "--predict-ahead"),
+        ({"predictor": "stale-gate", "predict_ahead": 3}, "--predict-ahead"),
+    ]
+    for kwargs, flag in bad:
+        with pytest.raises(ConfigError, match=flag):
+            open_model(folder, stream=stream, **kwargs)
