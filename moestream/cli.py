@@ -155,11 +155,11 @@ def _store_kwargs(a: argparse.Namespace) -> dict:
     from moestream.store.stream import StreamConfig
 
     if a.memory_budget is None and not a.resident and a.io is None:
-        return {"quant": a.quant, **_predict_kwargs(a)}
+        return {"quant": a.quant, "threads": a.threads, **_predict_kwargs(a)}
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
     budget = None if a.memory_budget is None else parse_size(a.memory_budget)
     stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
-    return {"stream": stream, "quant": a.quant, **_predict_kwargs(a)}
+    return {"stream": stream, "quant": a.quant, "threads": a.threads, **_predict_kwargs(a)}
 
 
 def _gpu_kwargs(a: argparse.Namespace) -> dict:

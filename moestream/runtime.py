@@ -9,7 +9,7 @@ from pathlib import Path
 
 from moestream.config import ConfigError, ModelArgs
 from moestream.convert.cache import cached_store
-from moestream.engine.generate import Generator
+from moestream.engine.generate import Generator, small_decode_threads
 from moestream.engine.tokenizer import Tokenizer
 from moestream.loader import load_hf
 from moestream.quant import make_scheme
@@ -85,13 +85,15 @@ def open_model(
     predict_ahead: int = 1,
     device: str = "cpu",
     gpu=None,
+    threads: int | None = None,
 ) -> Runtime:
     """A store opens with `stream` (default: all experts resident). A Hugging Face folder loads
     directly, unless `stream` or `quant` is given: then it is converted once into the cache.
     `device="cuda"` (a store, converted if needed): `gpu` is a store.gpu.GpuConfig (default: every
     expert in VRAM).
     `predictor`/`routing`/`trace`/`min_score`/`predict_ahead`: routing prediction and prefetch
-    (moestream/predict/)."""
+    (moestream/predict/). `threads`: the torch threads the caller set; None (the default) lets a
+    small model decode on one thread (engine.generate.small_decode_threads)."""
     _check_predict_options(predictor, routing, min_score, predict_ahead)
     folder = Path(path)
     if not folder.is_dir():
@@ -121,4 +123,6 @@ def open_model(
             loaded.model, predictor, routing, trace, folders, min_score, predict_ahead
         )
     gen = Generator(loaded.model, loaded.args, tokenizer, eos_ids(folder, loaded.args, tokenizer))
+    if threads is None and not on_gpu:
+        gen.decode_threads = small_decode_threads(loaded.args)
     return Runtime(loaded.args, tokenizer, gen, folder)

@@ -142,3 +142,43 @@ def test_cli_streams_text_then_stats(tiny_dir, rt):
     want = greedy_8(rt)
     assert r.stdout.rstrip("\n") == want.text
     assert "decode 8 tok" in r.stderr and "peak RSS" in r.stderr
+
+
+def test_small_models_decode_on_one_thread_and_restore_the_setting(rt):
+    import dataclasses
+
+    from moestream.engine.generate import small_decode_threads
+
+    assert rt.generator.decode_threads == 1  # tiny dims: opened with the default threads
+    big = dataclasses.replace(rt.args, hidden_size=2048, moe_intermediate_size=768)
+    assert small_decode_threads(big) is None  # Qwen3-30B-sized experts keep every thread
+
+    seen = []
+    model = rt.generator.model
+    inner = model.forward
+
+    def spy(ids, *a, **k):
+        seen.append((ids.shape[0], torch.get_num_threads()))
+        return inner(ids, *a, **k)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    model.forward = spy
+    try:
+        cfg = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+        one = rt.generator.generate(rt.encode_prompt("def fib"), cfg)
+        rt.generator.decode_threads = None
+        both = rt.generator.generate(rt.encode_prompt("def fib"), cfg)
+        assert torch.get_num_threads() == 2  # restored after the decode loop
+    finally:
+        del model.forward
+        rt.generator.decode_threads = 1
+        torch.set_num_threads(before)
+    assert seen[0] == (len(one.prompt_ids), 2)  # the prompt ran on the process's threads
+    assert {t for n, t in seen[1:6]} == {1}  # decode steps on one
+    assert one.ids == both.ids
+    assert rt.generator.model.forward == inner
+
+
+def test_explicit_threads_switch_the_policy_off(tiny_dir):
+    assert open_model(tiny_dir("qwen3_moe"), threads=2).generator.decode_threads is None

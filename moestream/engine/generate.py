@@ -88,11 +88,35 @@ class TextStream:
         return out
 
 
+# Below this many weights (elements) a per-layer GEMM runs faster on one thread at one token:
+# waking a second OpenMP thread costs more than it saves. F.linear at one token on the dev box,
+# 1 vs 2 threads: 0.13 MB 7.8 vs 25.8 us, 1 MB 29 vs 37 us, 4 MB 208 vs 86 us, 12.6 MB 560 vs 301.
+SMALL_GEMM = 1 << 19
+
+
+def small_decode_threads(args: ModelArgs) -> int | None:
+    """1 when every per-layer GEMM of a decode step is small (SMALL_GEMM): the tiny and reference
+    models decode ~25% faster on one thread, real models (Qwen3-30B: 3.1M-weight experts) need
+    all of them. None keeps the process's setting. The lm_head, one GEMM per token, is left out."""
+    D = args.hidden_size
+    attn = (args.num_attention_heads + 2 * args.num_key_value_heads) * args.head_dim * D
+    gemms = [attn, 2 * args.moe_intermediate_size * D]
+    if not all(args.moe_layers):
+        gemms.append(2 * args.intermediate_size * D)
+    if args.shared_expert_intermediate_size:
+        gemms.append(2 * args.shared_expert_intermediate_size * D)
+    return 1 if max(gemms) < SMALL_GEMM else None
+
+
 class Generator:
-    """Owns the model and tokenizer; one sequence at a time (requests are served FIFO)."""
+    """Owns the model and tokenizer; one sequence at a time (requests are served FIFO).
+
+    `decode_threads`: torch threads for the one-token steps (None: the process's setting); the
+    prompt always runs with the process's setting."""
 
     def __init__(self, model, args: ModelArgs, tokenizer, eos_ids: tuple[int, ...] = ()):
         self.model, self.args, self.tok = model, args, tokenizer
+        self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)
         self.dtype = model.model.embed_tokens.weight.dtype
         self.device = model.model.embed_tokens.weight.device  # KV cache and token ids live there
@@ -128,6 +152,23 @@ class Generator:
         logits = self.model(prompt, cache, 0, last_only=True)[-1]
         res.prefill_seconds = time.perf_counter() - t0
         pos = len(prompt_ids)
+        threads = torch.get_num_threads()
+        if self.decode_threads:
+            torch.set_num_threads(self.decode_threads)
+        try:
+            yield from self._decode(logits, cache, pos, cfg, gen, text, res)
+        finally:
+            torch.set_num_threads(threads)
+        if before is not None:
+            from moestream.store.stream import stats_delta
+
+            res.provider_stats = stats_delta(before, self._provider_stats())
+        tail = text.flush()
+        if tail:
+            yield tail
+        res.text = text.text
+
+    def _decode(self, logits, cache, pos: int, cfg, gen, text, res) -> Iterator[str]:
         t1 = time.perf_counter()
         while True:
             logits = logits.cpu()  # on a GPU: one copy per token, sampled on the host
@@ -149,14 +190,6 @@ class Generator:
             logits = self.model(nxt, cache, pos, last_only=True)[-1]
             pos += 1
         res.decode_seconds = time.perf_counter() - t1
-        if before is not None:
-            from moestream.store.stream import stats_delta
-
-            res.provider_stats = stats_delta(before, self._provider_stats())
-        tail = text.flush()
-        if tail:
-            yield tail
-        res.text = text.text
 
     def _reset_provider(self) -> None:
         """Tell a provider that tracks positions (routing prediction) that a sequence starts."""
