@@ -22,6 +22,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # as the CLI does
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_jsonl  # noqa: E402
@@ -83,6 +84,56 @@ def profile_step(model, args) -> dict:
     return {"aten_ops_per_token": len(top), "aten_ops_incl_nested": len(events)}
 
 
+def gemm_calls_ms(args, k: int, positions: int, repeats: int = 5) -> float:
+    """The decode step's GEMM calls alone, same shapes and same calls as the engine issues them
+    (per layer: fused qkv, scores and values bmm, o_proj, router, 2 per routed expert into slot
+    rows, the fp32 combine; then lm_head), timed back to back: the "inside the matmuls" part."""
+    D, H, Hkv, hd = (
+        args.hidden_size,
+        args.num_attention_heads,
+        args.num_key_value_heads,
+        args.head_dim,
+    )
+    I, E, G = args.moe_intermediate_size, args.num_experts, H // Hkv
+    x = torch.randn(1, D)
+    wqkv, wo = torch.randn((H + 2 * Hkv) * hd, D), torch.randn(D, H * hd)
+    gate, head = torch.randn(E, D), torch.randn(args.vocab_size, D)
+    w13 = torch.randn(E, 2 * I, D).transpose(1, 2).unbind(0)
+    w2 = torch.randn(E, D, I).transpose(1, 2).unbind(0)
+    q, kc, vc = (
+        torch.randn(Hkv, G, hd),
+        torch.randn(Hkv, positions, hd),
+        torch.randn(Hkv, positions, hd),
+    )
+    p = torch.randn(Hkv, G, positions)
+    h, a, y = torch.empty(k, 1, 2 * I), torch.randn(k, 1, I), torch.empty(k, 1, D)
+    hs, as_, ys, w = h.unbind(0), a.unbind(0), y.unbind(0), torch.rand(1, k)
+    ids = list(range(0, E, E // k))[:k]
+
+    def step():
+        for _ in range(args.num_hidden_layers):
+            F.linear(x, wqkv)
+            torch.bmm(q, kc.transpose(1, 2))
+            torch.bmm(p, vc)
+            F.linear(x, wo)
+            F.linear(x, gate)
+            for s, e in enumerate(ids):
+                torch.mm(x, w13[e], out=hs[s])
+            for s, e in enumerate(ids):
+                torch.mm(as_[s], w2[e], out=ys[s])
+            torch.mm(w, y.view(k, D))
+        F.linear(x, head)
+
+    best = float("inf")
+    with torch.inference_mode():
+        step()
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            step()
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+    return best
+
+
 def dispatch_floor_us(n: int = 20000) -> dict:
     """Cost of a trivial op from Python right now (a view; an out-of-place add)."""
     x = torch.randn(1, 64)
@@ -117,6 +168,7 @@ def main() -> None:
             ms = decode_ms(loaded.model, loaded.args, a.steps)
             prof = profile_step(loaded.model, loaded.args)
             ops = prof["aten_ops_per_token"]
+            gemm = gemm_calls_ms(loaded.args, k, 8 + a.steps // 2)  # mid-run KV length
             row = {
                 "bench": "decode_overhead",
                 "threads": a.threads,
@@ -128,6 +180,8 @@ def main() -> None:
                 "aten_ops_per_token": ops,
                 "aten_ops_incl_nested": prof["aten_ops_incl_nested"],
                 "us_per_op": round(ms * 1e3 / ops, 2),
+                "gemm_calls_ms": round(gemm, 3),
+                "outside_gemm_ms_per_token": round(ms - gemm, 3),
                 **floor,
                 "floor_ms_for_these_ops": round(ops * floor["floor_us_add"] / 1e3, 2),
                 "load_avg_1m": os.getloadavg()[0],
