@@ -40,7 +40,7 @@ def _sampling(a: argparse.Namespace) -> SamplingConfig:
 
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
-    p.add_argument("-m", "--model", required=True, help="Hugging Face checkpoint folder")
+    _add_model_args(p)
     p.add_argument("-p", "--prompt", required=True, help="prompt text (used raw unless --chat)")
     p.add_argument(
         "-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)"
@@ -51,17 +51,9 @@ def _add_generate(sub) -> None:
         "--chat", action="store_true", help="wrap the prompt in the model's chat template"
     )
     p.add_argument(
-        "--dtype",
-        default="float32",
-        choices=["float32", "bfloat16"],
-        help=DTYPE_HELP,
-    )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
     p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
-    _add_store_args(p)
     p.set_defaults(func=cmd_generate)
 
 
