@@ -131,11 +131,6 @@ class Rope:
         return False
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x [..., T, hd], cos/sin [T, rd] from `Rope` (sin signed); partial rotary (rd < hd) rotates
     the first rd dims only. Equals transformers' x*cos + rotate_half(x)*sin bit for bit: the roll
