@@ -130,22 +130,12 @@ def moe_decode(
     get_expert,
     act: ExpertActivation | None = None,
 ) -> torch.Tensor:
-    """One token: its K experts in ascending id order (the summation order of transformers), each
-    down projection accumulated in place with the gate weight as the GEMM's alpha (6 ops/expert
-    in fp32). get_expert(e) -> (w13, w2) or (w13, w2, b13, b2); biased or clamped experts run the
-    reference expert_ffn."""
+    """One token through experts with biases or a clamped activation (gpt_oss; plain SwiGLU
+    experts take moe_decode_plain): the reference expert_ffn per expert, in ascending id order
+    (the summation order of transformers). get_expert(e) -> (w13, w2, b13, b2) or (w13, w2)."""
     out = torch.zeros_like(x)
-    fused = x.dtype == torch.float32  # low precision keeps transformers' rounding steps instead
     for e, w in sorted(zip(ids[0].tolist(), weights[0].tolist())):
-        w13, w2, *bias = get_expert(e)
-        if bias or act is not None:
-            out += expert_ffn(x, w13, w2, *bias, act=act) * w
-            continue
-        gate, up = F.linear(x, w13).chunk(2, dim=-1)
-        if fused:
-            out.addmm_(F.silu(gate) * up, w2.t(), alpha=w)
-        else:
-            out += F.linear(F.silu(gate) * up, w2) * w
+        out += expert_ffn(x, *get_expert(e), act=act) * w
     return out
 
 
