@@ -44,6 +44,8 @@ def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
             p = getattr(m, name)
             if p is not None:
                 p.data = p.data.float()
+        if hasattr(m, "fuse_qkv"):  # while the weights are still empty: no transient copy
+            m.fuse_qkv()
     return model
 
 

@@ -37,10 +37,15 @@ def test_resident_decode_matches_reference(dtype, k, weight_dtype):
 def test_fused_qkv_shares_memory_and_follows_a_cast(tiny_dir):
     folder = tiny_dir("qwen2_moe", "fused")  # q/k/v biases fused too
     ours = load_hf(folder)
+    attn = ours.model.model.layers[0].self_attn
+    # Fused by build_model before loading, not on first use: the weights were copied into the
+    # views, so no unfused copy ever coexisted with them (peak memory, test_store_memory).
+    fused = attn._fused[0]
+    assert attn.q_proj.weight.untyped_storage().data_ptr() == fused.data_ptr()
     prompt = torch.arange(7)
     with torch.inference_mode():
         first = ours.model(prompt, KVCache(ours.args, 16, torch.float32), 0)
-    attn = ours.model.model.layers[0].self_attn
+    assert attn._fused[0] is fused
     storages = {
         p.untyped_storage().data_ptr()
         for m in (attn.q_proj, attn.k_proj, attn.v_proj)

@@ -209,15 +209,15 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
     def _qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
-        """q, k and v projections as one GEMM. At inference q/k/v_proj's parameters are views of
-        one fused weight (and bias), made on first use and remade whenever the parameters were
-        replaced (loaded, moved, cast) since, so the fusion costs no memory. With gradients on,
-        the three modules run as they are (the fused tensor is not a parameter)."""
+        """q, k and v projections as one GEMM. q/k/v_proj's parameters are views of one fused
+        weight (and bias): build_model fuses before the weights are loaded, so the fusion costs
+        no memory; if the parameters were replaced since (moved, cast) it is remade here. With
+        gradients on, the three modules run as they are (the fused tensor is not a parameter)."""
         if torch.is_grad_enabled():
             return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         if self._fused is None or self._fused_key != self._param_key():
             with torch.inference_mode(False), torch.no_grad():
-                self._fuse_qkv()
+                self.fuse_qkv()
         w, b = self._fused
         return F.linear(x, w, b)
 
@@ -228,7 +228,10 @@ class Attention(nn.Module):
             self.v_proj.weight.data_ptr(),
         )
 
-    def _fuse_qkv(self) -> None:
+    def fuse_qkv(self) -> None:
+        """Make q/k/v_proj's weight (and bias) views of one tensor each. Copies once; call it
+        before loading weights (build_model does) so the unfused copies never coexist with
+        loaded data."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
         fused = []
         for name in ("weight", "bias"):
