@@ -89,7 +89,11 @@ def _add_store_args(p) -> None:
     g.add_argument("--io-threads", type=int, default=4, help="parallel reads (default 4)")
     g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
     g.add_argument(
-        "--policy", default="lru", choices=["lru", "lfu", "sticky"], help="cache eviction"
+        "--policy",
+        default="lru",
+        choices=["lru", "lfu", "lrfu", "sticky"],
+        help="cache eviction: lru (default), lfu, lrfu (recency and frequency, decay 0.9 per "
+        "token), sticky (per-layer slots)",
     )
     g.add_argument(
         "--quant",
@@ -362,7 +366,7 @@ def _add_obs(sub) -> None:
     p = sub.add_parser("simulate", help="replay a trace through the expert cache policies")
     p.add_argument("trace", help="trace folder")
     p.add_argument(
-        "--policy", action="append", default=None, help="lru|lfu|pinned|sticky (repeatable)"
+        "--policy", action="append", default=None, help="lru|lfu|lrfu|pinned|sticky|belady (repeatable)"
     )
     p.add_argument(
         "--budget",

@@ -36,6 +36,7 @@ ONE_TOKEN = ["def", "if", " n"]
         ("lru", 5, PROMPTS),
         ("lru", 9, PROMPTS),
         ("lfu", 6, PROMPTS),
+        ("lrfu", 6, PROMPTS),
         ("sticky", 6, PROMPTS),
         ("sticky", 6, ONE_TOKEN),
     ],

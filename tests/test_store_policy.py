@@ -65,7 +65,60 @@ def test_below_minimum_is_an_error():
         SlotTable(4, make_policy("lru"), min_slots=8)
 
 
-@pytest.mark.parametrize("name", ["lru", "lfu", "pinned", "sticky"])
+def test_lrfu_weighs_frequency_against_recency():
+    layers = [0]  # one layer: one access = one token
+    t = SlotTable(2, make_policy("lrfu", layers=layers))
+    for _ in range(3):
+        t.access(0, [1])  # score 1 + 0.9 + 0.81 = 2.71, then decays
+    t.access(0, [2])  # score 1: newer, but used once
+    assert t.access(0, [3]).evicted == [(0, 2)]  # LRU would evict 1
+    # Unused for long enough, the frequent expert's score decays below a fresh one's.
+    for _ in range(12):
+        t.access(0, [3])  # 1's score: 2.71 * 0.9**13 ~ 0.69; 3 keeps being used
+    t.access(0, [4])  # evicts 1 (0.69 < 3's score)
+    assert t.access(0, [5]).evicted == [(0, 4)]  # 4 (score 0.9) < 3 (score ~ 9)
+    assert set(t.resident()) == {(0, 3), (0, 5)}
+
+
+def test_lrfu_prefetched_keys_enter_with_their_history_only():
+    t = SlotTable(3, make_policy("lrfu", layers=[0, 1]))
+    t.access(0, [1, 2])
+    slot, evicted = t.insert((1, 5), protected=set())  # a prediction, never used before
+    assert evicted == []
+    # A miss must evict: the unused prediction (score 0) goes before used experts.
+    assert t.access(0, [3]).evicted == [(1, 5)]
+    t.access(0, [1])
+    t.insert((1, 5), protected=set())  # predicted again: still no use counted
+    assert t.access(1, [6]).evicted == [(1, 5)]
+
+
+def test_lrfu_misses_less_than_lru_on_a_skewed_trace():
+    """Hot experts with random recent noise: the regime of MoE routing, where a decayed count
+    holds the hot set that LRU lets one-off experts push out."""
+    layers = [0, 1]
+    misses = {}
+    for name in ("lru", "lrfu"):
+        t = SlotTable(12, make_policy(name, layers=layers), min_slots=4)
+        r = random.Random(1)
+        for _ in range(400):
+            for layer in layers:
+                hot = r.sample(range(6), 2)  # 6 hot experts per layer
+                cold = r.sample(range(6, 64), 2)
+                t.access(layer, sorted(hot + cold))
+        misses[name] = t.misses
+    assert misses["lrfu"] < 0.9 * misses["lru"], misses
+
+
+def test_lrfu_needs_layers_and_a_decay_in_range():
+    from moestream.store.policy import LRFU
+
+    with pytest.raises(PolicyError, match="layers"):
+        make_policy("lrfu")
+    with pytest.raises(PolicyError, match="decay"):
+        LRFU([0], decay=1.0)
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lrfu", "pinned", "sticky"])
 def test_random_trace_keeps_table_consistent(name):
     rng = random.Random(0)
     layers = [0, 1, 2]

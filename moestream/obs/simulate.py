@@ -21,7 +21,7 @@ from moestream.obs.stats import expert_counts
 from moestream.obs.trace import Trace
 from moestream.store.policy import EvictionPolicy, Key, PolicyError, SlotTable, make_policy
 
-POLICIES = ("lru", "lfu", "pinned", "sticky", "belady")
+POLICIES = ("lru", "lfu", "lrfu", "pinned", "sticky", "belady")
 
 
 def accesses(t: Trace, n_slots: int) -> Iterator[tuple[int, list[int], bool]]:

@@ -21,7 +21,8 @@ call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a
     wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
     victim(incoming, protected) -> key           a resident key not in `protected`
 
-Policies: `lru` (default), `lfu` (frequency kept across evictions, LRU tie-break), `pinned`
+Policies: `lru` (default), `lfu` (frequency kept across evictions, LRU tie-break), `lrfu`
+(uses weighed by a per-token decay: recency and frequency in one score), `pinned`
 (a fixed hot set is never evicted, LRU for the rest), `sticky` (Edge0-style: every layer owns
 an equal share of the slots, and a miss replaces the layer's least recently used expert, so a
 layer's slots only change where its routing changed).
@@ -30,6 +31,7 @@ layer's slots only change where its routing changed).
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +39,9 @@ from dataclasses import dataclass, field
 from moestream.config import ConfigError
 
 Key = tuple[int, int]  # (layer, expert)
+
+
+POLICIES = ("lru", "lfu", "lrfu", "pinned", "sticky")
 
 
 class PolicyError(ConfigError):
@@ -50,6 +55,13 @@ class EvictionPolicy:
 
     def touch(self, key: Key) -> None:
         raise NotImplementedError
+
+    def inserted(self, key: Key) -> None:
+        """A key made resident ahead of use (a prefetch); most policies count it as a use."""
+        self.touch(key)
+
+    def begin(self, layer: int) -> None:
+        """An access of `layer` starts (one per MoE layer and forward step)."""
 
     def evicted(self, key: Key) -> None:
         raise NotImplementedError
@@ -125,6 +137,65 @@ class LFU(EvictionPolicy):
         raise PolicyError("every resident expert is in use by this step; add slots")
 
 
+class LRFU(EvictionPolicy):
+    """Least recently/frequently used (Lee et al., 1999): each key's score is its uses, each
+    weighed by `decay` ** (tokens since that use); the lowest score goes. Scores survive eviction.
+    A token is one access of every MoE layer. At decay 0.9 (half-life ~6.6 tokens), replaying
+    the reference model's held-out trace misses 18-28% fewer experts than LRU at 10-50% budgets
+    (docs/prediction.md). A prefetched key enters with its history only: a wrong prediction of a
+    rarely used expert is the first to go."""
+
+    name = "lrfu"
+
+    def __init__(self, layers: Sequence[int], decay: float = 0.9):
+        if not 0.0 < decay < 1.0:
+            raise PolicyError(f"lrfu decay must be in (0, 1), got {decay}")
+        self.step = 1.0 / max(len(layers), 1)  # clock advance per layer access, in tokens
+        self.ln_decay = math.log(decay)
+        self.clock = 0.0
+        self.score: dict[Key, tuple[float, float]] = {}  # key -> (score at time t, t)
+        self.resident: dict[Key, float] = {}  # key -> its heap priority
+        self.heap: list[tuple[float, Key]] = []  # (ln score - t ln decay, key); stale skipped
+
+    def begin(self, layer: int) -> None:
+        self.clock += self.step
+
+    def _now(self, key: Key) -> float:
+        c, t = self.score.get(key, (0.0, self.clock))
+        return c * math.exp((self.clock - t) * self.ln_decay)
+
+    def _set(self, key: Key, c: float) -> None:
+        self.score[key] = (c, self.clock)
+        # Ranking by c * decay**(clock - t) at any common clock = ranking by ln c - t ln decay.
+        prio = (math.log(c) if c > 0 else -math.inf) - self.clock * self.ln_decay
+        self.resident[key] = prio
+        heapq.heappush(self.heap, (prio, key))
+
+    def touch(self, key: Key) -> None:
+        self._set(key, self._now(key) + 1.0)
+
+    def inserted(self, key: Key) -> None:
+        self._set(key, self._now(key))
+
+    def evicted(self, key: Key) -> None:
+        del self.resident[key]
+
+    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+        skipped = []
+        try:
+            while self.heap:
+                entry = heapq.heappop(self.heap)
+                if self.resident.get(entry[1]) != entry[0]:
+                    continue  # stale: touched again or evicted since
+                skipped.append(entry)
+                if entry[1] not in protected:
+                    return entry[1]
+        finally:
+            for entry in skipped:
+                heapq.heappush(self.heap, entry)
+        raise PolicyError("every resident expert is in use by this step; add slots")
+
+
 class Pinned(LRU):
     """A fixed hot set (e.g. the most used experts of a trace) never leaves; LRU for the rest."""
 
@@ -186,18 +257,25 @@ class Sticky(EvictionPolicy):
 def make_policy(
     name: str, layers: Sequence[int] = (), pinned: Iterable[Key] = ()
 ) -> EvictionPolicy:
-    """Build a policy by name: lru | lfu | pinned (needs `pinned`) | sticky (needs `layers`)."""
+    """Build a policy by name: lru | lfu | lrfu (needs `layers`) | pinned (needs `pinned`) |
+    sticky (needs `layers`)."""
     if name == "lru":
         return LRU()
     if name == "lfu":
         return LFU()
+    if name == "lrfu":
+        if not layers:
+            raise PolicyError("lrfu needs the list of MoE layers")
+        return LRFU(layers)
     if name == "pinned":
         return Pinned(pinned)
     if name == "sticky":
         if not layers:
             raise PolicyError("sticky needs the list of MoE layers")
         return Sticky(layers)
-    raise PolicyError(f"unknown eviction policy {name!r}; use lru, lfu, pinned or sticky")
+    raise PolicyError(
+        f"unknown eviction policy {name!r}; use {', '.join(POLICIES)}"
+    )
 
 
 @dataclass
@@ -230,6 +308,7 @@ class SlotTable:
             )
         step = Step()
         protected = {(layer, e) for e in experts}
+        self.policy.begin(layer)
         try:
             for e in experts:
                 key = (layer, e)
@@ -261,7 +340,7 @@ class SlotTable:
         except PolicyError:
             return None
         self.slot_of[key] = slot
-        self.policy.touch(key)
+        self.policy.inserted(key)
         return slot, step.evicted
 
     def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
