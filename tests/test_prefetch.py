@@ -142,3 +142,54 @@ def test_requested_demand_reads_run_before_prefetches_issued_after(store):
     assert order[:2] == [(0, 1), (0, 3)] and order[-1] == (1, 2)
     s = p.stats()
     assert (s["misses"], s["prefetch_reads"]) == (2, 1)
+
+
+def test_resident_experts_compute_while_the_misses_are_read(store):
+    """Decode runs a layer's resident experts before its demand reads land; the sum keeps the
+    ascending-id order, so the output is bit-identical."""
+    p, _ = provider(store, 4)
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    x = torch.randn(1, p.store.args.hidden_size)
+    w = torch.tensor([[0.3, 0.7]])
+    p.experts(0, x, torch.tensor([[1, 2]]), w)  # 1 and 2 resident now
+    events, gate = [], threading.Event()
+    ffn, read_part = p._ffn, p.reader._read_part
+
+    def traced_ffn(xx, sec):
+        events.append("ffn")
+        gate.set()  # the miss may be read only once an expert has been computed
+        return ffn(xx, sec)
+
+    def gated_read(layer, e, slot, start):
+        gate.wait(10)  # without the overlap nothing sets the gate: the test fails, not hangs
+        events.append(("read", e))
+        return read_part(layer, e, slot, start)
+
+    p._ffn, p.reader._read_part = traced_ffn, gated_read
+    ids = torch.tensor([[3, 1]])  # 3 is a miss, 1 a hit; routed order is not id order
+    out = p.experts(0, x, ids, w)
+    assert events[0] == "ffn" and ("read", 3) in events  # the hit ran before the miss's read
+    assert events[-1] == "ffn"  # and the miss after it landed
+    assert torch.equal(out, ref.experts(0, x, ids, w))
+    assert p.stats()["io_seconds"] > 0  # the wait for the miss counts as stall
+    p.close()
+
+
+def test_a_failed_prefetch_read_is_read_again_on_demand(store):
+    p, _ = provider(store, 4)
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    read_part, failed = p.reader._read_part, []
+
+    def flaky(layer, e, slot, start):
+        if (layer, e) == (1, 4) and not failed:
+            failed.append(slot)
+            raise OSError("transient read error")
+        return read_part(layer, e, slot, start)
+
+    p.reader._read_part = flaky
+    assert p.prefetch(1, [4]) == 1
+    x = torch.randn(1, p.store.args.hidden_size)
+    ids, w = torch.tensor([[4, 0]]), torch.tensor([[0.5, 0.5]])
+    assert torch.equal(p.experts(1, x, ids, w), ref.experts(1, x, ids, w))
+    assert failed and (1, 4) in p.table.resident()
+    p.close()

@@ -103,16 +103,52 @@ class StreamingExperts:
         """Section views of each expert, reading misses from disk."""
         if self.n_slots == 0:
             return [self._mapped(layer, e) for e in experts]
+        return [self.pool.views[s] for s in self._settle(self._begin(layer, experts))]
+
+    def _begin(self, layer: int, experts: list[int]):
+        """The step making `experts` resident: the one `request` started, or a new one."""
         req, self.requested = self.requested, None
         if req is None or req[:2] != (layer, experts):
             if req is not None:
                 self._complete(*req)  # requested but not computed: settle its reads first
             req = self._start(layer, experts)
+        return req
+
+    def _settle(self, req) -> list[int]:
+        """Wait for every read the step needs; the slot of each expert."""
+        layer, experts = req[0], req[1]
         self._await(layer, experts)  # prefetches of these experts still in flight
         step = self._complete(*req)
         if any((layer, e) not in self.table.slot_of for e in experts):
             step = self._complete(*self._start(layer, experts))  # a prefetch read failed: again
-        return [self.pool.views[s] for s in step.slots]
+        return step.slots
+
+    def _pending_reads(self, req) -> dict[int, object]:
+        """expert -> the read (demand or prefetch) its slot is still waiting for."""
+        layer, experts, step, reads = req
+        waiting = {e: rr for (e, _), rr in zip(step.misses, reads) if not rr.done()}
+        for e in experts:
+            rr = self.inflight.get((layer, e))
+            if rr is not None and not rr.done():
+                waiting[e] = rr
+        return waiting
+
+    @staticmethod
+    def _landed(rr) -> bool:
+        """No read pending, or it finished without error (a failed one is never computed on)."""
+        return rr is None or (rr.done() and not rr.fut.cancelled() and rr.fut.exception() is None)
+
+    def _wait_read(self, layer: int, e: int, rr) -> None:
+        """Block on one record's read; the time counts as demand stall or as a late prefetch."""
+        prefetch = (layer, e) in self.inflight
+        t0 = time.perf_counter()
+        rr.fut.exception()  # waits; an error is raised (or retried) by _settle
+        dt = time.perf_counter() - t0
+        if prefetch:
+            self.pf_wait += dt
+            self.pf["late"] += 1
+        else:
+            self.reader.io_seconds += dt
 
     def request(self, layer: int, experts: list[int]) -> None:
         """Decode: make `experts` (ascending) of `layer` resident asynchronously: the demand reads
@@ -262,17 +298,49 @@ class StreamingExperts:
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, D], ids [T, K], weights [T, K] -> [T, D]."""
-        if x.shape[0] == 1:
-            order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-            secs = self._slots(layer, [e for e, _ in order])
-            t0 = time.perf_counter()
-            out = torch.zeros_like(x)
-            for (_, k), sec in zip(order, secs):
-                y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
-                out += (y * weights[:, k : k + 1]).to(x.dtype)
-            self.compute_seconds += time.perf_counter() - t0
-            return out
-        return self._grouped(layer, x, ids, weights)
+        if x.shape[0] > 1:
+            return self._grouped(layer, x, ids, weights)
+        order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
+        ys = self._decode_ffn(layer, x, [e for e, _ in order])
+        out = torch.zeros_like(x)  # summed in ascending expert id, whatever order ran
+        for (_, k), y in zip(order, ys):
+            out += (y * weights[:, k : k + 1]).to(x.dtype)
+        return out
+
+    def _decode_ffn(self, layer: int, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
+        """Each expert's FFN output for one token. The resident experts run while the layer's
+        misses are read, each miss as soon as its record lands: compute hides behind the reads
+        instead of following them. Every output is computed exactly as in order, so the sum is
+        bit-identical."""
+        if self.n_slots == 0:
+            return [self._ffn(x, sec) for sec in self._slots(layer, experts)]
+        req = self._begin(layer, experts)
+        step = req[2]
+        waiting = self._pending_reads(req)
+        ys: list[torch.Tensor | None] = [None] * len(experts)
+        ran: list[int | None] = [None] * len(experts)  # the slot each output was computed from
+        todo = sorted(range(len(experts)), key=lambda i: experts[i] in waiting)
+        while todo:
+            # The first expert whose record is in; else block on the earliest queued read.
+            i = next((i for i in todo if self._landed(waiting.get(experts[i]))), None)
+            if i is None:
+                i = todo[0]
+                self._wait_read(layer, experts[i], waiting[experts[i]])
+                if not self._landed(waiting[experts[i]]):
+                    break  # the read failed: _settle reads it again or raises
+            todo.remove(i)
+            ys[i], ran[i] = self._ffn(x, self.pool.views[step.slots[i]]), step.slots[i]
+        slots = self._settle(req)
+        for i, slot in enumerate(slots):
+            if ran[i] != slot:  # not run yet, or re-read into another slot after a failure
+                ys[i] = self._ffn(x, self.pool.views[slot])
+        return ys
+
+    def _ffn(self, x: torch.Tensor, sec: dict) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
+        self.compute_seconds += time.perf_counter() - t0
+        return y
 
     def _grouped(self, layer: int, x, ids, weights) -> torch.Tensor:
         """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold."""
