@@ -9,8 +9,9 @@ mode runs in its own subprocess after the store is evicted from the page cache (
 Prints decode tok/s per budget (10/25/50% of expert bytes) and mode, the ratio to on-demand,
 bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
 ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
-recall; with --repeats N the modes run N times interleaved and medians are added. Appends JSON
-lines to benchmarks/results/predict.jsonl.
+recall; every mode runs under each eviction policy of --policies (LRU and LRFU by default), and
+"x" is the ratio to on-demand with the first policy; with --repeats N the modes run N times
+interleaved and medians are added. Appends JSON lines to benchmarks/results/predict.jsonl.
 
     .venv/bin/python benchmarks/bench_predict.py --ref models/pystd-moe-29m \
         --trace .cache/predict/trace-valid --repeats 3
@@ -31,6 +32,7 @@ from common import write_jsonl  # noqa: E402
 
 MODES = [  # (name, predictor, routing)
     ("on-demand", "none", "exact"),
+    ("on-demand serial", "none", "exact"),  # read, then compute: no overlap inside a layer
     ("temporal", "temporal", "exact"),
     ("stale-gate", "stale-gate", "exact"),
     ("prerouter", "prerouter", "exact"),
@@ -55,7 +57,9 @@ seq, warm, n = (int(a) for a in sys.argv[6:9])
 t = load_trace(trace_dir)
 s = t.sequences[seq]
 io = IOConfig(mode="direct", threads=4, split=mode["split"], verify=mode["verify"])
-cfg = StreamConfig(memory_budget=mode["budget"], io=io)
+cfg = StreamConfig(
+    memory_budget=mode["budget"], io=io, policy=mode["policy"], overlap=mode["overlap"]
+)
 loaded = load_store(store, cfg)
 model = loaded.model
 cursor = [0]
@@ -174,6 +178,12 @@ def main() -> None:
     )
     ap.add_argument("--ahead", type=int, default=1, help="layers ahead the stale gate names")
     ap.add_argument("--no-verify", action="store_true", help="skip the crc32 of each record read")
+    ap.add_argument(
+        "--policies",
+        default="lru,lrfu",
+        help="eviction policies, comma list; every mode runs with each (ratios are to on-demand "
+        "with the first policy, and to on-demand with the same policy)",
+    )
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode; medians reported")
     ap.add_argument("--modes", default=None, help="comma list of mode names (default: all)")
     ap.add_argument("--work", default=".cache/bench_predict")
@@ -211,50 +221,63 @@ def main() -> None:
         f"{expert_bytes / 1e9:.2f} GB; O_DIRECT ceiling {ceiling:.2f} GB/s"
     )
     print(
-        f"{'budget':>6} {'mode':20} {'tok/s':>7} {'x':>5} {'GB/tok':>7} {'disk GB/s':>9} "
+        f"{'budget':>6} {'mode/policy':26} {'tok/s':>7} {'x':>5} {'GB/tok':>7} {'disk GB/s':>9} "
         f"{'stall ms':>8} {'hit %':>6} {'pf prec':>7} {'recall':>6}"
     )
     rows = []
+    policies = a.policies.split(",")
     for pct in (int(b) for b in a.budgets.split(",")):
         samples: dict[str, list[dict]] = {}
         for rep in range(a.repeats):  # modes interleaved, so slow spells of the box hit all
-            base = None
-            for name, predictor, routing in MODES:
-                if a.modes and name not in a.modes.split(","):
-                    continue
-                mode = {
-                    "budget": expert_bytes * pct // 100,
-                    "predictor": predictor,
-                    "routing": routing,
-                    "split": a.split,
-                    "min_score": a.min_score,
-                    "verify": not a.no_verify,
-                }
-                table, recall = tables.get(predictor, (work / "none.json", None))
-                s = run_mode(store, mode, table, a)
-                base = s["tok_s"] if base is None else base
-                row = {
-                    **meta,
-                    "budget_pct": pct,
-                    "mode": name,
-                    "predictor": predictor,
-                    "routing": routing,
-                    "repeat": rep,
-                    **s,
-                    **derived(s, a.tokens),
-                    "speedup": s["tok_s"] / base,
-                    "recall": recall,
-                }
-                rows.append(row)
-                samples.setdefault(name, []).append(row)
-                print(line(pct, name, row, recall))
+            base: dict[str, float] = {}  # policy -> on-demand tok/s in this repeat
+            for policy in policies:
+                for name, predictor, routing in MODES:
+                    if a.modes and name not in a.modes.split(","):
+                        continue
+                    mode = {
+                        "budget": expert_bytes * pct // 100,
+                        "predictor": predictor,
+                        "routing": routing,
+                        "policy": policy,
+                        "overlap": name != "on-demand serial",
+                        "split": a.split,
+                        "min_score": a.min_score,
+                        "verify": not a.no_verify,
+                    }
+                    table, recall = tables.get(predictor, (work / "none.json", None))
+                    s = run_mode(store, mode, table, a)
+                    base.setdefault(policy, s["tok_s"])
+                    row = {
+                        **meta,
+                        "budget_pct": pct,
+                        "mode": name,
+                        "predictor": predictor,
+                        "routing": routing,
+                        "policy": policy,
+                        "repeat": rep,
+                        **s,
+                        **derived(s, a.tokens),
+                        "speedup": s["tok_s"] / base[policies[0]],
+                        "speedup_same_policy": s["tok_s"] / base[policy],
+                        "recall": recall,
+                    }
+                    rows.append(row)
+                    samples.setdefault(f"{name}/{policy}", []).append(row)
+                    print(line(pct, f"{name}/{policy}", row, recall))
         if a.repeats > 1:
             print(f"median of {a.repeats} runs ({pct}%):")
-            base = statistics.median(r["tok_s"] for r in next(iter(samples.values())))
+            ref = statistics.median(r["tok_s"] for r in next(iter(samples.values())))
+            same = {  # policy -> median on-demand tok/s
+                rs[0]["policy"]: statistics.median(r["tok_s"] for r in rs)
+                for rs in samples.values()
+                if rs[0]["mode"] == "on-demand"
+            }
             for name, rs in samples.items():
                 keys = [k for k in MEDIAN_KEYS if all(k in r for r in rs)]
                 med = {k: statistics.median(r[k] for r in rs) for k in keys}
-                summary = {**rs[0], **med, "repeat": "median", "speedup": med["tok_s"] / base}
+                summary = {**rs[0], **med, "repeat": "median", "speedup": med["tok_s"] / ref}
+                if rs[0]["policy"] in same:
+                    summary["speedup_same_policy"] = med["tok_s"] / same[rs[0]["policy"]]
                 summary["tok_s_samples"] = [r["tok_s"] for r in rs]
                 rows.append(summary)
                 print(line(pct, name, summary, summary["recall"]))
@@ -297,7 +320,7 @@ def derived(s: dict, tokens: int) -> dict:
 
 def line(pct: int, name: str, row: dict, recall) -> str:
     return (
-        f"{pct:5d}% {name:20} {row['tok_s']:7.2f} {row['speedup']:5.2f} "
+        f"{pct:5d}% {name:26} {row['tok_s']:7.2f} {row['speedup']:5.2f} "
         f"{row['gb_per_token']:7.3f} {row['disk_gbps']:9.2f} "
         f"{row['stall_ms_per_token']:8.1f} {100 * row['hit_rate']:6.1f} "
         f"{row.get('prefetch_precision', 0.0):7.2f} "

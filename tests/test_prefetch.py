@@ -37,12 +37,12 @@ def store(tiny_dir, tmp_path_factory):
     )
 
 
-def provider(store, slots: int):
+def provider(store, slots: int, **cfg):
     from moestream.store.format import Store
 
     size = Store(store).layout.size
     io = IOConfig(mode="pagecache", threads=2)
-    loaded = load_store(store, StreamConfig(memory_budget=slots * size, io=io))
+    loaded = load_store(store, StreamConfig(memory_budget=slots * size, io=io, **cfg))
     return loaded.model.moe_blocks[0].provider, size
 
 
@@ -192,4 +192,19 @@ def test_a_failed_prefetch_read_is_read_again_on_demand(store):
     ids, w = torch.tensor([[4, 0]]), torch.tensor([[0.5, 0.5]])
     assert torch.equal(p.experts(1, x, ids, w), ref.experts(1, x, ids, w))
     assert failed and (1, 4) in p.table.resident()
+    p.close()
+
+
+def test_without_overlap_the_layer_reads_then_computes(store):
+    p, _ = provider(store, 4, overlap=False)  # the plain on-demand schedule (ablation)
+    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    x = torch.randn(1, p.store.args.hidden_size)
+    w = torch.tensor([[0.3, 0.7]])
+    p.experts(0, x, torch.tensor([[1, 2]]), w)
+    events, ffn, read_part = [], p._ffn, p.reader._read_part
+    p._ffn = lambda xx, sec: events.append("ffn") or ffn(xx, sec)
+    p.reader._read_part = lambda *a: events.append("read") or read_part(*a)
+    ids = torch.tensor([[3, 1]])
+    assert torch.equal(p.experts(0, x, ids, w), ref.experts(0, x, ids, w))
+    assert events[0] == "read" and events[-2:] == ["ffn", "ffn"]
     p.close()

@@ -36,6 +36,9 @@ class StreamConfig:
     io: IOConfig = field(default_factory=IOConfig)
     policy: str = "lru"
     kernel: str = "cpu"
+    # Decode runs a layer's resident experts while its misses are read; False = read, then
+    # compute (the plain on-demand schedule, kept for ablations: benchmarks/bench_predict.py).
+    overlap: bool = True
 
     def __post_init__(self):
         streamed = not self.resident and self.io.mode != "mmap"
@@ -315,8 +318,9 @@ class StreamingExperts:
         if self.n_slots == 0:
             return [self._ffn(x, sec) for sec in self._slots(layer, experts)]
         req = self._begin(layer, experts)
-        step = req[2]
-        waiting = self._pending_reads(req)
+        if not self.cfg.overlap:  # read, then compute
+            return [self._ffn(x, self.pool.views[slot]) for slot in self._settle(req)]
+        step, waiting = req[2], self._pending_reads(req)
         ys: list[torch.Tensor | None] = [None] * len(experts)
         ran: list[int | None] = [None] * len(experts)  # the slot each output was computed from
         todo = sorted(range(len(experts)), key=lambda i: experts[i] in waiting)
