@@ -9,7 +9,7 @@ mode runs in its own subprocess after the store is evicted from the page cache (
 Prints decode tok/s per budget (10/25/50% of expert bytes) and mode, the ratio to on-demand,
 bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
 ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
-recall; every mode runs under each eviction policy of --policies (LRU and LRFU by default), and
+recall; every mode runs under each eviction policy of --policies (LRFU, the default, and LRU), and
 "x" is the ratio to on-demand with the first policy; with --repeats N the modes run N times
 interleaved and medians are added. Appends JSON lines to benchmarks/results/predict.jsonl.
 
@@ -38,6 +38,7 @@ MODES = [  # (name, predictor, routing)
     ("prerouter", "prerouter", "exact"),
     ("oracle", "oracle", "exact"),
     ("predicted routing", "prerouter", "predicted"),
+    ("resident", "none", "exact"),  # every expert in RAM, no IO: the ceiling of any schedule
 ]
 
 CHILD = r"""
@@ -58,7 +59,11 @@ t = load_trace(trace_dir)
 s = t.sequences[seq]
 io = IOConfig(mode="direct", threads=4, split=mode["split"], verify=mode["verify"])
 cfg = StreamConfig(
-    memory_budget=mode["budget"], io=io, policy=mode["policy"], overlap=mode["overlap"]
+    memory_budget=mode["budget"],
+    resident=mode["resident"],
+    io=io,
+    policy=mode["policy"],
+    overlap=mode["overlap"],
 )
 loaded = load_store(store, cfg)
 model = loaded.model
@@ -180,7 +185,7 @@ def main() -> None:
     ap.add_argument("--no-verify", action="store_true", help="skip the crc32 of each record read")
     ap.add_argument(
         "--policies",
-        default="lru,lrfu",
+        default="lrfu,lru",
         help="eviction policies, comma list; every mode runs with each (ratios are to on-demand "
         "with the first policy, and to on-demand with the same policy)",
     )
@@ -234,12 +239,15 @@ def main() -> None:
                 for name, predictor, routing in MODES:
                     if a.modes and name not in a.modes.split(","):
                         continue
+                    if name == "resident" and policy != policies[0]:
+                        continue  # no cache, no policy: once per repeat
                     mode = {
                         "budget": expert_bytes * pct // 100,
                         "predictor": predictor,
                         "routing": routing,
                         "policy": policy,
                         "overlap": name != "on-demand serial",
+                        "resident": name == "resident",
                         "split": a.split,
                         "min_score": a.min_score,
                         "verify": not a.no_verify,

@@ -90,10 +90,10 @@ def _add_store_args(p) -> None:
     g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
     g.add_argument(
         "--policy",
-        default="lru",
+        default="lrfu",
         choices=["lru", "lfu", "lrfu", "sticky"],
-        help="cache eviction: lru (default), lfu, lrfu (recency and frequency, decay 0.9 per "
-        "token), sticky (per-layer slots)",
+        help="cache eviction: lrfu (default: uses weighed by a decay of 0.9 per token, so "
+        "recency and frequency count), lru, lfu, sticky (per-layer slots)",
     )
     g.add_argument(
         "--quant",

@@ -38,7 +38,7 @@ class GpuConfig:
     resident: bool = False  # every expert in VRAM
     pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
     io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
-    policy: str = "lru"
+    policy: str = "lrfu"
     kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
 
     def __post_init__(self):

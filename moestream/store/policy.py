@@ -21,8 +21,8 @@ call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a
     wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
     victim(incoming, protected) -> key           a resident key not in `protected`
 
-Policies: `lru` (default), `lfu` (frequency kept across evictions, LRU tie-break), `lrfu`
-(uses weighed by a per-token decay: recency and frequency in one score), `pinned`
+Policies: `lru`, `lfu` (frequency kept across evictions, LRU tie-break), `lrfu` (the engine's
+default: uses weighed by a per-token decay, recency and frequency in one score), `pinned`
 (a fixed hot set is never evicted, LRU for the rest), `sticky` (Edge0-style: every layer owns
 an equal share of the slots, and a miss replaces the layer's least recently used expert, so a
 layer's slots only change where its routing changed).

@@ -34,7 +34,7 @@ class StreamConfig:
     memory_budget: int | None = None  # bytes of expert slots (direct/pagecache)
     resident: bool = False  # every expert in RAM (ignores the budget)
     io: IOConfig = field(default_factory=IOConfig)
-    policy: str = "lru"
+    policy: str = "lrfu"
     kernel: str = "cpu"
     # Decode runs a layer's resident experts while its misses are read; False = read, then
     # compute (the plain on-demand schedule, kept for ablations: benchmarks/bench_predict.py).
