@@ -144,14 +144,14 @@ def test_requested_demand_reads_run_before_prefetches_issued_after(store):
     assert (s["misses"], s["prefetch_reads"]) == (2, 1)
 
 
-def test_resident_experts_compute_while_the_misses_are_read(store):
-    """Decode runs a layer's resident experts before its demand reads land; the sum keeps the
-    ascending-id order, so the output is bit-identical."""
+@pytest.mark.parametrize("tokens", [1, 3])  # decode, and a prefill's grouped experts
+def test_resident_experts_compute_while_the_misses_are_read(store, tokens):
+    """A layer's resident experts run before its demand reads land; results are added in
+    ascending expert id, so the output is bit-identical."""
     p, _ = provider(store, 4)
     ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
-    x = torch.randn(1, p.store.args.hidden_size)
-    w = torch.tensor([[0.3, 0.7]])
-    p.experts(0, x, torch.tensor([[1, 2]]), w)  # 1 and 2 resident now
+    x = torch.randn(tokens, p.store.args.hidden_size)
+    p.experts(0, x[:1], torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))  # 1, 2 resident
     events, gate = [], threading.Event()
     ffn, read_part = p._ffn, p.reader._read_part
 
@@ -166,9 +166,10 @@ def test_resident_experts_compute_while_the_misses_are_read(store):
         return read_part(layer, e, slot, start)
 
     p._ffn, p.reader._read_part = traced_ffn, gated_read
-    ids = torch.tensor([[3, 1]])  # 3 is a miss, 1 a hit; routed order is not id order
+    ids = torch.tensor([[3, 1], [2, 3], [1, 2]])[:tokens]  # 3 is a miss; routed order != id order
+    w = torch.rand(tokens, 2)
     out = p.experts(0, x, ids, w)
-    assert events[0] == "ffn" and ("read", 3) in events  # the hit ran before the miss's read
+    assert events[0] == "ffn" and ("read", 3) in events  # a hit ran before the miss's read
     assert events[-1] == "ffn"  # and the miss after it landed
     assert torch.equal(out, ref.experts(0, x, ids, w))
     assert p.stats()["io_seconds"] > 0  # the wait for the miss counts as stall

@@ -311,18 +311,22 @@ class StreamingExperts:
         return out
 
     def _decode_ffn(self, layer: int, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
-        """Each expert's FFN output for one token. The resident experts run while the layer's
-        misses are read, each miss as soon as its record lands: compute hides behind the reads
-        instead of following them. Every output is computed exactly as in order, so the sum is
-        bit-identical."""
+        """Each expert's FFN output for one token."""
+        return self._resident_run(layer, experts, lambda i, sec: self._ffn(x, sec))
+
+    def _resident_run(self, layer: int, experts: list[int], run) -> list:
+        """[run(i, sections of experts[i])] once each expert is resident. The experts already in
+        their slots run while the others are read, each of those as soon as its record lands:
+        compute hides behind the reads instead of following them. Callers combine the results
+        in their own fixed order, so the bits do not depend on the order things ran in."""
         if self.n_slots == 0:
-            return [self._ffn(x, sec) for sec in self._slots(layer, experts)]
+            return [run(i, sec) for i, sec in enumerate(self._slots(layer, experts))]
         req = self._begin(layer, experts)
         if not self.cfg.overlap:  # read, then compute
-            return [self._ffn(x, self.pool.views[slot]) for slot in self._settle(req)]
+            return [run(i, self.pool.views[slot]) for i, slot in enumerate(self._settle(req))]
         step, waiting = req[2], self._pending_reads(req)
-        ys: list[torch.Tensor | None] = [None] * len(experts)
-        ran: list[int | None] = [None] * len(experts)  # the slot each output was computed from
+        ys: list = [None] * len(experts)
+        ran: list[int | None] = [None] * len(experts)  # the slot each result was computed from
         todo = sorted(range(len(experts)), key=lambda i: experts[i] in waiting)
         while todo:
             # The first expert whose record is in; else block on the earliest queued read.
@@ -333,11 +337,11 @@ class StreamingExperts:
                 if not self._landed(waiting[experts[i]]):
                     break  # the read failed: _settle reads it again or raises
             todo.remove(i)
-            ys[i], ran[i] = self._ffn(x, self.pool.views[step.slots[i]]), step.slots[i]
+            ys[i], ran[i] = run(i, self.pool.views[step.slots[i]]), step.slots[i]
         slots = self._settle(req)
         for i, slot in enumerate(slots):
             if ran[i] != slot:  # not run yet, or re-read into another slot after a failure
-                ys[i] = self._ffn(x, self.pool.views[slot])
+                ys[i] = run(i, self.pool.views[slot])
         return ys
 
     def _ffn(self, x: torch.Tensor, sec: dict) -> torch.Tensor:
@@ -347,7 +351,8 @@ class StreamingExperts:
         return y
 
     def _grouped(self, layer: int, x, ids, weights) -> torch.Tensor:
-        """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold."""
+        """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold,
+        each chunk's outputs added in ascending expert id whatever order they were computed in."""
         T, K = ids.shape
         order = torch.argsort(ids.reshape(-1), stable=True)
         counts = torch.bincount(ids.reshape(-1), minlength=1).tolist()
@@ -363,14 +368,16 @@ class StreamingExperts:
         cap = self.table.policy.capacity(self.n_slots) if self.n_slots else len(present)
         out = torch.zeros_like(x)
         for c in range(0, len(present), cap):
-            chunk = present[c : c + cap]
-            secs = self._slots(layer, chunk)
-            t0 = time.perf_counter()
-            for (b, n), sec in zip(begin[c : c + cap], secs):
+            spans = begin[c : c + cap]
+
+            def run(i, sec, spans=spans):
+                b, n = spans[i]
                 t, s = tok[b : b + n], slot[b : b + n]
-                y = expert_ffn_q(x[t], sec, self.g, self.linear, self.act) * weights[t, s, None]
-                out.index_add_(0, t, y.to(out.dtype))
-            self.compute_seconds += time.perf_counter() - t0
+                return self._ffn(x[t], sec) * weights[t, s, None]
+
+            ys = self._resident_run(layer, present[c : c + cap], run)
+            for (b, n), y in zip(spans, ys):
+                out.index_add_(0, tok[b : b + n], y.to(out.dtype))
         return out
 
     # ---- stats ---------------------------------------------------------------------------------
