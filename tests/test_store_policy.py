@@ -142,3 +142,16 @@ def test_kept_keys_are_evicted_only_when_nothing_else_can_go():
     assert t.access(1, [7]).evicted == [(0, 3)]
     # (1, 7) goes first; then only kept keys are left: LRU among them
     assert t.access(1, [8, 9]).evicted == [(1, 7), (0, 1)]
+
+
+@pytest.mark.parametrize("name", ["lfu", "lrfu"])
+def test_heap_policies_stay_bounded_under_hits(name):
+    """Every hit pushes a heap entry; a long run of hits (a server's lifetime) must not grow
+    the heap without bound, and the choices must stay right after compaction."""
+    policy = make_policy(name, layers=[0])
+    t = SlotTable(3, policy)
+    for _ in range(10_000):
+        t.access(0, [1, 2])
+    t.access(0, [3])
+    assert len(policy.heap) <= 4 * 3 + 64
+    assert t.access(0, [4]).evicted == [(0, 3)]  # used once, vs 10,000 times

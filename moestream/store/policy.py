@@ -116,6 +116,9 @@ class LFU(EvictionPolicy):
         self.count[key] = self.count.get(key, 0) + 1
         self.last[key] = self.clock
         heapq.heappush(self.heap, (self.count[key], self.clock, key))
+        if len(self.heap) > 4 * len(self.last) + 64:  # hits leave stale entries: compact
+            self.heap = [(self.count[k], t, k) for k, t in self.last.items()]
+            heapq.heapify(self.heap)
 
     def evicted(self, key: Key) -> None:
         del self.last[key]  # the count is kept as history
@@ -170,6 +173,9 @@ class LRFU(EvictionPolicy):
         prio = (math.log(c) if c > 0 else -math.inf) - self.clock * self.ln_decay
         self.resident[key] = prio
         heapq.heappush(self.heap, (prio, key))
+        if len(self.heap) > 4 * len(self.resident) + 64:  # hits leave stale entries: compact
+            self.heap = [(p, k) for k, p in self.resident.items()]
+            heapq.heapify(self.heap)
 
     def touch(self, key: Key) -> None:
         self._set(key, self._now(key) + 1.0)
