@@ -6,7 +6,8 @@ reference model: the routing from a held-out trace recorded with hidden states, 
 predictor's predictions computed by running that predictor over the same trace (stale gate =
 the reference model's next router on its hidden states, prerouter = its trained heads). Each
 mode runs in its own subprocess after the store is evicted from the page cache (O_DIRECT reads).
-Prints decode tok/s per budget (10/25/50% of expert bytes) and mode, the ratio to on-demand,
+Prints decode tok/s per budget (10/25/50% of expert bytes) and mode (and the cold prefill's
+time: the store is evicted before every run), the ratio to on-demand,
 bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
 ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
 recall; every mode runs under each eviction policy of --policies (LRFU, the default, and LRU), and
@@ -94,7 +95,9 @@ assert P + warm + n <= len(tokens), "the trace sequence is too short for --warmu
 cache = KVCache(loaded.args, P + warm + n, torch.float32)
 with torch.no_grad():
     cursor[0] = s["offset"]
+    t_pre = time.perf_counter()  # a cold prefill: the store was evicted before this process
     model(torch.tensor(tokens[:P]), cache, 0, last_only=True)
+    prefill_s = time.perf_counter() - t_pre
     for pos in range(P, P + warm + n):
         if pos == P + warm:
             before, t0 = p.stats(), time.perf_counter()
@@ -103,7 +106,7 @@ with torch.no_grad():
     dt = time.perf_counter() - t0
 d = stats_delta(before, p.stats())
 p.close()
-print(json.dumps({"decode_s": dt, "tok_s": n / dt, **d}))
+print(json.dumps({"prefill_s": prefill_s, "prompt_tokens": P, "decode_s": dt, "tok_s": n / dt, **d}))
 """
 
 
@@ -227,7 +230,7 @@ def main() -> None:
     )
     print(
         f"{'budget':>6} {'mode/policy':26} {'tok/s':>7} {'x':>5} {'GB/tok':>7} {'disk GB/s':>9} "
-        f"{'stall ms':>8} {'hit %':>6} {'pf prec':>7} {'recall':>6}"
+        f"{'stall ms':>8} {'hit %':>6} {'pf prec':>7} {'prefill s':>9} {'recall':>6}"
     )
     rows = []
     policies = a.policies.split(",")
@@ -294,6 +297,7 @@ def main() -> None:
 
 MEDIAN_KEYS = (
     "tok_s",
+    "prefill_s",
     "gb_per_token",
     "disk_gbps",
     "stall_ms_per_token",
@@ -331,7 +335,7 @@ def line(pct: int, name: str, row: dict, recall) -> str:
         f"{pct:5d}% {name:26} {row['tok_s']:7.2f} {row['speedup']:5.2f} "
         f"{row['gb_per_token']:7.3f} {row['disk_gbps']:9.2f} "
         f"{row['stall_ms_per_token']:8.1f} {100 * row['hit_rate']:6.1f} "
-        f"{row.get('prefetch_precision', 0.0):7.2f} "
+        f"{row.get('prefetch_precision', 0.0):7.2f} {row.get('prefill_s', 0.0):9.2f} "
         f"{'' if recall is None else f'{100 * recall:5.1f}%'}"
     )
 
