@@ -58,7 +58,7 @@ store, mode, trace_dir, preds_file = sys.argv[1], json.loads(sys.argv[2]), sys.a
 seq, warm, n = (int(a) for a in sys.argv[6:9])
 t = load_trace(trace_dir)
 s = t.sequences[seq]
-io = IOConfig(mode="direct", threads=4, split=mode["split"], verify=mode["verify"])
+io = IOConfig(mode="direct", threads=mode["io_threads"], split=mode["split"], verify=mode["verify"])
 cfg = StreamConfig(
     memory_budget=mode["budget"],
     resident=mode["resident"],
@@ -178,6 +178,7 @@ def main() -> None:
     ap.add_argument("--budgets", default="10,25,50", help="percent of expert bytes")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--split", type=int, default=4, help="parallel part reads per record")
+    ap.add_argument("--io-threads", type=int, default=4, help="IO pool threads")
     ap.add_argument(
         "--min-score",
         type=float,
@@ -216,6 +217,7 @@ def main() -> None:
         "tokens": a.tokens,
         "threads": a.threads,
         "io_split": a.split,
+        "io_threads": a.io_threads,
         "min_score": a.min_score,
         "stale_gate_ahead": a.ahead,
         "verify_crc": not a.no_verify,
@@ -252,6 +254,7 @@ def main() -> None:
                         "overlap": name != "on-demand serial",
                         "resident": name == "resident",
                         "split": a.split,
+                        "io_threads": a.io_threads,
                         "min_score": a.min_score,
                         "verify": not a.no_verify,
                     }
