@@ -19,7 +19,14 @@ import numpy as np
 from moestream.config import ConfigError, parse_size
 from moestream.obs.stats import expert_counts
 from moestream.obs.trace import Trace
-from moestream.store.policy import EvictionPolicy, Key, PolicyError, SlotTable, make_policy
+from moestream.store.policy import (
+    EvictionPolicy,
+    Key,
+    PolicyError,
+    SlotTable,
+    heap_victim,
+    make_policy,
+)
 
 POLICIES = ("lru", "lfu", "lrfu", "pinned", "sticky", "belady")
 
@@ -68,19 +75,7 @@ class Belady(EvictionPolicy):
         del self.when[key]
 
     def victim(self, incoming: Key, protected: set[Key]) -> Key:
-        skipped = []
-        try:
-            while self.heap:
-                entry = heapq.heappop(self.heap)
-                if self.when.get(entry[1]) != -entry[0]:
-                    continue  # stale
-                skipped.append(entry)
-                if entry[1] not in protected:
-                    return entry[1]
-        finally:
-            for entry in skipped:
-                heapq.heappush(self.heap, entry)
-        raise PolicyError("every resident expert is in use by this step; add slots")
+        return heap_victim(self.heap, lambda e: self.when.get(e[1]) == -e[0], protected)
 
 
 @dataclass

@@ -48,6 +48,25 @@ class PolicyError(ConfigError):
     """A slot count or policy setting that cannot work; the message states the limit."""
 
 
+def heap_victim(heap: list[tuple], valid, protected: set[Key]) -> Key:
+    """Victim from a lazily updated heap of entries ending in their key: the smallest entry
+    that `valid(entry)` still holds and whose key is not protected. Stale entries are dropped;
+    the valid ones looked at stay."""
+    skipped = []
+    try:
+        while heap:
+            entry = heapq.heappop(heap)
+            if not valid(entry):
+                continue
+            skipped.append(entry)
+            if entry[-1] not in protected:
+                return entry[-1]
+    finally:
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+    raise PolicyError("every resident expert is in use by this step; add slots")
+
+
 class EvictionPolicy:
     """Base class; subclasses keep whatever order they need to answer `victim` cheaply."""
 
@@ -124,20 +143,10 @@ class LFU(EvictionPolicy):
         del self.last[key]  # the count is kept as history
 
     def victim(self, incoming: Key, protected: set[Key]) -> Key:
-        skipped = []
-        try:
-            while self.heap:
-                entry = heapq.heappop(self.heap)
-                c, t, key = entry
-                if self.last.get(key) != t or self.count[key] != c:
-                    continue  # stale: the key was touched again or evicted since
-                skipped.append(entry)  # still valid; goes back whether chosen or not
-                if key not in protected:
-                    return key
-        finally:
-            for entry in skipped:
-                heapq.heappush(self.heap, entry)
-        raise PolicyError("every resident expert is in use by this step; add slots")
+        # stale: the key was touched again or evicted since the entry was pushed
+        return heap_victim(
+            self.heap, lambda e: self.last.get(e[2]) == e[1] and self.count[e[2]] == e[0], protected
+        )
 
 
 class LRFU(EvictionPolicy):
@@ -187,19 +196,7 @@ class LRFU(EvictionPolicy):
         del self.resident[key]
 
     def victim(self, incoming: Key, protected: set[Key]) -> Key:
-        skipped = []
-        try:
-            while self.heap:
-                entry = heapq.heappop(self.heap)
-                if self.resident.get(entry[1]) != entry[0]:
-                    continue  # stale: touched again or evicted since
-                skipped.append(entry)
-                if entry[1] not in protected:
-                    return entry[1]
-        finally:
-            for entry in skipped:
-                heapq.heappush(self.heap, entry)
-        raise PolicyError("every resident expert is in use by this step; add slots")
+        return heap_victim(self.heap, lambda e: self.resident.get(e[1]) == e[0], protected)
 
 
 class Pinned(LRU):
@@ -279,9 +276,7 @@ def make_policy(
         if not layers:
             raise PolicyError("sticky needs the list of MoE layers")
         return Sticky(layers)
-    raise PolicyError(
-        f"unknown eviction policy {name!r}; use {', '.join(POLICIES)}"
-    )
+    raise PolicyError(f"unknown eviction policy {name!r}; use {', '.join(POLICIES)}")
 
 
 @dataclass
