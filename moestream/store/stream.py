@@ -36,8 +36,8 @@ class StreamConfig:
     io: IOConfig = field(default_factory=IOConfig)
     policy: str = "lrfu"
     kernel: str = "cpu"
-    # Decode runs a layer's resident experts while its misses are read; False = read, then
-    # compute (the plain on-demand schedule, kept for ablations: benchmarks/bench_predict.py).
+    # A layer's resident experts run while its misses are read (decode and prefill chunks);
+    # False = read, then compute (the plain schedule, for ablations: bench_predict.py).
     overlap: bool = True
 
     def __post_init__(self):
@@ -304,15 +304,11 @@ class StreamingExperts:
         if x.shape[0] > 1:
             return self._grouped(layer, x, ids, weights)
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-        ys = self._decode_ffn(layer, x, [e for e, _ in order])
+        ys = self._resident_run(layer, [e for e, _ in order], lambda i, sec: self._ffn(x, sec))
         out = torch.zeros_like(x)  # summed in ascending expert id, whatever order ran
         for (_, k), y in zip(order, ys):
             out += (y * weights[:, k : k + 1]).to(x.dtype)
         return out
-
-    def _decode_ffn(self, layer: int, x: torch.Tensor, experts: list[int]) -> list[torch.Tensor]:
-        """Each expert's FFN output for one token."""
-        return self._resident_run(layer, experts, lambda i, sec: self._ffn(x, sec))
 
     def _resident_run(self, layer: int, experts: list[int], run) -> list:
         """[run(i, sections of experts[i])] once each expert is resident. The experts already in
