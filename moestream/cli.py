@@ -366,7 +366,10 @@ def _add_obs(sub) -> None:
     p = sub.add_parser("simulate", help="replay a trace through the expert cache policies")
     p.add_argument("trace", help="trace folder")
     p.add_argument(
-        "--policy", action="append", default=None, help="lru|lfu|lrfu|pinned|sticky|belady (repeatable)"
+        "--policy",
+        action="append",
+        default=None,
+        help="lru|lfu|lrfu|pinned|sticky|belady (repeatable)",
     )
     p.add_argument(
         "--budget",

@@ -153,7 +153,7 @@ class LRFU(EvictionPolicy):
     """Least recently/frequently used (Lee et al., 1999): each key's score is its uses, each
     weighed by `decay` ** (tokens since that use); the lowest score goes. Scores survive eviction.
     A token is one access of every MoE layer. At decay 0.9 (half-life ~6.6 tokens), replaying
-    the reference model's held-out trace misses 18-28% fewer experts than LRU at 10-50% budgets
+    the reference model's held-out trace misses 16-27% fewer experts than LRU at 10-50% budgets
     (docs/prediction.md). A prefetched key enters with its history only: a wrong prediction of a
     rarely used expert is the first to go."""
 
