@@ -334,9 +334,10 @@ class StreamingExperts:
                     break  # the read failed: _settle reads it again or raises
             todo.remove(i)
             ys[i], ran[i] = run(i, self.pool.views[step.slots[i]]), step.slots[i]
-        slots = self._settle(req)
-        for i, slot in enumerate(slots):
-            if ran[i] != slot:  # not run yet, or re-read into another slot after a failure
+        # A retry after a failed read re-reads only that expert: the step's other keys are
+        # protected, so what already ran keeps its slot and runs exactly once.
+        for i, slot in enumerate(self._settle(req)):
+            if ran[i] is None:
                 ys[i] = run(i, self.pool.views[slot])
         return ys
 
@@ -364,16 +365,20 @@ class StreamingExperts:
         cap = self.table.policy.capacity(self.n_slots) if self.n_slots else len(present)
         out = torch.zeros_like(x)
         for c in range(0, len(present), cap):
-            spans = begin[c : c + cap]
+            spans, done, nxt = begin[c : c + cap], {}, 0
 
-            def run(i, sec, spans=spans):
+            def run(i, sec, spans=spans, done=done):
+                nonlocal nxt
                 b, n = spans[i]
                 t, s = tok[b : b + n], slot[b : b + n]
-                return self._ffn(x[t], sec) * weights[t, s, None]
+                done[i] = self._ffn(x[t], sec) * weights[t, s, None]
+                while nxt in done:  # add in id order as soon as it allows: outputs freed early
+                    b, n = spans[nxt]
+                    out.index_add_(0, tok[b : b + n], done.pop(nxt).to(out.dtype))
+                    nxt += 1
 
-            ys = self._resident_run(layer, present[c : c + cap], run)
-            for (b, n), y in zip(spans, ys):
-                out.index_add_(0, tok[b : b + n], y.to(out.dtype))
+            self._resident_run(layer, present[c : c + cap], run)
+            assert not done, "an expert output was never added"
         return out
 
     # ---- stats ---------------------------------------------------------------------------------
