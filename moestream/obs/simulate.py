@@ -19,6 +19,7 @@ import numpy as np
 from moestream.config import ConfigError, parse_size
 from moestream.obs.stats import expert_counts
 from moestream.obs.trace import Trace
+from moestream.store.policy import POLICIES as ENGINE_POLICIES
 from moestream.store.policy import (
     EvictionPolicy,
     Key,
@@ -28,7 +29,7 @@ from moestream.store.policy import (
     make_policy,
 )
 
-POLICIES = ("lru", "lfu", "lrfu", "pinned", "sticky", "belady")
+POLICIES = (*ENGINE_POLICIES, "belady")  # the engine's, plus the offline optimum
 
 
 def accesses(t: Trace, n_slots: int) -> Iterator[tuple[int, list[int], bool]]:
