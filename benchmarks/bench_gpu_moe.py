@@ -26,39 +26,38 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).parent))
 from common import commit, hardware, write_jsonl  # noqa: E402
 
-from moestream.kernels.triton.decode import DEFAULT_CONFIGS, check_shapes, moe_decode  # noqa: E402
+from moestream.kernels.triton.decode import (  # noqa: E402
+    DEFAULT_CONFIGS,
+    MMA_CONFIGS,
+    check_shapes,
+    moe_decode,
+)
 from moestream.kernels.triton.layout import StackedExperts, moe_loop_ref  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
-# Sweep at T=1 (the first entry is DEFAULT_CONFIGS, tuned per kernel on an H200): tiles, the down
-# kernel over all slots (bf16/int8) or per slot with a counter combine, and the programmatic
+# Sweep at T=1 (the first entry is DEFAULT_CONFIGS, tuned per kernel on an H200 by
+# tune_gpu_decode.py): the other family (CUDA cores / tensor cores), tiles, and the programmatic
 # dependent launch and the L2 prefetch of w2 switched one at a time.
-_D = DEFAULT_CONFIGS
+_D, _M = DEFAULT_CONFIGS, MMA_CONFIGS
 SWEEP = {
     "bf16": [
         _D["bf16"],
-        replace(_D["bf16"], bn_d=4),
-        replace(_D["bf16"], down_all=False, bn_d=16, bk_d=256),
+        _M["bf16"],
         replace(_D["bf16"], pdl=False),
-        replace(_D["bf16"], prefetch=True),
-        replace(_D["bf16"], bn=8, bk=256, num_warps=2),
+        replace(_D["bf16"], mma=False, bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
     ],
     "int8": [
         _D["int8"],
-        replace(_D["int8"], bn_d=2),
-        replace(_D["int8"], down_all=False, bn_d=8, bk_d=256, warps_d=2),
+        _M["int8"],
         replace(_D["int8"], pdl=False),
-        replace(_D["int8"], bn=2, num_warps=2),
-        replace(_D["int8"], bn=8),
+        replace(_D["int8"], mma=False, bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
     ],
     "int4": [
         _D["int4"],
-        replace(_D["int4"], split=4),
-        replace(_D["int4"], bk=32),
+        _M["int4"],
         replace(_D["int4"], pdl=False),
-        replace(_D["int4"], prefetch=True),
-        replace(_D["int4"], bk_d=64, split_d=2),
+        replace(_D["int4"], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
     ],
 }
 
@@ -210,10 +209,8 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     all_ids = torch.arange(E, device="cuda")[None]
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
-    # every expert as a slot of the one token: the per-slot down kernel (down_all is for K <= 16)
-    dense_cfg = replace(DEFAULT_CONFIGS[quant], down_all=False, bn_d=64 if quant == "int4" else 16,
-                        bk_d=128 if quant == "int4" else 256)  # fmt: skip
-    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, dense_cfg), 1)
+    # every expert as a slot of the one token, same kernels and tiles
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, DEFAULT_CONFIGS[quant]), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
         "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,

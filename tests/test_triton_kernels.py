@@ -99,14 +99,43 @@ def test_decode_interpreter(quant):
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
     bn = 64 if quant == "int4" else 8
-    for elem, split, split_d in ((False, 2, 1), (True, 1, 2)):
-        cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32, split_d=split_d, elem=elem)
+    for elem, split in ((False, 2), (True, 1)):
+        cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32, elem=elem)
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
-    if quant != "int4":  # one down program over all slots; K = 3 and I = 96 are padded and masked
-        cfg = DecodeConfig(bn=bn, bk=32, bn_d=4, down_all=True)
-        _check(moe_decode, quant, 5, 64, 96, 2, 3, torch.float32, "cpu", seed=3, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
+    # tensor cores (fp32 "ieee" dots here), one K step and a D split over several
+    for split, bk in ((1, 64), (2, 32)):
+        cfg = DecodeConfig(bn=64 if quant == "int4" else 16, bk=bk, split=split,
+                           bn_d=64 if quant == "int4" else 16, bk_d=32, mma=True)  # fmt: skip
+        _check(moe_decode, quant, 4, 128, 64, 2, 2, torch.float32, "cpu", seed=5, cfg=cfg)
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("T", [3, 10])
+def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
+    """The GPU provider's chunked prefill: pair rows computed in chunks of experts (as K=1 calls
+    over their tokens), then combine_pairs, equal the one call bit for bit (decode path at T=3,
+    grouped prefill at T=10); and a call is deterministic."""
+    from moestream.kernels.triton import combine_pairs, moe_experts, moe_pairs
+
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    E, D, I, K = 6, 64, 64, 2
+    gen = torch.Generator().manual_seed(20 + T)
+    ex = _layer(quant, E, D, I, device, gen)
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, K, device, gen)
+    want = moe_experts(x, ids, w, ex)
+    flat = ids.reshape(-1)
+    rows = torch.full((T * K, D), float("nan"), device=device)
+    for lo in range(0, E, 2):
+        sel = torch.nonzero((flat >= lo) & (flat < lo + 2)).reshape(-1)
+        if len(sel):
+            sub = (x[sel // K], flat[sel].reshape(-1, 1), w.reshape(-1)[sel].reshape(-1, 1))
+            rows[sel] = moe_pairs(*sub, ex, tokens=T)
+    assert torch.equal(combine_pairs(rows, K, dtype), want)
+    assert torch.equal(moe_experts(x, ids, w, ex), want)
 
 
 @needs_triton
@@ -145,10 +174,25 @@ def test_decode_cuda(quant, case, T):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_decode_mma_cuda(quant, case, T):
+    """The tensor-core kernels (exact integer weights in the dot, scales per group) and their
+    byte-to-bf16 conversions, tiles fitted to each shape."""
+    from moestream.kernels.triton.decode import MMA_CONFIGS, fit_config, moe_decode
+
+    (E, D, I, K), dtype = case
+    cfg = fit_config(quant, D, I, 32, MMA_CONFIGS[quant])
+    for seed in range(2):
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T, cfg=cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("elem", [False, True])
 @pytest.mark.parametrize("split", [1, 2, 4])
 def test_decode_variants_cuda(quant, elem, split):
-    """Accumulation orders, D and I splits, no prefetch / no PDL (the benchmark's sweep) at the
+    """Accumulation orders, D splits, no prefetch / no PDL (the benchmark's sweep) at the
     Qwen3-30B D, I; each config twice, so the counters reset by the last programs are reused."""
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
@@ -156,8 +200,7 @@ def test_decode_variants_cuda(quant, elem, split):
     for prefetch in (False, True):
         cfg = DecodeConfig(bn=bn, bk=64 if quant == "int4" else 256, split=split,
                            bn_d=64 if quant == "int4" else 16, bk_d=64 if quant == "int4" else 128,
-                           split_d=3 - split if split < 3 else 1, elem=elem, prefetch=prefetch,
-                           pdl=prefetch, down_all=quant != "int4" and elem)  # fmt: skip
+                           elem=elem, prefetch=prefetch, pdl=prefetch)  # fmt: skip
         for T in (1, 2):
             _check(moe_decode, quant, 16, 2048, 768, T, 8, torch.bfloat16, "cuda", seed=5 + T,
                    cfg=cfg)  # fmt: skip

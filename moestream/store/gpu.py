@@ -24,6 +24,7 @@ import torch
 
 from moestream.config import ConfigError
 from moestream.kernels.dispatch import moe_kernel
+from moestream.kernels.triton import combine_pairs, moe_pairs, unsupported
 from moestream.kernels.triton.layout import StackedExperts
 from moestream.store.format import Store
 from moestream.store.io import IOConfig, RecordReader
@@ -104,6 +105,7 @@ class GpuExperts:
         self.syncs = 0
         self.sync_seconds = 0.0
         self.table_seconds = 0.0  # host time in the slot table (after the sync, before copies)
+        self.chunked = 0  # layer calls whose experts did not fit the pool at once
         self.copy_seconds = 0.0  # host time issuing copies (and waiting for staging reuse)
         self._copy_events: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._copy_gpu_ms = 0.0
@@ -246,14 +248,21 @@ class GpuExperts:
 
     def _chunked(self, layer: int, x, ids, weights) -> torch.Tensor:
         """A prefill whose experts do not fit the pool at once: the (token, k) pairs of each chunk
-        of experts run as a K=1 problem over their tokens."""
+        of experts run as a K=1 problem over their tokens. With the Triton kernels each pair's
+        fp32 row lands in one [T * K, D] buffer and `combine_pairs` adds them in slot order: the
+        bits of the resident call. The reference kernel adds each chunk in x's dtype instead."""
         li = self.layer_index[layer]
+        self.chunked += 1
         T, K = ids.shape
         flat = ids.reshape(-1)
         host = flat.cpu()
         experts = sorted(set(host.tolist()))
         cap = self.table.policy.capacity(self.n_slots)
-        out = torch.zeros_like(x)
+        pairs = self.cfg.kernel == "triton" and not unsupported(self.pool, T)
+        if pairs:
+            rows = torch.empty(T * K, x.shape[1], device=self.device, dtype=torch.float32)
+        else:
+            out = torch.zeros_like(x)
         for c in range(0, len(experts), cap):
             if c and self.cuda:  # the pinned scratch and staging of the last chunk are reused
                 torch.cuda.current_stream(self.device).synchronize()
@@ -264,9 +273,13 @@ class GpuExperts:
             sel = sel.to(self.device)
             tok = sel // K
             slots = self.slot_map[li][flat[sel]].reshape(-1, 1)
-            y = self.kernel(x[tok], slots, weights.reshape(-1)[sel].reshape(-1, 1), self.pool)
-            out.index_add_(0, tok, y.to(out.dtype))
-        return out
+            w = weights.reshape(-1)[sel].reshape(-1, 1)
+            if pairs:
+                rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T)
+            else:
+                y = self.kernel(x[tok], slots, w, self.pool)
+                out.index_add_(0, tok, y.to(out.dtype))
+        return combine_pairs(rows, K, x.dtype) if pairs else out
 
     # ---- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -287,6 +300,7 @@ class GpuExperts:
             "syncs": self.syncs,
             "sync_seconds": self.sync_seconds,
             "table_seconds": self.table_seconds,
+            "chunked_layers": self.chunked,
         }
 
     def close(self) -> None:

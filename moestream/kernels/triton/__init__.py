@@ -7,6 +7,8 @@
   (pair, row block) with a deterministic last-program combine (int4); GEMV on CUDA cores.
 - `prefill.py`: tokens grouped by expert on the device, tl.dot per block of BLOCK_M rows.
 `moe_experts` picks the path; shapes the kernels do not take fall back to the reference.
+`moe_pairs` + `combine_pairs` split a call into per-pair rows and their slot-order sum, with the
+bits of `moe_experts` (the GPU provider's chunked prefill when the pool cannot hold all experts).
 `layout.py` imports without triton; the kernels need it (the `gpu` extra, never the CPU install).
 """
 
@@ -47,4 +49,29 @@ def moe_experts(
     return prefill.moe_prefill(x, ids, weights, experts)
 
 
-__all__ = ["StackedExperts", "moe_experts", "moe_stacked_ref", "unsupported"]
+def moe_pairs(
+    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts, tokens: int
+) -> torch.Tensor:
+    """Pair rows [T * K, D] fp32 (weight times expert output) as `moe_experts` computes them for a
+    call of `tokens` tokens: the kernel is chosen by `tokens`, not by this call's size, so a
+    chunk of a call's pairs gets the same rows. A workspace view: copy it before the next call."""
+    from moestream.kernels.triton import decode, prefill
+
+    why = unsupported(experts, tokens)
+    if why:
+        raise NotImplementedError(f"pair rows need the Triton kernels: {why}")
+    if tokens <= DECODE_MAX_TOKENS:
+        return decode.moe_decode(x, ids, weights, experts, combine=False)
+    return prefill.moe_prefill(x, ids, weights, experts, combine=False)
+
+
+def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
+    """Pair rows [T * topk, D] -> [T, D] in dtype, added in slot order (the kernels' combine)."""
+    from moestream.kernels.triton import decode
+
+    return decode.combine_pairs(y, topk, dtype)
+
+
+__all__ = [
+    "StackedExperts", "combine_pairs", "moe_experts", "moe_pairs", "moe_stacked_ref", "unsupported"
+]  # fmt: skip

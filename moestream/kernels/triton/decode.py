@@ -6,12 +6,12 @@ grouping runs on the hot path, and a layer is two launches (no memset, no cast k
                    block (fp32 partials, int32 counter) sums the splits. Optionally asks L2 for a
                    slice of the pair's w2 (bulk prefetch; off: it slowed the H200 down). Lets the
                    down kernel launch early (programmatic dependent launch, PDL).
-  _down_all_kernel bf16/int8: one program per (token, block of BN output rows) over all K slots and
-                   all of I in one register tile; its weights are loaded before the PDL wait, the
-                   slots are summed in registers, and the output is written in its dtype.
-  _down_kernel     int4 (and the read-all benchmark): one program per (pair, 64-row block, split of
-                   I); the last program of a (token, row block) adds the K * SPLIT_D partials in a
-                   fixed order (deterministic, no zeroed buffer) and writes the output.
+  _down_kernel     one program per (pair, block of BN output rows) over all of I: the weighted
+                   expert output is stored as the pair's fp32 row; the last program of a (token,
+                   row block) adds the token's K rows in slot order and writes the output dtype
+                   (deterministic, no zeroed buffer). The pair rows do not depend on the call's
+                   other pairs: a streamed prefill that runs its pairs in chunks (the pool cannot
+                   hold all their experts) and `combine_pairs` them gives the resident bits.
 Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
 mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. Inputs are
 loaded through offsets broadcast to the weight tile's shape, so they take its register layout and no
@@ -39,25 +39,30 @@ class DecodeConfig:
     split: int = 1  # gate/up programs along D (partials summed by the down kernel)
     bn_d: int = 16  # output rows per down program (int4: 64)
     bk_d: int = 256
-    split_d: int = 1  # down programs along I (partials summed by the last program)
-    down_all: bool = False  # bf16/int8: one down program per row block covers all slots and I
     num_warps: int = 4  # gate/up programs
     warps_d: int = 4  # down programs
     elem: bool = True  # int4: accumulate [groups, G, 32] products, reduce once at the end
     prefetch: bool = False  # gate/up prefetches w2 into L2 (cost 15-25% on the H200: off)
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
+    mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
 
     def __post_init__(self):
-        for name in ("bn", "bk", "split", "bn_d", "bk_d", "split_d"):
+        for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
 
 
 DEFAULT_CONFIGS = {
     # Best gate/up and down tiles of a per-kernel sweep at T=1 on the H200 (docs/gpu.md)
-    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=2, down_all=True),
-    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=4, down_all=True),
+    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=16, bk_d=256),
+    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=8, bk_d=256, warps_d=2),
     "int4": DecodeConfig(bn=64, bk=128, split=8, bn_d=64, bk_d=128),
+}
+# Tensor-core variants (first guesses; benchmarks/tune_gpu_decode.py sweeps them)
+MMA_CONFIGS = {
+    "bf16": DecodeConfig(bn=32, bk=256, split=2, bn_d=32, bk_d=256, mma=True),
+    "int8": DecodeConfig(bn=32, bk=512, split=2, bn_d=32, bk_d=256, mma=True),
+    "int4": DecodeConfig(bn=64, bk=256, split=4, bn_d=64, bk_d=256, mma=True),
 }
 
 
@@ -333,28 +338,38 @@ def _gate_up_kernel(
 
 
 @triton.jit
+def _combine_rows(dpart_ptr, out_ptr, t, r, D: tl.constexpr, TOPK: tl.constexpr,
+                  BN: tl.constexpr):  # fmt: skip
+    """out[t, r] = the token's TOPK pair rows of dpart added in slot order (fp32, then the
+    output dtype). Shared by the fused combine and `combine_pairs`, so both give the same bits."""
+    tot = tl.zeros([BN], tl.float32)
+    for i in range(TOPK):  # fixed order: deterministic
+        tot += tl.load(dpart_ptr + (t * TOPK + i) * D + r, cache_modifier=".cg")
+    tl.store(out_ptr + t * D + r, tot.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
 def _down_kernel(
     h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT_D: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr, COMBINE: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, nb, sd): output rows [n0, n0 + BN) of pair p over I split sd, times the
-    routing weight; the token's last program for the row block writes the sum in out's dtype."""
+    """Program (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
+    weight, stored as pair p's fp32 row; with COMBINE the token's last program for the row block
+    adds its TOPK rows in slot order and writes the output. The pair rows do not depend on the
+    other pairs of the call, so a prefill run in chunks of pairs gives the same bits."""
     p = tl.program_id(0)
     nb = tl.program_id(1)
-    sd = tl.program_id(2)
     e = tl.load(ids_ptr + p).to(tl.int64)
     n0 = nb * BN
-    KC: tl.constexpr = I // SPLIT_D
     koff = _k_offsets(QUANT, G, BN, BK)
-    w_first = _load_w(q_ptr, e, n0, sd * KC, D, I, QUANT, G, BN, BK)  # weights need no wait
+    w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # weights need no wait
     if PDL:
         tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
     acc_a, acc_b = _acc_zeros(QUANT, G, BN, BK, ELEM)
-    for kb in tl.static_range(0, KC, BK):
-        k0 = sd * KC + kb
-        if kb == 0:
+    for k0 in tl.static_range(0, I, BK):
+        if k0 == 0:
             w = w_first
         else:
             w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
@@ -364,63 +379,207 @@ def _down_kernel(
         acc_b += b
     ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
     rw = tl.load(rw_ptr + p).to(tl.float32)
-    _rows_store(dpart_ptr + (p * SPLIT_D + sd) * D + n0, ya * rw, yb * rw, QUANT, BN)
-    # The last of the token's TOPK * SPLIT_D programs for this row block combines them.
-    t = p // TOPK
-    cnt = cnt_ptr + t * tl.num_programs(1) + nb
-    tl.debug_barrier()  # every thread's partial is stored before the release below
-    if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK * SPLIT_D - 1:
-        r = n0 + tl.arange(0, BN)
-        tot = tl.zeros([BN], tl.float32)
-        for i in range(TOPK * SPLIT_D):  # fixed order: deterministic
-            tot += tl.load(dpart_ptr + (t * TOPK * SPLIT_D + i) * D + r, cache_modifier=".cg")
-        tl.store(out_ptr + t * D + r, tot.to(out_ptr.dtype.element_ty))
-        tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    _rows_store(dpart_ptr + p * D + n0, ya * rw, yb * rw, QUANT, BN)
+    if COMBINE:  # the last of the token's TOPK programs for this row block combines them
+        t = p // TOPK
+        cnt = cnt_ptr + t * tl.num_programs(1) + nb
+        tl.debug_barrier()  # every thread's row is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+            _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 @triton.jit
-def _down_all_kernel(
-    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, out_ptr,
-    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    KP: tl.constexpr, BKD: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr,
-):  # fmt: skip
-    """bf16/int8 program (t, nb): output rows [n0, n0 + BN) of token t over all its TOPK slots
-    and all of I in one tile [KP, BN, BKD] (slots and I padded to powers of two, masked). Every
-    weight load is issued before the PDL wait, and the slots are summed in registers: no
-    partials, no counters, no combine tail."""
+def _combine_kernel(dpart_ptr, out_ptr, D: tl.constexpr, TOPK: tl.constexpr, BN: tl.constexpr):
     t = tl.program_id(0)
-    n0 = tl.program_id(1) * BN
-    slot = tl.arange(0, KP)
-    sm = slot < TOPK
-    e = tl.load(ids_ptr + t * TOPK + slot, mask=sm, other=0).to(tl.int64)
-    row = n0 + tl.arange(0, BN)
-    if QUANT == 0:
-        k = tl.zeros([KP, BN, 1], tl.int32) + tl.arange(0, BKD)[None, None, :]
-        m = sm[:, None, None] & (k < I)
-        w = tl.load(q_ptr + e[:, None, None] * (D * I) + row[None, :, None] * I + k, mask=m)
+    _combine_rows(dpart_ptr, out_ptr, t, tl.program_id(1) * BN + tl.arange(0, BN), D, TOPK, BN)
+
+
+# ---- tensor-core variants (mma): group sums of raw integer weights on tensor cores -------------
+# A K step multiplies a block-diagonal input xa [16, BK] (row g holds group g's inputs, zero
+# elsewhere) by the raw weights converted exactly to the activation dtype (int8 -> q, int4 ->
+# q - 8, both exact in bf16): one tl.dot gives every (group, row) sum, and the scales are applied
+# on [16, rows] instead of on every weight. bf16 weights take the dot as they are (one group).
+@triton.jit
+def _u4_dt(b, FAST: tl.constexpr, DT: tl.constexpr):
+    """Packed int4 bytes -> (low nibble - 8, high nibble - 8) in DT. FAST (bf16): the nibbles go
+    into the mantissa of 128.0 by lop3 (two per instruction), then one bf16x2 fma subtracts 136."""
+    if FAST:
+        return tl.inline_asm_elementwise(
+            """{
+            .reg .b32 t0, t1, s0, s1;
+            prmt.b32 t0, $4, 0, 0x4140;
+            prmt.b32 t1, $4, 0, 0x4342;
+            shr.b32 s0, t0, 4;
+            shr.b32 s1, t1, 4;
+            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA;
+            lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA;
+            fma.rn.bf16x2 $0, $0, 0x3F803F80, 0xC308C308;
+            fma.rn.bf16x2 $1, $1, 0x3F803F80, 0xC308C308;
+            fma.rn.bf16x2 $2, $2, 0x3F803F80, 0xC308C308;
+            fma.rn.bf16x2 $3, $3, 0x3F803F80, 0xC308C308;
+            }""",
+            "=r,=r,=r,=r,r",
+            [b],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
-        NG: tl.constexpr = BKD // G
-        kk = tl.arange(0, NG)[None, None, :, None] * G + tl.arange(0, G)[None, None, None, :]
-        k = tl.zeros([KP, BN, 1, 1], tl.int32) + kk  # [KP, BN, NG, G]
-        m = sm[:, None, None, None] & (k < I)
-        w = tl.load(q_ptr + e[:, None, None, None] * (D * I) + row[None, :, None, None] * I + k,
-                    mask=m, other=0)  # fmt: skip
-        gi = tl.arange(0, NG)[None, None, :]
-        ms = sm[:, None, None] & (gi < I // G)
-        sc = tl.load(s_ptr + e[:, None, None] * (D * (I // G)) + row[None, :, None] * (I // G) + gi,
-                     mask=ms, other=0.0)  # fmt: skip
+        w = b.to(tl.int32)
+        return ((w & 15) - 8).to(DT), ((w >> 4) - 8).to(DT)
+
+
+@triton.jit
+def _mma_load(q_ptr, s_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
+              G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+    """Raw tiles of one K step: (weights, scales). bf16 and int8: weights [BN, BK] (rows n0...);
+    int4: bytes [BK, 32] of the 64-row block at n0. Scales [16 groups, rows] (zero past the
+    step's BK / G groups); int4: the (scale, zero) words of the low and the high rows."""
+    gi = tl.arange(0, 16)[:, None]
+    if QUANT == 2:
+        kk = k0 + tl.arange(0, BK)[:, None]
+        base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
+        w = tl.load(base + kk * 32 + tl.arange(0, 32)[None, :])
+        sp = s_ptr + e * ((K // G) * N) + (k0 // G + gi) * N + n0 + tl.arange(0, 32)[None, :]
+        m = gi < BK // G
+        return w, tl.load(sp, mask=m, other=0), tl.load(sp + 32, mask=m, other=0)
+    else:
+        r = n0 + tl.arange(0, BN)
+        w = tl.load(q_ptr + e * (N * K) + r[:, None] * K + k0 + tl.arange(0, BK)[None, :])
+        if QUANT == 1:
+            sp = s_ptr + e * (N * (K // G)) + r[None, :] * (K // G) + k0 // G + gi
+            s = tl.load(sp, mask=gi < BK // G, other=0.0)
+            return w, s, s
+        else:
+            return w, w, w
+
+
+@triton.jit
+def _mma_step(w, sa, sb, xk, QUANT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+              FAST: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """Raw tiles from _mma_load times the step's inputs xk [BK] -> accumulator increments
+    [16, rows] (int4: low rows, high rows [16, 32]; else the same tile twice)."""
+    GS: tl.constexpr = BK if QUANT == 0 else G  # bf16: one group
+    gi = tl.arange(0, 16)[:, None]
+    own = tl.arange(0, BK)[None, :] // GS == gi
+    xa = tl.where(own, xk.to(tl.float32)[None, :], 0.0)  # [16, BK]
+    xd = xa.to(DT)
+    if QUANT == 2:
+        lo, hi = _u4_dt(w, FAST, DT)  # [BK, 32]
+        xs = tl.sum(xa, 1)[:, None]  # group sums of the inputs (the zero points' factor)
+        c_lo = tl.dot(xd, lo, input_precision=PREC)
+        c_hi = tl.dot(xd, hi, input_precision=PREC)
+        s_lo = (sa << 16).to(tl.float32, bitcast=True)
+        z_lo = (sa & -65536).to(tl.float32, bitcast=True)
+        s_hi = (sb << 16).to(tl.float32, bitcast=True)
+        z_hi = (sb & -65536).to(tl.float32, bitcast=True)
+        return c_lo * s_lo + z_lo * xs, c_hi * s_hi + z_hi * xs
+    elif QUANT == 1:
+        c = tl.dot(xd, tl.trans(_s8_f32(w, FAST).to(DT)), input_precision=PREC)  # [16, BN]
+        return c * sa, c
+    else:
+        c = tl.dot(xd, tl.trans(w.to(DT)), input_precision=PREC)
+        return c, c
+
+
+@triton.jit
+def _gate_up_mma_kernel(
+    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """_gate_up_kernel on tensor cores: program (p, nb, sk), the same outputs."""
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    sk = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    N: tl.constexpr = 2 * I
+    W: tl.constexpr = 32 if QUANT == 2 else BN
+    NB = tl.num_programs(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n0 = nb * BN
+    KC: tl.constexpr = D // SPLIT
+    xrow = x_ptr + (p // TOPK) * D
+    ga = tl.zeros([16, W], tl.float32)
+    gb = tl.zeros([16, W], tl.float32)
+    ua = tl.zeros([16, W], tl.float32)
+    ub = tl.zeros([16, W], tl.float32)
+    for kb in tl.static_range(0, KC, BK):
+        k0 = sk * KC + kb
+        wg, sga, sgb = _mma_load(q_ptr, s_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
+        wu, sua, sub = _mma_load(q_ptr, s_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
+        xk = tl.load(xrow + k0 + tl.arange(0, BK))
+        a, b = _mma_step(wg, sga, sgb, xk, QUANT, G, BK, FAST, DT, PREC)
+        ga += a
+        gb += b
+        a, b = _mma_step(wu, sua, sub, xk, QUANT, G, BK, FAST, DT, PREC)
+        ua += a
+        ub += b
+    g_a, g_b = tl.sum(ga, 0), tl.sum(gb, 0)
+    u_a, u_b = tl.sum(ua, 0), tl.sum(ub, 0)
+    if SPLIT == 1:
+        hd = h_ptr.dtype.element_ty
+        _rows_store(
+            h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
+        )
+    else:
+        mine = part_ptr + (sk * P + p) * N + n0
+        _rows_store(mine, g_a, g_b, QUANT, BN)
+        _rows_store(mine + I, u_a, u_b, QUANT, BN)
+        cnt = cnt_ptr + p * NB + nb
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            r = n0 + tl.arange(0, BN)
+            g = tl.zeros([BN], tl.float32)
+            u = tl.zeros([BN], tl.float32)
+            for i in tl.static_range(SPLIT):
+                g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
+                u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
+            tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _down_mma_kernel(
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """_down_kernel on tensor cores: program (p, nb), the same pair rows and combine."""
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n0 = nb * BN
+    W: tl.constexpr = 32 if QUANT == 2 else BN
+    w0, s0a, s0b = _mma_load(q_ptr, s_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # before the wait
     if PDL:
         tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
-    if QUANT == 0:
-        hv = tl.load(h_ptr + (t * TOPK + slot)[:, None, None] * I + k, mask=m, other=0.0)
-        y = tl.sum(w.to(tl.float32) * hv.to(tl.float32), 2)  # [KP, BN]
-    else:
-        hv = tl.load(h_ptr + (t * TOPK + slot)[:, None, None, None] * I + k, mask=m, other=0.0)
-        y = tl.sum(tl.sum(_s8_f32(w, FAST) * hv.to(tl.float32), 3) * sc, 2)  # [KP, BN]
-    rw = tl.load(rw_ptr + t * TOPK + slot, mask=sm, other=0.0).to(tl.float32)
-    y = tl.sum(y * rw[:, None], 0)
-    tl.store(out_ptr + t * D + row, y.to(out_ptr.dtype.element_ty))
+    acc_a = tl.zeros([16, W], tl.float32)
+    acc_b = tl.zeros([16, W], tl.float32)
+    for k0 in tl.static_range(0, I, BK):
+        if k0 == 0:
+            w, sa, sb = w0, s0a, s0b
+        else:
+            w, sa, sb = _mma_load(q_ptr, s_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
+        hk = tl.load(h_ptr + p * I + k0 + tl.arange(0, BK))
+        a, b = _mma_step(w, sa, sb, hk, QUANT, G, BK, FAST, DT, PREC)
+        acc_a += a
+        acc_b += b
+    rw = tl.load(rw_ptr + p).to(tl.float32)
+    _rows_store(dpart_ptr + p * D + n0, tl.sum(acc_a, 0) * rw, tl.sum(acc_b, 0) * rw, QUANT, BN)
+    if COMBINE:  # the last of the token's TOPK programs for this row block combines them
+        t = p // TOPK
+        cnt = cnt_ptr + t * tl.num_programs(1) + nb
+        tl.debug_barrier()  # every thread's row is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+            _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -433,19 +592,20 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
         return f"I={inter} must be a multiple of bn={cfg.bn}, D={hidden} of bn_d={cfg.bn_d}"
-    if cfg.down_all:
-        if quant == "int4" or inter > 2048 or inter % group:
-            return "down_all takes bf16/int8 with I <= 2048 (one register tile over I)"
-    elif cfg.bk_d % group or inter % (cfg.bk_d * cfg.split_d):
-        return f"I={inter} (split {cfg.split_d}) must be a multiple of bk_d={cfg.bk_d}"
+    if cfg.bk_d % group or inter % cfg.bk_d:
+        return f"I={inter} must be a multiple of bk_d={cfg.bk_d} (itself of G={group})"
+    if cfg.mma:
+        if min(cfg.bk, cfg.bk_d) < 16 or (quant != "int4" and min(cfg.bn, cfg.bn_d) < 16):
+            return "mma needs bk, bk_d >= 16 and (bf16/int8) bn, bn_d >= 16 (tl.dot sizes)"
+        if quant != "bf16" and max(cfg.bk, cfg.bk_d) > 16 * group:
+            return f"mma takes at most 16 groups per K step: bk, bk_d <= {16 * group}"
     return None
 
 
 def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
-    """Halve splits, then K steps, then row blocks until the shapes fit (small models); None when
-    nothing does."""
-    for name, low in (("split", 1), ("split_d", 1), ("bk", group), ("bk_d", group),
-                      ("bn", 1), ("bn_d", 1)):  # fmt: skip
+    """Halve the split, then K steps, then row blocks until the shapes fit (small models); None
+    when nothing does."""
+    for name, low in (("split", 1), ("bk", group), ("bk_d", group), ("bn", 1), ("bn_d", 1)):
         while check_shapes(quant, hidden, inter, group, cfg) and getattr(cfg, name) > low:
             if quant == "int4" and name in ("bn", "bn_d"):
                 break
@@ -456,12 +616,13 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
 _WORKSPACE: dict = {}
 
 
-def _workspace(device, split: int, P: int, I: int, T: int, D: int, split_d: int, nbg: int,
-               nbd: int, h_dtype: torch.dtype):  # fmt: skip
-    """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 down partials [P * split_d, D] and int32
-    counters (gate/up [P, nbg], combine [T, nbd]; zero, and every program that completes a block
-    resets its counter). Cached so CUDA graphs captured after a first call reuse the buffers."""
-    key = (str(device), split, P, I, T, D, split_d, nbg, nbd, h_dtype)
+def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,
+               h_dtype: torch.dtype):  # fmt: skip
+    """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 pair rows [P, D]
+    and int32 counters (gate/up [P, nbg], combine [T, nbd]; zero, and every program that
+    completes a block resets its counter). Cached so CUDA graphs captured after a first call
+    reuse the buffers."""
+    key = (str(device), split, P, I, T, D, nbg, nbd, h_dtype)
     ws = _WORKSPACE.get(key)
     if ws is None:
         f32 = dict(device=device, dtype=torch.float32)
@@ -469,7 +630,7 @@ def _workspace(device, split: int, P: int, I: int, T: int, D: int, split_d: int,
         ws = (
             torch.empty(max(split, 2) * P * 2 * I, **f32),
             torch.empty(P * I, device=device, dtype=h_dtype),
-            torch.empty(P * split_d * D, **f32),
+            torch.empty(P * D, **f32),
             cnt[: P * nbg],
             cnt[P * nbg :],
         )
@@ -485,10 +646,14 @@ def moe_decode(
     cfg: DecodeConfig | None = None,
     out=None,
     stages: str = "gate_up+down",
+    combine: bool = True,
 ) -> torch.Tensor:
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
-    when given, which must be contiguous). `stages` launches only one kernel when it names one
-    (the benchmark times each kernel; the output is then not the MoE result)."""
+    when given, which must be contiguous). `combine=False` returns the pair rows instead: fp32
+    [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
+    `combine_pairs` of them gives the bits of the combined call. `stages` launches only one
+    kernel when it names one (the benchmark times each kernel; the output is then not the MoE
+    result)."""
     quant = experts.scheme.name
     T, D = x.shape
     K = ids.shape[1]
@@ -507,35 +672,47 @@ def moe_decode(
     prefetch = gpu and cfg.prefetch and P * (w2q_bytes + w2s_bytes) <= L2_PREFETCH_BYTES
     bn, bn_d = cfg.bn, cfg.bn_d
     nbg, nbd = I // bn, D // bn_d
-    part, h, dpart, cnt_g, cnt_d = _workspace(
-        x.device, cfg.split, P, I, T, D, cfg.split_d, nbg, nbd, x.dtype
-    )
-    if out is None:
+    part, h, dpart, cnt_g, cnt_d = _workspace(x.device, cfg.split, P, I, T, D, nbg, nbd, x.dtype)
+    if out is None and combine:
         out = torch.empty(T, D, device=x.device, dtype=x.dtype)
-    assert out.is_contiguous() and out.shape == (T, D)
+    assert not combine or (out.is_contiguous() and out.shape == (T, D))
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=K, ELEM=cfg.elem, FAST=gpu)
+    common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=K)
     pdl = gpu and cfg.pdl
+    if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
+        bf16 = x.dtype == torch.bfloat16
+        common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
+                      FAST=gpu and (bf16 or quant != "int4"))  # fmt: skip
+        gate_up, down, extra = _gate_up_mma_kernel, _down_mma_kernel, {}
+    else:
+        common.update(ELEM=cfg.elem, FAST=gpu)
+        gate_up, down = _gate_up_kernel, _down_kernel
+        extra = dict(PREFETCH=prefetch, W2Q_BYTES=w2q_bytes, W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps,
+                     w2q_ptr=w2q, w2s_ptr=w2s)  # fmt: skip
     if "gate_up" in stages:
-        _gate_up_kernel[(P, nbg, cfg.split)](
-            x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, w2q, w2s, P,
-            BN=bn, BK=cfg.bk, SPLIT=cfg.split, PREFETCH=prefetch, W2Q_BYTES=w2q_bytes,
-            W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps, PDL=pdl, num_warps=cfg.num_warps,
+        gate_up[(P, nbg, cfg.split)](
+            x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, P=P,
+            BN=bn, BK=cfg.bk, SPLIT=cfg.split, PDL=pdl, num_warps=cfg.num_warps, **extra,
             **common,
         )  # fmt: skip
-    launch_d = dict(PDL=pdl, **({"launch_pdl": True} if pdl else {}), **common)
-    if "down" in stages and cfg.down_all and K <= 16:  # a [K, BN, I] tile: few slots only
-        kp, bkd = triton.next_power_of_2(K), triton.next_power_of_2(I)
-        # about 16 weights a thread: the whole [KP, BN, I] tile is in flight before the wait
-        warps = min(8, max(cfg.warps_d, kp * bn_d * bkd // 512))
-        launch_d.pop("ELEM")
-        _down_all_kernel[(T, nbd)](
-            h, ids, weights, w2q, w2s, out,
-            BN=bn_d, KP=kp, BKD=bkd, num_warps=warps, **launch_d,
-        )  # fmt: skip
-    elif "down" in stages:
-        _down_kernel[(P, nbd, cfg.split_d)](
+    if "down" in stages:
+        down[(P, nbd)](
             h, ids, weights, w2q, w2s, dpart, cnt_d, out, P,
-            BN=bn_d, BK=cfg.bk_d, SPLIT_D=cfg.split_d, num_warps=cfg.warps_d, **launch_d,
+            BN=bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=combine, num_warps=cfg.warps_d,
+            **({"launch_pdl": True} if pdl else {}), **common,
         )  # fmt: skip
+    return out if combine else dpart.view(P, D)
+
+
+def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype, out=None) -> torch.Tensor:
+    """Pair rows y [T * topk, D] fp32 -> [T, D] in dtype: each token's rows added in slot order,
+    the same arithmetic as the kernels' fused combine (equal bits)."""
+    P, D = y.shape
+    T = P // topk
+    if out is None:
+        out = torch.empty(T, D, device=y.device, dtype=dtype)
+    bn = min(256, triton.next_power_of_2(D))
+    while D % bn:
+        bn //= 2
+    _combine_kernel[(T, D // bn)](y.contiguous(), out, D=D, TOPK=topk, BN=bn, num_warps=4)
     return out

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.decode import INT4_ROWS, QUANT_CODE
+from moestream.kernels.triton.decode import INT4_ROWS, QUANT_CODE, combine_pairs
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,11 +184,9 @@ def _down_grouped(
         acc_lo = tl.dot(h, a, acc_lo, input_precision=PREC)
         acc_hi = tl.dot(h, b, acc_hi, input_precision=PREC)
     di = tl.arange(0, HALF)[None, :]
-    out = out_ptr + (safe // TOPK)[:, None] * D + n0 + di
-    tl.atomic_add(out, acc_lo * rw[:, None], mask=valid[:, None] & (n0 + di < D), sem="relaxed")
-    tl.atomic_add(
-        out + HALF, acc_hi * rw[:, None], mask=valid[:, None] & (n0 + HALF + di < D), sem="relaxed"
-    )
+    out = out_ptr + safe[:, None] * D + n0 + di  # the pair's fp32 row (combined in slot order)
+    tl.store(out, acc_lo * rw[:, None], mask=valid[:, None] & (n0 + di < D))
+    tl.store(out + HALF, acc_hi * rw[:, None], mask=valid[:, None] & (n0 + HALF + di < D))
 
 
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillConfig) -> str | None:
@@ -201,9 +199,12 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillCo
 
 
 def moe_prefill(
-    x, ids, weights, experts, cfg: PrefillConfig | None = None, out=None
+    x, ids, weights, experts, cfg: PrefillConfig | None = None, out=None, combine: bool = True
 ) -> torch.Tensor:
-    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, tokens grouped by expert."""
+    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, tokens grouped by expert.
+    `combine=False` returns the fp32 pair rows [T * K, D] (weight times expert output): each row
+    is computed alone (a row of the dot never meets another row), so rows from chunks of pairs,
+    added by `combine_pairs`, give the bits of one call. No atomics: deterministic."""
     cfg = cfg or PrefillConfig()
     quant = experts.scheme.name
     T, D = x.shape
@@ -215,7 +216,7 @@ def moe_prefill(
     sec = experts.sections
     scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
     gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
-    acc = torch.zeros(T, D, device=x.device, dtype=torch.float32)
+    y = torch.empty(P, D, device=x.device, dtype=torch.float32)
     x, weights = x.contiguous(), weights.contiguous()
     f32 = x.dtype == torch.float32
     meta = dict(
@@ -229,7 +230,7 @@ def moe_prefill(
                            K, P, D, I, **meta)  # fmt: skip
     grid = (nb, triton.cdiv(D, 2 * cfg.half))
     _down_grouped[grid](gu, pair_of_row, block_expert, weights, sec["w2.q"], sec[f"w2.{scale}"],
-                        acc, K, P, D, I, **meta)  # fmt: skip
-    if out is not None:
-        return out.copy_(acc)
-    return acc if f32 else acc.to(x.dtype)
+                        y, K, P, D, I, **meta)  # fmt: skip
+    if not combine:
+        return y
+    return combine_pairs(y, K, x.dtype, out=out)
