@@ -4,7 +4,9 @@ streaming experts into a VRAM slot pool at several budgets vs the PCIe-bound lim
 Rows (JSON lines, `--out`):
 - `hf`: transformers, same model and dtype, greedy with its DynamicCache (one host read per token).
 - `resident`: every expert in VRAM; the routing never leaves the GPU (no sync in the MoE layers).
-- `stream`: a VRAM pool of `budget_fraction` of the expert bytes (LRU). `host` = `pinned` (every
+- `stream`: a VRAM pool of `budget_fraction` of the expert bytes (`policy`, the default LRFU);
+  `tokens_equal_resident_prefix` counts the greedy tokens equal to the resident run's (all of
+  them: streaming keeps the resident arithmetic, prefill chunks included). `host` = `pinned` (every
   record in pinned host RAM; a miss is one host->device copy) or `store` (misses pread from the
   store by the IO pool into pinned staging, then copied). The ids come to the host once per MoE
   layer: `sync_ms_per_layer` is the host time blocked there (it includes waiting for the GPU work
@@ -202,13 +204,14 @@ def main() -> None:
 
     hf_tokens: list[int] = []
 
-    def same(toks):
+    def same(toks, ref=None):
+        ref = hf_tokens if ref is None else ref
         n = 0
-        for x, y in zip(toks, hf_tokens):
+        for x, y in zip(toks, ref):
             if x != y:
                 break
             n += 1
-        return n if hf_tokens else None
+        return n if ref else None
 
     if not a.no_hf:
         hf_tokens = run_hf(a, dtype, ids, emit)
@@ -219,6 +222,7 @@ def main() -> None:
     ours(loaded.model, loaded.args, ids, a.tokens)
     r = ours(loaded.model, loaded.args, ids, a.tokens, prov)
     resident_s = r["decode_seconds"] / (a.tokens - 1)
+    resident_tokens = r["tokens"]
     emit({"run": "resident", "tokens_equal_hf_prefix": same(r["tokens"]), **r})
     del loaded, prov
     empty()
@@ -263,7 +267,9 @@ def main() -> None:
                 "host": host,
                 "budget_fraction": f,
                 "n_slots": prov.n_slots,
+                "policy": cfg.policy,
                 "tokens_equal_hf_prefix": same(r["tokens"]),
+                "tokens_equal_resident_prefix": same(r["tokens"], resident_tokens),
                 **r,
                 "misses_per_token": s["misses"] / dec,
                 "hit_rate": s["hits"] / max(s["hits"] + s["misses"], 1),

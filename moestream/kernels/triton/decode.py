@@ -407,19 +407,24 @@ def _u4_dt(b, FAST: tl.constexpr, DT: tl.constexpr):
     if FAST:
         return tl.inline_asm_elementwise(
             """{
-            .reg .b32 t0, t1, s0, s1;
-            prmt.b32 t0, $4, 0, 0x4140;
-            prmt.b32 t1, $4, 0, 0x4342;
+            .reg .b32 t0, t1, s0, s1, one, off, z, msk, mag;
+            mov.b32 one, 0x3F803F80;
+            mov.b32 off, 0xC308C308;
+            mov.b32 z, 0;
+            mov.b32 msk, 0x000F000F;
+            mov.b32 mag, 0x43004300;
+            prmt.b32 t0, $4, z, 0x4140;
+            prmt.b32 t1, $4, z, 0x4342;
             shr.b32 s0, t0, 4;
             shr.b32 s1, t1, 4;
-            lop3.b32 $0, t0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $1, t1, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $2, s0, 0x000F000F, 0x43004300, 0xEA;
-            lop3.b32 $3, s1, 0x000F000F, 0x43004300, 0xEA;
-            fma.rn.bf16x2 $0, $0, 0x3F803F80, 0xC308C308;
-            fma.rn.bf16x2 $1, $1, 0x3F803F80, 0xC308C308;
-            fma.rn.bf16x2 $2, $2, 0x3F803F80, 0xC308C308;
-            fma.rn.bf16x2 $3, $3, 0x3F803F80, 0xC308C308;
+            lop3.b32 $0, t0, msk, mag, 0xEA;
+            lop3.b32 $1, t1, msk, mag, 0xEA;
+            lop3.b32 $2, s0, msk, mag, 0xEA;
+            lop3.b32 $3, s1, msk, mag, 0xEA;
+            fma.rn.bf16x2 $0, $0, one, off;
+            fma.rn.bf16x2 $1, $1, one, off;
+            fma.rn.bf16x2 $2, $2, one, off;
+            fma.rn.bf16x2 $3, $3, one, off;
             }""",
             "=r,=r,=r,=r,r",
             [b],
