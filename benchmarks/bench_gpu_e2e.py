@@ -23,12 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
 import torch
 
-from moestream.engine.kv_cache import KVCache
+sys.path.insert(0, str(Path(__file__).parent))
+from common import commit  # noqa: E402
+
+from moestream.engine.kv_cache import KVCache  # noqa: E402
 
 REF = Path(__file__).resolve().parent.parent / "models" / "pystd-moe-29m"
 H2D_ASSUMED = 55e9
@@ -144,6 +148,7 @@ def main() -> None:
     ap.add_argument("--out", default="gpu_e2e.jsonl")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
+    ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
     ap.add_argument("--hosts", default="pinned,store", help="host tiers of the stream rows")
     ap.add_argument(
         "--synthetic",
@@ -179,6 +184,7 @@ def main() -> None:
     base = {
         "hardware": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
         "torch": torch.__version__,
+        "source": a.commit or commit(),
         "model": Path(a.model).name,
         "dtype": a.dtype,
         "quant": a.quant,
