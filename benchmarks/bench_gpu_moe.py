@@ -1,7 +1,9 @@
 """MoE-layer decode time of the Triton routed-only kernels on a CUDA GPU, against (a) reading all
 experts (the same kernel routed to every expert, plus a torch bmm over all experts for bf16),
 (b) a per-expert torch loop (dequantize + F.linear, kernels/ref.py) and (c) the HBM roofline of
-the routed bytes at the device-to-device copy bandwidth measured in the same run.
+the routed bytes at the device-to-device copy bandwidth measured in the same run (1 GiB copies).
+Two references for what one launch of a layer's size reaches: a Triton kernel that only reads the
+routed bytes (`read_only_*`) and a device copy of as many bytes (`copy_same_bytes_*`).
 
 Weights are random bytes in the store layout (timing does not depend on their values); each timed
 call is a CUDA graph over `--layers` layers with different weights and routing, and
@@ -180,6 +182,18 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
                 read_routed(ex, ids, chk)
 
         read_ms = graph_ms(read_all_layers, layers)
+        # A device copy of the routed bytes (each layer its own buffers): what one launch of
+        # this size reaches, reading and writing, against the 1 GiB copy that sets the roofline.
+        n = int(routed_bytes) // 16 * 16
+        bufs = [(torch.empty(n, dtype=torch.uint8, device="cuda"),
+                 torch.empty(n, dtype=torch.uint8, device="cuda")) for _ in range(layers)]  # fmt: skip
+
+        def copy_layers():
+            for src, dst in bufs:
+                dst.copy_(src)
+
+        copy_ms = graph_ms(copy_layers, layers)
+        bufs.clear()
         best = min(times, key=times.get)
         ms = times[DEFAULT_CONFIGS[quant]] if DEFAULT_CONFIGS[quant] in times else times[best]
         ids0, w0 = routes[0]
@@ -194,6 +208,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
             "sweep_ms": {repr(c): t for c, t in times.items()},
             "triton_eager_ms": eager,
             "read_only_ms": read_ms, "read_only_roofline_fraction": roof_ms / read_ms,
+            "copy_same_bytes_ms": copy_ms,
+            "copy_same_bytes_fraction_of_copy_bw": 2 * n / bw * 1e3 / copy_ms,
             "roofline_fraction": roof_ms / ms, "roofline_fraction_best": roof_ms / times[best],
             "achieved_gbps": routed_bytes / ms / 1e6,
         }  # fmt: skip
@@ -243,12 +259,13 @@ def main() -> None:
     write_jsonl(args.out, rows)
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s ({hw.get('gpu')})")
     print(f"{'model':16} {'q':5} {'T':>2} {'MB':>6} {'us':>7} {'best':>7} {'roof':>5} "
-          f"{'read':>6} {'eager':>7} {'dense':>7} {'xdense':>6} {'loop':>8} {'xloop':>6} {'GB/s':>5}")  # fmt: skip
+          f"{'read':>6} {'copy':>5} {'eager':>7} {'dense':>7} {'xdense':>6} {'loop':>8} {'xloop':>6} {'GB/s':>5}")  # fmt: skip
     for r in rows:
         print(
             f"{r['model']:16} {r['quant']:5} {r['tokens']:>2} {r['routed_bytes'] / 1e6:6.1f} "
             f"{r['triton_ms'] * 1e3:7.1f} {r['triton_best_ms'] * 1e3:7.1f} "
             f"{r['roofline_fraction']:5.2f} {r['read_only_roofline_fraction']:6.2f} "
+            f"{r['copy_same_bytes_fraction_of_copy_bw']:5.2f} "
             f"{r['triton_eager_ms'] * 1e3:7.1f} "
             f"{r.get('dense_same_kernel_ms', 0) * 1e3:7.1f} {r.get('speedup_vs_dense', 0):6.1f} "
             f"{r.get('loop_ms', 0) * 1e3:8.1f} {r.get('speedup_vs_loop', 0):6.1f} "
