@@ -87,7 +87,9 @@ def write_random_qwen3_moe(folder: str | Path, cfg: dict, seed: int = 0, dtype=t
         save_file(tensors, str(folder / name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, name))
         del tensors
-    (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    total = sum((folder / f).stat().st_size for f in set(weight_map.values()))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}  # transformers needs both
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     (folder / "config.json").write_text(json.dumps(cfg))
     _write_byte_tokenizer(folder, V)
     return folder
