@@ -1,0 +1,114 @@
+"""Static instruction mix of the decode kernels for sm_90, compiled on this machine (no GPU needed).
+
+Triton compiles the gate/up and down kernels of kernels/triton/decode.py for an H100/H200 target
+with the launch-time specialisation (16-byte aligned pointers), and cuobjdump (shipped with
+Triton) lists the SASS. The loops are unrolled (`tl.static_range`), so the static count is what one
+program executes. Prints per kernel: SASS instructions, thread-instructions per weight, shared
+memory, layout conversions in the TTGIR and the most frequent opcodes. A GPU's issue rate (4 warp
+instructions per clock per SM) turns the count into a floor on time; the time itself is measured
+only by bench_gpu_moe.py on the GPU.
+  python benchmarks/sass_decode.py --quant int4 int8 --mma both
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+import subprocess
+from dataclasses import replace
+from pathlib import Path
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from moestream.kernels.triton import decode as dk
+
+MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
+Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
+S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32"}
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+def compile_sm90(fn, sig: dict, consts: dict, warps: int):
+    full = {**sig, **dict.fromkeys(consts, "constexpr")}
+    names = list(fn.arg_names)
+    # what a launch specialises: pointers 16-byte aligned (vector loads depend on it)
+    attrs = {(names.index(k),): [["tt.divisibility", 16]] for k, v in sig.items() if v[0] == "*"}
+    src = ASTSource(fn=fn, signature={n: full[n] for n in names}, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
+
+
+def opcodes(compiled, tmp: Path) -> collections.Counter:
+    tmp.write_bytes(compiled.asm["cubin"])
+    out = subprocess.run([str(CUOBJDUMP), "--dump-sass", str(tmp)], capture_output=True,
+                         text=True, check=True).stdout  # fmt: skip
+    ops = collections.Counter()
+    for line in out.splitlines():
+        m = re.match(r"\s+/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?([A-Z0-9_]+)", line)
+        if m:
+            ops[m.group(2)] += 1
+    return ops
+
+
+def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
+    """(name, fn, signature, constexprs, warps, weights per program) of the two launches."""
+    qt, st = Q_TYPE[quant], S_TYPE[quant]
+    common = dict(D=D, I=I, QUANT=dk.QUANT_CODE[quant], G=32, TOPK=8, FAST=True, PDL=True)
+    rows = 64 if quant == "int4" else cfg.bn
+    rows_d = 64 if quant == "int4" else cfg.bn_d
+    gu = dict(x_ptr="*bf16", ids_ptr="*i64", q_ptr=qt, s_ptr=st, part_ptr="*fp32",
+              cnt_ptr="*i32", h_ptr="*bf16", P="i32")  # fmt: skip
+    dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st,
+              dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
+    tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split)
+    tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True)
+    if cfg.mma:
+        extra = dict(DT=tl.bfloat16, PREC="tf32")
+        yield ("gate_up", dk._gate_up_mma_kernel, gu, {**common, **tiles, **extra},
+               cfg.num_warps, 2 * rows * D // cfg.split)  # fmt: skip
+        yield ("down", dk._down_mma_kernel, dn, {**common, **tiles_d, **extra}, cfg.warps_d,
+               rows_d * I)  # fmt: skip
+    else:
+        gu.update(w2q_ptr=qt, w2s_ptr=st)
+        extra = dict(ELEM=cfg.elem, PREFETCH=False, W2Q_BYTES=1, W2S_BYTES=1,
+                     NT=32 * cfg.num_warps)  # fmt: skip
+        yield ("gate_up", dk._gate_up_kernel, gu, {**common, **tiles, **extra}, cfg.num_warps,
+               2 * rows * D // cfg.split)  # fmt: skip
+        yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem},
+               cfg.warps_d, rows_d * I)  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quant", nargs="+", default=["bf16", "int8", "int4"])
+    ap.add_argument("--model", default="Qwen3-30B-A3B", choices=list(MODELS))
+    ap.add_argument("--mma", default="both", choices=["default", "both"],
+                    help="the default configs only, or also the other family")  # fmt: skip
+    ap.add_argument("--tmp", default="/tmp/sass_decode.cubin")
+    args = ap.parse_args()
+    D, I = MODELS[args.model]
+    for quant in args.quant:
+        cfgs = [dk.DEFAULT_CONFIGS[quant]]
+        if args.mma == "both":
+            other = dk.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
+                cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
+            cfgs.append(other)
+        for cfg in cfgs:
+            cfg = dk.fit_config(quant, D, I, 32, cfg)
+            for name, fn, sig, consts, warps, weights in kernels(quant, cfg, D, I):
+                c = compile_sm90(fn, sig, consts, warps)
+                ops = opcodes(c, Path(args.tmp))
+                n = sum(ops.values())
+                per_weight = n * warps * 32 / weights  # thread-instructions per weight
+                conv = c.asm["ttgir"].count("convert_layout")
+                fam = "mma" if cfg.mma else "cuda-cores"
+                print(f"{args.model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
+                      f"{per_weight:5.2f} instr/weight, shared {c.metadata.shared:6} B, "
+                      f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
