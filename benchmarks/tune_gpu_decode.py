@@ -39,6 +39,10 @@ def gate_candidates(quant: str):
         grid = itertools.product([16, 32, 64], [256, 512], [1, 2, 4], [4])
     for bn, bk, split, warps in grid:
         out.append(replace(MMA_CONFIGS[quant], bn=bn, bk=bk, split=split, num_warps=warps))
+    for stages in (2, 3):  # software-pipelined K loop, on the tiles with several K steps
+        for bk, split in ((128, 2), (128, 4), (256, 2)):
+            bn = 64 if quant == "int4" else 32
+            out.append(replace(MMA_CONFIGS[quant], bn=bn, bk=bk, split=split, stages=stages))
     return out
 
 

@@ -13,6 +13,7 @@ the interpreter tests run the same kernels through TRITON_INTERPRET=1 on CPU ten
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -104,10 +105,11 @@ def test_decode_interpreter(quant):
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
-    # tensor cores (fp32 "ieee" dots here), one K step and a D split over several
-    for split, bk in ((1, 64), (2, 32)):
+    # tensor cores (fp32 "ieee" dots here): one K step, a D split, a pipelined K loop
+    for split, bk, stages in ((1, 64, 0), (2, 32, 0), (1, 32, 2)):
         cfg = DecodeConfig(bn=64 if quant == "int4" else 16, bk=bk, split=split,
-                           bn_d=64 if quant == "int4" else 16, bk_d=32, mma=True)  # fmt: skip
+                           bn_d=64 if quant == "int4" else 16, bk_d=32, mma=True,
+                           stages=stages)  # fmt: skip
         _check(moe_decode, quant, 4, 128, 64, 2, 2, torch.float32, "cpu", seed=5, cfg=cfg)
 
 
@@ -183,8 +185,9 @@ def test_decode_mma_cuda(quant, case, T):
 
     (E, D, I, K), dtype = case
     cfg = fit_config(quant, D, I, 32, MMA_CONFIGS[quant])
-    for seed in range(2):
-        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T, cfg=cfg)
+    for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T,
+               cfg=replace(cfg, stages=stages))  # fmt: skip
 
 
 @pytest.mark.cuda

@@ -45,6 +45,7 @@ class DecodeConfig:
     prefetch: bool = False  # gate/up prefetches w2 into L2 (cost 15-25% on the H200: off)
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
     mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
+    stages: int = 0  # mma gate/up: 0 = K loop unrolled, else software-pipelined with this depth
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
@@ -492,11 +493,24 @@ def _mma_step(w, sa, sb, xk, QUANT: tl.constexpr, G: tl.constexpr, BK: tl.conste
 
 
 @triton.jit
+def _gate_up_mma_step(q_ptr, s_ptr, e, n0, k0, xrow, ga, gb, ua, ub, N: tl.constexpr,
+                      D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr):  # fmt: skip
+    wg, sga, sgb = _mma_load(q_ptr, s_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
+    wu, sua, sub = _mma_load(q_ptr, s_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
+    xk = tl.load(xrow + k0 + tl.arange(0, BK))
+    a, b = _mma_step(wg, sga, sgb, xk, QUANT, G, BK, FAST, DT, PREC)
+    c, d = _mma_step(wu, sua, sub, xk, QUANT, G, BK, FAST, DT, PREC)
+    return ga + a, gb + b, ua + c, ub + d
+
+
+@triton.jit
 def _gate_up_mma_kernel(
     x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
     """_gate_up_kernel on tensor cores: program (p, nb, sk), the same outputs."""
     p = tl.program_id(0)
@@ -515,17 +529,16 @@ def _gate_up_mma_kernel(
     gb = tl.zeros([16, W], tl.float32)
     ua = tl.zeros([16, W], tl.float32)
     ub = tl.zeros([16, W], tl.float32)
-    for kb in tl.static_range(0, KC, BK):
-        k0 = sk * KC + kb
-        wg, sga, sgb = _mma_load(q_ptr, s_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
-        wu, sua, sub = _mma_load(q_ptr, s_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
-        xk = tl.load(xrow + k0 + tl.arange(0, BK))
-        a, b = _mma_step(wg, sga, sgb, xk, QUANT, G, BK, FAST, DT, PREC)
-        ga += a
-        gb += b
-        a, b = _mma_step(wu, sua, sub, xk, QUANT, G, BK, FAST, DT, PREC)
-        ua += a
-        ub += b
+    if STAGES == 0:  # unrolled
+        for kb in tl.static_range(0, KC, BK):
+            ga, gb, ua, ub = _gate_up_mma_step(q_ptr, s_ptr, e, n0, sk * KC + kb, xrow, ga, gb,
+                                               ua, ub, N, D, I, QUANT, G, BN, BK, FAST, DT,
+                                               PREC)  # fmt: skip
+    else:  # software-pipelined: the loads of STAGES - 1 later steps are in flight
+        for kb in tl.range(0, KC, BK, num_stages=STAGES):
+            ga, gb, ua, ub = _gate_up_mma_step(q_ptr, s_ptr, e, n0, sk * KC + kb, xrow, ga, gb,
+                                               ua, ub, N, D, I, QUANT, G, BN, BK, FAST, DT,
+                                               PREC)  # fmt: skip
     g_a, g_b = tl.sum(ga, 0), tl.sum(gb, 0)
     u_a, u_b = tl.sum(ua, 0), tl.sum(ub, 0)
     if SPLIT == 1:
@@ -689,7 +702,7 @@ def moe_decode(
         bf16 = x.dtype == torch.bfloat16
         common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
                       FAST=gpu and (bf16 or quant != "int4"))  # fmt: skip
-        gate_up, down, extra = _gate_up_mma_kernel, _down_mma_kernel, {}
+        gate_up, down, extra = _gate_up_mma_kernel, _down_mma_kernel, {"STAGES": cfg.stages}
     else:
         common.update(ELEM=cfg.elem, FAST=gpu)
         gate_up, down = _gate_up_kernel, _down_kernel
