@@ -272,6 +272,51 @@ def _silu_mul(g, u):
 
 
 @triton.jit
+def _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I: tl.constexpr,
+                    QUANT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+    """Row sums of program (p, nb, sk) -> h[p, n0:n0+BN] = silu(g) * u; with SPLIT > 1 through
+    fp32 partials, the block's last program (int32 counter) adding them in split order."""
+    N: tl.constexpr = 2 * I
+    if SPLIT == 1:
+        hd = h_ptr.dtype.element_ty
+        _rows_store(
+            h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
+        )
+    else:
+        mine = part_ptr + (sk * P + p) * N + n0
+        _rows_store(mine, g_a, g_b, QUANT, BN)
+        _rows_store(mine + I, u_a, u_b, QUANT, BN)
+        cnt = cnt_ptr + p * tl.num_programs(1) + nb
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+            r = n0 + tl.arange(0, BN)
+            g = tl.zeros([BN], tl.float32)
+            u = tl.zeros([BN], tl.float32)
+            for i in tl.static_range(SPLIT):
+                g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
+                u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
+            tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
+def _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D: tl.constexpr,
+                 QUANT: tl.constexpr, BN: tl.constexpr, TOPK: tl.constexpr,
+                 COMBINE: tl.constexpr):  # fmt: skip
+    """Pair p's rows times its routing weight -> its fp32 row of dpart; with COMBINE the last of
+    the token's TOPK programs for this row block adds them in slot order into out."""
+    rw = tl.load(rw_ptr + p).to(tl.float32)
+    _rows_store(dpart_ptr + p * D + n0, ya * rw, yb * rw, QUANT, BN)
+    if COMBINE:
+        t = p // TOPK
+        cnt = cnt_ptr + t * tl.num_programs(1) + nb
+        tl.debug_barrier()  # every thread's row is stored before the release below
+        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
+            _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
+            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
@@ -288,11 +333,10 @@ def _gate_up_kernel(
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     N: tl.constexpr = 2 * I
-    NB = tl.num_programs(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
     if PREFETCH:  # this program's share of the pair's w2 (and its scales)
         j = (nb * SPLIT + sk).to(tl.int64)
-        n_j = NB * SPLIT
+        n_j = tl.num_programs(1) * SPLIT
         qb = w2q_ptr.to(tl.pointer_type(tl.int8)) + e * W2Q_BYTES
         _prefetch_l2(qb, j * W2Q_BYTES // n_j, (j + 1) * W2Q_BYTES // n_j, NT)
         if W2S_BYTES > 0:
@@ -317,26 +361,8 @@ def _gate_up_kernel(
         ub += b
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
     u_a, u_b = _reduce(ua, ub, QUANT, ELEM)
-    if SPLIT == 1:
-        hd = h_ptr.dtype.element_ty
-        _rows_store(
-            h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
-        )
-    else:
-        mine = part_ptr + (sk * P + p) * N + n0
-        _rows_store(mine, g_a, g_b, QUANT, BN)
-        _rows_store(mine + I, u_a, u_b, QUANT, BN)
-        cnt = cnt_ptr + p * NB + nb
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            r = n0 + tl.arange(0, BN)
-            g = tl.zeros([BN], tl.float32)
-            u = tl.zeros([BN], tl.float32)
-            for i in tl.static_range(SPLIT):
-                g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
-                u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
-            tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I, QUANT, BN,
+                    SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -380,15 +406,8 @@ def _down_kernel(
         acc_a += a
         acc_b += b
     ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
-    rw = tl.load(rw_ptr + p).to(tl.float32)
-    _rows_store(dpart_ptr + p * D + n0, ya * rw, yb * rw, QUANT, BN)
-    if COMBINE:  # the last of the token's TOPK programs for this row block combines them
-        t = p // TOPK
-        cnt = cnt_ptr + t * tl.num_programs(1) + nb
-        tl.debug_barrier()  # every thread's row is stored before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
-            _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D, QUANT, BN, TOPK,
+                 COMBINE)  # fmt: skip
 
 
 @triton.jit
@@ -520,7 +539,6 @@ def _gate_up_mma_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     N: tl.constexpr = 2 * I
     W: tl.constexpr = 32 if QUANT == 2 else BN
-    NB = tl.num_programs(1)
     e = tl.load(ids_ptr + p).to(tl.int64)
     n0 = nb * BN
     KC: tl.constexpr = D // SPLIT
@@ -541,26 +559,8 @@ def _gate_up_mma_kernel(
                                                PREC)  # fmt: skip
     g_a, g_b = tl.sum(ga, 0), tl.sum(gb, 0)
     u_a, u_b = tl.sum(ua, 0), tl.sum(ub, 0)
-    if SPLIT == 1:
-        hd = h_ptr.dtype.element_ty
-        _rows_store(
-            h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
-        )
-    else:
-        mine = part_ptr + (sk * P + p) * N + n0
-        _rows_store(mine, g_a, g_b, QUANT, BN)
-        _rows_store(mine + I, u_a, u_b, QUANT, BN)
-        cnt = cnt_ptr + p * NB + nb
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-            r = n0 + tl.arange(0, BN)
-            g = tl.zeros([BN], tl.float32)
-            u = tl.zeros([BN], tl.float32)
-            for i in tl.static_range(SPLIT):
-                g += tl.load(part_ptr + (i * P + p) * N + r, cache_modifier=".cg")
-                u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
-            tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I, QUANT, BN,
+                    SPLIT)  # fmt: skip
 
 
 @triton.jit
@@ -590,15 +590,8 @@ def _down_mma_kernel(
         a, b = _mma_step(w, sa, sb, hk, QUANT, G, BK, FAST, DT, PREC)
         acc_a += a
         acc_b += b
-    rw = tl.load(rw_ptr + p).to(tl.float32)
-    _rows_store(dpart_ptr + p * D + n0, tl.sum(acc_a, 0) * rw, tl.sum(acc_b, 0) * rw, QUANT, BN)
-    if COMBINE:  # the last of the token's TOPK programs for this row block combines them
-        t = p // TOPK
-        cnt = cnt_ptr + t * tl.num_programs(1) + nb
-        tl.debug_barrier()  # every thread's row is stored before the release below
-        if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
-            _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
-            tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+    _down_finish(tl.sum(acc_a, 0), tl.sum(acc_b, 0), rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb,
+                 n0, D, QUANT, BN, TOPK, COMBINE)  # fmt: skip
 
 
 # ---- host side ----------------------------------------------------------------------------------
