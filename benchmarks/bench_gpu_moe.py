@@ -48,18 +48,24 @@ SWEEP = {
         _M["bf16"],
         replace(_D["bf16"], pdl=False),
         replace(_D["bf16"], mma=False, bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
+        replace(_D["bf16"], bk_d=512),  # Qwen3.5 (I=512): all of down's weights before the wait
     ],
     "int8": [
         _D["int8"],
         _M["int8"],
         replace(_D["int8"], pdl=False),
         replace(_D["int8"], mma=False, bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
+        replace(_D["int8"], bk_d=512),
     ],
     "int4": [
         _D["int4"],
         _M["int4"],
         replace(_D["int4"], pdl=False),
         replace(_D["int4"], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
+        replace(_D["int4"], bk=256),
+        replace(_D["int4"], stages=2),
+        replace(_D["int4"], stages=3),
+        replace(_D["int4"], bk_d=512),
     ],
 }
 
