@@ -49,6 +49,9 @@ SWEEP = {
         replace(_D["bf16"], pdl=False),
         replace(_D["bf16"], mma=False, bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
         replace(_D["bf16"], bk_d=512),  # Qwen3.5 (I=512): all of down's weights before the wait
+        replace(_D["bf16"], fused=True),  # one persistent launch per layer
+        replace(_D["bf16"], fused=True, bn=8),
+        replace(_D["bf16"], fused=True, bn_d=32),
     ],
     "int8": [
         _D["int8"],
@@ -56,6 +59,9 @@ SWEEP = {
         replace(_D["int8"], pdl=False),
         replace(_D["int8"], mma=False, bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
         replace(_D["int8"], bk_d=512),
+        replace(_D["int8"], fused=True),
+        replace(_D["int8"], fused=True, bn_d=16),
+        replace(_D["int8"], fused=True, bn=8, bn_d=16),
     ],
     "int4": [
         _D["int4"],
@@ -66,6 +72,9 @@ SWEEP = {
         replace(_D["int4"], stages=2),
         replace(_D["int4"], stages=3),
         replace(_D["int4"], bk_d=512),
+        replace(_D["int4"], fused=True),
+        replace(_D["int4"], fused=True, bk=64, bk_d=128),
+        replace(_D["int4"], fused=True, mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
     ],
 }
 
@@ -172,7 +181,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         routed_bytes = unique * eb
         roof_ms = routed_bytes / bw * 1e3
         times = {}
-        for cfg in SWEEP[quant] if T == 1 else [DEFAULT_CONFIGS[quant]]:
+        t_cfgs = [DEFAULT_CONFIGS[quant], replace(DEFAULT_CONFIGS[quant], fused=True)]
+        for cfg in SWEEP[quant] if T == 1 else t_cfgs:
             if check_shapes(quant, D, I, 32, cfg):
                 continue
 

@@ -41,6 +41,22 @@ def compile_sm90(fn, sig: dict, consts: dict, warps: int):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps})
 
 
+def resources(compiled, tmp: Path) -> dict:
+    """Registers per thread (and stack bytes) from the cubin's resource usage."""
+    tmp.write_bytes(compiled.asm["cubin"])
+    out = subprocess.run([str(CUOBJDUMP), "--dump-resource-usage", str(tmp)],
+                         capture_output=True, text=True, check=True).stdout  # fmt: skip
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}
+
+
+def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
+    """Resident programs per sm_90 SM: 64K registers (per warp in units of 256), 64 warps,
+    32 programs, 228 KB shared memory (1 KB reserved per program)."""
+    per_warp = -(-regs * 32 // 256) * 256
+    by_regs = 65536 // (per_warp * warps)
+    return min(by_regs, 64 // warps, 32, (228 << 10) // (shared + 1024))
+
+
 def opcodes(compiled, tmp: Path) -> collections.Counter:
     tmp.write_bytes(compiled.asm["cubin"])
     out = subprocess.run([str(CUOBJDUMP), "--dump-sass", str(tmp)], capture_output=True,
@@ -54,7 +70,8 @@ def opcodes(compiled, tmp: Path) -> collections.Counter:
 
 
 def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
-    """(name, fn, signature, constexprs, warps, weights per program) of the two launches."""
+    """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
+    two launches."""
     qt, st = Q_TYPE[quant], S_TYPE[quant]
     common = dict(D=D, I=I, QUANT=dk.QUANT_CODE[quant], G=32, TOPK=8, FAST=True, PDL=True)
     rows = 64 if quant == "int4" else cfg.bn
@@ -65,21 +82,34 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
               dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
     tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split)
     tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True)
+    if cfg.fused:  # one kernel: its count is per work item loop body, weights of one layer
+        sig = dict(x_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q13_ptr=qt, s13_ptr=st,
+                   q2_ptr=qt, s2_ptr=st, part_ptr="*fp32", cnt_g_ptr="*i32", h_ptr="*bf16",
+                   ready_ptr="*i32", work_ptr="*i32", dpart_ptr="*fp32", cnt_d_ptr="*i32",
+                   out_ptr="*bf16")  # fmt: skip
+        consts = dict(common, P=8, NPROG=1024, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split,
+                      BN_D=cfg.bn_d, BK_D=cfg.bk_d, ELEM=cfg.elem, MMA=cfg.mma, STAGES=cfg.stages,
+                      COMBINE=True, DT=tl.bfloat16 if cfg.mma else tl.float32,
+                      PREC="tf32" if cfg.mma else "ieee")  # fmt: skip
+        del consts["PDL"]
+        yield ("fused", dk._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
+               max(I // rows * cfg.split, D // rows_d))  # fmt: skip
+        return
     if cfg.mma:
         extra = dict(DT=tl.bfloat16, PREC="tf32")
         yield ("gate_up", dk._gate_up_mma_kernel, gu,
                {**common, **tiles, **extra, "STAGES": cfg.stages}, cfg.num_warps,
-               2 * rows * D // cfg.split)  # fmt: skip
+               2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_mma_kernel, dn, {**common, **tiles_d, **extra}, cfg.warps_d,
-               rows_d * I)  # fmt: skip
+               rows_d * I, D // rows_d)  # fmt: skip
     else:
         gu.update(w2q_ptr=qt, w2s_ptr=st)
         extra = dict(ELEM=cfg.elem, PREFETCH=False, W2Q_BYTES=1, W2S_BYTES=1,
                      NT=32 * cfg.num_warps)  # fmt: skip
         yield ("gate_up", dk._gate_up_kernel, gu, {**common, **tiles, **extra}, cfg.num_warps,
-               2 * rows * D // cfg.split)  # fmt: skip
+               2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem},
-               cfg.warps_d, rows_d * I)  # fmt: skip
+               cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 
 def main() -> None:
@@ -90,11 +120,25 @@ def main() -> None:
                     help="the default configs only, or also the other family")  # fmt: skip
     ap.add_argument("--tmp", default="/tmp/sass_decode.cubin")
     ap.add_argument("--stages", type=int, default=None, help="override the mma gate/up stages")
+    ap.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        help="DecodeConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
+        "(repeatable; 0/1 for flags); only these configs are compiled",
+    )
     args = ap.parse_args()
     D, I = MODELS[args.model]
     for quant in args.quant:
         cfgs = [dk.DEFAULT_CONFIGS[quant]]
-        if args.mma == "both":
+        if args.config:
+            base = cfgs[0]
+            cfgs = []
+            for spec in args.config:
+                kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+                cfgs.append(replace(base, **{k: bool(v) if isinstance(getattr(base, k), bool)
+                                             else v for k, v in kw.items()}))  # fmt: skip
+        elif args.mma == "both":
             other = dk.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
             cfgs.append(other)
@@ -102,8 +146,9 @@ def main() -> None:
             cfg = dk.fit_config(quant, D, I, 32, cfg)
             if args.stages is not None and cfg.mma:
                 cfg = replace(cfg, stages=args.stages)
-            for name, fn, sig, consts, warps, weights in kernels(quant, cfg, D, I):
+            for name, fn, sig, consts, warps, weights, per_pair in kernels(quant, cfg, D, I):
                 c = compile_sm90(fn, sig, consts, warps)
+                res = resources(c, Path(args.tmp))
                 ops = opcodes(c, Path(args.tmp))
                 n = sum(ops.values())
                 # thread-instructions per weight; with a pipelined (rolled) loop the body is
@@ -112,8 +157,15 @@ def main() -> None:
                 rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
                 conv = c.asm["ttgir"].count("convert_layout")
                 fam = "mma" if cfg.mma else "cuda-cores"
+                # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
+                bps = blocks_per_sm(res["REG"], warps, c.metadata.shared)
+                waves = 8 * per_pair / (132 * bps)
+                if args.config:
+                    print(cfg)
                 print(f"{args.model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
-                      f"{rolled}{per_weight:5.2f} instr/weight, shared {c.metadata.shared:6} B, "
+                      f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
+                      f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, {waves:4.2f} waves "
+                      f"at T=1, shared {c.metadata.shared:6} B, "
                       f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
 
 

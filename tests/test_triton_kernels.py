@@ -141,6 +141,37 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
 
 
 @needs_triton
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("mma", [False, True])
+def test_fused_layer_gives_the_two_launch_bits(quant, mma):
+    """One persistent launch per layer (DecodeConfig(fused=True): work items taken from a counter,
+    down items waiting on their pair's gate/up items) computes the items of the two-launch path
+    with the same arithmetic: equal bits, combined (T=3) and as pair rows (T=1, combine=False),
+    with a D split; a second call reuses the reset counters. Interpreter: one program; CUDA:
+    as many as the GPU holds, at a Qwen3-30B-A3B layer's D and I."""
+    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, MMA_CONFIGS, fit_config, moe_decode
+
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
+    base = (MMA_CONFIGS if mma else DEFAULT_CONFIGS)[quant]
+    cfg = fit_config(
+        quant, D, I, 32, replace(base, split=2, bk=min(base.bk, 32 if not CUDA else 512))
+    )
+    gen = torch.Generator().manual_seed(40 + mma)
+    ex = _layer(quant, E, D, I, device, gen)
+    for T, combine in ((3, True), (1, False), (3, True)):
+        x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+        ids, w = _routing(T, E, K, device, gen)
+        want = moe_decode(x, ids, w, ex, cfg, combine=combine).clone()
+        got = moe_decode(x, ids, w, ex, replace(cfg, fused=True), combine=combine).clone()
+        assert torch.equal(got, want), f"T={T} combine={combine}"
+        ref = moe_stacked_ref(x.double(), ids, w.double(), ex)
+        if combine:
+            err = ((got.double() - ref).norm() / ref.norm()).item()
+            assert err <= TOL[dtype], err
+
+
+@needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_prefill_interpreter(quant):
@@ -188,6 +219,20 @@ def test_decode_mma_cuda(quant, case, T):
     for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T,
                cfg=replace(cfg, stages=stages))  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 8])
+def test_decode_fused_cuda(quant, case, T):
+    """The one-launch layer (persistent programs, work counter) with the default tiles."""
+    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, fit_config, moe_decode
+
+    (E, D, I, K), dtype = case
+    cfg = replace(fit_config(quant, D, I, 32, DEFAULT_CONFIGS[quant]), fused=True)
+    for seed in range(2):  # the second call reuses the counters the first one reset
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + 100 * seed + T, cfg=cfg)
 
 
 @pytest.mark.cuda

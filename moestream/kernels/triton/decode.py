@@ -46,6 +46,7 @@ class DecodeConfig:
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
     mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
     stages: int = 0  # mma gate/up: 0 = K loop unrolled, else software-pipelined with this depth
+    fused: bool = False  # one persistent launch per layer (_fused_kernel) instead of two
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
@@ -272,21 +273,27 @@ def _silu_mul(g, u):
 
 
 @triton.jit
-def _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I: tl.constexpr,
-                    QUANT: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):  # fmt: skip
+def _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk, n0, P,
+                    I: tl.constexpr, QUANT: tl.constexpr, BN: tl.constexpr,
+                    SPLIT: tl.constexpr, READY: tl.constexpr):  # fmt: skip
     """Row sums of program (p, nb, sk) -> h[p, n0:n0+BN] = silu(g) * u; with SPLIT > 1 through
-    fp32 partials, the block's last program (int32 counter) adding them in split order."""
+    fp32 partials, the block's last program (int32 counter) adding them in split order. READY:
+    the program that wrote the h block counts it in ready[p] (release), for the fused kernel's
+    down items."""
     N: tl.constexpr = 2 * I
     if SPLIT == 1:
         hd = h_ptr.dtype.element_ty
         _rows_store(
             h_ptr + p * I + n0, _silu_mul(g_a, u_a).to(hd), _silu_mul(g_b, u_b).to(hd), QUANT, BN
         )
+        if READY:
+            tl.debug_barrier()  # every thread's h rows are stored before the release below
+            tl.atomic_add(ready_ptr + p, 1, sem="release", scope="gpu")
     else:
         mine = part_ptr + (sk * P + p) * N + n0
         _rows_store(mine, g_a, g_b, QUANT, BN)
         _rows_store(mine + I, u_a, u_b, QUANT, BN)
-        cnt = cnt_ptr + p * tl.num_programs(1) + nb
+        cnt = cnt_ptr + p * (I // BN) + nb
         tl.debug_barrier()  # every thread's partial is stored before the release below
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
             r = n0 + tl.arange(0, BN)
@@ -297,6 +304,9 @@ def _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0,
                 u += tl.load(part_ptr + (i * P + p) * N + I + r, cache_modifier=".cg")
             tl.store(h_ptr + p * I + r, _silu_mul(g, u).to(h_ptr.dtype.element_ty))
             tl.atomic_xchg(cnt, 0, sem="relaxed", scope="gpu")  # ready for the next call
+            if READY:
+                tl.debug_barrier()
+                tl.atomic_add(ready_ptr + p, 1, sem="release", scope="gpu")
 
 
 @triton.jit
@@ -309,7 +319,7 @@ def _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D: tl.c
     _rows_store(dpart_ptr + p * D + n0, ya * rw, yb * rw, QUANT, BN)
     if COMBINE:
         t = p // TOPK
-        cnt = cnt_ptr + t * tl.num_programs(1) + nb
+        cnt = cnt_ptr + t * (D // BN) + nb
         tl.debug_barrier()  # every thread's row is stored before the release below
         if tl.atomic_add(cnt, 1, sem="acq_rel", scope="gpu") == TOPK - 1:
             _combine_rows(dpart_ptr, out_ptr, t, n0 + tl.arange(0, BN), D, TOPK, BN)
@@ -317,31 +327,15 @@ def _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D: tl.c
 
 
 @triton.jit
-def _gate_up_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
-    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PREFETCH: tl.constexpr, W2Q_BYTES: tl.constexpr,
-    W2S_BYTES: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair p's
-    expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a counter
-    when SPLIT > 1)."""
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    sk = tl.program_id(2)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk, P,
+                  D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr,
+                  ELEM: tl.constexpr, FAST: tl.constexpr, READY: tl.constexpr):  # fmt: skip
+    """Work item (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair
+    p's expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a
+    counter when SPLIT > 1)."""
     N: tl.constexpr = 2 * I
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if PREFETCH:  # this program's share of the pair's w2 (and its scales)
-        j = (nb * SPLIT + sk).to(tl.int64)
-        n_j = tl.num_programs(1) * SPLIT
-        qb = w2q_ptr.to(tl.pointer_type(tl.int8)) + e * W2Q_BYTES
-        _prefetch_l2(qb, j * W2Q_BYTES // n_j, (j + 1) * W2Q_BYTES // n_j, NT)
-        if W2S_BYTES > 0:
-            sb = w2s_ptr.to(tl.pointer_type(tl.int8)) + e * W2S_BYTES
-            _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
     n0 = nb * BN
     KC: tl.constexpr = D // SPLIT
     xrow = x_ptr + (p // TOPK) * D + sk * KC
@@ -361,8 +355,79 @@ def _gate_up_kernel(
         ub += b
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
     u_a, u_b = _reduce(ua, ub, QUANT, ELEM)
-    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I, QUANT, BN,
-                    SPLIT)  # fmt: skip
+    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk, n0, P, I,
+                    QUANT, BN, SPLIT, READY)  # fmt: skip
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
+    FAST: tl.constexpr, PREFETCH: tl.constexpr, W2Q_BYTES: tl.constexpr,
+    W2S_BYTES: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    """Program (p, nb, sk) = one _gate_up_item."""
+    p = tl.program_id(0)
+    nb = tl.program_id(1)
+    sk = tl.program_id(2)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if PREFETCH:  # this program's share of the pair's w2 (and its scales)
+        e = tl.load(ids_ptr + p).to(tl.int64)
+        j = (nb * SPLIT + sk).to(tl.int64)
+        n_j = tl.num_programs(1) * SPLIT
+        qb = w2q_ptr.to(tl.pointer_type(tl.int8)) + e * W2Q_BYTES
+        _prefetch_l2(qb, j * W2Q_BYTES // n_j, (j + 1) * W2Q_BYTES // n_j, NT)
+        if W2S_BYTES > 0:
+            sb = w2s_ptr.to(tl.pointer_type(tl.int8)) + e * W2S_BYTES
+            _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
+    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr, p, nb, sk, P, D,
+                  I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False)  # fmt: skip
+
+
+@triton.jit
+def _await(ready_ptr, p, WAIT: tl.constexpr, NBG: tl.constexpr):
+    """Before reading h: WAIT 1 = the PDL-launched down kernel waits for the gate/up grid; 2 = a
+    fused kernel's down item spins until pair p's NBG h blocks are counted in ready[p]."""
+    if WAIT == 1:
+        tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
+    elif WAIT == 2:
+        n = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
+        while n < NBG:
+            n = tl.atomic_add(ready_ptr + p, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+
+
+@triton.jit
+def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, ready_ptr, p, nb,
+               D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+               BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
+               FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
+               COMBINE: tl.constexpr):  # fmt: skip
+    """Work item (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
+    weight, stored as pair p's fp32 row; with COMBINE the token's last item for the row block adds
+    its TOPK rows in slot order and writes the output. The first weight tile is loaded before
+    the wait for h (_await). The pair rows do not depend on the call's other pairs, so a
+    prefill run in chunks of pairs gives the same bits."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n0 = nb * BN
+    koff = _k_offsets(QUANT, G, BN, BK)
+    w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # weights need no wait
+    _await(ready_ptr, p, WAIT, NBG)
+    acc_a, acc_b = _acc_zeros(QUANT, G, BN, BK, ELEM)
+    for k0 in tl.static_range(0, I, BK):
+        if k0 == 0:
+            w = w_first
+        else:
+            w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
+        hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
+        a, b = _step(w, s_ptr, e, n0, k0, hv, D, I, QUANT, G, BN, BK, ELEM, FAST)
+        acc_a += a
+        acc_b += b
+    ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
+    _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D, QUANT, BN, TOPK,
+                 COMBINE)  # fmt: skip
 
 
 @triton.jit
@@ -383,31 +448,10 @@ def _down_kernel(
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, COMBINE: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
-    weight, stored as pair p's fp32 row; with COMBINE the token's last program for the row block
-    adds its TOPK rows in slot order and writes the output. The pair rows do not depend on the
-    other pairs of the call, so a prefill run in chunks of pairs gives the same bits."""
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    n0 = nb * BN
-    koff = _k_offsets(QUANT, G, BN, BK)
-    w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # weights need no wait
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
-    acc_a, acc_b = _acc_zeros(QUANT, G, BN, BK, ELEM)
-    for k0 in tl.static_range(0, I, BK):
-        if k0 == 0:
-            w = w_first
-        else:
-            w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
-        hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
-        a, b = _step(w, s_ptr, e, n0, k0, hv, D, I, QUANT, G, BN, BK, ELEM, FAST)
-        acc_a += a
-        acc_b += b
-    ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
-    _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D, QUANT, BN, TOPK,
-                 COMBINE)  # fmt: skip
+    """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid)."""
+    _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, cnt_ptr,
+               tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, ELEM, FAST,
+               1 if PDL else 0, 0, COMBINE)  # fmt: skip
 
 
 @triton.jit
@@ -525,18 +569,12 @@ def _gate_up_mma_step(q_ptr, s_ptr, e, n0, k0, xrow, ga, gb, ua, ub, N: tl.const
 
 
 @triton.jit
-def _gate_up_mma_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
-    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-):  # fmt: skip
-    """_gate_up_kernel on tensor cores: program (p, nb, sk), the same outputs."""
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    sk = tl.program_id(2)
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()
+def _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk,
+                      P, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
+                      BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                      TOPK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
+                      PREC: tl.constexpr, STAGES: tl.constexpr, READY: tl.constexpr):  # fmt: skip
+    """_gate_up_item on tensor cores: the same outputs."""
     N: tl.constexpr = 2 * I
     W: tl.constexpr = 32 if QUANT == 2 else BN
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -559,26 +597,37 @@ def _gate_up_mma_kernel(
                                                PREC)  # fmt: skip
     g_a, g_b = tl.sum(ga, 0), tl.sum(gb, 0)
     u_a, u_b = tl.sum(ua, 0), tl.sum(ub, 0)
-    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, p, nb, sk, n0, P, I, QUANT, BN,
-                    SPLIT)  # fmt: skip
+    _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk, n0, P, I,
+                    QUANT, BN, SPLIT, READY)  # fmt: skip
 
 
 @triton.jit
-def _down_mma_kernel(
-    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+def _gate_up_mma_kernel(
+    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-    COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
+    PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
 ):  # fmt: skip
-    """_down_kernel on tensor cores: program (p, nb), the same pair rows and combine."""
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
+    """Program (p, nb, sk) = one _gate_up_mma_item."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
+                      tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN,
+                      BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False)  # fmt: skip
+
+
+@triton.jit
+def _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, ready_ptr,
+                   p, nb, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
+                   G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
+                   FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
+                   COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+    """_down_item on tensor cores: the same pair rows and combine."""
     e = tl.load(ids_ptr + p).to(tl.int64)
     n0 = nb * BN
     W: tl.constexpr = 32 if QUANT == 2 else BN
     w0, s0a, s0b = _mma_load(q_ptr, s_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # before the wait
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
+    _await(ready_ptr, p, WAIT, NBG)
     acc_a = tl.zeros([16, W], tl.float32)
     acc_b = tl.zeros([16, W], tl.float32)
     for k0 in tl.static_range(0, I, BK):
@@ -592,6 +641,77 @@ def _down_mma_kernel(
         acc_b += b
     _down_finish(tl.sum(acc_a, 0), tl.sum(acc_b, 0), rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb,
                  n0, D, QUANT, BN, TOPK, COMBINE)  # fmt: skip
+
+
+@triton.jit
+def _down_mma_kernel(
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
+    COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid)."""
+    _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, cnt_ptr,
+                   tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, FAST,
+                   1 if PDL else 0, 0, COMBINE, DT, PREC)  # fmt: skip
+
+
+# ---- one persistent launch per layer ------------------------------------------------------------
+@triton.jit
+def _fused_kernel(
+    x_ptr, ids_ptr, rw_ptr, q13_ptr, s13_ptr, q2_ptr, s2_ptr, part_ptr, cnt_g_ptr, h_ptr,
+    ready_ptr, work_ptr, dpart_ptr, cnt_d_ptr, out_ptr, P: tl.constexpr, NPROG: tl.constexpr,
+    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+    BK: tl.constexpr, SPLIT: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
+    TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, MMA: tl.constexpr,
+    DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, COMBINE: tl.constexpr,
+):  # fmt: skip
+    """A whole layer in one launch of NPROG persistent programs. Work items are numbered gate/up
+    first, then down, and taken in that order from a counter (work[0]); a program takes its
+    next item before it works on the current one, so the counter's round trip overlaps the work.
+    A down item loads its first weight tile, then waits until its pair's NBG h blocks are
+    counted in ready[p]: no second launch, and a pair's down reads overlap other pairs' gate/up.
+    Never a deadlock, whatever the number of programs the GPU holds at once: an item waits only
+    on gate/up items, which were taken before it by running programs that finish them without
+    waiting. The last program to leave (work[1] counts them) resets the counters for the next
+    call. P and NPROG are constexpr because the interpreter cannot run a loop on run-time
+    values."""
+    NBG: tl.constexpr = I // BN
+    NBD: tl.constexpr = D // BN_D
+    N_GU: tl.constexpr = P * NBG * SPLIT
+    N: tl.constexpr = N_GU + P * NBD
+    it = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+    while it < N:
+        nxt = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
+        if it < N_GU:
+            p = it // (NBG * SPLIT)
+            nb = (it // SPLIT) % NBG
+            sk = it % SPLIT
+            if MMA:
+                _gate_up_mma_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
+                                  ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK,
+                                  FAST, DT, PREC, STAGES, True)  # fmt: skip
+            else:
+                _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
+                              ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM,
+                              FAST, True)  # fmt: skip
+        else:
+            p = (it - N_GU) // NBD
+            nb = (it - N_GU) % NBD
+            if MMA:
+                _down_mma_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr,
+                               out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, FAST,
+                               2, NBG, COMBINE, DT, PREC)  # fmt: skip
+            else:
+                _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr, out_ptr,
+                           ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, ELEM, FAST, 2, NBG,
+                           COMBINE)  # fmt: skip
+        it = nxt
+    if tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
+        for i in tl.static_range(P):  # every item is done
+            tl.store(ready_ptr + i, 0)
+        tl.atomic_xchg(work_ptr, 0, sem="relaxed", scope="gpu")
+        tl.atomic_xchg(work_ptr + 1, 0, sem="relaxed", scope="gpu")
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -626,25 +746,56 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
 
 
 _WORKSPACE: dict = {}
+_RESIDENT: dict = {}
+
+
+def blocks_per_sm(regs: int, warps: int, shared: int, sm_regs: int = 65536, sm_warps: int = 64,
+                  sm_shared: int = 228 << 10, sm_blocks: int = 32) -> int:  # fmt: skip
+    """Programs one SM holds at once (sm_90 limits by default): registers are allocated per warp
+    in units of 256, and each program reserves 1 KB of shared memory."""
+    per_warp = -(-regs * 32 // 256) * 256
+    return min(sm_regs // (per_warp * warps), sm_warps // warps, sm_blocks,
+               sm_shared // (shared + 1024))  # fmt: skip
+
+
+def _resident_programs(args, kw) -> int:
+    """How many programs of the fused kernel the GPU holds at once (compiled first, to read its
+    registers and shared memory)."""
+    key = tuple(sorted((k, str(v)) for k, v in kw.items())) + (str(args[0].device),)
+    n = _RESIDENT.get(key)
+    if n is None:
+        ck = _fused_kernel.warmup(*args, grid=(1,), NPROG=1, **kw)
+        ck._init_handles()
+        props = torch.cuda.get_device_properties(args[0].device)
+        per_sm = blocks_per_sm(ck.n_regs, kw["num_warps"], ck.metadata.shared,
+                               sm_regs=getattr(props, "regs_per_multiprocessor", 65536),
+                               sm_warps=props.max_threads_per_multi_processor // 32,
+                               sm_shared=getattr(props, "shared_memory_per_multiprocessor",
+                                                 228 << 10))  # fmt: skip
+        assert per_sm >= 1, f"the fused kernel does not fit an SM ({ck.n_regs} registers)"
+        n = _RESIDENT[key] = per_sm * props.multi_processor_count
+    return n
 
 
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,
                h_dtype: torch.dtype):  # fmt: skip
     """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 pair rows [P, D]
-    and int32 counters (gate/up [P, nbg], combine [T, nbd]; zero, and every program that
-    completes a block resets its counter). Cached so CUDA graphs captured after a first call
-    reuse the buffers."""
+    and int32 counters (gate/up [P, nbg], combine [T, nbd], the fused kernel's ready [P] and
+    work [2]; zero, and the program that completes a block resets its counter). Cached so CUDA
+    graphs captured after a first call reuse the buffers."""
     key = (str(device), split, P, I, T, D, nbg, nbd, h_dtype)
     ws = _WORKSPACE.get(key)
     if ws is None:
         f32 = dict(device=device, dtype=torch.float32)
-        cnt = torch.zeros(P * nbg + T * nbd, device=device, dtype=torch.int32)
+        cnt = torch.zeros(P * nbg + T * nbd + P + 2, device=device, dtype=torch.int32)
         ws = (
             torch.empty(max(split, 2) * P * 2 * I, **f32),
             torch.empty(P * I, device=device, dtype=h_dtype),
             torch.empty(P * D, **f32),
             cnt[: P * nbg],
-            cnt[P * nbg :],
+            cnt[P * nbg : P * nbg + T * nbd],
+            cnt[P * nbg + T * nbd : P * nbg + T * nbd + P],  # ready
+            cnt[P * nbg + T * nbd + P :],  # work
         )
         _WORKSPACE[key] = ws
     return ws
@@ -684,7 +835,8 @@ def moe_decode(
     prefetch = gpu and cfg.prefetch and P * (w2q_bytes + w2s_bytes) <= L2_PREFETCH_BYTES
     bn, bn_d = cfg.bn, cfg.bn_d
     nbg, nbd = I // bn, D // bn_d
-    part, h, dpart, cnt_g, cnt_d = _workspace(x.device, cfg.split, P, I, T, D, nbg, nbd, x.dtype)
+    part, h, dpart, cnt_g, cnt_d, ready, work = _workspace(x.device, cfg.split, P, I, T, D, nbg,
+                                                           nbd, x.dtype)  # fmt: skip
     if out is None and combine:
         out = torch.empty(T, D, device=x.device, dtype=x.dtype)
     assert not combine or (out.is_contiguous() and out.shape == (T, D))
@@ -701,6 +853,19 @@ def moe_decode(
         gate_up, down = _gate_up_kernel, _down_kernel
         extra = dict(PREFETCH=prefetch, W2Q_BYTES=w2q_bytes, W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps,
                      w2q_ptr=w2q, w2s_ptr=w2s)  # fmt: skip
+    if cfg.fused:
+        assert stages == "gate_up+down", "the fused kernel runs both stages"
+        args = (x, ids, weights, sec["w13.q"], sec[f"w13.{scale}"], w2q, w2s, part, cnt_g, h, ready,
+                work, dpart, cnt_d, out if combine else dpart, P)  # fmt: skip
+        # the other family's constexprs are unused: fixed values, one compiled kernel
+        kw = dict(ELEM=cfg.elem, DT=tl.float32, PREC="ieee", STAGES=cfg.stages)
+        kw.update(BN=bn, BK=cfg.bk, SPLIT=cfg.split, BN_D=bn_d, BK_D=cfg.bk_d, MMA=cfg.mma,
+                  COMBINE=combine, num_warps=cfg.num_warps, **common)  # fmt: skip
+        # as many programs as the GPU holds at once (more would only queue); the interpreter
+        # runs programs one after another, so it gets one
+        n = min(_resident_programs(args, kw) if gpu else 1, P * max(nbg * cfg.split, nbd))
+        _fused_kernel[(n,)](*args, NPROG=n, **kw)
+        return out if combine else dpart.view(P, D)
     if "gate_up" in stages:
         gate_up[(P, nbg, cfg.split)](
             x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, P=P,
