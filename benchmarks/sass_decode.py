@@ -89,7 +89,7 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
                    out_ptr="*bf16")  # fmt: skip
         consts = dict(common, P=8, NPROG=1024, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split,
                       BN_D=cfg.bn_d, BK_D=cfg.bk_d, ELEM=cfg.elem, MMA=cfg.mma, STAGES=cfg.stages,
-                      COMBINE=True, WAIT=3, DT=tl.bfloat16 if cfg.mma else tl.float32,
+                      COMBINE=True, DT=tl.bfloat16 if cfg.mma else tl.float32,
                       PREC="tf32" if cfg.mma else "ieee")  # fmt: skip
         del consts["PDL"]
         yield ("fused", dk._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,

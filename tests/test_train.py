@@ -37,15 +37,37 @@ class Stack:
 
 
 def _spec(**kw):
-    base = dict(vocab_size=97, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                num_experts=8, top_k=2, moe_intermediate_size=16, max_position_embeddings=64, eot_id=0)
+    base = dict(
+        vocab_size=97,
+        hidden_size=32,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        num_experts=8,
+        top_k=2,
+        moe_intermediate_size=16,
+        max_position_embeddings=64,
+        eot_id=0,
+    )
     base.update(kw)
     return ModelSpec(**base)
 
 
 def _args(tmp_path, **kw):
-    base = dict(out=str(tmp_path / "run"), steps=20, batch_size=4, seq_len=16, lr=1e-2, warmup=2,
-                device="cpu", experts_impl="grouped_mm", eval_windows=4, log_every=1, eval_every=0)
+    base = dict(
+        out=str(tmp_path / "run"),
+        steps=20,
+        batch_size=4,
+        seq_len=16,
+        lr=1e-2,
+        warmup=2,
+        device="cpu",
+        experts_impl="grouped_mm",
+        eval_windows=4,
+        log_every=1,
+        eval_every=0,
+    )
     base.update(kw)
     return TrainArgs(**base)
 
@@ -90,8 +112,9 @@ def test_tokenizer_roundtrip_special_tokens_and_files(tmp_path, corpus):
     hf = AutoTokenizer.from_pretrained(str(tmp_path / "tok"))
     assert hf(CODE).input_ids == enc.ids
     assert hf.eos_token_id == eot
-    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
-                                  add_generation_prompt=True)
+    chat = hf.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert chat == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
@@ -174,8 +197,15 @@ def test_fit_logs_and_export_loads_in_transformers(tmp_path, corpus):
     out = str(tmp_path / "hf")
     export_hf(os.path.join(args.out, "ckpt"), out, str(tmp_path / "tok"))
     cfg = json.loads(open(os.path.join(out, "config.json")).read())
-    assert cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] == 8 and cfg["dtype"] == "bfloat16"
-    for name in ("model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+    assert (
+        cfg["model_type"] == "qwen3_moe" and cfg["num_experts"] == 8 and cfg["dtype"] == "bfloat16"
+    )
+    for name in (
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
         assert os.path.exists(os.path.join(out, name)), name
 
     from transformers import AutoModelForCausalLM

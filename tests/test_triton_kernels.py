@@ -145,29 +145,34 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
 @pytest.mark.parametrize("mma", [False, True])
 def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     """One persistent launch per layer (DecodeConfig(fused=True): work items taken from a counter,
-    down items waiting on their pair's gate/up items) computes the items of the two-launch path
-    with the same arithmetic: equal bits, combined (T=3) and as pair rows (T=1, combine=False),
-    with a D split; a second call reuses the reset counters. Interpreter: one program; CUDA:
-    as many as the GPU holds, at a Qwen3-30B-A3B layer's D and I."""
+    down items waiting on their pair's gate/up items) computes the two-launch path's items:
+    combined (T=3) and as pair rows (T=1, combine=False), with a D split; a second call reuses
+    the reset counters. Interpreter (one program): equal bits. CUDA (as many programs as the GPU
+    holds, a Qwen3-30B-A3B layer's D and I): within the tolerance of the two-launch result, not
+    bit for bit: on the H200 the int8 and int4-mma bits differed (int8's down items run with
+    the gate/up warps, so their sums reduce in another order), so a run must not mix the paths."""
     from moestream.kernels.triton.decode import DEFAULT_CONFIGS, MMA_CONFIGS, fit_config, moe_decode
 
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
     base = (MMA_CONFIGS if mma else DEFAULT_CONFIGS)[quant]
-    cfg = fit_config(
-        quant, D, I, 32, replace(base, split=2, bk=min(base.bk, 32 if not CUDA else 512))
-    )
+    bk = min(base.bk, 512 if CUDA else 32)
+    cfg = fit_config(quant, D, I, 32, replace(base, split=2, bk=bk))
     gen = torch.Generator().manual_seed(40 + mma)
     ex = _layer(quant, E, D, I, device, gen)
     for T, combine in ((3, True), (1, False), (3, True)):
         x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
         ids, w = _routing(T, E, K, device, gen)
-        want = moe_decode(x, ids, w, ex, cfg, combine=combine).clone()
-        got = moe_decode(x, ids, w, ex, replace(cfg, fused=True), combine=combine).clone()
-        assert torch.equal(got, want), f"T={T} combine={combine}"
-        ref = moe_stacked_ref(x.double(), ids, w.double(), ex)
+        want = moe_decode(x, ids, w, ex, cfg, combine=combine).clone().double()
+        got = moe_decode(x, ids, w, ex, replace(cfg, fused=True), combine=combine).clone().double()
+        if CUDA:
+            err = ((got - want).norm() / want.norm()).item()
+            assert err <= TOL[dtype], f"T={T} combine={combine}: {err:.2e}"
+        else:
+            assert torch.equal(got, want), f"T={T} combine={combine}"
         if combine:
-            err = ((got.double() - ref).norm() / ref.norm()).item()
+            ref = moe_stacked_ref(x.double(), ids, w.double(), ex)
+            err = ((got - ref).norm() / ref.norm()).item()
             assert err <= TOL[dtype], err
 
 

@@ -1,9 +1,9 @@
 """CLI: python -m moestream.train {tokenizer,fit,bench,export} ...
 
-    python scripts/build_corpus.py --out data/corpus
-    python -m moestream.train tokenizer --corpus data/corpus --out data/tok --vocab 8192
-    python -m moestream.train fit --data data/tok --out runs/pystd --steps 1200
-    python -m moestream.train export --ckpt runs/pystd/ckpt --tokenizer data/tok --out models/NAME
+python scripts/build_corpus.py --out data/corpus
+python -m moestream.train tokenizer --corpus data/corpus --out data/tok --vocab 8192
+python -m moestream.train fit --data data/tok --out runs/pystd --steps 1200
+python -m moestream.train export --ckpt runs/pystd/ckpt --tokenizer data/tok --out models/NAME
 """
 
 from __future__ import annotations
@@ -57,10 +57,17 @@ def _build(ns):
     from .trainer import ModelSpec, TrainArgs, Trainer
 
     meta, train, valid = _load_data(ns.data)
-    spec_kw = {f.name: getattr(ns, f.name) for f in dataclasses.fields(ModelSpec) if hasattr(ns, f.name)}
+    spec_kw = {
+        f.name: getattr(ns, f.name) for f in dataclasses.fields(ModelSpec) if hasattr(ns, f.name)
+    }
     spec = ModelSpec(**spec_kw, vocab_size=meta["vocab_size"], eot_id=meta["eot_id"])
-    targs = TrainArgs(**{f.name: getattr(ns, f.name) for f in dataclasses.fields(TrainArgs)
-                         if hasattr(ns, f.name) and f.name != "spec"})
+    targs = TrainArgs(
+        **{
+            f.name: getattr(ns, f.name)
+            for f in dataclasses.fields(TrainArgs)
+            if hasattr(ns, f.name) and f.name != "spec"
+        }
+    )
     targs.spec = dataclasses.asdict(spec)
     return Trainer(spec, targs, train, valid), meta
 
@@ -94,11 +101,17 @@ def cmd_tokenizer(ns):
 def cmd_fit(ns):
     tr, meta = _build(ns)
     n_params = sum(p.numel() for p in tr.model.parameters())
-    print(f"device {tr.device}, experts impl {tr.experts_impl}, params {n_params / 1e6:.2f}M, "
-          f"train tokens {meta['train_tokens']}", flush=True)
+    print(
+        f"device {tr.device}, experts impl {tr.experts_impl}, params {n_params / 1e6:.2f}M, "
+        f"train tokens {meta['train_tokens']}",
+        flush=True,
+    )
     if ns.resume:
         had_opt = tr.load(ns.resume)
-        print(f"resumed at step {tr.step} ({tr.tokens_seen} tokens), optimizer restored: {had_opt}", flush=True)
+        print(
+            f"resumed at step {tr.step} ({tr.tokens_seen} tokens), optimizer restored: {had_opt}",
+            flush=True,
+        )
     tr.fit()
 
 
@@ -137,13 +150,20 @@ def cmd_bench(ns):
                 if s == ns.warm:
                     torch.cuda.synchronize()
                     t0 = time.time()
-                m = tr.train_step([tr.train.batch(s, k, a.batch_size, a.seq_len) for k in range(a.grad_accum)])
+                m = tr.train_step(
+                    [tr.train.batch(s, k, a.batch_size, a.seq_len) for k in range(a.grad_accum)]
+                )
             torch.cuda.synchronize()
             dt = (time.time() - t0) / ns.timed
             tok = a.batch_size * a.grad_accum * a.seq_len
-            r = {"variant": variant, "s_per_step": round(dt, 4), "tok_s": round(tok / dt),
-                 "ce": float(m["ce"]), "aux": float(m["aux"]),
-                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)}
+            r = {
+                "variant": variant,
+                "s_per_step": round(dt, 4),
+                "tok_s": round(tok / dt),
+                "ce": float(m["ce"]),
+                "aux": float(m["aux"]),
+                "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1),
+            }
         except Exception as e:  # report and go on with the next variant
             r = {"variant": variant, "error": repr(e)[:300]}
         print(json.dumps(r), flush=True)
@@ -165,8 +185,11 @@ def cmd_export(ns):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m moestream.train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        prog="python -m moestream.train",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
 
     p = sub.add_parser("tokenizer", help="train the BPE tokenizer and tokenize the corpus")
@@ -182,7 +205,9 @@ def main(argv=None):
         _spec_args(p)
         _train_args(p)
         if name == "bench":
-            p.add_argument("--variants", default="grouped_bf16,grouped_mm,batched_mm,grouped_bf16+compile")
+            p.add_argument(
+                "--variants", default="grouped_bf16,grouped_mm,batched_mm,grouped_bf16+compile"
+            )
             p.add_argument("--warm", type=int, default=3)
             p.add_argument("--timed", type=int, default=10)
         p.set_defaults(fn=fn)

@@ -75,8 +75,12 @@ def save_tokenizer(tok, out_dir: str, model_max_length: int = 2048) -> None:
     added = {}
     for t in SPECIAL_TOKENS:
         added[str(tok.token_to_id(t))] = {
-            "content": t, "lstrip": False, "normalized": False, "rstrip": False,
-            "single_word": False, "special": True,
+            "content": t,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": True,
         }
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",

@@ -95,7 +95,11 @@ def _grouped_bf16_experts_forward(self, hidden_states, top_k_index, top_k_weight
     to the autocast dtype, routing weights applied, slots summed back per token."""
     T, K = top_k_index.shape
     E = self.num_experts
-    dtype = torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else hidden_states.dtype
+    dtype = (
+        torch.get_autocast_dtype("cuda")
+        if torch.is_autocast_enabled("cuda")
+        else hidden_states.dtype
+    )
     flat = top_k_index.reshape(-1)
     order = torch.argsort(flat, stable=True)
     counts = torch.histc(flat.int() if flat.is_cuda else flat.float(), bins=E, min=0, max=E - 1)
@@ -132,7 +136,9 @@ class TokenStream:
     """A uint16 token stream held as int64 on the device; random packed windows per step."""
 
     def __init__(self, path_or_array, device, seed: int = 0):
-        arr = np.load(path_or_array) if isinstance(path_or_array, str) else np.asarray(path_or_array)
+        arr = (
+            np.load(path_or_array) if isinstance(path_or_array, str) else np.asarray(path_or_array)
+        )
         self.tokens = torch.from_numpy(arr.astype(np.int64)).to(device)
         self.device = device
         self.seed = seed
@@ -219,15 +225,21 @@ class Trainer:
         for n, p in self.model.named_parameters():
             (decay if p.ndim >= 2 and "embed" not in n else no_decay).append(p)
         self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": args.weight_decay},
-             {"params": no_decay, "weight_decay": 0.0}],
-            lr=args.lr, betas=(0.9, args.beta2), eps=1e-8,
+            [
+                {"params": decay, "weight_decay": args.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=args.lr,
+            betas=(0.9, args.beta2),
+            eps=1e-8,
             fused=self.device.type == "cuda",
         )
         self.step = 0
         self.tokens_seen = 0
         self.rewarm_from: int | None = None
-        self.train = TokenStream(train_tokens, self.device, args.seed) if train_tokens is not None else None
+        self.train = (
+            TokenStream(train_tokens, self.device, args.seed) if train_tokens is not None else None
+        )
         self.valid = TokenStream(valid_tokens, self.device) if valid_tokens is not None else None
         self._fwd = self._loss
         if args.compile:
@@ -278,11 +290,12 @@ class Trainer:
         total, count = 0.0, 0
         for i in range(0, n, batch):
             j = min(n, i + batch)
-            x = torch.stack([toks[k * seq: (k + 1) * seq + 1] for k in range(i, j)])
+            x = torch.stack([toks[k * seq : (k + 1) * seq + 1] for k in range(i, j)])
             with self._autocast():
                 logits = self.model(input_ids=x[:, :-1], use_cache=False).logits.float()
-            total += F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1),
-                                     reduction="sum").item()
+            total += F.cross_entropy(
+                logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1), reduction="sum"
+            ).item()
             count += x[:, 1:].numel()
         self.model.train()
         return total / max(1, count)
@@ -318,8 +331,13 @@ class Trainer:
             torch.save(self.opt.state_dict(), opt_path)
         elif os.path.exists(opt_path):
             os.remove(opt_path)
-        state = {"step": self.step, "tokens_seen": self.tokens_seen, "rewarm_from": self.rewarm_from,
-                 "spec": dataclasses.asdict(self.spec), "args": dataclasses.asdict(self.args)}
+        state = {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "rewarm_from": self.rewarm_from,
+            "spec": dataclasses.asdict(self.spec),
+            "args": dataclasses.asdict(self.args),
+        }
         with open(os.path.join(path, "state.json"), "w") as f:
             json.dump(state, f, indent=1)
 
@@ -332,7 +350,11 @@ class Trainer:
         for f in sorted(glob.glob(os.path.join(path, "weights-*.safetensors"))):
             sd.update(load_file(f))
         missing, unexpected = self.model.load_state_dict(sd, strict=False)
-        missing = [m for m in missing if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)]
+        missing = [
+            m
+            for m in missing
+            if not (m == "lm_head.weight" and self.model.config.tie_word_embeddings)
+        ]
         if missing or unexpected:
             raise RuntimeError(f"checkpoint mismatch: missing {missing}, unexpected {unexpected}")
         with open(os.path.join(path, "state.json")) as f:
@@ -342,7 +364,9 @@ class Trainer:
         self.rewarm_from = state.get("rewarm_from")
         opt_path = os.path.join(path, "optimizer.pt")
         if os.path.exists(opt_path):
-            self.opt.load_state_dict(torch.load(opt_path, map_location=self.device, weights_only=True))
+            self.opt.load_state_dict(
+                torch.load(opt_path, map_location=self.device, weights_only=True)
+            )
             return True
         self.rewarm_from = self.step
         return False
@@ -362,19 +386,35 @@ class Trainer:
             print(json.dumps(rec), flush=True)
 
         while self.step < a.steps:
-            windows = [self.train.batch(self.step, m, a.batch_size, a.seq_len) for m in range(a.grad_accum)]
+            windows = [
+                self.train.batch(self.step, m, a.batch_size, a.seq_len) for m in range(a.grad_accum)
+            ]
             m = self.train_step(windows)
             if self.step % a.log_every == 0 or self.step == a.steps:
                 if self.device.type == "cuda":
                     torch.cuda.synchronize()
                 now = time.time()
-                m.update(tokens=self.tokens_seen, elapsed=round(now - t0, 2),
-                         tok_s=round((self.tokens_seen - last_tok) / max(1e-9, now - last_t)))
+                m.update(
+                    tokens=self.tokens_seen,
+                    elapsed=round(now - t0, 2),
+                    tok_s=round((self.tokens_seen - last_tok) / max(1e-9, now - last_t)),
+                )
                 last_t, last_tok = now, self.tokens_seen
                 emit(m)
-            if self.valid is not None and a.eval_every and (self.step % a.eval_every == 0 or self.step == a.steps):
+            if (
+                self.valid is not None
+                and a.eval_every
+                and (self.step % a.eval_every == 0 or self.step == a.steps)
+            ):
                 vl = self.evaluate(a.eval_windows)
-                emit({"step": self.step, "tokens": self.tokens_seen, "val_ce": vl, "val_ppl": math.exp(vl)})
+                emit(
+                    {
+                        "step": self.step,
+                        "tokens": self.tokens_seen,
+                        "val_ce": vl,
+                        "val_ppl": math.exp(vl),
+                    }
+                )
             if a.save_every and self.step % a.save_every == 0:
                 self.save(os.path.join(a.out, "ckpt"))
             if a.time_budget_s and time.time() - t0 > a.time_budget_s:
@@ -409,8 +449,11 @@ def export_hf(ckpt: str, out_dir: str, tokenizer_dir: str, max_shard_size: str =
     model.config.dtype = torch.bfloat16
     model.config.use_cache = True
     model.generation_config = GenerationConfig(
-        bos_token_id=spec.eot_id, eos_token_id=spec.eot_id, pad_token_id=spec.eot_id,
-        do_sample=False, max_new_tokens=256,
+        bos_token_id=spec.eot_id,
+        eos_token_id=spec.eot_id,
+        pad_token_id=spec.eot_id,
+        do_sample=False,
+        max_new_tokens=256,
     )
     model.save_pretrained(out_dir, max_shard_size=max_shard_size)
     # transformers 5 writes `num_local_experts`; published qwen3_moe configs (and older transformers)
