@@ -12,7 +12,9 @@ grouping runs on the hot path, and a layer is two launches (no memset, no cast k
                    (deterministic, no zeroed buffer). The pair rows do not depend on the call's
                    other pairs: a streamed prefill that runs its pairs in chunks (the pool cannot
                    hold all their experts) and `combine_pairs` them gives the resident bits.
-Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
+Both kernels are thin wrappers over work-item helpers (`_gate_up_item`, `_down_item`, and the
+`mma` twins); `_fused_kernel` runs the same items as one persistent launch (`fused`, off: slower
+on the H200, docs/gpu.md item 12). Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
 mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. Inputs are
 loaded through offsets broadcast to the weight tile's shape, so they take its register layout and no
 tile goes through shared memory. int4 uses the store layout: a block of 64 rows is [K, 32] bytes
