@@ -236,6 +236,45 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
     return rows
 
 
+def parse_configs(quant: str, spec: str) -> list:
+    """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
+    the flags)."""
+    base, out = DEFAULT_CONFIGS[quant], [DEFAULT_CONFIGS[quant]]
+    for item in filter(None, spec.split(";")):
+        kw = {k: int(v) for k, v in (kv.split("=") for kv in item.split(","))}
+        out.append(replace(base, **{k: bool(v) if isinstance(getattr(base, k), bool) else v
+                                    for k, v in kw.items()}))  # fmt: skip
+    return out
+
+
+def sweep_only(model, quant, D, I, E, K, layers, bw, gen, cfgs) -> dict:
+    """One token: the layer time of each config (no references), printed as it is measured."""
+    exs = [random_layer(quant, D, I, E) for _ in range(layers)]
+    x = torch.randn(1, D, generator=gen).cuda().bfloat16()
+    y = torch.empty_like(x)
+    routes = [routing(1, E, K, gen) for _ in range(layers)]
+    routed_bytes = K * exs[0].expert_bytes()
+    roof_ms = routed_bytes / bw * 1e3
+    times = {}
+    for cfg in cfgs:
+        if check_shapes(quant, D, I, 32, cfg):
+            continue
+
+        def step(cfg=cfg):
+            for ex, (ids, w) in zip(exs, routes):
+                moe_decode(x, ids, w, ex, cfg, out=y)
+
+        times[repr(cfg)] = graph_ms(step, layers)
+        print(f"{model} {quant} {times[repr(cfg)] * 1e3:6.1f} us "
+              f"{roof_ms / times[repr(cfg)]:5.2f} {cfg}", flush=True)  # fmt: skip
+    return {
+        "bench": "gpu_moe_sweep", "model": model, "quant": quant, "tokens": 1,
+        "config": {"D": D, "I": I, "E": E, "K": K, "layers_in_graph": layers},
+        "routed_bytes": routed_bytes, "copy_bw_gbps": bw / 1e9, "roofline_ms": roof_ms,
+        "sweep_ms": times, "sweep_roofline_fraction": {c: roof_ms / t for c, t in times.items()},
+    }  # fmt: skip
+
+
 def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     """(a) all experts read (same kernel; torch bmm for bf16), (b) per-expert torch loop."""
     all_ids = torch.arange(E, device="cuda")[None]
@@ -261,11 +300,24 @@ def main() -> None:
     ap.add_argument("--quant", nargs="+", default=["int8", "int4", "bf16"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8])
     ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
+    ap.add_argument("--configs", default=None,
+                    help="one token only, no references: the default config and these overrides "
+                    "of it, e.g. 'bn=4,bk=64;bn_d=32,warps_d=2'")  # fmt: skip
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth()
     hw = hardware()
     rows = []
+    if args.configs is not None:
+        for model, (D, I, E, K) in MODELS.items():
+            for quant in args.quant:
+                cfgs = parse_configs(quant, args.configs)
+                rows.append(sweep_only(model, quant, D, I, E, K, args.layers, bw, gen, cfgs))
+                torch.cuda.empty_cache()
+                for r in rows[-1:]:  # written as each model is done: a time limit keeps them
+                    r.update(triton=triton.__version__, source=args.commit or commit())
+                    write_jsonl(args.out, [r])
+        return
     for model, (D, I, E, K) in MODELS.items():
         for quant in args.quant:
             rows += bench_one(model, quant, D, I, E, K, args.layers, bw, gen, args.tokens)
