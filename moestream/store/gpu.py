@@ -25,7 +25,7 @@ import torch
 from moestream.config import ConfigError
 from moestream.kernels.dispatch import moe_kernel
 from moestream.kernels.triton import combine_pairs, moe_pairs, unsupported
-from moestream.kernels.triton.layout import StackedExperts
+from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 from moestream.store.format import Store
 from moestream.store.io import IOConfig, RecordReader
 from moestream.store.policy import SlotTable, make_policy
@@ -244,13 +244,24 @@ class GpuExperts:
         slots = self._slot_ids(layer, ids)
         if slots is None:
             return self._chunked(layer, x, ids, weights)
-        return self.kernel(x, slots, weights, self.pool)
+        return self._compute(x, ids, slots, weights)
+
+    def _compute(self, x, ids, slots, weights) -> torch.Tensor:
+        """The routed experts held at `slots`. The reference kernel (asked for, or the Triton
+        kernels' fallback for shapes they do not take) adds experts in ascending id order, so it
+        gets expert ids and their slots: summing in slot order would make the bits depend on the
+        cache's slot assignment."""
+        if self.cfg.kernel == "triton" and not unsupported(self.pool, x.shape[0]):
+            return self.kernel(x, slots, weights, self.pool)
+        return moe_stacked_ref(x, ids, weights, self.pool, slots=slots)
 
     def _chunked(self, layer: int, x, ids, weights) -> torch.Tensor:
         """A prefill whose experts do not fit the pool at once: the (token, k) pairs of each chunk
         of experts run as a K=1 problem over their tokens. With the Triton kernels each pair's
         fp32 row lands in one [T * K, D] buffer and `combine_pairs` adds them in slot order: the
-        bits of the resident call. The reference kernel adds each chunk in x's dtype instead."""
+        bits of the resident call. With the reference kernel (which adds experts in ascending id
+        order, in x's dtype) each expert's rows are added in that order, one expert at a time
+        (no repeated index in one index_add_, whose order CUDA does not fix): the same bits."""
         li = self.layer_index[layer]
         self.chunked += 1
         T, K = ids.shape
@@ -277,8 +288,12 @@ class GpuExperts:
             if pairs:
                 rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T)
             else:
-                y = self.kernel(x[tok], slots, w, self.pool)
-                out.index_add_(0, tok, y.to(out.dtype))
+                y = moe_stacked_ref(x[tok], flat[sel].reshape(-1, 1), w, self.pool, slots)
+                y = y.to(out.dtype)
+                owner = host[sel.cpu()]
+                for e in chunk:  # ascending ids, as the resident call adds them
+                    at = torch.nonzero(owner == e).reshape(-1).to(self.device)
+                    out.index_add_(0, tok[at], y[at])
         return combine_pairs(rows, K, x.dtype) if pairs else out
 
     # ---- stats ---------------------------------------------------------------------------------

@@ -80,14 +80,24 @@ def quantize_stacked(scheme: QuantScheme, w13: torch.Tensor, w2: torch.Tensor) -
 
 
 def moe_stacked_ref(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: StackedExperts,
+    slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec: kernels/ref.py's dequantize + moe_ref in x's dtype. moe_ref indexes with CPU
-    tensors, so it runs on the CPU (only the routed experts are copied) and returns on x's device."""
+    tensors, so it runs on the CPU (only the routed experts are copied) and returns on x's device.
+    `slots` (same shape as ids): expert ids[t, k] is held at index slots[t, k] of `experts` (a slot
+    pool); the experts are still added in ascending expert id, as with every expert resident, so
+    the bits do not depend on which slots hold them."""
     g = experts.scheme.group_size
+    where = None
+    if slots is not None:
+        where = dict(zip(ids.reshape(-1).tolist(), slots.reshape(-1).tolist()))
 
     def get(e):
-        sec = experts.expert(e)
+        sec = experts.expert(e if where is None else where[e])
         return tuple(dequantize(sec, n, g, x.dtype).cpu() for n in NAMES)
 
     out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
