@@ -49,14 +49,6 @@ def resources(compiled, tmp: Path) -> dict:
     return {k: int(v) for k, v in re.findall(r"(REG|STACK):(\d+)", out)}
 
 
-def blocks_per_sm(regs: int, warps: int, shared: int) -> int:
-    """Resident programs per sm_90 SM: 64K registers (per warp in units of 256), 64 warps,
-    32 programs, 228 KB shared memory (1 KB reserved per program)."""
-    per_warp = -(-regs * 32 // 256) * 256
-    by_regs = 65536 // (per_warp * warps)
-    return min(by_regs, 64 // warps, 32, (228 << 10) // (shared + 1024))
-
-
 def opcodes(compiled, tmp: Path) -> collections.Counter:
     tmp.write_bytes(compiled.asm["cubin"])
     out = subprocess.run([str(CUOBJDUMP), "--dump-sass", str(tmp)], capture_output=True,
@@ -158,7 +150,7 @@ def main() -> None:
                 conv = c.asm["ttgir"].count("convert_layout")
                 fam = "mma" if cfg.mma else "cuda-cores"
                 # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
-                bps = blocks_per_sm(res["REG"], warps, c.metadata.shared)
+                bps = dk.blocks_per_sm(res["REG"], warps, c.metadata.shared)
                 waves = 8 * per_pair / (132 * bps)
                 if args.config:
                     print(cfg)
