@@ -202,12 +202,18 @@ CASES = [
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_decode_cuda(quant, case, T):
-    from moestream.kernels.triton.decode import moe_decode
+@pytest.mark.parametrize("fused", [False, True])
+def test_decode_cuda(quant, case, T, fused):
+    """The default tiles, as two launches and as the one-launch layer (persistent programs,
+    work counter); each twice, so the second call reuses the counters the first one reset."""
+    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, fit_config, moe_decode
 
     (E, D, I, K), dtype = case
+    cfg = (
+        replace(fit_config(quant, D, I, 32, DEFAULT_CONFIGS[quant]), fused=True) if fused else None
+    )
     for seed in range(2):
-        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T)
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 
 
 @pytest.mark.cuda
@@ -224,20 +230,6 @@ def test_decode_mma_cuda(quant, case, T):
     for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T,
                cfg=replace(cfg, stages=stages))  # fmt: skip
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("T", [1, 8])
-def test_decode_fused_cuda(quant, case, T):
-    """The one-launch layer (persistent programs, work counter) with the default tiles."""
-    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, fit_config, moe_decode
-
-    (E, D, I, K), dtype = case
-    cfg = replace(fit_config(quant, D, I, 32, DEFAULT_CONFIGS[quant]), fused=True)
-    for seed in range(2):  # the second call reuses the counters the first one reset
-        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + 100 * seed + T, cfg=cfg)
 
 
 @pytest.mark.cuda
