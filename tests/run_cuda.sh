@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Every CUDA test in one device call: four shards at once (compiling is CPU-bound, the GPU has
+# room), then the slow tile-variant sweep, each shard under its own time limit so a slow or hung
+# shard cannot take the others' results with it. Reports land in OUT_DIR/tests_<shard>.txt and a
+# one-line summary per shard is printed.
+#   bash tests/run_cuda.sh "$OUT" [SECONDS_PER_SHARD]      (PYTHON=... to pick the interpreter)
+set -u
+out=${1:?usage: tests/run_cuda.sh OUT_DIR [SECONDS_PER_SHARD]}
+limit=${2:-300}
+py=${PYTHON:-python}
+export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
+kern=tests/test_triton_kernels.py
+
+shard() {
+    local name=$1
+    shift
+    timeout "$limit" "$py" -m pytest -q "$@" >"$out/tests_$name.txt" 2>&1
+    local rc=$?
+    echo "$name (exit $rc): $(tail -n 1 "$out/tests_$name.txt")"
+}
+
+# The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
+shard decode -m cuda "$kern" -k test_decode_cuda &
+shard mma -m cuda "$kern" -k mma_cuda &
+shard prefill "$kern" -k "prefill_cuda or dispatcher_cuda or pair_rows or fused_layer" &
+shard provider -m cuda tests/test_gpu_provider.py &
+wait
+shard variants -m cuda "$kern" -k variants_cuda
