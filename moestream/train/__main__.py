@@ -1,9 +1,9 @@
 """CLI: python -m moestream.train {tokenizer,fit,bench,export} ...
 
-python scripts/build_corpus.py --out data/corpus
-python -m moestream.train tokenizer --corpus data/corpus --out data/tok --vocab 8192
-python -m moestream.train fit --data data/tok --out runs/pystd --steps 1200
-python -m moestream.train export --ckpt runs/pystd/ckpt --tokenizer data/tok --out models/NAME
+    python scripts/build_corpus.py --out data/corpus
+    python -m moestream.train tokenizer --corpus data/corpus --out data/tok --vocab 8192
+    python -m moestream.train fit --data data/tok --out runs/pystd --steps 1200
+    python -m moestream.train export --ckpt runs/pystd/ckpt --tokenizer data/tok --out models/NAME
 """
 
 from __future__ import annotations
