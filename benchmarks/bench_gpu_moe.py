@@ -69,8 +69,8 @@ SWEEP = {
         replace(_D["int4"], pdl=False),
         replace(_D["int4"], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
         replace(_D["int4"], bk=256),
+        replace(_D["int4"], stages=0),  # the K loop unrolled
         replace(_D["int4"], stages=2),
-        replace(_D["int4"], stages=3),
         replace(_D["int4"], bk_d=512),
         replace(_D["int4"], fused=True),
         replace(_D["int4"], fused=True, bk=64, bk_d=128),

@@ -60,8 +60,10 @@ DEFAULT_CONFIGS = {
     # Best gate/up and down tiles of a per-kernel sweep at T=1 on the H200 (docs/gpu.md)
     "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=16, bk_d=256),
     "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=8, bk_d=256, warps_d=2),
-    # int4 on tensor cores: 26.5 vs 31.1 us per Qwen3-30B layer (tune_gpu_decode.jsonl)
-    "int4": DecodeConfig(bn=64, bk=128, split=4, bn_d=64, bk_d=256, mma=True),
+    # int4 on tensor cores: 26.5 vs 31.1 us per Qwen3-30B layer (tune_gpu_decode.jsonl); the
+    # K loop software-pipelined 3 deep: 24.8-24.9 vs 25.9 us (Qwen3-30B), 20.5-20.6 vs 22.7-23.4
+    # (Qwen3.5-35B) in two runs (gpu_moe.jsonl, sources 09cde96 and 2c2daee)
+    "int4": DecodeConfig(bn=64, bk=128, split=4, bn_d=64, bk_d=256, mma=True, stages=3),
 }
 # Tensor-core variants (first guesses; benchmarks/tune_gpu_decode.py sweeps them)
 MMA_CONFIGS = {
