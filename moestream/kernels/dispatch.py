@@ -17,7 +17,8 @@ def qlinear(kind: str = "cpu"):
 
 def moe_kernel(kind: str = "ref"):
     """Whole routed-MoE kernel over a layer's `StackedExperts` (device tensors): 'ref' is the
-    pure-torch spec, 'triton' the CUDA kernels (imported only when asked: triton is optional)."""
+    pure-torch spec, 'triton' the CUDA kernels (imported only when asked: triton is optional).
+    Both are called (x, ids, weights, experts, expert_ids=None): ids index `experts`."""
     if kind == "ref":
         from moestream.kernels.triton.layout import moe_stacked_ref
 

@@ -25,7 +25,7 @@ import torch
 from moestream.config import ConfigError
 from moestream.kernels.dispatch import moe_kernel
 from moestream.kernels.triton import combine_pairs, moe_pairs, unsupported
-from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
+from moestream.kernels.triton.layout import StackedExperts
 from moestream.store.format import Store
 from moestream.store.io import IOConfig, RecordReader
 from moestream.store.policy import SlotTable, make_policy
@@ -244,16 +244,8 @@ class GpuExperts:
         slots = self._slot_ids(layer, ids)
         if slots is None:
             return self._chunked(layer, x, ids, weights)
-        return self._compute(x, ids, slots, weights)
-
-    def _compute(self, x, ids, slots, weights) -> torch.Tensor:
-        """The routed experts held at `slots`. The reference kernel (asked for, or the Triton
-        kernels' fallback for shapes they do not take) adds experts in ascending id order, so it
-        gets expert ids and their slots: summing in slot order would make the bits depend on the
-        cache's slot assignment."""
-        if self.cfg.kernel == "triton" and not unsupported(self.pool, x.shape[0]):
-            return self.kernel(x, slots, weights, self.pool)
-        return moe_stacked_ref(x, ids, weights, self.pool, slots=slots)
+        # expert ids: the reference kernel adds experts in ascending id, not slot, order
+        return self.kernel(x, slots, weights, self.pool, expert_ids=ids)
 
     def _chunked(self, layer: int, x, ids, weights) -> torch.Tensor:
         """A prefill whose experts do not fit the pool at once: the (token, k) pairs of each chunk
@@ -280,17 +272,17 @@ class GpuExperts:
             chunk = experts[c : c + cap]
             step = self.table.access(layer, chunk)
             self._load_misses(li, layer, step.misses, step.evicted)
-            sel = torch.nonzero((host >= chunk[0]) & (host <= chunk[-1])).reshape(-1)
-            sel = sel.to(self.device)
+            sel_host = torch.nonzero((host >= chunk[0]) & (host <= chunk[-1])).reshape(-1)
+            sel = sel_host.to(self.device)
             tok = sel // K
             slots = self.slot_map[li][flat[sel]].reshape(-1, 1)
             w = weights.reshape(-1)[sel].reshape(-1, 1)
             if pairs:
                 rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T)
             else:
-                y = moe_stacked_ref(x[tok], flat[sel].reshape(-1, 1), w, self.pool, slots)
+                y = self.kernel(x[tok], slots, w, self.pool, expert_ids=flat[sel].reshape(-1, 1))
                 y = y.to(out.dtype)
-                owner = host[sel.cpu()]
+                owner = host[sel_host]
                 for e in chunk:  # ascending ids, as the resident call adds them
                     at = torch.nonzero(owner == e).reshape(-1).to(self.device)
                     out.index_add_(0, tok[at], y[at])

@@ -38,13 +38,19 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
 
 
 def moe_experts(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    experts: StackedExperts,
+    expert_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """x [T, D], ids [T, K], weights [T, K] -> [T, D]: the routed experts' weighted sum."""
+    """x [T, D], ids [T, K], weights [T, K] -> [T, D]: the routed experts' weighted sum.
+    `expert_ids`: see `moe_stacked_ref` (only the reference fallback's summation order needs them;
+    the kernels add a token's experts in slot order)."""
     from moestream.kernels.triton import decode, prefill
 
     if unsupported(experts, x.shape[0]):
-        return moe_stacked_ref(x, ids, weights, experts)
+        return moe_stacked_ref(x, ids, weights, experts, expert_ids)
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts)
     return prefill.moe_prefill(x, ids, weights, experts)

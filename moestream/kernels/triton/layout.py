@@ -84,17 +84,18 @@ def moe_stacked_ref(
     ids: torch.Tensor,
     weights: torch.Tensor,
     experts: StackedExperts,
-    slots: torch.Tensor | None = None,
+    expert_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The spec: kernels/ref.py's dequantize + moe_ref in x's dtype. moe_ref indexes with CPU
     tensors, so it runs on the CPU (only the routed experts are copied) and returns on x's device.
-    `slots` (same shape as ids): expert ids[t, k] is held at index slots[t, k] of `experts` (a slot
-    pool); the experts are still added in ascending expert id, as with every expert resident, so
-    the bits do not depend on which slots hold them."""
+    `ids` index `experts`; when that is a slot pool, `expert_ids` (same shape) names the expert
+    each slot holds, and experts are added in ascending expert id, as with every expert
+    resident, so the bits do not depend on which slots hold them."""
     g = experts.scheme.group_size
     where = None
-    if slots is not None:
-        where = dict(zip(ids.reshape(-1).tolist(), slots.reshape(-1).tolist()))
+    if expert_ids is not None:
+        where = dict(zip(expert_ids.reshape(-1).tolist(), ids.reshape(-1).tolist()))
+        ids = expert_ids
 
     def get(e):
         sec = experts.expert(e if where is None else where[e])
