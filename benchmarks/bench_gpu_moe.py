@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit, hardware, write_jsonl  # noqa: E402
+from common import commit, hardware, override, write_jsonl  # noqa: E402
 
 from moestream.kernels.triton.decode import (  # noqa: E402
     DEFAULT_CONFIGS,
@@ -239,12 +239,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
 def parse_configs(quant: str, spec: str) -> list:
     """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
     the flags)."""
-    base, out = DEFAULT_CONFIGS[quant], [DEFAULT_CONFIGS[quant]]
-    for item in filter(None, spec.split(";")):
-        kw = {k: int(v) for k, v in (kv.split("=") for kv in item.split(","))}
-        out.append(replace(base, **{k: bool(v) if isinstance(getattr(base, k), bool) else v
-                                    for k, v in kw.items()}))  # fmt: skip
-    return out
+    base = DEFAULT_CONFIGS[quant]
+    return [base] + [override(base, item) for item in filter(None, spec.split(";"))]
 
 
 def sweep_only(model, quant, D, I, E, K, layers, bw, gen, cfgs) -> dict:

@@ -7,6 +7,7 @@ import os
 import platform
 import subprocess
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -63,3 +64,10 @@ def write_jsonl(path: str | Path, rows: list[dict]) -> None:
                 json.dumps({"time": stamp, "commit": commit(), "hardware": hardware(), **row})
                 + "\n"
             )
+
+
+def override(cfg, spec: str):
+    """A frozen config with fields replaced from 'bn=8,mma=1' (whole numbers; 0/1 for flags)."""
+    kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
+    return replace(cfg, **{k: bool(v) if isinstance(getattr(cfg, k), bool) else v
+                           for k, v in kw.items()})  # fmt: skip

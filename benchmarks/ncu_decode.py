@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu_moe import MODELS, random_layer, routing  # noqa: E402
+from common import override  # noqa: E402
 
 from moestream.kernels.triton.decode import DEFAULT_CONFIGS, moe_decode  # noqa: E402
 
@@ -33,10 +33,8 @@ def main() -> None:
     args = ap.parse_args()
     D, I, E, K = MODELS[args.model]
     cfg = DEFAULT_CONFIGS[args.quant]
-    if args.config:  # "bn=8,mma=1": ints, and 0/1 for the flags
-        kw = {k: int(v) for k, v in (kv.split("=") for kv in args.config.split(","))}
-        cfg = replace(cfg, **{k: bool(v) if isinstance(getattr(cfg, k), bool) else v
-                              for k, v in kw.items()})  # fmt: skip
+    if args.config:
+        cfg = override(cfg, args.config)
     gen = torch.Generator().manual_seed(0)
     ex = random_layer(args.quant, D, I, E)
     x = torch.randn(args.tokens, D, generator=gen).cuda().bfloat16()

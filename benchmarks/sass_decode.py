@@ -16,6 +16,7 @@ import argparse
 import collections
 import re
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,6 +26,9 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moestream.kernels.triton import decode as dk
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import override  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
@@ -124,12 +128,7 @@ def main() -> None:
     for quant in args.quant:
         cfgs = [dk.DEFAULT_CONFIGS[quant]]
         if args.config:
-            base = cfgs[0]
-            cfgs = []
-            for spec in args.config:
-                kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}
-                cfgs.append(replace(base, **{k: bool(v) if isinstance(getattr(base, k), bool)
-                                             else v for k, v in kw.items()}))  # fmt: skip
+            cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":
             other = dk.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
@@ -151,12 +150,15 @@ def main() -> None:
                 fam = "mma" if cfg.mma else "cuda-cores"
                 # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
                 bps = dk.blocks_per_sm(res["REG"], warps, c.metadata.shared)
-                waves = 8 * per_pair / (132 * bps)
+                # (the fused kernel is persistent: one wave of programs taking items)
+                waves = (
+                    "persistent" if name == "fused" else f"{8 * per_pair / (132 * bps):4.2f} waves"
+                )
                 if args.config:
                     print(cfg)
                 print(f"{args.model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
                       f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
-                      f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, {waves:4.2f} waves "
+                      f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, {waves} "
                       f"at T=1, shared {c.metadata.shared:6} B, "
                       f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
 
