@@ -170,10 +170,10 @@ def main() -> None:
 
     from moestream.convert.cache import cached_store
     from moestream.engine.tokenizer import Tokenizer
-    from moestream.loader import resolve_dtype
+    from moestream.experts.config import GpuConfig
+    from moestream.loader import load_model, resolve_dtype
     from moestream.quant import make_scheme
     from moestream.store.format import Store
-    from moestream.store.gpu import GpuConfig, load_store_gpu
     from moestream.store.io import IOConfig
 
     dtype = resolve_dtype(a.dtype)
@@ -223,8 +223,8 @@ def main() -> None:
         hf_tokens = run_hf(a, dtype, ids, emit)
 
     # resident
-    loaded = load_store_gpu(store, GpuConfig(resident=True, kernel=kernel), dtype, DEV)
-    prov = loaded.model.moe_blocks[0].provider
+    loaded = load_model(store, GpuConfig(resident=True, kernel=kernel, device=DEV), dtype)
+    prov = loaded.provider
     ours(loaded.model, loaded.args, ids, a.tokens)
     r = ours(loaded.model, loaded.args, ids, a.tokens, prov)
     resident_s = r["decode_seconds"] / (a.tokens - 1)
@@ -237,7 +237,9 @@ def main() -> None:
     from moestream.config import SamplingConfig
     from moestream.runtime import open_model
 
-    rt = open_model(store, dtype=a.dtype, device=DEV, gpu=GpuConfig(resident=True, kernel=kernel))
+    rt = open_model(
+        store, dtype=a.dtype, experts=GpuConfig(resident=True, kernel=kernel, device=DEV)
+    )
     scfg = SamplingConfig(max_new_tokens=a.tokens, ignore_eos=True)
     rt.generator.generate(ids, scfg)
     res = rt.generator.generate(ids, scfg)
@@ -261,9 +263,10 @@ def main() -> None:
                 pinned_mirror=host == "pinned",
                 io=IOConfig(mode="pagecache", threads=8),
                 kernel=kernel,
+                device=DEV,
             )
-            loaded = load_store_gpu(store, cfg, dtype, DEV)
-            prov = loaded.model.moe_blocks[0].provider
+            loaded = load_model(store, cfg, dtype)
+            prov = loaded.provider
             ours(loaded.model, loaded.args, ids, a.tokens, prov)  # warm-up: compile, fill the pool
             r = ours(loaded.model, loaded.args, ids, a.tokens, prov)
             s, dec = r["stats"], a.tokens - 1

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import write_jsonl  # noqa: E402
 
 from moestream.engine.kv_cache import KVCache  # noqa: E402
-from moestream.loader import load_hf  # noqa: E402
+from moestream.loader import load_model  # noqa: E402
 
 
 def build(folder: Path, layers: int, experts: int, k: int) -> None:
@@ -163,7 +163,7 @@ def main() -> None:
         for layers, experts, k in shapes:
             folder = Path(tmp) / f"m{layers}"
             build(folder, layers, experts, k)
-            loaded = load_hf(folder)
+            loaded = load_model(folder)
             floor = dispatch_floor_us()
             ms = decode_ms(loaded.model, loaded.args, a.steps)
             prof = profile_step(loaded.model, loaded.args)

@@ -52,8 +52,9 @@ from moestream.obs.trace import load_trace
 from moestream.predict.base import Prediction, Predictor
 from moestream.predict.pipeline import attach
 from moestream.store.io import IOConfig
-from moestream.store.load import load_store
-from moestream.store.stream import StreamConfig, stats_delta
+from moestream.loader import load_model
+from moestream.experts.base import stats_delta
+from moestream.experts.config import StreamConfig
 store, mode, trace_dir, preds_file = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
 seq, warm, n = (int(a) for a in sys.argv[6:9])
 t = load_trace(trace_dir)
@@ -66,7 +67,7 @@ cfg = StreamConfig(
     policy=mode["policy"],
     overlap=mode["overlap"],
 )
-loaded = load_store(store, cfg)
+loaded = load_model(store, cfg)
 model = loaded.model
 cursor = [0]
 def make_route(col):
@@ -84,10 +85,11 @@ class Replay(Predictor):
     def observe(self, col, pos, x, ids):
         rows = self.table.get(f"{pos},{col}", [])
         return [Prediction(l, p, tuple(e), tuple(sc)) for l, p, e, sc in rows]
+p = loaded.provider
 if mode["predictor"] != "none":
     table = json.load(open(preds_file))
-    attach(model, Replay(table), mode["routing"], mode["min_score"]).reset()
-p = model.moe_blocks[0].provider
+    p = attach(model, p, Replay(table), mode["routing"], mode["min_score"])
+    p.reset()
 V = loaded.args.vocab_size
 tokens = [int(v) % V for v in t.tokens[s["offset"] : s["offset"] + s["length"]]]
 P = s["prompt_tokens"]
@@ -136,7 +138,7 @@ def prediction_tables(
     from moestream.predict.recall import overall, replay_recall
     from moestream.runtime import open_model
 
-    model = open_model(ref).generator.model
+    model = open_model(ref).model
     h = PrerouterHeads.load(heads) if heads else None
     out = {}
     s = trace.sequences[seq]

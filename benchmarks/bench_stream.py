@@ -28,18 +28,18 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # spinning OpenMP threads s
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[3]))
 from moestream.engine.kv_cache import KVCache
-from moestream.store.load import load_store
+from moestream.loader import load_model
 from moestream.store.io import IOConfig
-from moestream.store.stream import StreamConfig
+from moestream.experts.config import StreamConfig
 mode, budget, n = json.loads(sys.argv[2]), None, int(sys.argv[4])
 cfg = StreamConfig(
     memory_budget=mode.get("budget"), resident=mode.get("resident", False),
     io=IOConfig(mode=mode.get("io", "direct")),
 )
 t0 = time.perf_counter()
-loaded = load_store(sys.argv[1], cfg)
+loaded = load_model(sys.argv[1], cfg)
 load_s = time.perf_counter() - t0
-p = loaded.model.moe_blocks[0].provider
+p = loaded.provider
 cache = KVCache(loaded.args, 16 + n, torch.float32)
 ids = list(range(40, 56))
 with torch.no_grad():

@@ -132,51 +132,52 @@ def _add_store_args(p) -> None:
     )
 
 
-def _predict_kwargs(a: argparse.Namespace) -> dict:
-    return {
-        "predictor": a.predictor,
-        "routing": a.routing,
-        "trace": a.oracle_trace,
-        "min_score": a.min_score,
-        "predict_ahead": a.predict_ahead,
-    }
+def _predict_config(a: argparse.Namespace):
+    from moestream.experts.config import PredictConfig
+
+    return PredictConfig(
+        predictor=getattr(a, "predictor", "none"),
+        routing=getattr(a, "routing", "exact"),
+        trace=getattr(a, "oracle_trace", None),
+        min_score=getattr(a, "min_score", 0.0),
+        ahead=getattr(a, "predict_ahead", 1),
+    )
 
 
 def _store_kwargs(a: argparse.Namespace) -> dict:
-    """open_model's stream/quant arguments from the flags; {} keeps the plain HF path."""
-    if a.device == "cuda":
-        return _gpu_kwargs(a)
+    """open_model's experts/quant/predict arguments from the flags (no experts config: a store
+    opens resident, a Hugging Face folder loads directly)."""
     from moestream.config import parse_size
+    from moestream.experts.config import StreamConfig
     from moestream.store.io import IOConfig
-    from moestream.store.stream import StreamConfig
 
+    kw = {"quant": a.quant, "threads": a.threads, "predict": _predict_config(a)}
+    if a.device == "cuda":
+        return {**kw, "experts": _gpu_config(a)}
     if a.memory_budget is None and not a.resident and a.io is None:
-        return {"quant": a.quant, "threads": a.threads, **_predict_kwargs(a)}
+        return kw
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
     budget = None if a.memory_budget is None else parse_size(a.memory_budget)
     stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
-    return {"stream": stream, "quant": a.quant, "threads": a.threads, **_predict_kwargs(a)}
+    return {**kw, "experts": stream}
 
 
-def _gpu_kwargs(a: argparse.Namespace) -> dict:
+def _gpu_config(a: argparse.Namespace):
     from moestream.config import ConfigError, parse_size
-    from moestream.store.gpu import GpuConfig
+    from moestream.experts.config import GpuConfig
     from moestream.store.io import IOConfig
 
-    if getattr(a, "predictor", "none") != "none" or getattr(a, "routing", "exact") != "exact":
-        raise ConfigError("routing prediction is not implemented with --device cuda")
     if a.memory_budget is not None:
         raise ConfigError("--memory-budget is the CPU cache; with --device cuda use --gpu-budget")
     budget = None if a.gpu_budget is None else parse_size(a.gpu_budget)
     io = IOConfig(mode=a.io or "pagecache", threads=a.io_threads, split=a.io_split)
-    gpu = GpuConfig(
+    return GpuConfig(
         gpu_budget=budget,
         resident=a.resident or budget is None,
         pinned_mirror=a.pin_experts,
         io=io,
         policy=a.policy,
     )
-    return {"quant": a.quant, "device": "cuda", "gpu": gpu}
 
 
 def _add_convert(sub) -> None:
@@ -220,11 +221,15 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     _setup_threads(a.threads)
     cfg = _sampling(a)
-    rt = open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a))
+    with open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a)) as rt:
+        return _generate(rt, a, cfg)
+
+
+def _generate(rt, a: argparse.Namespace, cfg) -> int:
     if not a.no_memory_guard:
         from moestream.obs.guard import MemoryGuard
 
-        MemoryGuard().attach(rt.generator.model)  # PSI + swap growth; off without /proc files
+        MemoryGuard().attach(rt.model)  # PSI + swap growth; off without /proc files
     prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)
@@ -301,13 +306,13 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 2
     from pathlib import Path
 
-    rt = _open_runtime(a)
-    model_id = a.model_name or Path(a.model).resolve().name
-    print(
-        f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
-        file=sys.stderr,
-    )
-    uvicorn.run(create_app(rt, model_id), host=a.host, port=a.port, log_level=a.log_level)
+    with _open_runtime(a) as rt:
+        model_id = a.model_name or Path(a.model).resolve().name
+        print(
+            f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
+            file=sys.stderr,
+        )
+        uvicorn.run(create_app(rt, model_id), host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
 
@@ -327,8 +332,8 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from moestream.chat import run_chat
 
     cfg = _sampling(a)
-    rt = _open_runtime(a, progress=sys.stderr.isatty())
-    return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
+    with _open_runtime(a, progress=sys.stderr.isatty()) as rt:
+        return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
 
 
 def _add_obs(sub) -> None:
@@ -406,15 +411,22 @@ def _add_obs(sub) -> None:
 
 def cmd_trace(a: argparse.Namespace) -> int:
     from moestream.obs.guard import MemoryGuard
-    from moestream.obs.trace import read_prompts, record_trace
+    from moestream.obs.trace import read_prompts
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
     prompts = read_prompts(a.prompts)
     cfg = _sampling(a)
-    rt = open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a))
-    if not a.no_memory_guard:
-        MemoryGuard().attach(rt.generator.model)
+    with open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a)) as rt:
+        if not a.no_memory_guard:
+            MemoryGuard().attach(rt.model)
+        out = _trace(rt, a, prompts, cfg)
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _trace(rt, a: argparse.Namespace, prompts, cfg):
+    from moestream.obs.trace import record_trace
 
     def progress(i, res):
         print(
@@ -423,11 +435,9 @@ def cmd_trace(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
 
-    out = record_trace(
+    return record_trace(
         rt, prompts, cfg, a.out, hidden=a.hidden, chat=a.chat, dtype=a.dtype, on_sequence=progress
     )
-    print(f"wrote {out}", file=sys.stderr)
-    return 0
 
 
 def cmd_stats(a: argparse.Namespace) -> int:
@@ -573,14 +583,14 @@ def cmd_recall(a: argparse.Namespace) -> int:
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
-    rt = open_model(a.model, progress=False)
-    t = load_trace(a.trace)
-    found = find_heads(a.model, rt.folder)
-    heads = PrerouterHeads.load(found) if found else None
-    names = a.predictor or ["temporal"]
-    if a.predictor is None and t.hidden is not None:
-        names += ["stale-gate"] + (["prerouter"] if heads is not None else [])
-    table = recall_table(rt.generator.model, t, names, heads)
+    with open_model(a.model, progress=False) as rt:
+        t = load_trace(a.trace)
+        found = find_heads(a.model, rt.folder)
+        heads = PrerouterHeads.load(found) if found else None
+        names = a.predictor or ["temporal"]
+        if a.predictor is None and t.hidden is not None:
+            names += ["stale-gate"] + (["prerouter"] if heads is not None else [])
+        table = recall_table(rt.model, t, names, heads)
     if a.json:
         print(
             json.dumps({"per_layer": table, "overall": {n: overall(r) for n, r in table.items()}})
@@ -607,8 +617,8 @@ def cmd_train_prerouter(a: argparse.Namespace) -> int:
         trace = merge_traces([load_trace(t) for t in a.traces])
     else:
         trace = load_trace(a.traces[0])
-    rt = open_model(a.model, progress=False)
-    routers = [b.gate.weight.detach().float() for b in rt.generator.model.moe_blocks]
+    with open_model(a.model, progress=False) as rt:
+        routers = [b.gate.weight.detach().float() for b in rt.model.moe_blocks]
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = TrainConfig(
         hidden=a.hidden,
@@ -646,17 +656,18 @@ def cmd_eval(a: argparse.Namespace) -> int:
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
-    cand = open_model(a.model, dtype=a.dtype, progress=False, **_store_kwargs(a))
-    ref = None
-    if not a.no_reference:
-        ref = open_model(a.reference or a.model, dtype="float32", progress=False)
-    ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
-    ctx = min(a.ctx, cand.args.max_position_embeddings)
-    stepwise = a.routing == "predicted"
-    out = evaluate(cand, ref, ids, ctx, stepwise)
-    provider = cand.generator.model.moe_blocks[0].provider
-    if hasattr(provider, "stats"):
-        out["provider"] = provider.stats()
+    with open_model(a.model, dtype=a.dtype, progress=False, **_store_kwargs(a)) as cand:
+        ref = None
+        if not a.no_reference:
+            ref = open_model(a.reference or a.model, dtype="float32", progress=False)
+        ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
+        ctx = min(a.ctx, cand.args.max_position_embeddings)
+        try:
+            out = evaluate(cand, ref, ids, ctx, stepwise=a.routing == "predicted")
+        finally:
+            if ref is not None:
+                ref.close()
+        out["provider"] = cand.provider.stats()
     out["config"] = {
         "model": str(a.model),
         "dtype": a.dtype,

@@ -1,7 +1,17 @@
-"""The error types that mean "the input is wrong" (shown to users as one line, exit code 2)."""
+"""The error types that mean "the input is wrong" (shown to users as one line, exit code 2).
+
+They live here, below every package, so that convert/, store/ and engine/ raise them without
+importing each other."""
 
 from moestream.config import ConfigError
-from moestream.convert.hf import CheckpointError
-from moestream.engine.tokenizer import TokenizerError
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded as is; the message names the file or tensor."""
+
+
+class TokenizerError(ValueError):
+    """Tokenizer files that are missing, unreadable or do not belong to the model."""
+
 
 USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, FileNotFoundError)

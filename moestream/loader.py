@@ -1,4 +1,11 @@
-"""Load a Hugging Face checkpoint folder into a native model with a resident expert provider."""
+"""The one loader: a folder (Hugging Face checkpoint or expert store) plus an experts config ->
+the native model and its expert provider.
+
+    HF folder            -> dense weights + every expert in RAM (ResidentExperts)
+    store + StreamConfig -> dense weights + StreamingExperts (resident / slot cache) or MmapExperts
+    store + GpuConfig    -> dense weights on the GPU + GpuExperts
+
+A store's budget is checked against its manifest before any dense weight is read."""
 
 from __future__ import annotations
 
@@ -8,12 +15,16 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from moestream.config import ModelArgs
-from moestream.convert.hf import CheckpointError, HFCheckpoint
+from moestream.config import ConfigError, ModelArgs
+from moestream.convert.hf import HFCheckpoint
+from moestream.errors import CheckpointError
+from moestream.experts.base import ExpertProvider
+from moestream.experts.config import ExpertsConfig, GpuConfig, StreamConfig, slot_count
+from moestream.experts.resident import ResidentExperts
 from moestream.kernels.ref import ExpertActivation
 from moestream.models import model_module
 from moestream.models.base import MoeCausalLM
-from moestream.store.provider import ResidentExperts
+from moestream.store.format import Store, is_store
 
 DTYPES = {
     "float32": torch.float32,
@@ -126,15 +137,51 @@ def load_resident_experts(
 class Loaded:
     args: ModelArgs
     model: MoeCausalLM
+    provider: ExpertProvider
     folder: Path
 
 
-def load_hf(
-    folder: str | Path, dtype: str | torch.dtype = "float32", progress: bool = False
+def load_model(
+    folder: str | Path,
+    experts: ExpertsConfig | None = None,
+    dtype: str | torch.dtype = "float32",
+    progress: bool = False,
 ) -> Loaded:
+    """A runnable model from a folder. A store opens with `experts` (default: every expert
+    resident in RAM); a Hugging Face folder loads resident and takes no experts config (the
+    runtime converts it to a store first)."""
+    folder = Path(folder)
     dtype = resolve_dtype(dtype)
+    if is_store(folder):
+        return _load_store(folder, experts or StreamConfig(resident=True), dtype, progress)
+    if experts is not None:
+        raise ConfigError(f"{folder} is a Hugging Face folder: convert it to a store to stream it")
     ckpt = HFCheckpoint(folder)
     model = build_model(ckpt.args, dtype)
     load_dense(ckpt, model, dtype, progress)
-    model.set_provider(load_resident_experts(ckpt, dtype, progress))
-    return Loaded(ckpt.args, model, Path(folder))
+    provider = load_resident_experts(ckpt, dtype, progress)
+    model.set_provider(provider)
+    return Loaded(ckpt.args, model, provider, folder)
+
+
+def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: bool) -> Loaded:
+    store = Store(folder)
+    slot_count(store, cfg)  # a budget too small fails here, from the manifest alone
+    model = build_model(store.args, dtype)
+    load_dense(store, model, dtype, progress)
+    store.release_dense()
+    if isinstance(cfg, GpuConfig):
+        from moestream.experts.gpu import GpuExperts
+
+        model = model.to(cfg.device)
+        provider: ExpertProvider = GpuExperts(store, cfg)
+    elif cfg.mmap:
+        from moestream.experts.mmap import MmapExperts
+
+        provider = MmapExperts(store, cfg)
+    else:
+        from moestream.experts.streaming import StreamingExperts
+
+        provider = StreamingExperts(store, cfg)
+    model.set_provider(provider)
+    return Loaded(store.args, model, provider, folder)

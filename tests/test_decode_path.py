@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.resident import ResidentExperts
 from moestream.kernels.ref import moe_ref
-from moestream.loader import load_hf
-from moestream.store.provider import ResidentExperts
+from moestream.loader import load_model
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +36,7 @@ def test_resident_decode_matches_reference(dtype, k, weight_dtype):
 
 def test_fused_qkv_shares_memory_and_follows_a_cast(tiny_dir):
     folder = tiny_dir("qwen2_moe", "fused")  # q/k/v biases fused too
-    ours = load_hf(folder)
+    ours = load_model(folder)
     attn = ours.model.model.layers[0].self_attn
     # Fused by build_model before loading, not on first use: the weights were copied into the
     # views, so no unfused copy ever coexisted with them (peak memory, test_store_memory).

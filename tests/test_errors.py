@@ -11,7 +11,7 @@ import pytest
 
 from moestream.config import ConfigError, parse_size
 from moestream.convert.hf import CheckpointError
-from moestream.loader import load_hf
+from moestream.loader import load_model
 
 
 def copy(src, dst):
@@ -21,10 +21,10 @@ def copy(src, dst):
 
 def test_missing_folder_and_config(tmp_path):
     with pytest.raises(CheckpointError, match="no such folder"):
-        load_hf(tmp_path / "nope")
+        load_model(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError, match="config.json not found"):
-        load_hf(tmp_path / "empty")
+        load_model(tmp_path / "empty")
 
 
 def test_unsupported_model_type(tiny_dir, tmp_path):
@@ -33,14 +33,14 @@ def test_unsupported_model_type(tiny_dir, tmp_path):
     cfg["model_type"] = "llama"
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ConfigError, match="'llama' is not supported"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_invalid_config_json(tiny_dir, tmp_path):
     d = copy(tiny_dir("qwen3_moe"), tmp_path / "m")
     (d / "config.json").write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_missing_shard(tiny_dir, tmp_path):
@@ -48,7 +48,7 @@ def test_missing_shard(tiny_dir, tmp_path):
     shard = sorted(d.glob("model-*.safetensors"))[1]
     shard.unlink()
     with pytest.raises(CheckpointError, match=f"missing: {shard.name}"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_truncated_shard(tiny_dir, tmp_path):
@@ -57,7 +57,7 @@ def test_truncated_shard(tiny_dir, tmp_path):
     data = f.read_bytes()
     f.write_bytes(data[: len(data) - 100])
     with pytest.raises(CheckpointError, match="model.safetensors: file is truncated"):
-        load_hf(d)
+        load_model(d)
 
 
 def _rewrite(folder, fn):
@@ -76,21 +76,21 @@ def test_unknown_tensor(tiny_dir, tmp_path):
         d, lambda t: t.__setitem__("model.layers.0.mystery.weight", t["model.norm.weight"].clone())
     )
     with pytest.raises(CheckpointError, match="unknown tensor.*model.layers.0.mystery.weight"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_missing_dense_tensor(tiny_dir, tmp_path):
     d = copy(tiny_dir("qwen3_moe"), tmp_path / "m")
     _rewrite(d, lambda t: t.pop("model.layers.2.self_attn.k_norm.weight"))
     with pytest.raises(CheckpointError, match="missing.*model.layers.2.self_attn.k_norm.weight"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_missing_expert(tiny_dir, tmp_path):
     d = copy(tiny_dir("mixtral"), tmp_path / "m")
     _rewrite(d, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.5.w3.weight"))
     with pytest.raises(CheckpointError, match="layer 1 expert 5: missing up_proj"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_wrong_shape(tiny_dir, tmp_path):
@@ -102,7 +102,7 @@ def test_wrong_shape(tiny_dir, tmp_path):
         ),
     )
     with pytest.raises(CheckpointError, match="down_proj' has shape \\[4, 64, 32\\]"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_expert_beyond_config(tiny_dir, tmp_path):
@@ -111,7 +111,7 @@ def test_expert_beyond_config(tiny_dir, tmp_path):
     cfg["num_experts"] = 6  # the checkpoint has 8
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="unexpected expert tensor"):
-        load_hf(d)
+        load_model(d)
 
 
 def test_sizes():

@@ -16,7 +16,7 @@ from tiny_models import VOCAB
 from moestream.convert.fp8 import Fp8Error, dequantize_fp8
 from moestream.convert.hf import CheckpointError, HFCheckpoint
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max
@@ -122,12 +122,12 @@ def test_fp8_checkpoint_matches_transformers(tiny_dir, tmp_path, layout):
     assert not [n for n in ckpt.dense_names if n.endswith("_scale_inv")]
     assert len(ckpt._scale_of) > 20
     ref = hf_load(plain)
-    ours = load_hf(quant)
+    ours = load_model(quant)
     with torch.no_grad():
         want = ref(PROMPT[None]).logits[0]
         got = ours.model(PROMPT, KVCache(ours.args, 64, torch.float32), 0)
         # The quantization error itself is visible: FP8 weights are not the originals.
-        orig = load_hf(tiny_dir("deepseek_v3", layout)).model(
+        orig = load_model(tiny_dir("deepseek_v3", layout)).model(
             PROMPT, KVCache(ours.args, 64, torch.float32), 0
         )
     assert (want - got).abs().max().item() < 1e-4
@@ -157,4 +157,4 @@ def test_fp8_weight_without_scale_is_an_error(tiny_dir, tmp_path):
     del tensors["model.layers.0.mlp.down_proj.weight_scale_inv"]
     save_file(tensors, str(quant / "model.safetensors"))
     with pytest.raises(CheckpointError, match="is FP8 but has no"):
-        load_hf(quant)
+        load_model(quant)

@@ -1,4 +1,4 @@
-"""GPU expert provider (moestream/store/gpu.py) on the reference model.
+"""GPU expert provider (moestream/experts/gpu.py) on the reference model.
 
 CPU tests run the provider's bookkeeping (slot table, slot map, staging, chunked prefill) with
 device="cpu" and the reference MoE kernel, so CI covers the code path. `cuda` tests (skipped without
@@ -9,17 +9,18 @@ is >= 0.1), and streaming at a small VRAM budget vs every expert resident in VRA
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import GpuConfig, StreamConfig
+from moestream.experts.gpu import GpuExperts
+from moestream.loader import load_model
 from moestream.store.format import Store
-from moestream.store.gpu import GpuConfig, GpuExperts, load_store_gpu
 from moestream.store.io import IOConfig
-from moestream.store.load import load_store
-from moestream.store.stream import StreamConfig
 
 REF = Path(__file__).resolve().parent.parent / "models" / "pystd-moe-29m"
 PROMPT = "def fibonacci(n):"
@@ -77,15 +78,15 @@ def flips(ref_logits: torch.Tensor, got_logits: torch.Tensor) -> tuple[int, int]
 
 
 def gpu_model(store: Path, cfg: GpuConfig, device: str, dtype=torch.float32):
-    loaded = load_store_gpu(store, cfg, dtype, device)
-    return loaded.model, loaded.args, loaded.model.moe_blocks[0].provider
+    loaded = load_model(store, dataclasses.replace(cfg, device=device), dtype)
+    return loaded.model, loaded.args, loaded.provider
 
 
 # ---- CPU: the provider's bookkeeping with the reference kernel ---------------------------------
 def check_pool(p: GpuExperts) -> None:
     """Every resident key's slot holds its store record; slot_map is the table, -1 elsewhere."""
     want = torch.full_like(p.slot_map, -1)
-    for (layer, e), slot in p.table.slot_of.items():
+    for (layer, e), slot in p.table.resident().items():
         want[p.layer_index[layer], e] = slot
         rec = torch.frombuffer(bytearray(p.store.read_record(layer, e)), dtype=torch.uint8)
         for name, t in p.store.layout.views(rec).items():
@@ -113,9 +114,9 @@ def test_cpu_streaming_equals_resident_and_bookkeeping(stores, mirror, dtype):
     assert s["syncs"] >= args.num_hidden_layers * N
     check_pool(p)
     # Same slot table as the CPU streaming provider at the same slot count: same counters.
-    cpu = load_store(store, StreamConfig(memory_budget=16 * size, io=IO))
+    cpu = load_model(store, StreamConfig(memory_budget=16 * size, io=IO))
     cpu_toks, _ = run(cpu.model, cpu.args, ids, N)
-    cs = cpu.model.moe_blocks[0].provider.stats()
+    cs = cpu.provider.stats()
     if cpu_toks == got:
         assert (cs["hits"], cs["misses"], cs["evictions"]) == (
             s["hits"],
@@ -130,7 +131,7 @@ def test_cpu_gpu_provider_matches_cpu_provider(stores):
     (fp32, int8) up to the margin rule."""
     store = stores("int8")
     ids = prompt_ids(store)
-    cpu = load_store(store, StreamConfig(resident=True))
+    cpu = load_model(store, StreamConfig(resident=True))
     want, want_logits = run(cpu.model, cpu.args, ids, N)
     model, args, _ = gpu_model(store, GpuConfig(resident=True, kernel="ref"), "cpu")
     _, got_logits = run(model, args, ids, N, forced=want)
@@ -143,7 +144,7 @@ def test_gpu_budget_below_top_k_is_refused(stores):
 
     store = Store(stores("int8"))
     with pytest.raises(ConfigError, match="below the minimum"):
-        GpuExperts(store, GpuConfig(gpu_budget=store.layout.size, kernel="ref"), "cpu")
+        GpuExperts(store, GpuConfig(gpu_budget=store.layout.size, kernel="ref", device="cpu"))
     with pytest.raises(ConfigError, match="--gpu-budget"):
         GpuConfig()
 
@@ -169,7 +170,7 @@ def test_cuda_greedy_equals_cpu(stores, quant):
     teacher-forced along the CPU's tokens so one disagreement cannot cascade."""
     store = stores(quant)
     ids = prompt_ids(store)
-    cpu = load_store(store, StreamConfig(resident=True))
+    cpu = load_model(store, StreamConfig(resident=True))
     want, want_logits = run(cpu.model, cpu.args, ids, N)
     model, args, _ = gpu_model(store, GpuConfig(resident=True), "cuda")
     got, got_logits = run(model, args, ids, N, forced=want)
@@ -209,9 +210,9 @@ def test_cuda_generate_cli_path(stores):
     from moestream.runtime import open_model
 
     store = stores("bf16")
-    rt = open_model(store, dtype="bfloat16", device="cuda")
+    rt = open_model(store, dtype="bfloat16", experts=GpuConfig(resident=True))
     res = rt.generator.generate(
         rt.encode_prompt(PROMPT), SamplingConfig(max_new_tokens=16, ignore_eos=True)
     )
     assert len(res.ids) == 16 and res.text
-    assert rt.generator.model.lm_head.weight.is_cuda
+    assert rt.model.lm_head.weight.is_cuda

@@ -10,7 +10,7 @@ from test_parity import _fp32_and_greedy_match, hf_load
 from tiny_models import VOCAB, perturbed_model, save
 
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 
 
 @pytest.mark.parametrize(
@@ -32,7 +32,7 @@ def test_cached_continuation_matches_transformers(tiny_dir):
     from transformers import DynamicCache
 
     folder = tiny_dir("lfm2_moe", "fused")
-    ref, ours = hf_load(folder), load_hf(folder)
+    ref, ours = hf_load(folder), load_model(folder)
     ids = torch.randint(0, VOCAB, (80,), generator=torch.Generator().manual_seed(9))
     hf_cache, cache = DynamicCache(config=ref.config), KVCache(ours.args, 80, torch.float32)
     assert [k is not None for k in cache.k] == [False, True, False]
@@ -44,7 +44,7 @@ def test_cached_continuation_matches_transformers(tiny_dir):
 
 
 def test_expert_bias_stays_fp32_in_bf16(tiny_dir):
-    ours = load_hf(tiny_dir("lfm2_moe", "fused"), "bfloat16")
+    ours = load_model(tiny_dir("lfm2_moe", "fused"), "bfloat16")
     block = ours.model.moe_blocks[0]
     assert block.gate.weight.dtype == torch.bfloat16
     assert block.expert_bias.dtype == torch.float32 and block.expert_bias.abs().sum() > 0

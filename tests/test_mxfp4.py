@@ -15,7 +15,7 @@ from test_parity import PROMPT
 from moestream.convert.hf import CheckpointError, HFCheckpoint
 from moestream.convert.mxfp4 import Mxfp4Error, dequantize_mxfp4
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 
 
 def _random_mxfp4(shape, seed: int, exps=(118, 136)):
@@ -92,7 +92,7 @@ def test_mxfp4_checkpoint_loads_like_its_dequantized_twin(tiny_dir, tmp_path):
     dense, quant = _mxfp4_twins(tiny_dir, tmp_path)
     ckpt = HFCheckpoint(quant)
     assert not [n for n in ckpt.dense_names if "experts" in n]
-    want, got = load_hf(dense), load_hf(quant)
+    want, got = load_model(dense), load_model(quant)
     ref = AutoModelForCausalLM.from_pretrained(
         quant,
         dtype=torch.float32,

@@ -7,13 +7,13 @@ import pytest
 
 from moestream.config import SamplingConfig
 from moestream.convert.writer import convert
+from moestream.experts.config import StreamConfig
 from moestream.obs.simulate import simulate
 from moestream.obs.trace import load_trace, record_trace
 from moestream.quant import make_scheme
 from moestream.runtime import open_model
 from moestream.store.format import Store
 from moestream.store.io import IOConfig
-from moestream.store.stream import StreamConfig
 
 PROMPTS = ["def fibonacci(n):", "return n if n < 2 else", "fibonacci(n - 1)"]
 
@@ -44,8 +44,8 @@ ONE_TOKEN = ["def", "if", " n"]
 def test_engine_hits_equal_simulated_hits(store, tmp_path, policy, slots, prompts):
     io = IOConfig(mode="pagecache", threads=1)
     budget = slots * Store(store).layout.size
-    rt = open_model(store, stream=StreamConfig(memory_budget=budget, io=io, policy=policy))
-    provider = rt.generator.model.moe_blocks[0].provider
+    rt = open_model(store, experts=StreamConfig(memory_budget=budget, io=io, policy=policy))
+    provider = rt.generator.provider
     assert provider.n_slots == slots
     cfg = SamplingConfig(max_new_tokens=12, ignore_eos=True)
     t = load_trace(record_trace(rt, prompts, cfg, tmp_path / "tr"))

@@ -7,7 +7,7 @@ import torch
 from tiny_models import ARCHS, VOCAB, layouts
 
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 
 PROMPT = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(1234))
 N_NEW = 32
@@ -87,7 +87,7 @@ BF16_TOL = 0.03
 def test_bf16_within_documented_tolerance(tiny_dir, arch):
     folder = tiny_dir(arch, "fused")
     ref = hf_load(folder, torch.bfloat16)
-    ours = load_hf(folder, "bfloat16")
+    ours = load_model(folder, "bfloat16")
     with torch.no_grad():
         hf = ref(PROMPT[None], use_cache=True)
         want = hf.logits[0].float()
@@ -109,7 +109,7 @@ def _fp32_and_greedy_match(folder, n_new: int = 16):
     """fp32 logits within 1e-4 of transformers, then n_new greedy tokens and every step's top-k
     sets identical. Returns our loaded model and transformers' routes."""
     ref = hf_load(folder)
-    ours = load_hf(folder)
+    ours = load_model(folder)
     with torch.no_grad():
         want = ref(PROMPT[None]).logits[0]
         got = ours.model(PROMPT, KVCache(ours.args, 64, torch.float32), 0)
@@ -163,7 +163,7 @@ def test_mtp_layers_are_ignored(tiny_dir, tmp_path, arch):
     src = tiny_dir(arch, "per_expert")
     folder = tmp_path / arch
     shutil.copytree(src, folder)
-    ours = load_hf(src)
+    ours = load_model(src)
     n, D = ours.args.num_hidden_layers, ours.args.hidden_size
     mtp = {
         f"model.layers.{n}.eh_proj.weight": torch.randn(D, 2 * D),
@@ -175,7 +175,7 @@ def test_mtp_layers_are_ignored(tiny_dir, tmp_path, arch):
     save_file(mtp, str(folder / "mtp.safetensors"))
     ckpt = HFCheckpoint(folder)
     assert sorted(ckpt.ignored) == sorted(mtp)
-    with_mtp = load_hf(folder)
+    with_mtp = load_model(folder)
     with torch.no_grad():
         want = ours.model(PROMPT, KVCache(ours.args, 64, torch.float32), 0)
         got = with_mtp.model(PROMPT, KVCache(with_mtp.args, 64, torch.float32), 0)
@@ -186,7 +186,7 @@ def test_mtp_layers_are_ignored(tiny_dir, tmp_path, arch):
         str(folder / "x.safetensors"),
     )
     with pytest.raises(CheckpointError, match=f"model.layers.{n + 1}.eh_proj"):
-        load_hf(folder)
+        load_model(folder)
 
 
 HUB_CONFIGS = {

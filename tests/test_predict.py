@@ -9,7 +9,8 @@ import torch
 
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
-from moestream.models.layers import softmax_topk
+from moestream.experts.config import StreamConfig, min_budget
+from moestream.loader import load_model
 from moestream.obs.trace import Trace, TraceRecorder
 from moestream.predict.base import PREDICTORS, Prediction
 from moestream.predict.oracle import OraclePredictor
@@ -21,8 +22,6 @@ from moestream.predict.train import TrainConfig, train_heads
 from moestream.quant import make_scheme
 from moestream.store.format import Store
 from moestream.store.io import IOConfig
-from moestream.store.load import load_store
-from moestream.store.stream import StreamConfig, min_budget
 
 ARCHS4 = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 PROMPT = torch.randint(0, 320, (10,), generator=torch.Generator().manual_seed(3)).tolist()
@@ -62,9 +61,7 @@ def record(model, prompt: list[int], n: int, hidden: bool = False) -> tuple[list
 
 
 def greedy(model, prompt: list[int], n: int):
-    provider = model.moe_blocks[0].provider
-    if hasattr(provider, "reset"):
-        provider.reset()
+    model.moe_blocks[0].provider.reset()
     cache = KVCache(model.args, len(prompt) + n, torch.float32)
     out, seen = [], []
     with torch.no_grad():
@@ -90,16 +87,16 @@ def untrained_heads(model) -> PrerouterHeads:
 def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
     folder = stores(arch)
     store = Store(folder)
-    ref = load_store(folder, StreamConfig(resident=True)).model
+    ref = load_model(folder, StreamConfig(resident=True)).model
     want, want_logits = greedy(ref, PROMPT, 12)
     _, trace = record(ref, PROMPT, 12)
     total = len(store.crc) * store.args.num_experts * store.layout.size
     io = IOConfig(mode="pagecache", threads=2)
     for budget in (min_budget(store), total // 2):
         for name in PREDICTORS:
-            model = load_store(folder, StreamConfig(memory_budget=budget, io=io)).model
+            model = load_model(folder, StreamConfig(memory_budget=budget, io=io)).model
             heads = untrained_heads(model)
-            p = attach(model, make_predictor(name, model, heads=heads, trace=trace))
+            p = attach(model, model.moe_blocks[0].provider, make_predictor(name, model, heads=heads, trace=trace))
             got, logits = greedy(model, PROMPT, 12)
             s = p.stats()
             p.close()
@@ -115,8 +112,8 @@ def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
                 <= s["prefetch_reads"]
             )
         # Two layers ahead, reads filtered by confidence: still only prefetching.
-        model = load_store(folder, StreamConfig(memory_budget=budget, io=io)).model
-        p = attach(model, make_predictor("stale-gate", model, ahead=2), min_score=0.2)
+        model = load_model(folder, StreamConfig(memory_budget=budget, io=io)).model
+        p = attach(model, model.moe_blocks[0].provider, make_predictor("stale-gate", model, ahead=2), min_score=0.2)
         got, logits = greedy(model, PROMPT, 12)
         p.close()
         assert got == want and torch.equal(logits, want_logits), budget
@@ -124,11 +121,11 @@ def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
 
 def test_predicted_routing_with_the_oracle_matches_exact(stores):
     folder = stores("qwen2_moe")  # no renormalisation: weights are the router's probabilities
-    ref = load_store(folder, StreamConfig(resident=True)).model
+    ref = load_model(folder, StreamConfig(resident=True)).model
     want, want_logits = greedy(ref, PROMPT, 10)
     _, trace = record(ref, PROMPT, 10)
-    model = load_store(folder, StreamConfig(resident=True)).model
-    p = attach(model, make_predictor("oracle", model, trace=trace), routing="predicted")
+    model = load_model(folder, StreamConfig(resident=True)).model
+    p = attach(model, model.moe_blocks[0].provider, make_predictor("oracle", model, trace=trace), routing="predicted")
     got, logits = greedy(model, PROMPT, 10)
     assert got == want
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
@@ -138,14 +135,14 @@ def test_predicted_routing_with_the_oracle_matches_exact(stores):
 def test_predicted_routing_uses_the_prediction(stores):
     """A predictor that always names experts {0, 1}: those run, weighted by the router."""
     folder = stores("olmoe")
-    model = load_store(folder, StreamConfig(resident=True)).model
+    model = load_model(folder, StreamConfig(resident=True)).model
 
     class Fixed(TemporalPredictor):
         def observe(self, col, pos, x, ids):
             nxt, npos = (col + 1, pos) if col + 1 < self.L else (0, pos + 1)
             return [Prediction(nxt, npos, (0, 1))]
 
-    p = attach(model, Fixed(len(model.moe_blocks)), routing="predicted")
+    p = attach(model, model.moe_blocks[0].provider, Fixed(len(model.moe_blocks)), routing="predicted")
     used = []
     inner_experts = p.inner.experts
     p.inner.experts = lambda layer, x, ids, w: (
@@ -189,7 +186,7 @@ def test_temporal_and_oracle_on_a_hand_made_trace():
 
 
 def test_stale_gate_is_next_router_on_this_hidden(stores):
-    model = load_store(stores("mixtral"), StreamConfig(resident=True)).model
+    model = load_model(stores("mixtral"), StreamConfig(resident=True)).model
     _, t = record(model, PROMPT, 6, hidden=True)
     pred = make_predictor("stale-gate", model)
     blocks = model.moe_blocks
@@ -198,14 +195,14 @@ def test_stale_gate_is_next_router_on_this_hidden(stores):
             x = torch.from_numpy(t.hidden[row, col]).float()
             (p,) = pred.observe(col, row, x, t.ids[row, col].tolist())
             logits = blocks[col + 1].gate.weight @ x
-            _, want = softmax_topk(logits[None], blocks[0].k, True)
+            want = torch.topk(torch.softmax(logits[None], -1), blocks[0].k).indices
             assert p.layer == col + 1 and p.pos == row
             assert p.experts == tuple(sorted(want[0].tolist()))
         assert pred.observe(len(blocks) - 1, row, x, [0, 1]) == []
 
 
 def test_stale_gate_scores_and_two_layers_ahead(stores):
-    model = load_store(stores("qwen3_moe"), StreamConfig(resident=True)).model
+    model = load_model(stores("qwen3_moe"), StreamConfig(resident=True)).model
     _, t = record(model, PROMPT, 4, hidden=True)
     blocks = model.moe_blocks
     pred = make_predictor("stale-gate", model, ahead=2)
@@ -226,7 +223,7 @@ def test_ranked_prediction_orders_by_confidence():
 
 
 def test_prerouter_input_and_warm_start(stores):
-    model = load_store(stores("olmoe"), StreamConfig(resident=True)).model
+    model = load_model(stores("olmoe"), StreamConfig(resident=True)).model
     heads = untrained_heads(model)
     E = model.args.num_experts
     h = torch.randn(2, model.args.hidden_size)
@@ -242,7 +239,7 @@ def test_prerouter_input_and_warm_start(stores):
 
 
 def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path):
-    model = load_store(stores("olmoe"), StreamConfig(resident=True)).model
+    model = load_model(stores("olmoe"), StreamConfig(resident=True)).model
     g = torch.Generator().manual_seed(1)
     traces = [
         record(model, torch.randint(0, 320, (6,), generator=g).tolist(), 40, hidden=True)[1]
@@ -265,23 +262,26 @@ def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path):
 
 def test_open_model_passes_prefetch_options_and_rejects_bad_ones(stores):
     from moestream.config import ConfigError
+    from moestream.experts.config import PredictConfig
     from moestream.runtime import open_model
 
     folder = stores("qwen3_moe")
     store = Store(folder)
     stream = StreamConfig(memory_budget=min_budget(store), io=IOConfig(mode="pagecache"))
-    want, _ = greedy(load_store(folder, StreamConfig(resident=True)).model, PROMPT, 6)
-    rt = open_model(folder, stream=stream, predictor="stale-gate", min_score=0.2, predict_ahead=2)
-    wrapper = rt.generator.model.moe_blocks[0].provider
-    assert wrapper.min_score == 0.2 and wrapper.predictor.ahead == 2
-    got, _ = greedy(rt.generator.model, PROMPT, 6)
-    wrapper.close()
+    want, _ = greedy(load_model(folder, StreamConfig(resident=True)).model, PROMPT, 6)
+    predict = PredictConfig(predictor="stale-gate", min_score=0.2, ahead=2)
+    with open_model(folder, experts=stream, predict=predict) as rt:
+        wrapper = rt.provider
+        assert rt.generator.provider is wrapper and rt.model.moe_blocks[0].provider is wrapper
+        assert wrapper.min_score == 0.2 and wrapper.predictor.ahead == 2
+        got, _ = greedy(rt.model, PROMPT, 6)
     assert got == want
     bad = [
         ({"predictor": "stale-gate", "min_score": 1.5}, "--min-score"),
-        ({"predictor": "temporal", "predict_ahead": 2}, "--predict-ahead"),
-        ({"predictor": "stale-gate", "predict_ahead": 3}, "--predict-ahead"),
+        ({"predictor": "temporal", "ahead": 2}, "--predict-ahead"),
+        ({"predictor": "stale-gate", "ahead": 3}, "--predict-ahead"),
+        ({"routing": "predicted"}, "--predictor"),
     ]
     for kwargs, flag in bad:
         with pytest.raises(ConfigError, match=flag):
-            open_model(folder, stream=stream, **kwargs)
+            PredictConfig(**kwargs)

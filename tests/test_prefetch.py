@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from moestream.convert.writer import convert
+from moestream.experts.base import stats_delta
+from moestream.experts.config import StreamConfig
+from moestream.loader import load_model
 from moestream.quant import make_scheme
 from moestream.store.io import DEMAND, PREFETCH, IOConfig, PriorityPool
-from moestream.store.load import load_store
-from moestream.store.stream import StreamConfig, stats_delta
 
 
 def test_demand_reads_jump_ahead_of_queued_prefetches():
@@ -42,13 +43,13 @@ def provider(store, slots: int, **cfg):
 
     size = Store(store).layout.size
     io = IOConfig(mode="pagecache", threads=2)
-    loaded = load_store(store, StreamConfig(memory_budget=slots * size, io=io, **cfg))
-    return loaded.model.moe_blocks[0].provider, size
+    loaded = load_model(store, StreamConfig(memory_budget=slots * size, io=io, **cfg))
+    return loaded.provider, size
 
 
 def test_prefetch_counters_add_up(store):
     p, size = provider(store, 4)
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    ref = load_model(store, StreamConfig(resident=True)).provider
     x = torch.randn(1, p.store.args.hidden_size)
     w = torch.tensor([[0.6, 0.4]])
     before = p.stats()
@@ -79,7 +80,7 @@ def test_prefetch_never_takes_the_computing_layers_slots(store):
     assert p.stats()["prefetch_dropped"] == 2
     assert p.prefetch(1, [3], protect=[(0, 0)]) == 1  # (0, 1) may go
     # A demand access while the prefetch may still be in flight: waits for or drains it.
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    ref = load_model(store, StreamConfig(resident=True)).provider
     out = p.experts(1, x, torch.tensor([[5, 6]]), w)
     assert torch.equal(out, ref.experts(1, x, torch.tensor([[5, 6]]), w))
     out = p.experts(1, x, torch.tensor([[3, 6]]), w)
@@ -90,11 +91,11 @@ def test_prefetch_never_takes_the_computing_layers_slots(store):
 def test_queued_prefetch_of_a_wrong_prediction_is_cancelled(store):
     p, size = provider(store, 4)
     gate = threading.Event()
-    blocker = p.reader.exec.submit(gate.wait)  # holds one IO thread...
-    blocker2 = p.reader.exec.submit(gate.wait)  # ...and the other: prefetches stay queued
+    blocker = p.res.reader.exec.submit(gate.wait)  # holds one IO thread...
+    blocker2 = p.res.reader.exec.submit(gate.wait)  # ...and the other: prefetches stay queued
     assert p.prefetch(0, [1, 2]) == 2
     assert p.cancel_prefetch(0, [2]) == 1
-    assert (0, 2) not in p.table.resident() and (0, 2) not in p.table.busy
+    assert (0, 2) not in p.table.resident() and not p.table.is_busy((0, 2))
     gate.set()
     blocker.result(timeout=10)
     blocker2.result(timeout=10)
@@ -109,13 +110,13 @@ def test_queued_prefetch_of_a_wrong_prediction_is_cancelled(store):
 def test_a_record_read_cancels_only_before_it_starts(store):
     p, _ = provider(store, 4)
     gate = threading.Event()
-    blockers = [p.reader.exec.submit(gate.wait) for _ in range(2)]  # both IO threads held
-    queued = p.reader.submit(0, 1, 0, PREFETCH)
+    blockers = [p.res.reader.exec.submit(gate.wait) for _ in range(2)]  # both IO threads held
+    queued = p.res.reader.submit(0, 1, 0, PREFETCH)
     assert queued.cancel() and queued.done()
     gate.set()
     for b in blockers:
         b.result(timeout=10)
-    read = p.reader.submit(0, 2, 1, PREFETCH)
+    read = p.res.reader.submit(0, 2, 1, PREFETCH)
     read.result(timeout=10)
     assert not read.cancel()  # finished: its slot holds the record
     p.close()
@@ -123,13 +124,13 @@ def test_a_record_read_cancels_only_before_it_starts(store):
 
 def test_requested_demand_reads_run_before_prefetches_issued_after(store):
     p, _ = provider(store, 6)
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
-    order, read_part = [], p.reader._read_part
-    p.reader._read_part = lambda layer, e, slot, start: (
+    ref = load_model(store, StreamConfig(resident=True)).provider
+    order, read_part = [], p.res.reader._read_part
+    p.res.reader._read_part = lambda layer, e, slot, start: (
         order.append((layer, e)) or read_part(layer, e, slot, start)
     )
     gate = threading.Event()
-    blockers = [p.reader.exec.submit(gate.wait) for _ in range(2)]
+    blockers = [p.res.reader.exec.submit(gate.wait) for _ in range(2)]
     assert p.prefetch(1, [2]) == 1  # queued first, behind the blockers
     p.request(0, [1, 3])  # the computing layer's misses: demand reads, queued after
     gate.set()
@@ -149,11 +150,11 @@ def test_resident_experts_compute_while_the_misses_are_read(store, tokens):
     """A layer's resident experts run before its demand reads land; results are added in
     ascending expert id, so the output is bit-identical."""
     p, _ = provider(store, 4)
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    ref = load_model(store, StreamConfig(resident=True)).provider
     x = torch.randn(tokens, p.store.args.hidden_size)
     p.experts(0, x[:1], torch.tensor([[1, 2]]), torch.tensor([[0.5, 0.5]]))  # 1, 2 resident
     events, gate = [], threading.Event()
-    ffn, read_part = p._ffn, p.reader._read_part
+    ffn, read_part = p._ffn, p.res.reader._read_part
 
     def traced_ffn(xx, sec):
         events.append("ffn")
@@ -165,7 +166,7 @@ def test_resident_experts_compute_while_the_misses_are_read(store, tokens):
         events.append(("read", e))
         return read_part(layer, e, slot, start)
 
-    p._ffn, p.reader._read_part = traced_ffn, gated_read
+    p._ffn, p.res.reader._read_part = traced_ffn, gated_read
     ids = torch.tensor([[3, 1], [2, 3], [1, 2]])[:tokens]  # 3 is a miss; routed order != id order
     w = torch.rand(tokens, 2)
     out = p.experts(0, x, ids, w)
@@ -178,8 +179,8 @@ def test_resident_experts_compute_while_the_misses_are_read(store, tokens):
 
 def test_a_failed_prefetch_read_is_read_again_on_demand(store):
     p, _ = provider(store, 4)
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
-    read_part, failed = p.reader._read_part, []
+    ref = load_model(store, StreamConfig(resident=True)).provider
+    read_part, failed = p.res.reader._read_part, []
 
     def flaky(layer, e, slot, start):
         if (layer, e) == (1, 4) and not failed:
@@ -187,7 +188,7 @@ def test_a_failed_prefetch_read_is_read_again_on_demand(store):
             raise OSError("transient read error")
         return read_part(layer, e, slot, start)
 
-    p.reader._read_part = flaky
+    p.res.reader._read_part = flaky
     assert p.prefetch(1, [4]) == 1
     x = torch.randn(1, p.store.args.hidden_size)
     ids, w = torch.tensor([[4, 0]]), torch.tensor([[0.5, 0.5]])
@@ -198,13 +199,13 @@ def test_a_failed_prefetch_read_is_read_again_on_demand(store):
 
 def test_without_overlap_the_layer_reads_then_computes(store):
     p, _ = provider(store, 4, overlap=False)  # the plain on-demand schedule (ablation)
-    ref = load_store(store, StreamConfig(resident=True)).model.moe_blocks[0].provider
+    ref = load_model(store, StreamConfig(resident=True)).provider
     x = torch.randn(1, p.store.args.hidden_size)
     w = torch.tensor([[0.3, 0.7]])
     p.experts(0, x, torch.tensor([[1, 2]]), w)
-    events, ffn, read_part = [], p._ffn, p.reader._read_part
+    events, ffn, read_part = [], p._ffn, p.res.reader._read_part
     p._ffn = lambda xx, sec: events.append("ffn") or ffn(xx, sec)
-    p.reader._read_part = lambda *a: events.append("read") or read_part(*a)
+    p.res.reader._read_part = lambda *a: events.append("read") or read_part(*a)
     ids = torch.tensor([[3, 1]])
     assert torch.equal(p.experts(0, x, ids, w), ref.experts(0, x, ids, w))
     assert events[0] == "read" and events[-2:] == ["ffn", "ffn"]

@@ -10,7 +10,7 @@ from test_parity import PROMPT, _fp32_and_greedy_match, hf_load
 from tiny_models import VOCAB, perturbed_model, save
 
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 from moestream.models import linear_attention as la
 
 
@@ -80,7 +80,7 @@ def test_long_prompt_and_cached_continuation_match_transformers(tiny_dir):
     the state, then decode steps: logits within 1e-4 of transformers fed the same pieces with its
     own cache (same chunked/recurrent paths)."""
     folder = tiny_dir("qwen3_5_moe", "fused")
-    ref, ours = hf_load(folder), load_hf(folder)
+    ref, ours = hf_load(folder), load_model(folder)
     ids = torch.randint(0, VOCAB, (200,), generator=torch.Generator().manual_seed(9))
     pieces = [(0, 150), (150, 190), *((p, p + 1) for p in range(190, 194))]
     from transformers import DynamicCache
@@ -96,7 +96,7 @@ def test_long_prompt_and_cached_continuation_match_transformers(tiny_dir):
 def test_cache_restarts_at_position_zero(tiny_dir):
     """A new sequence at start 0 resets the recurrent state: reusing a cache gives the same logits;
     attention-free layers hold no K/V."""
-    ours = load_hf(tiny_dir("qwen3_5_moe", "fused"))
+    ours = load_model(tiny_dir("qwen3_5_moe", "fused"))
     cache = KVCache(ours.args, 64, torch.float32)
     assert [k is not None for k in cache.k] == [False, True, False]
     with torch.no_grad():
@@ -109,7 +109,7 @@ def test_cache_restarts_at_position_zero(tiny_dir):
 def test_text_only_variant(tmp_path):
     """`qwen3_5_moe_text` checkpoints (Qwen3_5MoeForCausalLM: `model.layers.` names, no vision)."""
     folder = save(perturbed_model("qwen3_5_moe_text", seed=5), tmp_path / "text", "per_expert")
-    assert load_hf(folder).args.model_type == "qwen3_5_moe"
+    assert load_model(folder).args.model_type == "qwen3_5_moe"
     _fp32_and_greedy_match(folder)
 
 
@@ -130,7 +130,7 @@ def test_vision_and_mtp_tensors_are_ignored_explicitly(tiny_dir, tmp_path):
     assert all(n.startswith(("model.language_model.", "lm_head.")) for n in ckpt.dense_names)
     save_file({"model.audio.x.weight": torch.zeros(2)}, str(folder / "x.safetensors"))
     with pytest.raises(CheckpointError, match="model.audio.x.weight"):
-        load_hf(folder)
+        load_model(folder)
 
 
 # config.json of Qwen/Qwen3.5-35B-A3B (the fields that matter here).

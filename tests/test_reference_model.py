@@ -53,17 +53,17 @@ def test_greedy_tokens_equal_transformers(hf, prompt):
 
 def test_streaming_store_equals_resident(tmp_path):
     from moestream.convert.writer import convert
+    from moestream.experts.config import StreamConfig
     from moestream.quant import make_scheme
     from moestream.store.io import IOConfig
-    from moestream.store.stream import StreamConfig
 
     store = convert(REF, tmp_path / "store", make_scheme("int8"), False)
     cfg = SamplingConfig(max_new_tokens=24, ignore_eos=True)
-    resident = open_model(store, stream=StreamConfig(resident=True))
+    resident = open_model(store, experts=StreamConfig(resident=True))
     ids = resident.encode_prompt(PROMPTS[0])
     want = resident.generator.generate(ids, cfg)
     io = IOConfig(mode="pagecache", threads=2)
-    streamed = open_model(store, stream=StreamConfig(memory_budget=2 * 2**20, io=io))
+    streamed = open_model(store, experts=StreamConfig(memory_budget=2 * 2**20, io=io))
     got = streamed.generator.generate(ids, cfg)
     assert got.ids == want.ids
     stats = got.stats()

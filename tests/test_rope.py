@@ -8,7 +8,7 @@ from tiny_models import perturbed_model, save
 
 from moestream.config import model_args_from_dict
 from moestream.engine.kv_cache import KVCache
-from moestream.loader import load_hf
+from moestream.loader import load_model
 from moestream.models.layers import rope_inv_freq
 
 VARIANTS = {
@@ -90,7 +90,7 @@ def test_scaled_rope_logits_match(tmp_path, name):
         over["max_position_embeddings"] = 16
     folder = save(perturbed_model("qwen3_moe", **over), tmp_path / name, "fused")
     ref = AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
-    ours = load_hf(folder)
+    ours = load_model(folder)
     ids = torch.arange(3, 27)
     with torch.no_grad():
         want = ref(ids[None]).logits[0]

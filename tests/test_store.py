@@ -15,11 +15,11 @@ from moestream.config import ConfigError
 from moestream.convert import writer
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import StreamConfig, min_budget
+from moestream.loader import load_model
 from moestream.quant import make_scheme
 from moestream.store.format import Store, StoreError, is_store
 from moestream.store.io import IOConfig
-from moestream.store.load import load_store
-from moestream.store.stream import StreamConfig, min_budget
 
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(7))
 
@@ -41,7 +41,7 @@ def stores(tiny_dir, tmp_path_factory):
 
 
 def greedy(folder, cfg: StreamConfig, n: int = 16):
-    loaded = load_store(folder, cfg)
+    loaded = load_model(folder, cfg)
     cache = KVCache(loaded.args, len(PROMPT) + n, torch.float32)
     out, logits_seen = [], []
     with torch.no_grad():
@@ -50,7 +50,7 @@ def greedy(folder, cfg: StreamConfig, n: int = 16):
             logits_seen.append(logits)
             out.append(int(logits.argmax()))
             logits = loaded.model(torch.tensor([out[-1]]), cache, pos, last_only=True)[-1]
-    provider = loaded.model.moe_blocks[0].provider
+    provider = loaded.provider
     stats = provider.stats()
     provider.close()
     return out, torch.stack(logits_seen), stats
@@ -84,8 +84,8 @@ def test_other_quants_and_layouts_stream_exactly(stores, quant):
 
 def test_only_routed_experts_are_read(stores):
     folder = stores("olmoe")
-    loaded = load_store(folder, StreamConfig(memory_budget=1 << 20))
-    p = loaded.model.moe_blocks[0].provider
+    loaded = load_model(folder, StreamConfig(memory_budget=1 << 20))
+    p = loaded.provider
     x = torch.randn(1, loaded.args.hidden_size)
     p.experts(0, x, torch.tensor([[5, 2]]), torch.tensor([[0.5, 0.5]]))
     assert p.stats()["misses"] == 2 and p.stats()["bytes_read"] == 2 * p.store.layout.size
@@ -98,9 +98,32 @@ def test_budget_below_minimum_states_it(stores):
     folder = stores("mixtral")
     need = min_budget(Store(folder))
     with pytest.raises(ConfigError, match=f"below the minimum {need} bytes"):
-        load_store(folder, StreamConfig(memory_budget=need - 1))
+        load_model(folder, StreamConfig(memory_budget=need - 1))
     with pytest.raises(ConfigError, match="needs --memory-budget"):
         StreamConfig()
+
+
+def test_budget_too_small_fails_before_the_dense_load(stores, monkeypatch):
+    """The budget rule needs only the manifest: no dense weight is read, no model is built, on
+    the CPU slot cache, the GPU pool (reference kernel on the CPU) and through open_model."""
+    import moestream.loader as loader
+    from moestream.experts.config import GpuConfig
+    from moestream.runtime import open_model
+
+    def never(*a, **k):
+        raise AssertionError("the dense loader ran before the budget was checked")
+
+    monkeypatch.setattr(loader, "load_dense", never)
+    monkeypatch.setattr(loader, "build_model", never)
+    folder = stores("qwen3_moe")
+    for cfg in (
+        StreamConfig(memory_budget=1024),
+        GpuConfig(gpu_budget=1024, kernel="ref", device="cpu"),
+    ):
+        with pytest.raises(ConfigError, match="below the minimum"):
+            load_model(folder, cfg)
+        with pytest.raises(ConfigError, match="below the minimum"):
+            open_model(folder, experts=cfg)
 
 
 def _corrupt(path, offset):
@@ -118,14 +141,14 @@ def test_damaged_record_names_layer_and_expert(stores, tmp_path):
     shutil.copytree(stores("qwen3_moe"), folder)
     store = Store(folder)
     _corrupt(store.path(2), store.offset(5) + 100)
-    loaded = load_store(folder, StreamConfig(memory_budget=1 << 20))
-    p = loaded.model.moe_blocks[0].provider
+    loaded = load_model(folder, StreamConfig(memory_budget=1 << 20))
+    p = loaded.provider
     x = torch.randn(1, loaded.args.hidden_size)
     with pytest.raises(StoreError, match="layer 2 expert 5 is damaged"):
         p.experts(2, x, torch.tensor([[5, 1]]), torch.tensor([[0.5, 0.5]]))
     assert (2, 5) not in p.table.resident()  # a failed read leaves no slot behind
     with pytest.raises(StoreError, match="layer 2 expert 5 is damaged"):
-        load_store(folder, StreamConfig(resident=True))
+        load_model(folder, StreamConfig(resident=True))
 
 
 def test_truncated_store_names_layer_and_expert(stores, tmp_path):
@@ -147,7 +170,7 @@ def test_damaged_dense_tensor_is_an_error(stores, tmp_path):
     size = (folder / "dense.safetensors").stat().st_size
     _corrupt(folder / "dense.safetensors", size - 8)
     with pytest.raises(StoreError, match="dense tensor .* is damaged"):
-        load_store(folder, StreamConfig(resident=True))
+        load_model(folder, StreamConfig(resident=True))
 
 
 def test_killed_convert_leaves_nothing(tiny_dir, tmp_path, monkeypatch):

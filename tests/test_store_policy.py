@@ -138,7 +138,7 @@ def test_random_trace_keeps_table_consistent(name):
 def test_kept_keys_are_evicted_only_when_nothing_else_can_go():
     t = SlotTable(3, make_policy("lru"))
     t.access(0, [1, 2, 3])
-    t.keep = {(0, 1), (0, 2)}  # predicted soon: LRU would take (0, 1) first
+    t.keep({(0, 1), (0, 2)})  # predicted soon: LRU would take (0, 1) first
     assert t.access(1, [7]).evicted == [(0, 3)]
     # (1, 7) goes first; then only kept keys are left: LRU among them
     assert t.access(1, [8, 9]).evicted == [(1, 7), (0, 1)]

@@ -13,6 +13,7 @@ import torch
 from moestream.config import ConfigError, ModelArgs, SamplingConfig
 from moestream.engine.kv_cache import KVCache
 from moestream.engine.sampling import sample
+from moestream.experts.base import ExpertProvider, stats_delta
 
 
 def peak_rss_bytes() -> int:
@@ -109,13 +110,16 @@ def small_decode_threads(args: ModelArgs) -> int | None:
 
 
 class Generator:
-    """Owns the model and tokenizer; one sequence at a time (requests are served FIFO).
+    """Runs the model over one sequence at a time (requests are served FIFO); `provider` is the
+    model's expert provider (reset before each sequence, its counters reported per generation).
 
     `decode_threads`: torch threads for the one-token steps (None: the process's setting); the
     prompt always runs with the process's setting."""
 
-    def __init__(self, model, args: ModelArgs, tokenizer, eos_ids: tuple[int, ...] = ()):
-        self.model, self.args, self.tok = model, args, tokenizer
+    def __init__(
+        self, model, args: ModelArgs, tokenizer, provider: ExpertProvider, eos_ids=()
+    ):
+        self.model, self.args, self.tok, self.provider = model, args, tokenizer, provider
         self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -145,8 +149,8 @@ class Generator:
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         cache = KVCache(self.args, total, self.dtype, self.device)
         text = TextStream(self.tok, cfg.stop)
-        before = self._provider_stats()
-        self._reset_provider()
+        before = self.provider.stats()
+        self.provider.reset()
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, device=self.device)
         logits = self.model(prompt, cache, 0, last_only=True)[-1]
@@ -159,10 +163,8 @@ class Generator:
             yield from self._decode(logits, cache, pos, cfg, gen, text, res)
         finally:
             torch.set_num_threads(threads)
-        if before is not None:
-            from moestream.store.stream import stats_delta
-
-            res.provider_stats = stats_delta(before, self._provider_stats())
+        if before:
+            res.provider_stats = stats_delta(before, self.provider.stats())
         tail = text.flush()
         if tail:
             yield tail
@@ -190,19 +192,6 @@ class Generator:
             logits = self.model(nxt, cache, pos, last_only=True)[-1]
             pos += 1
         res.decode_seconds = time.perf_counter() - t1
-
-    def _reset_provider(self) -> None:
-        """Tell a provider that tracks positions (routing prediction) that a sequence starts."""
-        blocks = self.model.moe_blocks
-        reset = getattr(blocks[0].provider, "reset", None) if blocks else None
-        if reset is not None:
-            reset()
-
-    def _provider_stats(self) -> dict | None:
-        """Cumulative counters of a provider that keeps them (the expert store), else None."""
-        blocks = self.model.moe_blocks
-        stats = getattr(blocks[0].provider, "stats", None) if blocks else None
-        return stats() if stats else None
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:
         res = GenerationResult(list(prompt_ids))

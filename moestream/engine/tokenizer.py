@@ -9,9 +9,7 @@ from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
-
-class TokenizerError(ValueError):
-    pass
+from moestream.errors import TokenizerError
 
 
 def _token_str(tok) -> str | None:

@@ -49,13 +49,17 @@ class SinkAttention(Attention):
 class GptOssMoe(SparseMoe):
     """Router with bias: top-k on the raw logits, then softmax over those k (activation dtype)."""
 
+    scores_are_probs = False
+
     def __init__(self, args: ModelArgs, layer: int):
         gate = nn.Linear(args.hidden_size, args.num_experts, bias=True)
         super().__init__(args, layer, weights_in_act_dtype=True, gate=gate)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        top, ids = torch.topk(self.gate(x), self.k, dim=-1)  # [T, K] each
-        return torch.softmax(top, dim=-1, dtype=top.dtype), ids
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x)  # [T, E] logits
+
+    def weigh(self, picked: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(picked, dim=-1, dtype=picked.dtype)
 
 
 def make_attention(args: ModelArgs, i: int) -> SinkAttention:

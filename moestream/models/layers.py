@@ -323,25 +323,17 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def sigmoid_group_topk(
-    logits: torch.Tensor, bias: torch.Tensor, args: ModelArgs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """DeepSeek-V3 / GLM-4.5 routing on fp32 logits [T, E]: sigmoid scores; the correction bias
-    steers only the choice (best topk_group groups by the sum of their top-2, then top-k inside
-    them); weights come from the unbiased scores, optionally renormalised, then scaled."""
+def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """DeepSeek-V3 / GLM-4.5 choice on sigmoid scores [T, E] fp32: the correction bias steers only
+    the choice (best topk_group groups by the sum of their top-2, then top-k inside them)."""
     G, E = args.n_group, args.num_experts
-    scores = logits.sigmoid()
     choice = scores + bias
     group_scores = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
     group_idx = torch.topk(group_scores, k=args.topk_group, dim=-1, sorted=False)[1]
     group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
     score_mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
     choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
-    ids = torch.topk(choice, k=args.num_experts_per_tok, dim=-1, sorted=False)[1]
-    w = scores.gather(1, ids)
-    if args.norm_topk_prob:
-        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
-    return w * args.routed_scaling_factor, ids
+    return torch.topk(choice, k=args.num_experts_per_tok, dim=-1, sorted=False)[1]
 
 
 class SigmoidRouter(nn.Module):
@@ -358,23 +350,18 @@ class SigmoidRouter(nn.Module):
             torch.zeros(args.num_experts), requires_grad=False
         )
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight.float())  # [T, E] fp32
-        return sigmoid_group_topk(logits, self.e_score_correction_bias.float(), self.args)
-
-
-def softmax_topk(logits: torch.Tensor, k: int, renorm: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 softmax over all experts, top-k, optional renormalisation. Returns (weights fp32, ids)."""
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    w, ids = torch.topk(probs, k, dim=-1)
-    if renorm:
-        w = w / w.sum(dim=-1, keepdim=True)
-    return w, ids
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> sigmoid scores [T, E] fp32."""
+        return F.linear(x.float(), self.weight.float()).sigmoid()
 
 
 class SparseMoe(nn.Module):
     """Router + routed experts (through the provider) + optional sigmoid-gated shared expert.
 
+    The block owns its whole routing rule: `scores` (what the router computes from x), `select`
+    (the experts it picks), `weigh` (their gate weights from their scores). `route` is the three
+    in a row; `weights_for` weighs an expert set chosen elsewhere (predicted routing) by the same
+    rule. The base rule: fp32 softmax over all experts, top-k, optional renormalisation.
     The model never holds expert weights: `provider.experts(layer, x, ids, weights)` does the math,
     whether the weights are resident, streamed from disk or on a GPU.
     """
@@ -391,7 +378,7 @@ class SparseMoe(nn.Module):
         super().__init__()
         self.layer, self.k, self.renorm = layer, args.num_experts_per_tok, args.norm_topk_prob
         # `gate` is the router module (checkpoint name `mlp.gate`); subclasses with another
-        # routing rule pass their own and override `route`.
+        # routing rule pass their own and override scores/select/weigh.
         self.gate = (
             gate if gate is not None else nn.Linear(args.hidden_size, args.num_experts, bias=False)
         )
@@ -402,19 +389,42 @@ class SparseMoe(nn.Module):
             self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False)
         else:
             self.shared_expert = None
-        self.provider = None  # set by the loader
+        self.provider = None  # set by the loader (the Runtime owns it)
         # Optional callable(layer, ids [T, K], weights [T, K], x [T, D]) for router traces; x is
         # the router's input. It must not synchronise (see moestream/obs/trace.py).
         self.observer = None
 
+    # Scores are router probabilities (the stale gate ranks its predictions by them).
+    scores_are_probs = True
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, E]: what selection and weighting read."""
+        return torch.softmax(self.gate(x), dim=-1, dtype=torch.float32)
+
+    def select(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """scores [T, E] -> (ids [T, K], the scores of those ids [T, K])."""
+        top, ids = torch.topk(s, self.k, dim=-1)
+        return ids, top
+
+    def weigh(self, picked: torch.Tensor) -> torch.Tensor:
+        """The chosen experts' scores [T, K] -> their gate weights [T, K]."""
+        return picked / picked.sum(dim=-1, keepdim=True) if self.renorm else picked
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (weights [T, K] fp32, ids [T, K])."""
-        return softmax_topk(self.gate(x), self.k, self.renorm)
+        """x [T, D] -> (weights [T, K], ids [T, K]), weights in the dtype the rule makes."""
+        ids, picked = self.select(self.scores(x))
+        return self.weigh(picked), ids
+
+    def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Gate weights [T, K] (in the dtype the experts get) of a given expert set ids [T, K]."""
+        return self._combine_dtype(self.weigh(self.scores(x).gather(1, ids)), x)
+
+    def _combine_dtype(self, w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return w.to(x.dtype) if self.weights_in_act_dtype and w.dtype != x.dtype else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, ids = self.route(x)  # [T, K] each
-        if self.weights_in_act_dtype and w.dtype != x.dtype:
-            w = w.to(x.dtype)
+        w = self._combine_dtype(w, x)
         if self.observer is not None:
             self.observer(self.layer, ids, w, x)
         out = self.provider.experts(self.layer, x, ids, w)
@@ -424,16 +434,29 @@ class SparseMoe(nn.Module):
 
 
 class SigmoidMoe(SparseMoe):
-    """DeepSeek-V3 / GLM-4.5 MoE block: sigmoid group-limited router, routed weights kept in fp32
-    when combined, plus ungated shared experts (`mlp.shared_experts`) added after the routed sum."""
+    """DeepSeek-V3 / GLM-4.5 MoE block: sigmoid scores, a group-limited choice steered by the
+    correction bias, weights from the unbiased scores (renormalised +1e-20, then scaled) kept in
+    fp32 when combined, plus ungated shared experts (`mlp.shared_experts`) after the routed sum."""
+
+    scores_are_probs = False
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args, layer, weights_in_act_dtype=False, gate=SigmoidRouter(args))
+        self.args = args
         inter = args.moe_intermediate_size * args.n_shared_experts
         self.shared_experts = MLP(args.hidden_size, inter) if inter else None
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
         return self.gate(x)
+
+    def select(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = group_limited_topk(s, self.gate.e_score_correction_bias.float(), self.args)
+        return ids, s.gather(1, ids)
+
+    def weigh(self, picked: torch.Tensor) -> torch.Tensor:
+        if self.args.norm_topk_prob:
+            picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-20)
+        return picked * self.args.routed_scaling_factor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = super().forward(x)

@@ -51,6 +51,7 @@ class Lfm2Moe(SparseMoe):
     transformers' buffer); weights are the unbiased scores, renormalised (+1e-6), then scaled."""
 
     keep_fp32_params = ("expert_bias",)
+    scores_are_probs = False
 
     def __init__(self, args: ModelArgs, layer: int):
         super().__init__(args, layer, weights_in_act_dtype=True)
@@ -61,16 +62,20 @@ class Lfm2Moe(SparseMoe):
             else None
         )
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self.gate(x).sigmoid()  # [T, E] in the activation dtype, as transformers
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(x).sigmoid()  # [T, E] in the activation dtype, as transformers
+
+    def select(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.expert_bias is None:
-            w, ids = torch.topk(scores, self.k, dim=-1)
-        else:
-            ids = torch.topk(scores + self.expert_bias, self.k, dim=-1)[1]
-            w = scores.gather(1, ids)
+            top, ids = torch.topk(s, self.k, dim=-1)
+            return ids, top
+        ids = torch.topk(s + self.expert_bias, self.k, dim=-1)[1]
+        return ids, s.gather(1, ids)
+
+    def weigh(self, picked: torch.Tensor) -> torch.Tensor:
         if self.renorm:
-            w = w / (w.sum(dim=-1, keepdim=True) + 1e-6)
-        return w * self.scale, ids
+            picked = picked / (picked.sum(dim=-1, keepdim=True) + 1e-6)
+        return picked * self.scale
 
 
 class Lfm2DecoderLayer(nn.Module):

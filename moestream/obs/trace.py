@@ -241,15 +241,14 @@ def read_prompts(path: str | Path) -> list[str]:
     return prompts
 
 
-def expert_bytes(model, dtype: str) -> int:
+def expert_bytes(rt, dtype: str) -> int:
     """Bytes of one expert as the provider reads it: a store's record size, else the weights at
     the compute dtype (resident Hugging Face load)."""
     from moestream.loader import resolve_dtype
 
-    store = getattr(model.moe_blocks[0].provider, "store", None) if model.moe_blocks else None
-    if store is not None:
-        return int(store.layout.size)
-    a = model.args
+    if rt.store is not None:
+        return int(rt.store.layout.size)
+    a = rt.args
     return 3 * a.hidden_size * a.moe_intermediate_size * resolve_dtype(dtype).itemsize
 
 
@@ -270,8 +269,8 @@ def record_trace(
 
     if cfg.max_new_tokens < 1:
         raise ConfigError("a trace needs at least one generated token (-n >= 1)")
-    model = rt.generator.model
-    info = TraceModel.from_args(rt.args, dtype, expert_bytes(model, dtype))
+    model = rt.model
+    info = TraceModel.from_args(rt.args, dtype, expert_bytes(rt, dtype))
     sampling = dataclasses.asdict(cfg)
     writer = TraceWriter(out, info, hidden, extra={"sampling": sampling, "chat": chat})
     rec = TraceRecorder(info.moe_layers, info.top_k, info.hidden_size, hidden, writer.append_step)

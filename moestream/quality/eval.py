@@ -15,13 +15,11 @@ from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
 
 
 @torch.inference_mode()
-def window_logits(model, args, ids: list[int], stepwise: bool) -> torch.Tensor:
-    """logits [T, V] (fp32) of every position of one window."""
-    dtype = model.model.embed_tokens.weight.dtype
-    cache = KVCache(args, len(ids), dtype)
-    reset = getattr(model.moe_blocks[0].provider, "reset", None) if model.moe_blocks else None
-    if reset is not None:
-        reset()
+def window_logits(rt, ids: list[int], stepwise: bool) -> torch.Tensor:
+    """logits [T, V] (fp32) of every position of one window of a Runtime's model."""
+    model = rt.model
+    cache = KVCache(rt.args, len(ids), model.model.embed_tokens.weight.dtype)
+    rt.provider.reset()  # predictions restart with the window's positions
     if not stepwise:
         return model(torch.tensor(ids), cache, 0).float()
     rows = [model(torch.tensor([t]), cache, p, last_only=True)[-1] for p, t in enumerate(ids)]
@@ -37,10 +35,10 @@ def evaluate(cand, ref, ids: list[int], ctx: int, stepwise: bool = False, log=No
     nll, ref_nll, kls, flip, ties, pos = [], [], [], 0, 0, 0
     for w, win in enumerate(windows(ids, ctx)):
         tgt = torch.tensor(win[1:])
-        lc = window_logits(cand.generator.model, cand.args, win, stepwise)[:-1]
+        lc = window_logits(cand, win, stepwise)[:-1]
         nll.append(token_nll(lc, tgt))
         if ref is not None:
-            lo = window_logits(ref.generator.model, ref.args, win, False)[:-1]
+            lo = window_logits(ref, win, False)[:-1]
             ref_nll.append(token_nll(lo, tgt))
             kls.append(kl_div(lc, lo))
             f = flips(lc, lo)

@@ -10,7 +10,7 @@ import time
 import uuid
 
 from moestream.config import ConfigError, SamplingConfig
-from moestream.engine.tokenizer import TokenizerError
+from moestream.errors import TokenizerError
 from moestream.runtime import Runtime
 from moestream.serve.schemas import (
     AssistantMessage,

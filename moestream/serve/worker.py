@@ -180,15 +180,6 @@ class Worker:
             "prefill_tok_s": c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
             "decode_tok_s": c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
             "peak_rss_bytes": peak_rss_bytes(),
-            "experts": _provider_stats(self.gen.model),
+            "experts": self.gen.provider.stats() or None,
         }
 
-
-def _provider_stats(model) -> dict | None:
-    """Counters of the expert provider (cache hits, bytes read) if it keeps any."""
-    for module in model.modules():
-        provider = getattr(module, "provider", None)
-        if provider is not None:
-            stats = getattr(provider, "stats", None)
-            return stats() if callable(stats) else None
-    return None

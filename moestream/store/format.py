@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 
 from moestream.config import ModelArgs, model_args_from_dict
-from moestream.convert.hf import CheckpointError
+from moestream.errors import CheckpointError
 from moestream.quant import QuantScheme, RecordLayout
 
 FORMAT = "moestream-store"

@@ -294,13 +294,35 @@ class SlotTable:
             raise PolicyError(f"{n_slots} slots is below the minimum of {min_slots} (top-k)")
         policy.check(n_slots, min_slots)
         self.n_slots, self.policy = n_slots, policy
-        self.slot_of: dict[Key, int] = {}
+        self._slot_of: dict[Key, int] = {}
         self.free = list(range(n_slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.hits = self.misses = self.evictions = 0
-        # Keys whose slots are being written by an asynchronous read (prefetch): never victims.
-        self.busy: set[Key] = set()
+        # Keys whose slots are being written by an asynchronous read: never victims.
+        self._busy: set[Key] = set()
         # Keys a predictor expects to be used soon: victims only when nothing else can go.
-        self.keep: set[Key] = set()
+        self._keep: set[Key] = set()
+
+    def __contains__(self, key: Key) -> bool:
+        return key in self._slot_of
+
+    def slot(self, key: Key) -> int | None:
+        """The slot holding key, or None."""
+        return self._slot_of.get(key)
+
+    def reserve(self, keys: Iterable[Key]) -> None:
+        """Mark keys busy: their slots are being written (a read in flight) and cannot be taken."""
+        self._busy.update(keys)
+
+    def release(self, keys: Iterable[Key]) -> None:
+        """The reads of these keys ended (landed or failed)."""
+        self._busy.difference_update(keys)
+
+    def is_busy(self, key: Key) -> bool:
+        return key in self._busy
+
+    def keep(self, keys: Iterable[Key]) -> None:
+        """Replace the set of keys eviction takes last (predicted to be used soon)."""
+        self._keep = set(keys)
 
     def access(self, layer: int, experts: Sequence[int]) -> Step:
         if len(experts) > self.n_slots:
@@ -313,10 +335,10 @@ class SlotTable:
         try:
             for e in experts:
                 key = (layer, e)
-                slot = self.slot_of.get(key)
+                slot = self._slot_of.get(key)
                 if slot is None:
                     slot = self._take_slot(key, protected, step)
-                    self.slot_of[key] = slot
+                    self._slot_of[key] = slot
                     step.misses.append((e, slot))
                     self.misses += 1
                 else:
@@ -340,18 +362,18 @@ class SlotTable:
             slot = self._take_slot(key, protected, step)
         except PolicyError:
             return None
-        self.slot_of[key] = slot
+        self._slot_of[key] = slot
         self.policy.inserted(key)
         return slot, step.evicted
 
     def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
         if self.free and not self.policy.wants_victim(key, len(self.free)):
             return self.free.pop()
-        hard = protected | self.busy if self.busy else protected
+        hard = protected | self._busy if self._busy else protected
         old = None
-        if self.keep:
+        if self._keep:
             try:
-                old = self.policy.victim(key, hard | self.keep)
+                old = self.policy.victim(key, hard | self._keep)
             except PolicyError:
                 pass  # every other candidate is kept: fall back to the policy's own choice
         if old is None:
@@ -359,14 +381,14 @@ class SlotTable:
         self.policy.evicted(old)
         step.evicted.append(old)
         self.evictions += 1
-        return self.slot_of.pop(old)
+        return self._slot_of.pop(old)
 
     def discard(self, key: Key) -> None:
         """Forget a resident key and free its slot (e.g. its read failed)."""
-        slot = self.slot_of.pop(key, None)
+        slot = self._slot_of.pop(key, None)
         if slot is not None:
             self.policy.evicted(key)
             self.free.append(slot)
 
     def resident(self) -> dict[Key, int]:
-        return dict(self.slot_of)
+        return dict(self._slot_of)

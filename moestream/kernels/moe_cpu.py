@@ -1,66 +1,13 @@
-"""The expert-provider interface the MoE blocks call, and the resident provider (all experts in RAM).
-
-`experts(layer, x, ids, weights)` computes the routed experts' weighted sum for the tokens x. A
-provider decides where the weights come from (RAM, a streamed slot cache, a GPU pool); models do not.
-"""
+"""Whole routed-MoE math on the CPU for experts held as dense tensors (the resident provider):
+one-token decode in few torch calls, prefill grouped by expert. Same summation order as
+`kernels/ref.py` (ascending expert id), so the bits equal transformers' eager path."""
 
 from __future__ import annotations
-
-from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from moestream.kernels.ref import ExpertActivation, expert_ffn
-
-
-class ExpertProvider(Protocol):
-    def experts(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        """x [T, D], ids [T, K] int64, weights [T, K] -> [T, D]."""
-        ...
-
-
-class ResidentExperts:
-    """All experts of every MoE layer held in memory as w13 [E, 2I, D] and w2 [E, D, I], plus
-    (gpt_oss) biases b13 [E, 2I], b2 [E, D] and a clamped activation."""
-
-    def __init__(
-        self,
-        w13: dict[int, torch.Tensor],
-        w2: dict[int, torch.Tensor],
-        b13: dict[int, torch.Tensor] | None = None,
-        b2: dict[int, torch.Tensor] | None = None,
-        act: ExpertActivation | None = None,
-    ):
-        self.w13, self.w2, self.act = w13, w2, act
-        # Per-expert views in Python lists: indexing a list costs no torch op on the decode path.
-        # An entry is (w13, w2) or, with biases, (w13, w2, b13, b2).
-        self._experts = {}
-        # Transposed views for the decode path's `mm(out=)` calls: (w13ᵀ [D, 2I], w2ᵀ [I, D]).
-        self._t = {}
-        for layer in w13:
-            parts = [w13[layer], w2[layer]]
-            if b13 is not None:
-                parts += [b13[layer], b2[layer]]
-            self._experts[layer] = list(zip(*(t.unbind(0) for t in parts)))
-            self._t[layer] = (
-                w13[layer].transpose(1, 2).unbind(0),
-                w2[layer].transpose(1, 2).unbind(0),
-            )
-        self.plain = b13 is None and act is None
-        self._bufs = DecodeBuffers()
-
-    def experts(
-        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-    ) -> torch.Tensor:
-        if x.shape[0] == 1:
-            if self.plain:
-                w13t, w2t = self._t[layer]
-                return moe_decode_plain(x, ids, weights, w13t, w2t, self._bufs)
-            return moe_decode(x, ids, weights, self._experts[layer].__getitem__, self.act)
-        return moe_grouped(x, ids, weights, self._experts[layer].__getitem__, self.act)
+from moestream.kernels.ref import ExpertActivation, expert_ffn, group_by_expert
 
 
 class DecodeBuffers:
@@ -103,7 +50,7 @@ def moe_decode_plain(
     one for down written into fixed per-slot rows, one SiLU*up over all K slots, then the
     weighted sum. fp32 sums with one [1, K] @ [K, D] GEMM; lower precision keeps transformers'
     rounding steps (weight product in the weights' dtype, cast, then adds in ascending expert
-    order), so bf16 stays bit-identical to its eager path."""
+    order), so bf16 stays bit-identical to its eager path. w13t[e] [D, 2I], w2t[e] [I, D]."""
     K = ids.shape[1]
     I = w2t[0].shape[0]
     h, gate, up, a, a_rows, y, y_rows, y2d = bufs.get(K, x.shape[1], I, x.dtype, x.device)
@@ -146,20 +93,9 @@ def moe_grouped(
     get_expert,
     act: ExpertActivation | None = None,
 ) -> torch.Tensor:
-    """Prefill: group tokens by expert (one sort instead of a Python loop over tokens)."""
-    T, K = ids.shape
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=1).tolist()
-    tok = order // K
-    slot = order % K
+    """Prefill: x [T, D], ids/weights [T, K]; each routed expert once over its tokens."""
     out = torch.zeros_like(x)
-    begin = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        t, s = tok[begin : begin + n], slot[begin : begin + n]
-        begin += n
+    for e, t, s in group_by_expert(ids):
         w13, w2, *bias = get_expert(e)
         y = expert_ffn(x[t], w13, w2, *bias, act=act) * weights[t, s, None]
         out.index_add_(0, t, y.to(out.dtype))

@@ -18,35 +18,19 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
 
 import torch
 
-from moestream.config import ConfigError
+from moestream.experts.base import ExpertProvider
+from moestream.experts.config import GpuConfig, slot_count
 from moestream.kernels.dispatch import moe_kernel
 from moestream.kernels.triton import combine_pairs, moe_pairs, unsupported
 from moestream.kernels.triton.layout import StackedExperts
 from moestream.store.format import Store
-from moestream.store.io import IOConfig, RecordReader
+from moestream.store.io import RecordReader
 from moestream.store.policy import SlotTable, make_policy
 
 PAGE = 4096
-
-
-@dataclass(frozen=True, slots=True)
-class GpuConfig:
-    gpu_budget: int | None = None  # bytes of VRAM expert slots (streaming)
-    resident: bool = False  # every expert in VRAM
-    pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
-    io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
-    policy: str = "lrfu"
-    kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
-
-    def __post_init__(self):
-        if not self.resident and self.gpu_budget is None:
-            raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
-        if self.gpu_budget is not None and self.gpu_budget <= 0:
-            raise ConfigError(f"--gpu-budget must be > 0, got {self.gpu_budget}")
 
 
 class PinnedPool:
@@ -64,33 +48,19 @@ class PinnedPool:
         return memoryview(self._np[slot * self.size : (slot + 1) * self.size])
 
 
-def _n_slots(store: Store, cfg: GpuConfig) -> int:
-    total = len(store.crc) * store.args.num_experts
-    if cfg.resident:
-        return total
-    least = store.args.num_experts_per_tok * store.layout.size
-    if cfg.gpu_budget < least:
-        raise ConfigError(
-            f"--gpu-budget {cfg.gpu_budget} bytes is below the minimum {least} bytes "
-            f"({least / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} experts x "
-            f"{store.layout.size} bytes per record); raise the budget"
-        )
-    return min(cfg.gpu_budget // store.layout.size, total)
-
-
-class GpuExperts:
+class GpuExperts(ExpertProvider):
     """ExpertProvider with a VRAM (or, for tests, CPU) slot pool. `stats()`: cumulative counters."""
 
-    def __init__(self, store: Store, cfg: GpuConfig, device: str | torch.device = "cuda"):
+    def __init__(self, store: Store, cfg: GpuConfig):
         self.store, self.cfg = store, cfg
-        self.device = torch.device(device)
+        self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
         self.kernel = moe_kernel(cfg.kernel)
         layout, a = store.layout, store.args
         self.layers = sorted(store.crc)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.E, self.K = a.num_experts, a.num_experts_per_tok
-        self.n_slots = _n_slots(store, cfg)
+        self.n_slots = slot_count(store, cfg)
         self.size = layout.size
         # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id).
         self.pool = StackedExperts(
@@ -314,25 +284,3 @@ class GpuExperts:
         if self.reader is not None:
             self.reader.close()
 
-
-def load_store_gpu(
-    folder,
-    cfg: GpuConfig,
-    dtype: str | torch.dtype = "bfloat16",
-    device: str = "cuda",
-    progress: bool = False,
-):
-    """A store as a runnable model on `device`: dense weights (and, through the generator, the KV
-    cache) there, experts in a `GpuExperts` slot pool."""
-    from pathlib import Path
-
-    from moestream.loader import Loaded, build_model, load_dense, resolve_dtype
-
-    dtype = resolve_dtype(dtype)
-    store = Store(folder)
-    model = build_model(store.args, dtype)
-    load_dense(store, model, dtype, progress)
-    store.release_dense()
-    model = model.to(device)
-    model.set_provider(GpuExperts(store, cfg, device))
-    return Loaded(store.args, model, Path(folder))

@@ -1,0 +1,81 @@
+"""The expert-provider interface the MoE blocks call, and the prefetch protocol beside it.
+
+A provider computes the routed experts' weighted sum for a layer's tokens; where the weights come
+from (RAM, a streamed slot cache, the OS page cache, a GPU pool) is its business, not the model's.
+The `Runtime` owns the one provider of a model and closes it.
+
+    route -> predict/prefetch -> make resident -> compute -> combine
+    (block)  (PredictingExperts)  (provider: residency)  (kernels)  (provider, fixed order)
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterable, Sequence
+
+import torch
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class ExpertProvider(ABC):
+    """Every method a caller may use; nobody probes a provider for optional ones."""
+
+    @abstractmethod
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, D], ids [T, K] int64, weights [T, K] -> [T, D]."""
+
+    def stats(self) -> dict:
+        """Cumulative counters (bytes read, hits, seconds...); numbers only. None by default."""
+        return {}
+
+    def reset(self) -> None:  # noqa: B027 (a declared no-op default, not a forgotten abstract)
+        """A new sequence starts at position 0 (the generator calls this before each prefill)."""
+
+    def close(self) -> None:  # noqa: B027 (a declared no-op default)
+        """Release IO threads, pinned buffers and maps; the provider is unusable after."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Prefetcher(ABC):
+    """A provider that can read experts ahead of need (the streamed slot cache). The predicting
+    wrapper (experts/predicting.py) drives it; providers without it simply are not prefetched."""
+
+    @abstractmethod
+    def prefetch(
+        self, layer: int, experts: Sequence[int], protect: Iterable[Key] = (), priority: int = 0
+    ) -> int:
+        """Start reads of the non-resident `experts` of `layer` in the given order without taking
+        the slots of `protect`; returns the reads started."""
+
+    @abstractmethod
+    def cancel_prefetch(self, layer: int, experts: Iterable[int]) -> int:
+        """Drop queued (not started) prefetch reads of these experts; returns how many."""
+
+    @abstractmethod
+    def hint(self, keys: Iterable[Key]) -> None:
+        """Keys predicted to be used soon: eviction takes other keys first."""
+
+    @abstractmethod
+    def request(self, layer: int, experts: list[int]) -> None:
+        """Decode: queue the demand reads of `experts` (ascending) now, so prefetches issued after
+        run behind them; the next `experts()` call for `layer` waits for them."""
+
+
+def stats_delta(before: dict, after: dict) -> dict:
+    """Counters for one generation, plus the achieved read bandwidth."""
+    d = {k: after[k] - before[k] for k in after if isinstance(after[k], (int, float))}
+    if d.get("prefetch_reads"):
+        d["prefetch_precision"] = d["prefetch_used"] / d["prefetch_reads"]
+    io = d.get("io_seconds", 0.0)
+    # Demand reads over the time decode waited for them (prefetched bytes overlap compute).
+    demand = d.get("demand_bytes_read", d.get("bytes_read", 0))  # providers without prefetch
+    d["read_gbps"] = demand / io / 1e9 if io else 0.0
+    return d

@@ -1,0 +1,129 @@
+"""What the experts of a model run on, as frozen validated configs: the CPU store providers
+(`StreamConfig`: resident, slot cache or mmap), the GPU pool (`GpuConfig`), and routing prediction
+(`PredictConfig`). The loader takes one experts config; the type says which provider is built.
+`slot_count` is the one budget rule, checked from the store's manifest alone."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moestream.config import ConfigError
+from moestream.store.format import Store
+from moestream.store.io import IOConfig
+
+ROUTINGS = ("exact", "predicted")
+
+
+@dataclass(frozen=True, slots=True)
+class StreamConfig:
+    """Experts of a store on the CPU: every one in RAM (`resident`), a slot cache of
+    `memory_budget` bytes fed by the IO pool, or the OS page cache (`io.mode == "mmap"`)."""
+
+    memory_budget: int | None = None  # bytes of expert slots (direct/pagecache)
+    resident: bool = False  # every expert in RAM (ignores the budget)
+    io: IOConfig = field(default_factory=IOConfig)
+    policy: str = "lrfu"
+    kernel: str = "cpu"
+    # A layer's resident experts run while its misses are read (decode and prefill chunks);
+    # False = read, then compute (the plain schedule, for ablations: bench_predict.py).
+    overlap: bool = True
+
+    def __post_init__(self):
+        if self.slot_cache and self.memory_budget is None:
+            raise ConfigError("streaming needs --memory-budget (or use --resident / --io mmap)")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
+
+    @property
+    def mmap(self) -> bool:
+        return not self.resident and self.io.mode == "mmap"
+
+    @property
+    def slot_cache(self) -> bool:
+        return not self.resident and self.io.mode != "mmap"
+
+
+@dataclass(frozen=True, slots=True)
+class GpuConfig:
+    """Experts of a store in a VRAM slot pool on `device` (every one with `resident`), misses
+    read from the store (or a pinned host mirror). `device="cpu"` + `kernel="ref"`: tests."""
+
+    gpu_budget: int | None = None  # bytes of VRAM expert slots (streaming)
+    resident: bool = False  # every expert in VRAM
+    pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
+    io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
+    policy: str = "lrfu"
+    kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
+    device: str = "cuda"
+
+    def __post_init__(self):
+        if not self.resident and self.gpu_budget is None:
+            raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
+        if self.gpu_budget is not None and self.gpu_budget <= 0:
+            raise ConfigError(f"--gpu-budget must be > 0, got {self.gpu_budget}")
+
+
+@dataclass(frozen=True, slots=True)
+class PredictConfig:
+    """Routing prediction and prefetch (moestream/predict/): `predictor` names expert sets ahead;
+    `routing="predicted"` runs them as the routing (lossy). `trace`: the oracle's trace folder."""
+
+    predictor: str = "none"
+    routing: str = "exact"
+    trace: str | Path | None = None
+    min_score: float = 0.0
+    ahead: int = 1
+
+    def __post_init__(self):
+        from moestream.predict.base import PREDICTORS
+
+        if self.predictor not in PREDICTORS:
+            raise ConfigError(
+                f"unknown --predictor {self.predictor!r}; use one of {', '.join(PREDICTORS)}"
+            )
+        if self.routing not in ROUTINGS:
+            raise ConfigError(f"unknown --routing {self.routing!r}; use exact or predicted")
+        if self.predictor == "none" and self.routing != "exact":
+            raise ConfigError("--routing predicted needs a --predictor (e.g. prerouter)")
+        if not 0.0 <= self.min_score < 1.0:
+            raise ConfigError(f"--min-score {self.min_score} must be in [0, 1): a router probability")
+        if self.ahead not in (1, 2):
+            raise ConfigError(f"--predict-ahead {self.ahead}: the stale gate names 1 or 2 layers ahead")
+        if self.ahead != 1 and self.predictor != "stale-gate":
+            raise ConfigError(f"--predict-ahead applies to --predictor stale-gate, not {self.predictor}")
+
+    @property
+    def active(self) -> bool:
+        return self.predictor != "none" or self.routing != "exact"
+
+
+ExpertsConfig = StreamConfig | GpuConfig
+
+
+def min_budget(store: Store) -> int:
+    """The smallest legal budget: the top-k experts of one layer."""
+    return store.args.num_experts_per_tok * store.layout.size
+
+
+def slot_count(store: Store, cfg: ExpertsConfig) -> int:
+    """Record slots the config gives (every record when resident; 0 for mmap). Raises before
+    anything is loaded when the budget cannot hold one token's experts of a layer."""
+    total = len(store.crc) * store.args.num_experts
+    if cfg.resident:
+        return total
+    if isinstance(cfg, StreamConfig) and cfg.mmap:
+        return 0
+    budget, flag = (
+        (cfg.gpu_budget, "--gpu-budget")
+        if isinstance(cfg, GpuConfig)
+        else (cfg.memory_budget, "--memory-budget")
+    )
+    least = min_budget(store)
+    if budget < least:
+        raise ConfigError(
+            f"{flag} {budget} bytes is below the minimum {least} bytes "
+            f"({least / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} "
+            f"experts x {store.layout.size} bytes per record); raise the budget"
+        )
+    return min(budget // store.layout.size, total)

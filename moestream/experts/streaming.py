@@ -1,0 +1,154 @@
+"""The store's CPU providers' shared compute, and the streamed slot-cache provider.
+
+route -> make resident (store/residency.py: slot table, pread misses) -> compute (quantized
+kernels) -> combine. Every store provider (resident, slot cache, mmap) runs the same compute code
+in the same order (decode: the token's experts added in ascending id order; prefill: tokens grouped
+by expert in ascending id order, as ResidentExperts), so at one quantization their greedy tokens
+are bit-identical. `resident` is the slot cache with a slot for every record, filled at start.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import abstractmethod
+from collections.abc import Callable
+
+import torch
+
+from moestream.experts.base import ExpertProvider, Prefetcher
+from moestream.experts.config import StreamConfig, slot_count
+from moestream.kernels.dispatch import qlinear
+from moestream.kernels.ref import ExpertActivation, expert_ffn_q, group_by_expert
+from moestream.store.format import Store
+from moestream.store.io import PREFETCH
+from moestream.store.residency import SlotResidency
+
+Run = Callable[[int, dict], object]  # run(i, sections of experts[i]) -> result
+
+
+class StoreExperts(ExpertProvider):
+    """Compute over a Store's quantized records; subclasses make records resident."""
+
+    def __init__(self, store: Store, cfg: StreamConfig):
+        self.store, self.cfg = store, cfg
+        self.g = store.scheme.group_size
+        self.act = ExpertActivation.from_args(store.args)
+        self.linear = qlinear(cfg.kernel)
+        self.compute_seconds = 0.0
+
+    @abstractmethod
+    def _resident_run(self, layer: int, experts: list[int], run: Run) -> list:
+        """[run(i, sections of experts[i])] once each expert is resident, in any order."""
+
+    @abstractmethod
+    def _capacity(self) -> int:
+        """Experts of one layer that can be resident at once (prefill chunks)."""
+
+    def experts(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """x [T, D], ids [T, K], weights [T, K] -> [T, D]."""
+        if x.shape[0] > 1:
+            return self._grouped(layer, x, ids, weights)
+        order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
+        ys = self._resident_run(layer, [e for e, _ in order], lambda i, sec: self._ffn(x, sec))
+        out = torch.zeros_like(x)  # summed in ascending expert id, whatever order ran
+        for (_, k), y in zip(order, ys):
+            out += (y * weights[:, k : k + 1]).to(x.dtype)
+        return out
+
+    def _ffn(self, x: torch.Tensor, sec: dict) -> torch.Tensor:
+        t0 = time.perf_counter()
+        y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
+        self.compute_seconds += time.perf_counter() - t0
+        return y
+
+    def _grouped(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold,
+        each chunk's outputs added in ascending expert id whatever order they were computed in."""
+        groups = group_by_expert(ids)
+        cap = self._capacity()
+        out = torch.zeros_like(x)
+        for c in range(0, len(groups), cap):
+            chunk, done, nxt = groups[c : c + cap], {}, 0
+
+            def run(i, sec, chunk=chunk, done=done):
+                nonlocal nxt
+                _, t, s = chunk[i]
+                done[i] = self._ffn(x[t], sec) * weights[t, s, None]
+                while nxt in done:  # add in id order as soon as it allows: outputs freed early
+                    out.index_add_(0, chunk[nxt][1], done.pop(nxt).to(out.dtype))
+                    nxt += 1
+
+            self._resident_run(layer, [e for e, _, _ in chunk], run)
+            assert not done, "an expert output was never added"
+        return out
+
+
+class StreamingExperts(StoreExperts, Prefetcher):
+    """Slot cache of `memory_budget` bytes (or every record, `resident`) fed by the IO pool.
+    `stats()` returns cumulative IO and cache counters."""
+
+    def __init__(self, store: Store, cfg: StreamConfig):
+        super().__init__(store, cfg)
+        self.n_slots = slot_count(store, cfg)
+        self.res = SlotResidency(store, self.n_slots, cfg.policy, cfg.io)
+        if cfg.resident:
+            for layer in sorted(store.crc):
+                self.res.settle(self.res.begin(layer, list(range(store.args.num_experts))))
+
+    @property
+    def table(self):
+        return self.res.table
+
+    def _capacity(self) -> int:
+        return self.res.capacity()
+
+    def _resident_run(self, layer: int, experts: list[int], run: Run) -> list:
+        """The experts already in their slots run while the others are read, each of those as
+        soon as its record lands: compute hides behind the reads instead of following them.
+        Callers combine the results in their own fixed order, so the bits do not depend on the
+        order things ran in."""
+        res = self.res
+        req = res.begin(layer, experts)
+        if not self.cfg.overlap:  # read, then compute
+            return [run(i, res.views(slot)) for i, slot in enumerate(res.settle(req))]
+        waiting = res.pending_reads(req)
+        ys: list = [None] * len(experts)
+        ran = [False] * len(experts)
+        todo = sorted(range(len(experts)), key=lambda i: experts[i] in waiting)
+        while todo:
+            # The first expert whose record is in; else block on the earliest queued read.
+            i = next((i for i in todo if res.landed(waiting.get(experts[i]))), None)
+            if i is None:
+                i = todo[0]
+                res.wait_read(layer, experts[i], waiting[experts[i]])
+                if not res.landed(waiting[experts[i]]):
+                    break  # the read failed: settle reads it again or raises
+            todo.remove(i)
+            ys[i], ran[i] = run(i, res.views(req.step.slots[i])), True
+        # A retry after a failed read re-reads only that expert: the step's other keys are
+        # protected, so what already ran keeps its slot and runs exactly once.
+        for i, slot in enumerate(res.settle(req)):
+            if not ran[i]:
+                ys[i] = run(i, res.views(slot))
+        return ys
+
+    # ---- Prefetcher: the residency does the work -------------------------------------------------
+    def prefetch(self, layer: int, experts, protect=(), priority: int = PREFETCH) -> int:
+        return self.res.prefetch(layer, experts, protect, priority)
+
+    def cancel_prefetch(self, layer: int, experts) -> int:
+        return self.res.cancel_prefetch(layer, experts)
+
+    def hint(self, keys) -> None:
+        self.res.table.keep(keys)
+
+    def request(self, layer: int, experts: list[int]) -> None:
+        self.res.request(layer, experts)
+
+    def stats(self) -> dict:
+        return {**self.res.stats(), "compute_seconds": self.compute_seconds}
+
+    def close(self) -> None:
+        self.res.close()
