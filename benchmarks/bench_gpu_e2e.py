@@ -223,7 +223,7 @@ def main() -> None:
         hf_tokens = run_hf(a, dtype, ids, emit)
 
     # resident
-    loaded = load_model(store, GpuConfig(resident=True, kernel=kernel, device=DEV), dtype)
+    loaded = load_model(store, GpuConfig(resident=True, kernel=kernel, device=DEV), dtype=dtype)
     prov = loaded.provider
     ours(loaded.model, loaded.args, ids, a.tokens)
     r = ours(loaded.model, loaded.args, ids, a.tokens, prov)
@@ -265,7 +265,7 @@ def main() -> None:
                 kernel=kernel,
                 device=DEV,
             )
-            loaded = load_model(store, cfg, dtype)
+            loaded = load_model(store, cfg, dtype=dtype)
             prov = loaded.provider
             ours(loaded.model, loaded.args, ids, a.tokens, prov)  # warm-up: compile, fill the pool
             r = ours(loaded.model, loaded.args, ids, a.tokens, prov)

@@ -144,6 +144,7 @@ class Loaded:
 def load_model(
     folder: str | Path,
     experts: ExpertsConfig | None = None,
+    *,
     dtype: str | torch.dtype = "float32",
     progress: bool = False,
 ) -> Loaded:

@@ -113,7 +113,7 @@ def open_model(
         folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
     _check_quant(folder, quant)
     tokenizer = Tokenizer(folder)
-    loaded = load_model(folder, experts, dtype, progress)
+    loaded = load_model(folder, experts, dtype=dtype, progress=progress)
     provider = loaded.provider
     if predict.active:
         provider = _attach_predictor(loaded, predict, (Path(path), folder))

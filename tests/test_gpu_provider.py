@@ -78,7 +78,7 @@ def flips(ref_logits: torch.Tensor, got_logits: torch.Tensor) -> tuple[int, int]
 
 
 def gpu_model(store: Path, cfg: GpuConfig, device: str, dtype=torch.float32):
-    loaded = load_model(store, dataclasses.replace(cfg, device=device), dtype)
+    loaded = load_model(store, dataclasses.replace(cfg, device=device), dtype=dtype)
     return loaded.model, loaded.args, loaded.provider
 
 

@@ -44,7 +44,7 @@ def test_cached_continuation_matches_transformers(tiny_dir):
 
 
 def test_expert_bias_stays_fp32_in_bf16(tiny_dir):
-    ours = load_model(tiny_dir("lfm2_moe", "fused"), "bfloat16")
+    ours = load_model(tiny_dir("lfm2_moe", "fused"), dtype="bfloat16")
     block = ours.model.moe_blocks[0]
     assert block.gate.weight.dtype == torch.bfloat16
     assert block.expert_bias.dtype == torch.float32 and block.expert_bias.abs().sum() > 0

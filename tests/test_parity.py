@@ -87,7 +87,7 @@ BF16_TOL = 0.03
 def test_bf16_within_documented_tolerance(tiny_dir, arch):
     folder = tiny_dir(arch, "fused")
     ref = hf_load(folder, torch.bfloat16)
-    ours = load_model(folder, "bfloat16")
+    ours = load_model(folder, dtype="bfloat16")
     with torch.no_grad():
         hf = ref(PROMPT[None], use_cache=True)
         want = hf.logits[0].float()
