@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moestream.config import ModelArgs, load_model_args
+from moestream.config import ModelArgs
 from moestream.convert.fp8 import Fp8Error, dequantize_fp8, fp8_block_size
 from moestream.convert.mxfp4 import Mxfp4Error, dequantize_mxfp4
-from moestream.models import model_module
+from moestream.models import load_model_args, model_module
 
 
 class CheckpointError(ValueError):
