@@ -1,6 +1,8 @@
 """Frozen, validated configuration: model arguments (from config.json), sampling, sizes.
 
-Model files read everything they need from `ModelArgs`; nothing else parses config.json.
+Model files read everything they need from `ModelArgs`. This file holds the architecture-neutral
+part of reading config.json (required keys, RoPE, common fields); each model file maps its own
+fields (`config_fields`) and `moestream.models` picks the file by `model_type`.
 """
 
 from __future__ import annotations
@@ -10,20 +12,6 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-SUPPORTED_MODEL_TYPES = (
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-    "olmoe",
-    "glm4_moe",
-    "deepseek_v3",
-    "gpt_oss",
-    "qwen3_5_moe",
-    "lfm2_moe",
-)
-# config.json model_type -> the model file that runs it (text-only variants of multimodal models).
-MODEL_TYPE_ALIASES = {"qwen3_5_moe_text": "qwen3_5_moe"}
 
 
 class ConfigError(ValueError):
@@ -123,10 +111,6 @@ class ModelArgs:
     selection_bias: bool = False
 
     def __post_init__(self):
-        if self.model_type not in SUPPORTED_MODEL_TYPES:
-            raise ConfigError(
-                f"model_type {self.model_type!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-            )
         for name in (
             "vocab_size",
             "hidden_size",
@@ -222,11 +206,8 @@ class ModelArgs:
 
 def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
     # transformers 5 writes `rope_parameters`; older checkpoints have `rope_theta` + `rope_scaling`.
-    mt = cfg.get("model_type")
-    params = dict(
-        cfg.get("rope_parameters") or cfg.get("rope_scaling") or _DEFAULT_ROPE.get(mt, {})
-    )
-    theta = params.get("rope_theta", cfg.get("rope_theta", _DEFAULT_THETA.get(mt, 10000.0)))
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     orig = params.get("original_max_position_embeddings")
     if rope_type in ("yarn", "llama3") and orig is None:
@@ -247,257 +228,57 @@ def _rope_from_config(cfg: dict[str, Any]) -> RopeArgs:
     )
 
 
-# transformers' defaults when config.json names no RoPE parameters (GptOssConfig.__post_init__).
-_DEFAULT_ROPE = {
-    "gpt_oss": dict(
-        rope_type="yarn",
-        factor=32.0,
-        beta_fast=32.0,
-        beta_slow=1.0,
-        truncate=False,
-        original_max_position_embeddings=4096,
-    )
-}
-_DEFAULT_THETA = {"gpt_oss": 150000.0}
+def partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:
+    # transformers 5 keeps it in rope_parameters; hub configs have it at the top level.
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
 
 
-def _require(cfg: dict[str, Any], key: str, path: str) -> Any:
+def require(cfg: dict[str, Any], key: str, path: str) -> Any:
     if key not in cfg:
         raise ConfigError(f"{path}: missing required field {key!r}")
     return cfg[key]
 
 
-def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> ModelArgs:
-    """Build ModelArgs from a Hugging Face config dict, applying each architecture's defaults."""
-    mt = cfg.get("model_type")
-    if mt == "qwen3_5_moe" and "text_config" in cfg:
-        cfg = _text_config(cfg)
-    mt = MODEL_TYPE_ALIASES.get(mt, mt)
-    if mt == "lfm2_moe":
-        cfg = _lfm2_config(cfg)
-    if mt is None:
-        raise ConfigError(
-            f"{path}: no 'model_type' field; is this a Hugging Face checkpoint folder?"
-        )
-    if mt not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            f"{path}: model_type {mt!r} is not supported; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
-    n_layers = int(_require(cfg, "num_hidden_layers", path))
-    hidden = int(_require(cfg, "hidden_size", path))
-    n_heads = int(_require(cfg, "num_attention_heads", path))
-    n_kv = cfg.get("num_key_value_heads") or n_heads
-    head_dim = cfg.get("head_dim") or hidden // n_heads
-    extra = _deepseek_style_fields(cfg, mt) if mt in _DEEPSEEK_STYLE else {}
-    if mt == "deepseek_v3":
-        head_dim = extra["qk_rope_head_dim"]  # RoPE and the config's head_dim cover the rope part
-    if mt == "mixtral":
-        n_exp, moe_inter = cfg.get("num_local_experts", 8), cfg.get("intermediate_size", 14336)
-    elif mt in _DEEPSEEK_STYLE:
-        n_exp = cfg.get("n_routed_experts", cfg.get("num_local_experts"))
-        if n_exp is None:
-            raise ConfigError(f"{path}: missing required field 'n_routed_experts'")
-        moe_inter = int(_require(cfg, "moe_intermediate_size", path))
-    else:
-        # transformers 5 may write `num_local_experts` where hub configs say `num_experts`.
-        n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
-        if n_exp is None:
-            raise ConfigError(f"{path}: missing required field 'num_experts'")
-        moe_inter = int(cfg.get("moe_intermediate_size", cfg.get("intermediate_size", 0)))
-    if mt == "qwen3_5_moe":
-        extra.update(_linear_attention_fields(cfg, n_layers))
-    if mt == "lfm2_moe":
-        extra.update(_lfm2_fields(cfg, n_layers))
-    if mt in ("qwen3_moe", "qwen2_moe"):
-        step = int(cfg.get("decoder_sparse_step", 1))
-        dense_only = set(cfg.get("mlp_only_layers") or [])
-        moe_layers = tuple(
-            (i not in dense_only) and n_exp > 0 and (i + 1) % step == 0 for i in range(n_layers)
-        )
-    elif mt == "lfm2_moe":
-        dense = int(cfg.get("num_dense_layers", 2))
-        moe_layers = tuple(i >= dense and n_exp > 0 for i in range(n_layers))
-    elif mt in _DEEPSEEK_STYLE:
-        # transformers reads only first_k_dense_replace (DeepSeek's moe_layer_freq is always 1).
-        first_dense = int(cfg.get("first_k_dense_replace", 3 if mt == "deepseek_v3" else 1) or 0)
-        moe_layers = tuple(i >= first_dense and n_exp > 0 for i in range(n_layers))
-    else:
-        moe_layers = (True,) * n_layers
-    sliding = _sliding_windows(cfg, mt, n_layers)
+def common_fields(cfg: dict[str, Any], path: str = "config.json") -> dict[str, Any]:
+    """The ModelArgs fields every architecture reads the same way, with the plain Hugging Face
+    defaults; a model file's `config_fields` adds its experts and overrides the rest."""
+    n_layers = int(require(cfg, "num_hidden_layers", path))
+    hidden = int(require(cfg, "hidden_size", path))
+    n_heads = int(require(cfg, "num_attention_heads", path))
+    # Qwen-style flags: one window on every layer when use_sliding_window.
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     eos = cfg.get("eos_token_id")
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    return ModelArgs(
-        model_type=mt,
-        vocab_size=int(_require(cfg, "vocab_size", path)),
+    return dict(
+        vocab_size=int(require(cfg, "vocab_size", path)),
         hidden_size=hidden,
         num_hidden_layers=n_layers,
         num_attention_heads=n_heads,
-        num_key_value_heads=int(n_kv),
-        head_dim=int(head_dim),
+        num_key_value_heads=int(cfg.get("num_key_value_heads") or n_heads),
+        head_dim=int(cfg.get("head_dim") or hidden // n_heads),
         intermediate_size=int(cfg.get("intermediate_size", 0)),
-        moe_intermediate_size=int(moe_inter),
-        num_experts=int(n_exp),
-        num_experts_per_tok=int(_require(cfg, "num_experts_per_tok", path)),
+        num_experts_per_tok=int(require(cfg, "num_experts_per_tok", path)),
         rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
         rope=_rope_from_config(cfg),
-        norm_topk_prob=True
-        if mt in ("mixtral", "qwen3_5_moe")  # qwen3_5_moe always renormalises
-        else bool(cfg.get("norm_topk_prob", mt in _DEEPSEEK_STYLE)),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        attention_bias=bool(cfg.get("attention_bias", mt == "gpt_oss")),
-        qkv_bias=bool(cfg.get("qkv_bias", mt == "qwen2_moe")),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        qkv_bias=bool(cfg.get("qkv_bias", False)),
         clip_qkv=cfg.get("clip_qkv"),
         shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
-        moe_layers=moe_layers,
-        sliding_windows=sliding,
+        moe_layers=(True,) * n_layers,
+        sliding_windows=(window,) * n_layers,
         hidden_act=cfg.get("hidden_act", "silu"),
         bos_token_id=cfg.get("bos_token_id"),
-        eos_token_ids=eos_ids,
+        eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),)),
         torch_dtype=str(cfg.get("dtype") or cfg.get("torch_dtype") or "float32"),
-        partial_rotary_factor=_partial_rotary_factor(cfg, mt),
-        **extra,
-        **(_gpt_oss_fields(cfg) if mt == "gpt_oss" else {}),
+        partial_rotary_factor=partial_rotary_factor(cfg),
     )
 
 
-_DEEPSEEK_STYLE = ("glm4_moe", "deepseek_v3")
-
-
-def _text_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """Multimodal checkpoints (Qwen3.5) nest the language model's fields under text_config; the
-    top level keeps tie_word_embeddings (and sometimes eos_token_id)."""
-    text = dict(cfg["text_config"])
-    text["model_type"] = "qwen3_5_moe"
-    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
-        if key in cfg and key not in text:
-            text[key] = cfg[key]
-    if "tie_word_embeddings" in cfg:  # transformers ties by the top-level config
-        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
-    return text
-
-
-def _lfm2_config(cfg: dict[str, Any]) -> dict[str, Any]:
-    """LFM2's own spellings and defaults (Lfm2MoeConfig): norm_eps, tie_embedding, theta 1e6,
-    renormalised top-k."""
-    out = dict(cfg)
-    out["rms_norm_eps"] = cfg.get("norm_eps", 1e-5)
-    out["tie_word_embeddings"] = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
-    out.setdefault("norm_topk_prob", True)
-    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
-        out["rope_theta"] = 1000000.0
-    return out
-
-
-def _lfm2_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    """Which layers are short convolutions (layer_types, or older configs' full_attn_idxs)."""
-    types = cfg.get("layer_types")
-    if types is None:
-        if "full_attn_idxs" not in cfg:
-            raise ConfigError("config.json: lfm2_moe needs layer_types (or full_attn_idxs)")
-        full = set(cfg["full_attn_idxs"])
-        types = ["full_attention" if i in full else "conv" for i in range(n_layers)]
-    known = {"full_attention": "attention", "conv": "conv"}
-    unknown = sorted(set(types) - set(known))
-    if unknown:
-        raise ConfigError(f"config.json: layer type(s) {', '.join(unknown)} are not supported")
-    return dict(
-        layer_mixers=tuple(known[t] for t in types),
-        conv_kernel=int(cfg.get("conv_L_cache", 3)),
-        conv_bias=bool(cfg.get("conv_bias", False)),
-        selection_bias=bool(cfg.get("use_expert_bias", True)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-    )
-
-
-def _linear_attention_fields(cfg: dict[str, Any], n_layers: int) -> dict[str, Any]:
-    """Qwen3.5 hybrid layers: layer_types (or every full_attention_interval-th layer full
-    attention, as Qwen3_5MoeTextConfig) and the Gated DeltaNet dims, with transformers' defaults."""
-    types = cfg.get("layer_types")
-    if types is None:
-        every = int(cfg.get("full_attention_interval", 4))
-        types = [
-            "full_attention" if (i + 1) % every == 0 else "linear_attention"
-            for i in range(n_layers)
-        ]
-    known = {"full_attention": "attention", "linear_attention": "linear_attention"}
-    unknown = sorted(set(types) - set(known))
-    if unknown:
-        raise ConfigError(f"config.json: layer type(s) {', '.join(unknown)} are not supported")
-    return dict(
-        layer_mixers=tuple(known[t] for t in types),
-        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
-        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
-        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
-        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
-        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
-    )
-
-
-def _partial_rotary_factor(cfg: dict[str, Any], mt: str) -> float:
-    # transformers 5 keeps it in rope_parameters; hub configs have it at the top level. GLM-4.5
-    # rotates half of each head when neither says (Glm4MoeConfig.__post_init__).
-    params = cfg.get("rope_parameters") or {}
-    default = {"glm4_moe": 0.5, "qwen3_5_moe": 0.25}.get(mt, 1.0)
-    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
-
-
-def _deepseek_style_fields(cfg: dict[str, Any], mt: str) -> dict[str, Any]:
-    """Routing, shared-expert, MTP and (deepseek_v3) latent-attention fields, with transformers'
-    defaults for each type."""
-    ds = mt == "deepseek_v3"
-    out: dict[str, Any] = dict(
-        n_shared_experts=int(cfg.get("n_shared_experts", 1) or 0),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 2.5 if ds else 1.0)),
-        n_group=int(cfg.get("n_group", 8 if ds else 1) or 1),
-        topk_group=int(cfg.get("topk_group", 4 if ds else 1) or 1),
-        num_mtp_layers=int(cfg.get("num_nextn_predict_layers", cfg.get("num_mtp_layers", 1)) or 0),
-        use_qk_norm=bool(cfg.get("use_qk_norm", False)),
-    )
-    if ds:
-        q_lora = cfg.get("q_lora_rank", 1536)
-        out.update(
-            q_lora_rank=None if q_lora is None else int(q_lora),
-            kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
-            qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
-            qk_rope_head_dim=int(cfg.get("qk_rope_head_dim", 64)),
-            v_head_dim=int(cfg.get("v_head_dim", 128)),
-            rope_interleave=bool(cfg.get("rope_interleave", True)),
-        )
-    return out
-
-
-def _gpt_oss_fields(cfg: dict[str, Any]) -> dict[str, Any]:
-    return dict(
-        expert_bias=True,
-        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
-        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
-    )
-
-
-def _sliding_windows(cfg: dict[str, Any], mt: str, n_layers: int) -> tuple[int | None, ...]:
-    window = cfg.get("sliding_window")
-    if mt == "gpt_oss":  # no use_sliding_window flag: layer_types, sliding on even layers
-        types = cfg.get("layer_types") or [
-            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
-        ]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    if mt == "mixtral":
-        return (window,) * n_layers
-    if mt == "olmoe" or not cfg.get("use_sliding_window", False) or window is None:
-        return (None,) * n_layers
-    if mt == "qwen2_moe":
-        types = cfg.get("layer_types")
-        if types is None:
-            first = int(cfg.get("max_window_layers", n_layers))
-            types = [
-                "sliding_attention" if i >= first else "full_attention" for i in range(n_layers)
-            ]
-        return tuple(window if t == "sliding_attention" else None for t in types)
-    return (window,) * n_layers  # qwen3_moe: every layer when use_sliding_window
-
-
-def load_model_args(folder: str | Path) -> ModelArgs:
+def read_config_json(folder: str | Path) -> tuple[dict[str, Any], str]:
+    """(the parsed config.json of a checkpoint folder, its path for error messages)."""
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ConfigError(
@@ -505,10 +286,9 @@ def load_model_args(folder: str | Path) -> ModelArgs:
             "or a moestream store"
         )
     try:
-        cfg = json.loads(path.read_text())
+        return json.loads(path.read_text()), str(path)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path} is not valid JSON ({e}); re-download the checkpoint") from e
-    return model_args_from_dict(cfg, str(path))
 
 
 @dataclass(frozen=True, slots=True)

@@ -173,7 +173,7 @@ def test_hub_config_reads_like_transformers(drop):
     import transformers as T
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from moestream.config import model_args_from_dict
+    from moestream.models import model_args_from_dict
     from moestream.models.layers import rope_inv_freq
 
     raw = {k: v for k, v in GPT_OSS_20B.items() if k not in drop}

@@ -267,7 +267,7 @@ def test_hub_config_reads_like_transformers(arch):
     import transformers as T
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from moestream.config import model_args_from_dict
+    from moestream.models import model_args_from_dict
     from moestream.models.layers import rope_inv_freq
 
     raw = HUB_CONFIGS[arch]

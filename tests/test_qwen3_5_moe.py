@@ -179,7 +179,7 @@ HUB_CONFIG = {
 def test_hub_config_reads_like_transformers():
     import transformers as T
 
-    from moestream.config import model_args_from_dict
+    from moestream.models import model_args_from_dict
     from moestream.models.layers import rope_inv_freq
 
     a = model_args_from_dict(HUB_CONFIG)

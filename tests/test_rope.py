@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny_models import perturbed_model, save
 
-from moestream.config import model_args_from_dict
 from moestream.engine.kv_cache import KVCache
 from moestream.loader import load_model
+from moestream.models import model_args_from_dict
 from moestream.models.layers import rope_inv_freq
 
 VARIANTS = {

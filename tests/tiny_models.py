@@ -12,10 +12,10 @@ from pathlib import Path
 
 import torch
 
-from moestream.config import SUPPORTED_MODEL_TYPES
+from moestream.models import supported_model_types
 
 # Every supported model type: a new one cannot land without a tiny config here.
-ARCHS = SUPPORTED_MODEL_TYPES
+ARCHS = supported_model_types()
 LAYOUTS = ("per_expert", "fused", "sharded")
 VOCAB = 320
 # gpt_oss has no per-expert layout: save_pretrained writes the fused tensors either way.

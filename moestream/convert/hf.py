@@ -18,11 +18,11 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moestream.config import ModelArgs, load_model_args
+from moestream.config import ModelArgs
 from moestream.convert.fp8 import Fp8Error, dequantize_fp8, fp8_block_size
 from moestream.convert.mxfp4 import Mxfp4Error, dequantize_mxfp4
 from moestream.errors import CheckpointError
-from moestream.models import model_module
+from moestream.models import load_model_args, model_module
 
 # Per-expert layouts: Qwen/OLMoE `mlp.experts.{e}.gate_proj`, Mixtral `block_sparse_moe.experts.{e}.w1`,
 # LFM2 `feed_forward.experts.{e}.w1`.

@@ -7,16 +7,36 @@ ungated shared experts."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from moestream.config import ModelArgs
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import deepseek_style_fields
 from moestream.models.layers import MLP, RMSNorm, SigmoidMoe, apply_rope, attention_mask
 
 # transformers builds q_a_layernorm / kv_a_layernorm with RMSNorm's default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """DeepseekV3Config's defaults for the routing and the latent-attention dims."""
+    rope_dim = int(cfg.get("qk_rope_head_dim", 64))
+    q_lora = cfg.get("q_lora_rank", 1536)
+    return dict(
+        deepseek_style_fields(
+            cfg, path, first_dense=3, routed_scaling=2.5, n_group=8, topk_group=4
+        ),
+        head_dim=rope_dim,  # RoPE and the config's head_dim cover the rope part
+        q_lora_rank=None if q_lora is None else int(q_lora),
+        kv_lora_rank=int(cfg.get("kv_lora_rank", 512)),
+        qk_nope_head_dim=int(cfg.get("qk_nope_head_dim", 128)),
+        qk_rope_head_dim=rope_dim,
+        v_head_dim=int(cfg.get("v_head_dim", 128)),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
 
 
 def softmax_scale(args: ModelArgs) -> float:

@@ -3,9 +3,22 @@ per-head q/k RMSNorm and partial rotary (half of each head by default); the firs
 `first_k_dense_replace` layers are dense, the rest route with sigmoid scores, a selection-only
 correction bias and group-limited top-k, plus ungated shared experts."""
 
-from moestream.config import ModelArgs
+from typing import Any
+
+from moestream.config import ModelArgs, partial_rotary_factor
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import deepseek_style_fields
 from moestream.models.layers import MLP, Attention, SigmoidMoe
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    # Glm4MoeConfig's defaults; half of each head rotates when the config does not say.
+    return dict(
+        deepseek_style_fields(
+            cfg, path, first_dense=1, routed_scaling=1.0, n_group=1, topk_group=1
+        ),
+        partial_rotary_factor=partial_rotary_factor(cfg, 0.5),
+    )
 
 
 def make_attention(args: ModelArgs, i: int) -> Attention:

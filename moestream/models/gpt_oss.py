@@ -6,16 +6,54 @@ its weight in fp32, before the cast back."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelArgs
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import layer_windows, routed_experts
 from moestream.models.layers import Attention, RMSNorm, SparseMoe
 
 # Checkpoint name -> ours: the router is `mlp.router` in gpt_oss, `mlp.gate` in SparseMoe.
 RENAMES = ((".mlp.router.", ".mlp.gate."),)
+
+# transformers' RoPE when config.json names none (GptOssConfig.__post_init__).
+DEFAULT_ROPE = dict(
+    rope_type="yarn",
+    factor=32.0,
+    beta_fast=32.0,
+    beta_slow=1.0,
+    truncate=False,
+    original_max_position_embeddings=4096,
+)
+DEFAULT_ROPE_THETA = 150000.0
+
+
+def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    out = dict(cfg)
+    if not (cfg.get("rope_parameters") or cfg.get("rope_scaling")):
+        out["rope_scaling"] = dict(DEFAULT_ROPE)
+    out.setdefault("rope_theta", DEFAULT_ROPE_THETA)
+    return out
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    # No use_sliding_window flag: layer_types, by default sliding on even layers.
+    n_layers = int(cfg["num_hidden_layers"])
+    types = cfg.get("layer_types") or [
+        "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n_layers)
+    ]
+    return dict(
+        routed_experts(cfg, path),
+        attention_bias=bool(cfg.get("attention_bias", True)),
+        sliding_windows=layer_windows(types, cfg.get("sliding_window")),
+        expert_bias=True,
+        swiglu_limit=float(cfg.get("swiglu_limit", 7.0)),
+        swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+    )
 
 
 class GptOssRMSNorm(RMSNorm):

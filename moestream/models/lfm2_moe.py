@@ -6,11 +6,14 @@ a routed scaling factor; the final norm is called `embedding_norm`."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
-from moestream.config import ModelArgs
+from moestream.config import ConfigError, ModelArgs
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import first_dense_layers, layer_mixers, routed_experts
 from moestream.models.layers import MLP, Attention, RMSNorm, SparseMoe
 from moestream.models.linear_attention import causal_conv, recurrent_state
 
@@ -23,6 +26,41 @@ RENAMES = (
     (".feed_forward.w2.", ".feed_forward.down_proj."),
     ("model.embedding_norm.", "model.norm."),
 )
+
+
+def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """LFM2's own spellings and defaults (Lfm2MoeConfig): norm_eps, tie_embedding, theta 1e6,
+    renormalised top-k."""
+    out = dict(cfg)
+    out["rms_norm_eps"] = cfg.get("norm_eps", 1e-5)
+    out["tie_word_embeddings"] = cfg.get("tie_embedding", cfg.get("tie_word_embeddings", True))
+    out.setdefault("norm_topk_prob", True)
+    if "rope_theta" not in cfg and "rope_theta" not in (cfg.get("rope_parameters") or {}):
+        out["rope_theta"] = 1000000.0
+    return out
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Which layers are short convolutions (layer_types, or older configs' full_attn_idxs); the
+    first num_dense_layers feed-forwards are dense."""
+    n_layers = int(cfg["num_hidden_layers"])
+    experts = routed_experts(cfg, path)
+    types = cfg.get("layer_types")
+    if types is None:
+        if "full_attn_idxs" not in cfg:
+            raise ConfigError("config.json: lfm2_moe needs layer_types (or full_attn_idxs)")
+        full = set(cfg["full_attn_idxs"])
+        types = ["full_attention" if i in full else "conv" for i in range(n_layers)]
+    n_dense = int(cfg.get("num_dense_layers", 2))
+    return dict(
+        experts,
+        moe_layers=first_dense_layers(n_layers, n_dense, experts["num_experts"]),
+        layer_mixers=layer_mixers(types, {"full_attention": "attention", "conv": "conv"}),
+        conv_kernel=int(cfg.get("conv_L_cache", 3)),
+        conv_bias=bool(cfg.get("conv_bias", False)),
+        selection_bias=bool(cfg.get("use_expert_bias", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+    )
 
 
 class ShortConv(nn.Module):

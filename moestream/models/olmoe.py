@@ -1,9 +1,17 @@
 """OLMoE (`olmoe`): RMSNorm over the whole q and k projections (not per head), optional qkv
 clipping, attention bias on q/k/v/o, every layer MoE with an optionally renormalised top-k."""
 
+from typing import Any
+
 from moestream.config import ModelArgs
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import routed_experts
 from moestream.models.layers import Attention, SparseMoe
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    # OLMoE has no sliding window, whatever use_sliding_window says.
+    return dict(routed_experts(cfg, path), sliding_windows=(None,) * int(cfg["num_hidden_layers"]))
 
 
 def make_attention(args: ModelArgs, i: int) -> Attention:

@@ -10,17 +10,59 @@ tower and the multi-token-prediction head are not used.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moestream.config import ModelArgs
+from moestream.config import ModelArgs, partial_rotary_factor
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import layer_mixers, routed_experts
 from moestream.models.layers import SparseMoe, apply_rope, gqa_attention
 from moestream.models.linear_attention import GatedDeltaNet
 
 RENAMES = (("model.language_model.", "model."),)
 IGNORED = (r"^model\.visual\.", r"^mtp\.")
+ALIASES = ("qwen3_5_moe_text",)
+
+
+def normalize_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Multimodal checkpoints nest the language model's fields under text_config; the top level
+    keeps tie_word_embeddings (and sometimes eos_token_id)."""
+    if cfg.get("model_type") != "qwen3_5_moe" or "text_config" not in cfg:
+        return cfg  # the text-only config (qwen3_5_moe_text) is flat
+    text = dict(cfg["text_config"])
+    for key in ("eos_token_id", "bos_token_id", "torch_dtype", "dtype"):
+        if key in cfg and key not in text:
+            text[key] = cfg[key]
+    if "tie_word_embeddings" in cfg:  # transformers ties by the top-level config
+        text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
+    return text
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Qwen3_5MoeTextConfig's defaults: routing always renormalised, a quarter of each head
+    rotary, every full_attention_interval-th layer full attention, the rest Gated DeltaNet."""
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = [
+            "full_attention" if (i + 1) % every == 0 else "linear_attention"
+            for i in range(int(cfg["num_hidden_layers"]))
+        ]
+    known = {"full_attention": "attention", "linear_attention": "linear_attention"}
+    return dict(
+        routed_experts(cfg, path),
+        norm_topk_prob=True,
+        partial_rotary_factor=partial_rotary_factor(cfg, 0.25),
+        layer_mixers=layer_mixers(types, known),
+        linear_conv_kernel_dim=int(cfg.get("linear_conv_kernel_dim", 4)),
+        linear_num_key_heads=int(cfg.get("linear_num_key_heads", 16)),
+        linear_num_value_heads=int(cfg.get("linear_num_value_heads", 32)),
+        linear_key_head_dim=int(cfg.get("linear_key_head_dim", 128)),
+        linear_value_head_dim=int(cfg.get("linear_value_head_dim", 128)),
+    )
 
 
 class ZeroCenteredRMSNorm(nn.Module):

@@ -1,9 +1,16 @@
 """Qwen3-MoE (`qwen3_moe`): per-head q/k RMSNorm, softmax top-k router with optional renorm,
 no shared expert; layers listed in `mlp_only_layers` (or off `decoder_sparse_step`) are dense."""
 
+from typing import Any
+
 from moestream.config import ModelArgs
 from moestream.models.base import MoeCausalLM
+from moestream.models.config_rules import qwen_moe_fields
 from moestream.models.layers import MLP, Attention, SparseMoe
+
+
+def config_fields(cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    return qwen_moe_fields(cfg, path)
 
 
 def make_attention(args: ModelArgs, i: int) -> Attention:

@@ -17,8 +17,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moestream.config import ModelArgs, model_args_from_dict
+from moestream.config import ModelArgs
 from moestream.errors import CheckpointError
+from moestream.models import model_args_from_dict
 from moestream.quant import QuantScheme, RecordLayout
 
 FORMAT = "moestream-store"
