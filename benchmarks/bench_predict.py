@@ -50,7 +50,7 @@ torch.set_num_threads(int(sys.argv[5]))
 from moestream.engine.kv_cache import KVCache
 from moestream.obs.trace import load_trace
 from moestream.predict.base import Prediction, Predictor
-from moestream.predict.pipeline import attach
+from moestream.experts.predicting import attach
 from moestream.store.io import IOConfig
 from moestream.loader import load_model
 from moestream.experts.base import stats_delta

@@ -64,8 +64,9 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
 
 
 def _attach_predictor(loaded, cfg: PredictConfig, folders) -> ExpertProvider:
+    from moestream.experts.predicting import attach
     from moestream.obs.trace import load_trace
-    from moestream.predict.pipeline import attach, make_predictor
+    from moestream.predict.pipeline import make_predictor
     from moestream.predict.prerouter import PrerouterHeads, find_heads
 
     heads = None

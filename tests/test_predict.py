@@ -10,11 +10,12 @@ import torch
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
 from moestream.experts.config import StreamConfig, min_budget
+from moestream.experts.predicting import attach
 from moestream.loader import load_model
 from moestream.obs.trace import Trace, TraceRecorder
 from moestream.predict.base import PREDICTORS, Prediction
 from moestream.predict.oracle import OraclePredictor
-from moestream.predict.pipeline import attach, make_predictor
+from moestream.predict.pipeline import make_predictor
 from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
 from moestream.predict.recall import overall, replay_recall
 from moestream.predict.temporal import TemporalPredictor

@@ -134,3 +134,19 @@ class PredictingExperts(ExpertProvider):
             "predict_correct": c["correct"],
             "predict_forced_layers": c["forced"],
         }
+
+
+def attach(
+    model,
+    provider: ExpertProvider,
+    predictor: Predictor,
+    routing: str = "exact",
+    min_score: float = 0.0,
+) -> PredictingExperts:
+    """Wrap `provider` (the model's, unwrapped) with prediction/prefetch and give the wrapper to
+    the model's MoE blocks; returns the wrapper, the provider the owner now holds."""
+    if isinstance(provider, PredictingExperts):
+        provider = provider.inner
+    wrapper = PredictingExperts(provider, predictor, model.moe_blocks, routing, min_score)
+    model.set_provider(wrapper)
+    return wrapper

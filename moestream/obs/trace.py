@@ -244,12 +244,11 @@ def read_prompts(path: str | Path) -> list[str]:
 def expert_bytes(rt, dtype: str) -> int:
     """Bytes of one expert as the provider reads it: a store's record size, else the weights at
     the compute dtype (resident Hugging Face load)."""
-    from moestream.loader import resolve_dtype
-
     if rt.store is not None:
         return int(rt.store.layout.size)
     a = rt.args
-    return 3 * a.hidden_size * a.moe_intermediate_size * resolve_dtype(dtype).itemsize
+    itemsize = rt.model.model.embed_tokens.weight.element_size()  # experts load in the model dtype
+    return 3 * a.hidden_size * a.moe_intermediate_size * itemsize
 
 
 def record_trace(
@@ -265,8 +264,6 @@ def record_trace(
 ) -> Path:
     """Generate for each prompt with `rt.generator` (a Runtime) and write the trace folder `out`.
     `on_sequence(i, result)` is called after each prompt (progress output)."""
-    from moestream.engine.generate import GenerationResult
-
     if cfg.max_new_tokens < 1:
         raise ConfigError("a trace needs at least one generated token (-n >= 1)")
     model = rt.model
@@ -278,9 +275,7 @@ def record_trace(
     try:
         for i, prompt in enumerate(prompts):
             ids = rt.encode_prompt(prompt, chat=chat)
-            res = GenerationResult(list(ids))
-            for _ in rt.generator.stream(ids, cfg, res):
-                pass
+            res = rt.generator.generate(ids, cfg)
             fed = list(ids) + res.ids[:-1]  # the last sampled token never runs through the model
             writer.end_sequence(
                 fed,

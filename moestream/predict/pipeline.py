@@ -1,12 +1,11 @@
-"""Building a routing predictor for a loaded model and attaching it to the model's provider.
+"""Building a routing predictor for a loaded model, by name.
 
-The wrapper that runs predictions (prefetch, predicted routing) is experts/predicting.py."""
+The provider wrapper that runs predictions (prefetch, predicted routing) and `attach` are in
+experts/predicting.py."""
 
 from __future__ import annotations
 
 from moestream.config import ConfigError
-from moestream.experts.base import ExpertProvider
-from moestream.experts.predicting import PredictingExperts
 from moestream.predict.base import PREDICTORS, Predictor
 
 
@@ -42,16 +41,3 @@ def make_predictor(name: str, model, *, heads=None, trace=None, ahead: int = 1) 
             raise ConfigError("--predictor oracle replays a trace: pass --trace FOLDER")
         return OraclePredictor(trace)
     raise ConfigError(f"unknown --predictor {name!r}; use one of {', '.join(PREDICTORS)}")
-
-
-def attach(
-    model, provider: ExpertProvider, predictor: Predictor, routing: str = "exact",
-    min_score: float = 0.0,
-) -> PredictingExperts:
-    """Wrap `provider` (the model's, unwrapped) with prediction/prefetch and give the wrapper to
-    the model's MoE blocks; returns the wrapper, the provider the owner now holds."""
-    if isinstance(provider, PredictingExperts):
-        provider = provider.inner
-    wrapper = PredictingExperts(provider, predictor, model.moe_blocks, routing, min_score)
-    model.set_provider(wrapper)
-    return wrapper

@@ -1,0 +1,42 @@
+"""The package's shape as rules a test can hold: no import cycle between packages (lazy imports
+included), and nobody reaches the expert provider through a model's blocks or probes it."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "moestream"
+
+
+def code_map():
+    spec = importlib.util.spec_from_file_location("code_map", ROOT / "scripts" / "code_map.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_no_package_import_cycles():
+    cm = code_map()
+    g = cm.graph(PKG)
+    assert "store" in g and "experts" in g and g["experts"] >= {"store"}
+    assert cm.cycles(g) == [], cm.cycles(g)
+    assert "loader" not in g["store"] and "convert" not in g["store"]
+
+
+def test_cycle_finder_finds_a_cycle():
+    cm = code_map()
+    assert cm.cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_provider_is_owned_not_fished_out_or_probed():
+    bad = re.compile(r"moe_blocks\[0\]\.provider|hasattr\(.*provider|getattr\(.*provider")
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in PKG.rglob("*.py")
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if bad.search(line)
+    ]
+    assert hits == []
