@@ -24,6 +24,12 @@ def test_int4_pack_roundtrip(n):
 
 
 def test_int4_layout_is_torchs_cpu_layout():
+    # The store packs int4 as torch's AVX-512 kernel does; where torch dispatches another vector
+    # width (seen: an AMD EPYC with AVX-512 reported as "AVX2") it packs differently and the
+    # dequantizing reference runs instead (covered by the kernel-vs-reference tests below).
+    cap = torch.backends.cpu.get_cpu_capability()
+    if "AVX512" not in cap:
+        pytest.skip(f"torch dispatches {cap} here, not the AVX-512 layout the store is written in")
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
