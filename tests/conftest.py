@@ -10,6 +10,10 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
+# Without a GPU the Triton kernels run through the interpreter on CPU tensors; triton reads the
+# variable when a kernel is decorated, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
