@@ -26,22 +26,19 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ablations.triton_decode import DEFAULTS, MMA_CONFIGS, moe_decode  # noqa: E402
 from common import commit, hardware, override, write_jsonl  # noqa: E402
 
-from moestream.kernels.triton.decode import (  # noqa: E402
-    DEFAULT_CONFIGS,
-    MMA_CONFIGS,
-    check_shapes,
-    moe_decode,
-)
-from moestream.kernels.triton.layout import StackedExperts, moe_loop_ref  # noqa: E402
+from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
+from moestream.kernels.triton.decode import check_shapes  # noqa: E402
+from moestream.kernels.triton.layout import StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
-# Sweep at T=1 (the first entry is DEFAULT_CONFIGS, tuned per kernel on an H200 by
-# tune_gpu_decode.py): the other family (CUDA cores / tensor cores), tiles, and the programmatic
-# dependent launch and the L2 prefetch of w2 switched one at a time.
-_D, _M = DEFAULT_CONFIGS, MMA_CONFIGS
+# Sweep at T=1 (the first entry is the default, tuned per kernel on an H200 by
+# tune_gpu_decode.py): the other family (CUDA cores / tensor cores), tiles, the programmatic
+# dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time.
+_D, _M = DEFAULTS, MMA_CONFIGS
 SWEEP = {
     "bf16": [
         _D["bf16"],
@@ -181,7 +178,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         routed_bytes = unique * eb
         roof_ms = routed_bytes / bw * 1e3
         times = {}
-        t_cfgs = [DEFAULT_CONFIGS[quant], replace(DEFAULT_CONFIGS[quant], fused=True)]
+        t_cfgs = [DEFAULTS[quant], replace(DEFAULTS[quant], fused=True)]
         for cfg in SWEEP[quant] if T == 1 else t_cfgs:
             if check_shapes(quant, D, I, 32, cfg):
                 continue
@@ -211,7 +208,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         copy_ms = graph_ms(copy_layers, layers)
         bufs.clear()
         best = min(times, key=times.get)
-        ms = times[DEFAULT_CONFIGS[quant]] if DEFAULT_CONFIGS[quant] in times else times[best]
+        ms = times[DEFAULTS[quant]] if DEFAULTS[quant] in times else times[best]
         ids0, w0 = routes[0]
         eager = do_bench(lambda: moe_decode(x, ids0, w0, exs[0]), warmup=25, rep=100,
                          return_mode="median")  # fmt: skip
@@ -239,7 +236,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
 def parse_configs(quant: str, spec: str) -> list:
     """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
     the flags)."""
-    base = DEFAULT_CONFIGS[quant]
+    base = DEFAULTS[quant]
     return [base] + [override(base, item) for item in filter(None, spec.split(";"))]
 
 
@@ -271,13 +268,25 @@ def sweep_only(model, quant, D, I, E, K, layers, bw, gen, cfgs) -> dict:
     }  # fmt: skip
 
 
+def moe_loop_ref(x, ids, weights, ex: StackedExperts) -> torch.Tensor:
+    """Per-expert torch loop for one token (baseline b): dequantize each routed expert, two
+    F.linear, weighted sum. Reads the ids on the host (one sync)."""
+    g = ex.scheme.group_size
+    out = torch.zeros_like(x)
+    for e, w in zip(ids[0].tolist(), weights[0]):
+        sec = ex.expert(e)
+        w13, w2 = dequantize(sec, "w13", g, x.dtype), dequantize(sec, "w2", g, x.dtype)
+        out += expert_ffn(x, w13, w2) * w
+    return out
+
+
 def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     """(a) all experts read (same kernel; torch bmm for bf16), (b) per-expert torch loop."""
     all_ids = torch.arange(E, device="cuda")[None]
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
     # every expert as a slot of the one token, same kernels and tiles
-    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, DEFAULT_CONFIGS[quant]), 1)
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, DEFAULTS[quant]), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
         "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 import subprocess
 import sys
@@ -26,8 +27,10 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moestream.kernels.triton import decode as dk
+from moestream.quant import make_scheme, tensor_sections
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ablations import triton_decode as ab  # noqa: E402
 from common import override  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
@@ -65,7 +68,7 @@ def opcodes(compiled, tmp: Path) -> collections.Counter:
     return ops
 
 
-def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
+def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
     two launches."""
     qt, st = Q_TYPE[quant], S_TYPE[quant]
@@ -88,7 +91,7 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
                       COMBINE=True, DT=tl.bfloat16 if cfg.mma else tl.float32,
                       PREC="tf32" if cfg.mma else "ieee")  # fmt: skip
         del consts["PDL"]
-        yield ("fused", dk._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
+        yield ("fused", ab._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
                max(I // rows * cfg.split, D // rows_d))  # fmt: skip
         return
     if cfg.mma:
@@ -99,10 +102,14 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
         yield ("down", dk._down_mma_kernel, dn, {**common, **tiles_d, **extra}, cfg.warps_d,
                rows_d * I, D // rows_d)  # fmt: skip
     else:
-        gu.update(w2q_ptr=qt, w2s_ptr=st)
-        extra = dict(ELEM=cfg.elem, PREFETCH=False, W2Q_BYTES=1, W2S_BYTES=1,
-                     NT=32 * cfg.num_warps)  # fmt: skip
-        yield ("gate_up", dk._gate_up_kernel, gu, {**common, **tiles, **extra}, cfg.num_warps,
+        fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem)
+        if cfg.prefetch:  # the ablation's gate/up kernel, with one expert's w2 section bytes
+            fn = ab._gate_up_prefetch_kernel
+            gu.update(w2q_ptr=qt, w2s_ptr=st)
+            nbytes = [math.prod(shape) * dt.itemsize
+                      for _, dt, shape in tensor_sections(make_scheme(quant), "w2", D, I)]  # fmt: skip
+            extra.update(W2Q_BYTES=nbytes[0], W2S_BYTES=sum(nbytes[1:]), NT=32 * cfg.num_warps)
+        yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem},
                cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
@@ -120,17 +127,17 @@ def main() -> None:
         "--config",
         action="append",
         default=[],
-        help="DecodeConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
+        help="AblationConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
         "(repeatable; 0/1 for flags); only these configs are compiled",
     )
     args = ap.parse_args()
     D, I = MODELS[args.model]
     for quant in args.quant:
-        cfgs = [dk.DEFAULT_CONFIGS[quant]]
+        cfgs = [ab.DEFAULTS[quant]]
         if args.config:
             cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":
-            other = dk.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
+            other = ab.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
             cfgs.append(other)
         for cfg in cfgs:
@@ -149,7 +156,7 @@ def main() -> None:
                 conv = c.asm["ttgir"].count("convert_layout")
                 fam = "mma" if cfg.mma else "cuda-cores"
                 # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
-                bps = dk.blocks_per_sm(res["REG"], warps, c.metadata.shared)
+                bps = ab.blocks_per_sm(res["REG"], warps, c.metadata.shared)
                 # (the fused kernel is persistent: one wave of programs taking items)
                 waves = (
                     "persistent" if name == "fused" else f"{8 * per_pair / (132 * bps):4.2f} waves"

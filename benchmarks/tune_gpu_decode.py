@@ -19,20 +19,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ablations.triton_decode import DEFAULTS, MMA_CONFIGS, moe_decode  # noqa: E402
 from bench_gpu_moe import MODELS, copy_bandwidth, graph_ms, random_layer, routing  # noqa: E402
 from common import commit, hardware, write_jsonl  # noqa: E402
 
-from moestream.kernels.triton.decode import (  # noqa: E402
-    DEFAULT_CONFIGS,
-    MMA_CONFIGS,
-    check_shapes,
-    moe_decode,
-)
+from moestream.kernels.triton.decode import check_shapes  # noqa: E402
 
 
 def gate_candidates(quant: str):
     """Gate/up tiles: (bn, bk, split, num_warps) for both families."""
-    out = [DEFAULT_CONFIGS[quant]]
+    out = [DEFAULTS[quant]]
     if quant == "int4":
         grid = itertools.product([64], [128, 256, 512], [1, 2, 4, 8], [4, 8])
     else:
@@ -47,7 +43,7 @@ def gate_candidates(quant: str):
 
 
 def down_candidates(quant: str):
-    out = [DEFAULT_CONFIGS[quant]]
+    out = [DEFAULTS[quant]]
     if quant == "int4":
         grid = itertools.product([64], [64, 128, 256], [2, 4, 8])
     else:
