@@ -652,8 +652,6 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
     return None if check_shapes(quant, hidden, inter, group, cfg) else cfg
 
 
-
-
 _WORKSPACE: dict = {}
 
 

@@ -103,4 +103,3 @@ def moe_stacked_ref(
 
     out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
     return out.to(x.device)
-
