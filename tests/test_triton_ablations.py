@@ -1,21 +1,18 @@
 """The decode ablations of benchmarks/ablations/triton_decode.py (one persistent launch per layer,
 the L2 prefetch of w2, per-step int4 row sums) against the product kernels and the float64 spec,
 with the helpers and tolerances of test_triton_kernels.py. The fused-vs-two-launch check is not
-marked cuda: it runs in the interpreter without a GPU (equal bits) and compiled on one."""
+marked cuda: it runs in the interpreter without a GPU (equal bits) and compiled on one.
+conftest.py puts benchmarks/ on the path."""
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 import torch
 from test_triton_kernels import CASES, CUDA, QUANTS, TOL, _check, _layer, _routing, needs_triton
 
 from moestream.kernels.triton.layout import moe_stacked_ref
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
 
 
 @needs_triton
