@@ -26,7 +26,7 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablations.triton_decode import DEFAULTS, MMA_CONFIGS, moe_decode  # noqa: E402
+from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
 from common import commit, hardware, override, write_jsonl  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
@@ -35,45 +35,27 @@ from moestream.kernels.triton.layout import StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
-# Sweep at T=1 (the first entry is the default, tuned per kernel on an H200 by
-# tune_gpu_decode.py): the other family (CUDA cores / tensor cores), tiles, the programmatic
-# dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time.
-_D, _M = DEFAULTS, MMA_CONFIGS
-SWEEP = {
-    "bf16": [
-        _D["bf16"],
-        _M["bf16"],
-        replace(_D["bf16"], pdl=False),
-        replace(_D["bf16"], mma=False, bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
-        replace(_D["bf16"], bk_d=512),  # Qwen3.5 (I=512): all of down's weights before the wait
-        replace(_D["bf16"], fused=True),  # one persistent launch per layer
-        replace(_D["bf16"], fused=True, bn=8),
-        replace(_D["bf16"], fused=True, bn_d=32),
-    ],
-    "int8": [
-        _D["int8"],
-        _M["int8"],
-        replace(_D["int8"], pdl=False),
-        replace(_D["int8"], mma=False, bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
-        replace(_D["int8"], bk_d=512),
-        replace(_D["int8"], fused=True),
-        replace(_D["int8"], fused=True, bn_d=16),
-        replace(_D["int8"], fused=True, bn=8, bn_d=16),
-    ],
-    "int4": [
-        _D["int4"],
-        _M["int4"],
-        replace(_D["int4"], pdl=False),
-        replace(_D["int4"], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
-        replace(_D["int4"], bk=256),
-        replace(_D["int4"], stages=0),  # the K loop unrolled
-        replace(_D["int4"], stages=2),
-        replace(_D["int4"], bk_d=512),
-        replace(_D["int4"], fused=True),
-        replace(_D["int4"], fused=True, bk=64, bk_d=128),
-        replace(_D["int4"], fused=True, mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
-    ],
+# Tiles of the other family (CUDA cores) and the tile variants of the sweep, per quant.
+_CUDA_CORES = {
+    "bf16": dict(bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
+    "int8": dict(bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
+    "int4": dict(bn=64, bk=128, split=8, bn_d=64, bk_d=128),
 }
+# bk_d=512: at Qwen3.5 (I=512) all of down's weights are loaded before the wait
+_TILES = {"bf16": [dict(bk_d=512)], "int8": [dict(bk_d=512)],
+          "int4": [dict(bk=256), dict(stages=0), dict(stages=2), dict(bk_d=512)]}  # fmt: skip
+_FUSED = {"bf16": [dict(bn=8), dict(bn_d=32)], "int8": [dict(bn_d=16), dict(bn=8, bn_d=16)],
+          "int4": [dict(bk=64, bk_d=128), dict(mma=False, **_CUDA_CORES["int4"])]}  # fmt: skip
+
+
+def sweep(quant: str, D: int, I: int) -> list:
+    """Configs timed at T=1: the default (configs/tiles.json, tuned per kernel by
+    tune_gpu_decode.py), the other family (tensor cores / CUDA cores), tiles, and the programmatic
+    dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time."""
+    d = default(quant, D, I)
+    return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
+            replace(d, mma=False, **_CUDA_CORES[quant]), *(replace(d, **t) for t in _TILES[quant]),
+            replace(d, fused=True), *(replace(d, fused=True, **f) for f in _FUSED[quant])]  # fmt: skip
 
 
 @triton.jit
@@ -178,8 +160,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         routed_bytes = unique * eb
         roof_ms = routed_bytes / bw * 1e3
         times = {}
-        t_cfgs = [DEFAULTS[quant], replace(DEFAULTS[quant], fused=True)]
-        for cfg in SWEEP[quant] if T == 1 else t_cfgs:
+        d = default(quant, D, I)
+        for cfg in sweep(quant, D, I) if T == 1 else [d, replace(d, fused=True)]:
             if check_shapes(quant, D, I, 32, cfg):
                 continue
 
@@ -208,7 +190,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         copy_ms = graph_ms(copy_layers, layers)
         bufs.clear()
         best = min(times, key=times.get)
-        ms = times[DEFAULTS[quant]] if DEFAULTS[quant] in times else times[best]
+        ms = times[d] if d in times else times[best]
         ids0, w0 = routes[0]
         eager = do_bench(lambda: moe_decode(x, ids0, w0, exs[0]), warmup=25, rep=100,
                          return_mode="median")  # fmt: skip
@@ -233,10 +215,10 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
     return rows
 
 
-def parse_configs(quant: str, spec: str) -> list:
+def parse_configs(quant: str, D: int, I: int, spec: str) -> list:
     """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
     the flags)."""
-    base = DEFAULTS[quant]
+    base = default(quant, D, I)
     return [base] + [override(base, item) for item in filter(None, spec.split(";"))]
 
 
@@ -286,7 +268,8 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
     # every expert as a slot of the one token, same kernels and tiles
-    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, DEFAULTS[quant]), 1)
+    cfg = default(quant, ex.hidden, ex.inter)
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, cfg), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
         "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
@@ -316,7 +299,7 @@ def main() -> None:
     if args.configs is not None:
         for model, (D, I, E, K) in MODELS.items():
             for quant in args.quant:
-                cfgs = parse_configs(quant, args.configs)
+                cfgs = parse_configs(quant, D, I, args.configs)
                 rows.append(sweep_only(model, quant, D, I, E, K, args.layers, bw, gen, cfgs))
                 torch.cuda.empty_cache()
                 for r in rows[-1:]:  # written as each model is done: a time limit keeps them

@@ -17,14 +17,14 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablations.triton_decode import DEFAULTS, moe_decode  # noqa: E402
+from ablations.triton_decode import default, moe_decode  # noqa: E402
 from bench_gpu_moe import MODELS, random_layer, routing  # noqa: E402
 from common import override  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quant", default="int8", choices=sorted(DEFAULTS))
+    ap.add_argument("--quant", default="int8", choices=["bf16", "int8", "int4"])
     ap.add_argument("--model", default="Qwen3-30B-A3B", choices=sorted(MODELS))
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
@@ -32,7 +32,7 @@ def main() -> None:
                     help="AblationConfig fields, e.g. 'bn=8,bk=256' or 'fused=1'")  # fmt: skip
     args = ap.parse_args()
     D, I, E, K = MODELS[args.model]
-    cfg = DEFAULTS[args.quant]
+    cfg = default(args.quant, D, I)
     if args.config:
         cfg = override(cfg, args.config)
     gen = torch.Generator().manual_seed(0)

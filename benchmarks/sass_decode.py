@@ -36,6 +36,7 @@ from common import override  # noqa: E402
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
 S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32"}
+DEVICE = "NVIDIA H200"  # the sm_90 GPU whose tuned tiles are compiled
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -133,7 +134,7 @@ def main() -> None:
     args = ap.parse_args()
     D, I = MODELS[args.model]
     for quant in args.quant:
-        cfgs = [ab.DEFAULTS[quant]]
+        cfgs = [ab.default(quant, D, I, DEVICE)]
         if args.config:
             cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":

@@ -38,13 +38,13 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     Qwen3-30B-A3B layer's D and I): within the tolerance of the two-launch result, not bit for
     bit: on the H200 the int8 and int4-mma bits differed (int8's down items run with the gate/up
     warps, so their sums reduce in another order), so a run must not mix the paths."""
-    from ablations.triton_decode import DEFAULTS, MMA_CONFIGS, moe_decode
+    from ablations.triton_decode import MMA_CONFIGS, default, moe_decode
 
     from moestream.kernels.triton.decode import fit_config
 
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
-    base = (MMA_CONFIGS if mma else DEFAULTS)[quant]
+    base = MMA_CONFIGS[quant] if mma else default(quant, D, I)
     bk = min(base.bk, 512 if CUDA else 32)
     cfg = fit_config(quant, D, I, 32, replace(base, split=2, bk=bk))
     gen = torch.Generator().manual_seed(40 + mma)
@@ -72,12 +72,12 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
 def test_fused_decode_cuda(quant, case, T):
     """The default tiles as one persistent launch (work counter), each case twice, so the second
     call reuses the counters the first one reset."""
-    from ablations.triton_decode import DEFAULTS, moe_decode
+    from ablations.triton_decode import default, moe_decode
 
     from moestream.kernels.triton.decode import fit_config
 
     (E, D, I, K), dtype = case
-    cfg = replace(fit_config(quant, D, I, 32, DEFAULTS[quant]), fused=True)
+    cfg = replace(fit_config(quant, D, I, 32, default(quant, D, I)), fused=True)
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 

@@ -43,7 +43,14 @@ class AblationConfig(DecodeConfig):
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(DecodeConfig)}, **kw)
 
 
-DEFAULTS = {q: AblationConfig.of(c) for q, c in dk.DEFAULT_CONFIGS.items()}
+def default(quant: str, hidden: int, inter: int, device: str | None = None) -> AblationConfig:
+    """The product's tuned tiles (configs/tiles.json) for this shape on `device` (default: the
+    first CUDA device; without one the file's fallback device), flags off."""
+    if device is None and torch.cuda.is_available():
+        device = torch.cuda.get_device_name()
+    return AblationConfig.of(dk.tuned_config(quant, hidden, inter, device))
+
+
 # Tensor-core variants (first guesses; benchmarks/tune_gpu_decode.py sweeps them)
 MMA_CONFIGS = {
     "bf16": AblationConfig(bn=32, bk=256, split=2, bn_d=32, bk_d=256, mma=True),

@@ -25,16 +25,15 @@ DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     """Why the Triton path cannot take this layer at this token count (None when it can)."""
-    from moestream.kernels.triton import decode, prefill
+    from moestream.kernels.triton import decode, prefill, tuned
 
-    s = experts.scheme
+    s, D, I = experts.scheme, experts.hidden, experts.inter
+    device = tuned.device_name(next(iter(experts.sections.values())).device)
     if tokens <= DECODE_MAX_TOKENS:
-        cfg = decode.fit_config(
-            s.name, experts.hidden, experts.inter, s.group_size, decode.DEFAULT_CONFIGS[s.name]
-        )
-        return None if cfg else f"no decode tile fits D={experts.hidden}, I={experts.inter}"
+        cfg = decode.default_config(s.name, D, I, s.group_size, device)
+        return None if cfg else f"no decode tile fits D={D}, I={I}"
     return prefill.check_shapes(
-        s.name, experts.hidden, experts.inter, s.group_size, prefill.PrefillConfig()
+        s.name, D, I, s.group_size, prefill.default_config(s.name, D, I, device)
     )
 
 

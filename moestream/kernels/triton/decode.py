@@ -24,11 +24,14 @@ tile goes through shared memory. int4 uses the store layout: a block of 64 rows 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
+
+from moestream.kernels.triton import tuned
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
@@ -51,17 +54,6 @@ class DecodeConfig:
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
-
-
-DEFAULT_CONFIGS = {
-    # Best gate/up and down tiles of a per-kernel sweep at T=1 on the H200 (docs/gpu.md)
-    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=16, bk_d=256),
-    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=8, bk_d=256, warps_d=2),
-    # int4 on tensor cores: 26.5 vs 31.1 us per Qwen3-30B layer (tune_gpu_decode.jsonl); the
-    # K loop software-pipelined 3 deep: 24.8-24.9 vs 25.9 us (Qwen3-30B), 20.5-20.6 vs 22.7-23.4
-    # (Qwen3.5-35B) in two runs (gpu_moe.jsonl, sources 09cde96 and 2c2daee)
-    "int4": DecodeConfig(bn=64, bk=128, split=4, bn_d=64, bk_d=256, mma=True, stages=3),
-}
 
 
 # ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
@@ -641,6 +633,18 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     return None
 
 
+def tuned_config(quant: str, hidden: int, inter: int, device: str | None) -> DecodeConfig:
+    """The tuned tiles for this device name and shape (tuned.py: configs/tiles.json), as stored."""
+    return DecodeConfig(**tuned.settings("decode", quant, hidden, inter, device))
+
+
+@functools.cache
+def default_config(quant: str, hidden: int, inter: int, group: int,
+                   device: str | None) -> DecodeConfig | None:  # fmt: skip
+    """The tuned tiles fitted to the shape (fit_config); None when no tile fits."""
+    return fit_config(quant, hidden, inter, group, tuned_config(quant, hidden, inter, device))
+
+
 def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
     """Halve the split, then K steps, then row blocks until the shapes fit (small models); None
     when nothing does."""
@@ -760,7 +764,8 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
     `combine_pairs` of them gives the bits of the combined call."""
     quant, (_, D), I, G = experts.scheme.name, x.shape, experts.inter, experts.scheme.group_size
-    cfg = cfg or fit_config(quant, D, I, G, DEFAULT_CONFIGS[quant]) or DEFAULT_CONFIGS[quant]
+    cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
+    assert cfg is not None, f"no decode tile fits D={D}, I={I}"
     launch = Launch.build(x, ids, weights, experts, cfg, out, combine)
     launch.gate_up()
     launch.down()
