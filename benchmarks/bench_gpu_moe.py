@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
-from common import commit, hardware, override, write_jsonl  # noqa: E402
+from common import bench_row, hardware, override, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
 from moestream.kernels.triton.decode import check_shapes  # noqa: E402
@@ -281,6 +281,13 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     return out
 
 
+def to_row(r: dict, commit: str | None) -> dict:
+    """A measurement -> the common row: its model, quant, tokens and shape are the config."""
+    r = dict(r)
+    config = {k: r.pop(k) for k in ("model", "quant", "tokens")} | r.pop("config")
+    return bench_row(r.pop("bench"), config, r, commit)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="benchmarks/results/gpu_moe.jsonl")
@@ -302,17 +309,14 @@ def main() -> None:
                 cfgs = parse_configs(quant, D, I, args.configs)
                 rows.append(sweep_only(model, quant, D, I, E, K, args.layers, bw, gen, cfgs))
                 torch.cuda.empty_cache()
-                for r in rows[-1:]:  # written as each model is done: a time limit keeps them
-                    r.update(triton=triton.__version__, source=args.commit or commit())
-                    write_jsonl(args.out, [r])
+                # written as each model is done: a time limit keeps them
+                write_rows(args.out, [to_row(rows[-1], args.commit)])
         return
     for model, (D, I, E, K) in MODELS.items():
         for quant in args.quant:
             rows += bench_one(model, quant, D, I, E, K, args.layers, bw, gen, args.tokens)
             torch.cuda.empty_cache()
-    for r in rows:
-        r.update(triton=triton.__version__, source=args.commit or commit())
-    write_jsonl(args.out, rows)
+    write_rows(args.out, [to_row(r, args.commit) for r in rows])
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s ({hw.get('gpu')})")
     print(f"{'model':16} {'q':5} {'T':>2} {'MB':>6} {'us':>7} {'best':>7} {'roof':>5} "
           f"{'read':>6} {'copy':>5} {'eager':>7} {'dense':>7} {'xdense':>6} {'loop':>8} {'xloop':>6} {'GB/s':>5}")  # fmt: skip

@@ -20,18 +20,17 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
-import platform
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch: spinning threads crawl
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
+from common import bench_row, write_rows  # noqa: E402
 
 from moestream.cli import _add_store_args, _setup_threads, _store_kwargs  # noqa: E402
 from moestream.config import ConfigError, SamplingConfig  # noqa: E402
@@ -220,16 +219,6 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x:+.1%}"
 
 
-def environment() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-    }
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("-m", "--model", required=True, help="store or checkpoint folder")
@@ -275,12 +264,10 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     print(format_summary(summary))
     if a.out:
-        meta = {"bench": "warmup", "model": str(a.model), "trace": str(a.trace), "io": a.io,
-                "env": environment()}  # fmt: skip
-        with open(a.out, "a") as f:
-            for row in rows:
-                f.write(json.dumps({**meta, **row}) + "\n")
-            f.write(json.dumps({**meta, "summary": summary}) + "\n")
+        config = {"model": str(a.model), "trace": str(a.trace), "io": a.io, "prompt": a.prompt,
+                  "dtype": a.dtype, "threads": a.threads, **asdict(cfg)}  # fmt: skip
+        out = [bench_row("warmup", config, row) for row in rows]
+        write_rows(a.out, out + [bench_row("warmup", config, {"summary": summary})])
     return 0
 
 

@@ -6,8 +6,8 @@ Triton) lists the SASS. The loops are unrolled (`tl.static_range`), so the stati
 program executes. Prints per kernel: SASS instructions, thread-instructions per weight, shared
 memory, layout conversions in the TTGIR and the most frequent opcodes. A GPU's issue rate (4 warp
 instructions per clock per SM) turns the count into a floor on time; the time itself is measured
-only by bench_gpu_moe.py on the GPU.
-  python benchmarks/sass_decode.py --quant int4 int8 --mma both
+only by bench_gpu_moe.py on the GPU. `--out` appends the figures as JSON rows.
+  python benchmarks/sass_decode.py --quant int4 int8 --mma both [--out /tmp/sass.jsonl]
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from moestream.quant import make_scheme, tensor_sections
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations import triton_decode as ab  # noqa: E402
-from common import override  # noqa: E402
+from common import bench_row, override, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
@@ -116,6 +116,44 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
                cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 
+def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]:
+    """Compile both kernels of one config (or the fused one), print a line each, return rows."""
+    D, I = MODELS[model]
+    rows = []
+    for name, fn, sig, consts, warps, weights, per_pair in kernels(quant, cfg, D, I):
+        c = compile_sm90(fn, sig, consts, warps)
+        res, ops = resources(c, tmp), opcodes(c, tmp)
+        n = sum(ops.values())
+        # thread-instructions per weight; with a pipelined (rolled) loop the body is counted
+        # once, so the figure is a lower bound and marked with '>'
+        per_weight = n * warps * 32 / weights
+        rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
+        conv = c.asm["ttgir"].count("convert_layout")
+        fam = "mma" if cfg.mma else "cuda-cores"
+        # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy (the fused kernel
+        # is persistent: one wave of programs taking items)
+        bps = ab.blocks_per_sm(res["REG"], warps, c.metadata.shared)
+        waves = None if name == "fused" else 8 * per_pair / (132 * bps)
+        if show_cfg:
+            print(cfg)
+        print(f"{model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
+              f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
+              f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, "
+              f"{'persistent' if waves is None else f'{waves:4.2f} waves'} "
+              f"at T=1, shared {c.metadata.shared:6} B, "
+              f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+        config = {"model": model, "D": D, "I": I, "quant": quant, "tiles": repr(cfg),
+                  "target": "sm_90"}  # fmt: skip
+        rows.append(bench_row("sass_decode", config, {
+            "kernel": name, "sass_instructions": n, "instr_per_weight": per_weight,
+            "instr_per_weight_lower_bound": rolled == ">", "registers": res["REG"],
+            "stack_bytes": res.get("STACK", 0), "programs_per_sm": bps, "waves_t1": waves,
+            "shared_bytes": c.metadata.shared, "convert_layout": conv,
+            "top_opcodes": ops.most_common(8),
+        }))  # fmt: skip
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quant", nargs="+", default=["bf16", "int8", "int4"])
@@ -131,8 +169,10 @@ def main() -> None:
         help="AblationConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
         "(repeatable; 0/1 for flags); only these configs are compiled",
     )
+    ap.add_argument("--out", default=None, help="append one JSON row per kernel here")
     args = ap.parse_args()
     D, I = MODELS[args.model]
+    rows = []
     for quant in args.quant:
         cfgs = [ab.default(quant, D, I, DEVICE)]
         if args.config:
@@ -145,30 +185,9 @@ def main() -> None:
             cfg = dk.fit_config(quant, D, I, 32, cfg)
             if args.stages is not None and cfg.mma:
                 cfg = replace(cfg, stages=args.stages)
-            for name, fn, sig, consts, warps, weights, per_pair in kernels(quant, cfg, D, I):
-                c = compile_sm90(fn, sig, consts, warps)
-                res = resources(c, Path(args.tmp))
-                ops = opcodes(c, Path(args.tmp))
-                n = sum(ops.values())
-                # thread-instructions per weight; with a pipelined (rolled) loop the body is
-                # counted once, so the figure is a lower bound and marked with '>'
-                per_weight = n * warps * 32 / weights
-                rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
-                conv = c.asm["ttgir"].count("convert_layout")
-                fam = "mma" if cfg.mma else "cuda-cores"
-                # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
-                bps = ab.blocks_per_sm(res["REG"], warps, c.metadata.shared)
-                # (the fused kernel is persistent: one wave of programs taking items)
-                waves = (
-                    "persistent" if name == "fused" else f"{8 * per_pair / (132 * bps):4.2f} waves"
-                )
-                if args.config:
-                    print(cfg)
-                print(f"{args.model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
-                      f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
-                      f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, {waves} "
-                      f"at T=1, shared {c.metadata.shared:6} B, "
-                      f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+            rows += report(args.model, quant, cfg, Path(args.tmp), bool(args.config))
+    if args.out:
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

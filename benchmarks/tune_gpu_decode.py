@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
 from bench_gpu_moe import MODELS, copy_bandwidth, graph_ms, random_layer, routing  # noqa: E402
-from common import commit, hardware, write_jsonl  # noqa: E402
+from common import bench_row, source, write_rows  # noqa: E402
 
 from moestream.kernels.triton import tuned  # noqa: E402
 from moestream.kernels.triton.decode import DecodeConfig, check_shapes  # noqa: E402
@@ -97,7 +97,7 @@ def sweep_stage(name: str, quant: str, stages: str, cands, time, roof, D: int, I
             print(f"{name} {stages} {cfg}: {type(e).__name__}: {e}"[:400])
             continue
         res.append((ms, cfg))
-        rows.append({"stages": stages, "config": repr(cfg), "ms": ms,
+        rows.append({"stages": stages, "tiles": repr(cfg), "ms": ms,
                      "roofline_fraction": roof[stages] / ms})  # fmt: skip
     res.sort(key=lambda r: r[0])
     for ms, cfg in res[:5]:
@@ -129,7 +129,7 @@ def tune(model: str, quant: str, layers: int, bw: float, gen):
         ms = time(cfg, "gate_up+down")
         frac = roof["gate_up+down"] / ms
         print(f"{name} layer {tag} {ms * 1e3:6.1f} us roof {frac:4.2f} {cfg}")
-        rows.append({"stages": "gate_up+down", "config": repr(cfg), "ms": ms,
+        rows.append({"stages": "gate_up+down", "tiles": repr(cfg), "ms": ms,
                      "roofline_fraction": frac, "best_of_family": tag != "default"})  # fmt: skip
         timed.append((ms, frac, cfg))
     return rows, min(timed, key=lambda t: t[0])
@@ -162,18 +162,20 @@ def main() -> None:
     args = ap.parse_args()
     gen = torch.Generator().manual_seed(0)
     bw = copy_bandwidth()
-    hw = hardware()
-    source = args.commit or commit()
+    src = source(args.commit)
+    commit = src["commit"] + ("-dirty" if src["dirty"] else "")  # for the written rows' notes
     for model in args.models:
         for quant in args.quant:
             rows, winner = tune(model, quant, args.layers, bw, gen)
             torch.cuda.empty_cache()
-            for r in rows:  # written per model and format: a cut-short run keeps what it did
-                r.update(bench="tune_gpu_decode", model=model, quant=quant, hardware=hw,
-                         copy_bw_gbps=bw / 1e9, source=source)  # fmt: skip
-            write_jsonl(args.out, rows)
+            D, I, E, K = MODELS[model]
+            config = dict(model=model, D=D, I=I, E=E, K=K, quant=quant, layers=args.layers)
+            # written per model and format: a cut-short run keeps what it did
+            write_rows(args.out, [bench_row("tune_gpu_decode", config,
+                                            {**r, "copy_bw_gbps": bw / 1e9}, args.commit)
+                                  for r in rows])  # fmt: skip
             if args.write:
-                write_winner(args.write, torch.cuda.get_device_name(), quant, model, winner, source)
+                write_winner(args.write, torch.cuda.get_device_name(), quant, model, winner, commit)
 
 
 if __name__ == "__main__":
