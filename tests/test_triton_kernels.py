@@ -8,7 +8,8 @@ Documented tolerances:
 Every check draws fresh random inputs, poisons the caching allocator and the output with NaN first,
 and needs every output element finite. `cuda` tests run compiled kernels on a GPU (CI skips them);
 the interpreter tests run the same kernels through TRITON_INTERPRET=1 on CPU tensors (set by
-conftest.py when there is no GPU; triton comes with the `test` extra; about 75 s on 2 cores).
+conftest.py when there is no GPU; triton comes with the `test` extra; with the ablations of
+test_triton_ablations.py about 95 s on 2 cores).
 """
 
 from __future__ import annotations
