@@ -33,6 +33,8 @@ L2_PREFETCH_BYTES = 24 << 20  # prefetch w2 only while the pairs' w2 fit well in
 
 @dataclass(frozen=True, slots=True)
 class AblationConfig(DecodeConfig):
+    """A DecodeConfig plus the ablation flags; all off is the product path."""
+
     elem: bool = True  # int4 CUDA cores: [groups, G, 32] products reduced once (the product's)
     prefetch: bool = False  # gate/up prefetches w2 into L2 (_gate_up_prefetch_kernel)
     fused: bool = False  # one persistent launch per layer (_fused_kernel) instead of two
