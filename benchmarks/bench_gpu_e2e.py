@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit  # noqa: E402
+from common import bench_row, write_rows  # noqa: E402
 
 from moestream.engine.kv_cache import KVCache  # noqa: E402
 
@@ -181,18 +181,17 @@ def main() -> None:
     st = Store(store)
     ids = Tokenizer(store).encode(a.prompt)
     total = st.expert_bytes
-    base = {
-        "hardware": torch.cuda.get_device_name() if DEV == "cuda" else "cpu (dry run)",
-        "torch": torch.__version__,
-        "source": a.commit or commit(),
+    config = {
         "model": Path(a.model).name,
+        "device": DEV,  # cpu: a dry run
         "dtype": a.dtype,
         "quant": a.quant,
         "prompt_tokens": len(ids),
         "new_tokens": a.tokens,
-        "expert_bytes": total,
-        "record_bytes": st.layout.size,
+        "budgets": a.budgets,
+        "hosts": a.hosts,
     }
+    base = {"expert_bytes": total, "record_bytes": st.layout.size}
     if DEV == "cuda":
         h2d = h2d_bandwidth()
         base["h2d_gbps_measured"] = h2d / 1e9
@@ -202,11 +201,10 @@ def main() -> None:
     rows = []
 
     def emit(row):
-        row = {**base, **row}
+        row = bench_row("gpu_e2e", config, {**base, **row}, a.commit)
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        write_rows(a.out, [row])
 
     hf_tokens: list[int] = []
 

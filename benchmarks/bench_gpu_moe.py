@@ -26,57 +26,36 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import commit, hardware, override, write_jsonl  # noqa: E402
+from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
+from common import bench_row, hardware, override, write_rows  # noqa: E402
 
-from moestream.kernels.triton.decode import (  # noqa: E402
-    DEFAULT_CONFIGS,
-    MMA_CONFIGS,
-    check_shapes,
-    moe_decode,
-)
-from moestream.kernels.triton.layout import StackedExperts, moe_loop_ref  # noqa: E402
+from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
+from moestream.kernels.triton.decode import check_shapes  # noqa: E402
+from moestream.kernels.triton.layout import StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
-# Sweep at T=1 (the first entry is DEFAULT_CONFIGS, tuned per kernel on an H200 by
-# tune_gpu_decode.py): the other family (CUDA cores / tensor cores), tiles, and the programmatic
-# dependent launch and the L2 prefetch of w2 switched one at a time.
-_D, _M = DEFAULT_CONFIGS, MMA_CONFIGS
-SWEEP = {
-    "bf16": [
-        _D["bf16"],
-        _M["bf16"],
-        replace(_D["bf16"], pdl=False),
-        replace(_D["bf16"], mma=False, bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
-        replace(_D["bf16"], bk_d=512),  # Qwen3.5 (I=512): all of down's weights before the wait
-        replace(_D["bf16"], fused=True),  # one persistent launch per layer
-        replace(_D["bf16"], fused=True, bn=8),
-        replace(_D["bf16"], fused=True, bn_d=32),
-    ],
-    "int8": [
-        _D["int8"],
-        _M["int8"],
-        replace(_D["int8"], pdl=False),
-        replace(_D["int8"], mma=False, bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
-        replace(_D["int8"], bk_d=512),
-        replace(_D["int8"], fused=True),
-        replace(_D["int8"], fused=True, bn_d=16),
-        replace(_D["int8"], fused=True, bn=8, bn_d=16),
-    ],
-    "int4": [
-        _D["int4"],
-        _M["int4"],
-        replace(_D["int4"], pdl=False),
-        replace(_D["int4"], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
-        replace(_D["int4"], bk=256),
-        replace(_D["int4"], stages=0),  # the K loop unrolled
-        replace(_D["int4"], stages=2),
-        replace(_D["int4"], bk_d=512),
-        replace(_D["int4"], fused=True),
-        replace(_D["int4"], fused=True, bk=64, bk_d=128),
-        replace(_D["int4"], fused=True, mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128),
-    ],
+# Tiles of the other family (CUDA cores) and the tile variants of the sweep, per quant.
+_CUDA_CORES = {
+    "bf16": dict(bn=4, bk=128, split=1, bn_d=16, bk_d=256, num_warps=4),
+    "int8": dict(bn=4, bk=512, split=1, bn_d=8, bk_d=256, warps_d=2),
+    "int4": dict(bn=64, bk=128, split=8, bn_d=64, bk_d=128),
 }
+# bk_d=512: at Qwen3.5 (I=512) all of down's weights are loaded before the wait
+_TILES = {"bf16": [dict(bk_d=512)], "int8": [dict(bk_d=512)],
+          "int4": [dict(bk=256), dict(stages=0), dict(stages=2), dict(bk_d=512)]}  # fmt: skip
+_FUSED = {"bf16": [dict(bn=8), dict(bn_d=32)], "int8": [dict(bn_d=16), dict(bn=8, bn_d=16)],
+          "int4": [dict(bk=64, bk_d=128), dict(mma=False, **_CUDA_CORES["int4"])]}  # fmt: skip
+
+
+def sweep(quant: str, D: int, I: int) -> list:
+    """Configs timed at T=1: the default (configs/tiles.json, tuned per kernel by
+    tune_gpu_decode.py), the other family (tensor cores / CUDA cores), tiles, and the programmatic
+    dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time."""
+    d = default(quant, D, I)
+    return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
+            replace(d, mma=False, **_CUDA_CORES[quant]), *(replace(d, **t) for t in _TILES[quant]),
+            replace(d, fused=True), *(replace(d, fused=True, **f) for f in _FUSED[quant])]  # fmt: skip
 
 
 @triton.jit
@@ -181,8 +160,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         routed_bytes = unique * eb
         roof_ms = routed_bytes / bw * 1e3
         times = {}
-        t_cfgs = [DEFAULT_CONFIGS[quant], replace(DEFAULT_CONFIGS[quant], fused=True)]
-        for cfg in SWEEP[quant] if T == 1 else t_cfgs:
+        d = default(quant, D, I)
+        for cfg in sweep(quant, D, I) if T == 1 else [d, replace(d, fused=True)]:
             if check_shapes(quant, D, I, 32, cfg):
                 continue
 
@@ -211,7 +190,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         copy_ms = graph_ms(copy_layers, layers)
         bufs.clear()
         best = min(times, key=times.get)
-        ms = times[DEFAULT_CONFIGS[quant]] if DEFAULT_CONFIGS[quant] in times else times[best]
+        ms = times[d] if d in times else times[best]
         ids0, w0 = routes[0]
         eager = do_bench(lambda: moe_decode(x, ids0, w0, exs[0]), warmup=25, rep=100,
                          return_mode="median")  # fmt: skip
@@ -236,10 +215,10 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
     return rows
 
 
-def parse_configs(quant: str, spec: str) -> list:
+def parse_configs(quant: str, D: int, I: int, spec: str) -> list:
     """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
     the flags)."""
-    base = DEFAULT_CONFIGS[quant]
+    base = default(quant, D, I)
     return [base] + [override(base, item) for item in filter(None, spec.split(";"))]
 
 
@@ -271,13 +250,26 @@ def sweep_only(model, quant, D, I, E, K, layers, bw, gen, cfgs) -> dict:
     }  # fmt: skip
 
 
+def moe_loop_ref(x, ids, weights, ex: StackedExperts) -> torch.Tensor:
+    """Per-expert torch loop for one token (baseline b): dequantize each routed expert, two
+    F.linear, weighted sum. Reads the ids on the host (one sync)."""
+    g = ex.scheme.group_size
+    out = torch.zeros_like(x)
+    for e, w in zip(ids[0].tolist(), weights[0]):
+        sec = ex.expert(e)
+        w13, w2 = dequantize(sec, "w13", g, x.dtype), dequantize(sec, "w2", g, x.dtype)
+        out += expert_ffn(x, w13, w2) * w
+    return out
+
+
 def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     """(a) all experts read (same kernel; torch bmm for bf16), (b) per-expert torch loop."""
     all_ids = torch.arange(E, device="cuda")[None]
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
     # every expert as a slot of the one token, same kernels and tiles
-    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, DEFAULT_CONFIGS[quant]), 1)
+    cfg = default(quant, ex.hidden, ex.inter)
+    dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, cfg), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
         "dense_same_kernel_ms": dense_ms, "speedup_vs_dense": dense_ms / ms,
@@ -287,6 +279,13 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
         t = do_bench(lambda: dense_bf16(x, w_all[0], ex), warmup=10, rep=50, return_mode="median")
         out.update(dense_torch_ms=t, speedup_vs_dense_torch=t / ms)
     return out
+
+
+def to_row(r: dict, commit: str | None) -> dict:
+    """A measurement -> the common row: its model, quant, tokens and shape are the config."""
+    r = dict(r)
+    config = {k: r.pop(k) for k in ("model", "quant", "tokens")} | r.pop("config")
+    return bench_row(r.pop("bench"), config, r, commit)
 
 
 def main() -> None:
@@ -307,20 +306,17 @@ def main() -> None:
     if args.configs is not None:
         for model, (D, I, E, K) in MODELS.items():
             for quant in args.quant:
-                cfgs = parse_configs(quant, args.configs)
+                cfgs = parse_configs(quant, D, I, args.configs)
                 rows.append(sweep_only(model, quant, D, I, E, K, args.layers, bw, gen, cfgs))
                 torch.cuda.empty_cache()
-                for r in rows[-1:]:  # written as each model is done: a time limit keeps them
-                    r.update(triton=triton.__version__, source=args.commit or commit())
-                    write_jsonl(args.out, [r])
+                # written as each model is done: a time limit keeps them
+                write_rows(args.out, [to_row(rows[-1], args.commit)])
         return
     for model, (D, I, E, K) in MODELS.items():
         for quant in args.quant:
             rows += bench_one(model, quant, D, I, E, K, args.layers, bw, gen, args.tokens)
             torch.cuda.empty_cache()
-    for r in rows:
-        r.update(triton=triton.__version__, source=args.commit or commit())
-    write_jsonl(args.out, rows)
+    write_rows(args.out, [to_row(r, args.commit) for r in rows])
     print(f"\ncopy bandwidth {bw / 1e9:.0f} GB/s ({hw.get('gpu')})")
     print(f"{'model':16} {'q':5} {'T':>2} {'MB':>6} {'us':>7} {'best':>7} {'roof':>5} "
           f"{'read':>6} {'copy':>5} {'eager':>7} {'dense':>7} {'xdense':>6} {'loop':>8} {'xloop':>6} {'GB/s':>5}")  # fmt: skip

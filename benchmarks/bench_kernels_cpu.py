@@ -21,7 +21,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_jsonl  # noqa: E402
+from common import bench_row, write_rows  # noqa: E402
 
 from moestream.kernels.dispatch import qlinear  # noqa: E402
 from moestream.kernels.ref import expert_ffn_q  # noqa: E402
@@ -66,16 +66,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     rows = []
     for scheme in ("bf16", "int8", "int4"):
-        row = {
-            "bench": "cpu_expert_kernel",
-            "D": 2048,
-            "I": 768,
-            "threads": a.threads,
-            **time_expert(scheme, 2048, 768, n_experts=16, reps=5),
-        }
+        config = {"D": 2048, "I": 768, "threads": a.threads, "experts": 16, "reps": 5}
+        row = bench_row("cpu_expert_kernel", config, time_expert(scheme, 2048, 768, 16, 5))
         print(row)
         rows.append(row)
-    write_jsonl(a.out, rows)
+    write_rows(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import write_jsonl  # noqa: E402
+from common import bench_row, write_rows  # noqa: E402
 
 from moestream.engine.kv_cache import KVCache  # noqa: E402
 from moestream.loader import load_model  # noqa: E402
@@ -169,12 +169,9 @@ def main() -> None:
             prof = profile_step(loaded.model, loaded.args)
             ops = prof["aten_ops_per_token"]
             gemm = gemm_calls_ms(loaded.args, k, 8 + a.steps // 2)  # mid-run KV length
-            row = {
-                "bench": "decode_overhead",
-                "threads": a.threads,
-                "layers": layers,
-                "experts": experts,
-                "top_k": k,
+            config = {"threads": a.threads, "layers": layers, "experts": experts, "top_k": k,
+                      "steps": a.steps}  # fmt: skip
+            results = {
                 "ms_per_token": round(ms, 3),
                 "us_per_layer": round(ms * 1e3 / layers, 1),
                 "aten_ops_per_token": ops,
@@ -186,9 +183,10 @@ def main() -> None:
                 "floor_ms_for_these_ops": round(ops * floor["floor_us_add"] / 1e3, 2),
                 "load_avg_1m": os.getloadavg()[0],
             }
+            row = bench_row("decode_overhead", config, results)
             print(row)
             rows.append(row)
-    write_jsonl(a.out, rows)
+    write_rows(a.out, rows)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_stream import evict, seq_read_ceiling  # noqa: E402
-from common import write_jsonl  # noqa: E402
+from common import bench_row, write_rows  # noqa: E402
 
 MODES = [  # (name, predictor, routing)
     ("on-demand", "none", "exact"),
@@ -210,9 +210,13 @@ def main() -> None:
     evict(store)
     ceiling = seq_read_ceiling(next(store.glob("experts-*.bin")))
     record = expert_bytes // (L * E)
-    meta = {
-        "bench": "predict",
-        "config": {"D": 2048, "I": 768, "E": E, "K": K, "layers": L, "quant": "int4"},
+    config = {
+        "D": 2048,
+        "I": 768,
+        "E": E,
+        "K": K,
+        "layers": L,
+        "quant": "int4",
         "ref": str(a.ref),
         "trace": str(a.trace),
         "sequence": a.sequence,
@@ -224,10 +228,8 @@ def main() -> None:
         "stale_gate_ahead": a.ahead,
         "verify_crc": not a.no_verify,
         "crc_impl": CRC_IMPL,
-        "expert_bytes": expert_bytes,
-        "record_bytes": record,
-        "seq_read_ceiling_gbps": ceiling,
     }
+    meta = {"expert_bytes": expert_bytes, "record_bytes": record, "seq_read_ceiling_gbps": ceiling}
     print(
         f"{L} layers x {E} experts top-{K}, {record / 2**20:.2f} MiB/expert, store "
         f"{expert_bytes / 1e9:.2f} GB; O_DIRECT ceiling {ceiling:.2f} GB/s"
@@ -263,7 +265,7 @@ def main() -> None:
                     table, recall = tables.get(predictor, (work / "none.json", None))
                     s = run_mode(store, mode, table, a)
                     base.setdefault(policy, s["tok_s"])
-                    row = {
+                    results = {
                         **meta,
                         "budget_pct": pct,
                         "mode": name,
@@ -277,6 +279,7 @@ def main() -> None:
                         "speedup_same_policy": s["tok_s"] / base[policy],
                         "recall": recall,
                     }
+                    row = bench_row("predict", config, results)
                     rows.append(row)
                     samples.setdefault(f"{name}/{policy}", []).append(row)
                     print(line(pct, f"{name}/{policy}", row, recall))
@@ -297,7 +300,7 @@ def main() -> None:
                 summary["tok_s_samples"] = [r["tok_s"] for r in rs]
                 rows.append(summary)
                 print(line(pct, name, summary, summary["recall"]))
-    write_jsonl(a.out, rows)
+    write_rows(a.out, rows)
 
 
 MEDIAN_KEYS = (

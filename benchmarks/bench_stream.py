@@ -15,12 +15,14 @@ import argparse
 import json
 import mmap
 import os
-import platform
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bench_row, write_rows  # noqa: E402
 
 CHILD = r"""
 import os
@@ -109,17 +111,10 @@ def main() -> None:
     ceiling = seq_read_ceiling(next(store.glob("experts-*.bin")))
     modes = [("resident", {"resident": True, "io": "pagecache"}), ("mmap", {"io": "mmap"})]
     modes += [(f"stream {f}%", {"budget": expert_bytes * f // 100}) for f in (10, 25, 50)]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    config = {"D": 2048, "I": 768, "E": 128, "K": 8, "layers": a.layers, "quant": "int4",
+              "tokens": a.tokens, "threads": a.threads}  # fmt: skip
     meta = {
-        "bench": "stream",
-        "commit": commit.stdout.strip(),
-        "host": platform.node(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
         "loadavg": os.getloadavg()[0],
-        "config": {"D": 2048, "I": 768, "E": 128, "K": 8, "layers": a.layers, "quant": "int4"},
-        "tokens": a.tokens,
-        "threads": a.threads,
         "expert_bytes": expert_bytes,
         "seq_read_ceiling_gbps": ceiling,
     }
@@ -129,7 +124,6 @@ def main() -> None:
     print(
         f"{'mode':12} {'tok/s':>7} {'GB/tok':>7} {'read GB/s':>9} {'vs ceil':>7} {'hit %':>6} {'peak RSS MB':>11}"
     )
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     for name, mode in modes:
         evict(store)
         r = subprocess.run(
@@ -158,8 +152,7 @@ def main() -> None:
             "gb_per_token": s["bytes_read"] / a.tokens / 1e9,
             "hit_rate": s["hits"] / looks if looks else 0.0,
         }
-        with open(a.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        write_rows(a.out, [bench_row("stream", config, row)])  # as each mode is done
         print(
             f"{name:12} {s['tok_s']:7.2f} {row['gb_per_token']:7.3f} {gbps:9.2f} "
             f"{gbps / ceiling:7.2f} {100 * row['hit_rate']:6.1f} {s['peak_rss'] / 2**20:11.0f}"

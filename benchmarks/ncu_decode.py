@@ -17,22 +17,22 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from ablations.triton_decode import default, moe_decode  # noqa: E402
 from bench_gpu_moe import MODELS, random_layer, routing  # noqa: E402
 from common import override  # noqa: E402
-
-from moestream.kernels.triton.decode import DEFAULT_CONFIGS, moe_decode  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quant", default="int8", choices=sorted(DEFAULT_CONFIGS))
+    ap.add_argument("--quant", default="int8", choices=["bf16", "int8", "int4"])
     ap.add_argument("--model", default="Qwen3-30B-A3B", choices=sorted(MODELS))
     ap.add_argument("--tokens", type=int, default=1)
     ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--config", default=None, help="DecodeConfig fields, e.g. 'bn=8,bk=256'")
+    ap.add_argument("--config", default=None,
+                    help="AblationConfig fields, e.g. 'bn=8,bk=256' or 'fused=1'")  # fmt: skip
     args = ap.parse_args()
     D, I, E, K = MODELS[args.model]
-    cfg = DEFAULT_CONFIGS[args.quant]
+    cfg = default(args.quant, D, I)
     if args.config:
         cfg = override(cfg, args.config)
     gen = torch.Generator().manual_seed(0)

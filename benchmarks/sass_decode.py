@@ -6,14 +6,15 @@ Triton) lists the SASS. The loops are unrolled (`tl.static_range`), so the stati
 program executes. Prints per kernel: SASS instructions, thread-instructions per weight, shared
 memory, layout conversions in the TTGIR and the most frequent opcodes. A GPU's issue rate (4 warp
 instructions per clock per SM) turns the count into a floor on time; the time itself is measured
-only by bench_gpu_moe.py on the GPU.
-  python benchmarks/sass_decode.py --quant int4 int8 --mma both
+only by bench_gpu_moe.py on the GPU. `--out` appends the figures as JSON rows.
+  python benchmarks/sass_decode.py --quant int4 int8 --mma both [--out /tmp/sass.jsonl]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import math
 import re
 import subprocess
 import sys
@@ -26,13 +27,16 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moestream.kernels.triton import decode as dk
+from moestream.quant import make_scheme, tensor_sections
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import override  # noqa: E402
+from ablations import triton_decode as ab  # noqa: E402
+from common import bench_row, override, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
 S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32"}
+DEVICE = "NVIDIA H200"  # the sm_90 GPU whose tuned tiles are compiled
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
 
@@ -65,7 +69,7 @@ def opcodes(compiled, tmp: Path) -> collections.Counter:
     return ops
 
 
-def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
+def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
     two launches."""
     qt, st = Q_TYPE[quant], S_TYPE[quant]
@@ -88,7 +92,7 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
                       COMBINE=True, DT=tl.bfloat16 if cfg.mma else tl.float32,
                       PREC="tf32" if cfg.mma else "ieee")  # fmt: skip
         del consts["PDL"]
-        yield ("fused", dk._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
+        yield ("fused", ab._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
                max(I // rows * cfg.split, D // rows_d))  # fmt: skip
         return
     if cfg.mma:
@@ -99,13 +103,55 @@ def kernels(quant: str, cfg: dk.DecodeConfig, D: int, I: int):
         yield ("down", dk._down_mma_kernel, dn, {**common, **tiles_d, **extra}, cfg.warps_d,
                rows_d * I, D // rows_d)  # fmt: skip
     else:
-        gu.update(w2q_ptr=qt, w2s_ptr=st)
-        extra = dict(ELEM=cfg.elem, PREFETCH=False, W2Q_BYTES=1, W2S_BYTES=1,
-                     NT=32 * cfg.num_warps)  # fmt: skip
-        yield ("gate_up", dk._gate_up_kernel, gu, {**common, **tiles, **extra}, cfg.num_warps,
+        fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem)
+        if cfg.prefetch:  # the ablation's gate/up kernel, with one expert's w2 section bytes
+            fn = ab._gate_up_prefetch_kernel
+            gu.update(w2q_ptr=qt, w2s_ptr=st)
+            nbytes = [math.prod(shape) * dt.itemsize
+                      for _, dt, shape in tensor_sections(make_scheme(quant), "w2", D, I)]  # fmt: skip
+            extra.update(W2Q_BYTES=nbytes[0], W2S_BYTES=sum(nbytes[1:]), NT=32 * cfg.num_warps)
+        yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem},
                cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
+
+
+def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]:
+    """Compile both kernels of one config (or the fused one), print a line each, return rows."""
+    D, I = MODELS[model]
+    rows = []
+    for name, fn, sig, consts, warps, weights, per_pair in kernels(quant, cfg, D, I):
+        c = compile_sm90(fn, sig, consts, warps)
+        res, ops = resources(c, tmp), opcodes(c, tmp)
+        n = sum(ops.values())
+        # thread-instructions per weight; with a pipelined (rolled) loop the body is counted
+        # once, so the figure is a lower bound and marked with '>'
+        per_weight = n * warps * 32 / weights
+        rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
+        conv = c.asm["ttgir"].count("convert_layout")
+        fam = "mma" if cfg.mma else "cuda-cores"
+        # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy (the fused kernel
+        # is persistent: one wave of programs taking items)
+        bps = ab.blocks_per_sm(res["REG"], warps, c.metadata.shared)
+        waves = None if name == "fused" else 8 * per_pair / (132 * bps)
+        if show_cfg:
+            print(cfg)
+        print(f"{model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
+              f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
+              f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, "
+              f"{'persistent' if waves is None else f'{waves:4.2f} waves'} "
+              f"at T=1, shared {c.metadata.shared:6} B, "
+              f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+        config = {"model": model, "D": D, "I": I, "quant": quant, "tiles": repr(cfg),
+                  "target": "sm_90"}  # fmt: skip
+        rows.append(bench_row("sass_decode", config, {
+            "kernel": name, "sass_instructions": n, "instr_per_weight": per_weight,
+            "instr_per_weight_lower_bound": rolled == ">", "registers": res["REG"],
+            "stack_bytes": res.get("STACK", 0), "programs_per_sm": bps, "waves_t1": waves,
+            "shared_bytes": c.metadata.shared, "convert_layout": conv,
+            "top_opcodes": ops.most_common(8),
+        }))  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -120,47 +166,28 @@ def main() -> None:
         "--config",
         action="append",
         default=[],
-        help="DecodeConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
+        help="AblationConfig fields replacing the default's, e.g. 'bn=8,num_warps=2' "
         "(repeatable; 0/1 for flags); only these configs are compiled",
     )
+    ap.add_argument("--out", default=None, help="append one JSON row per kernel here")
     args = ap.parse_args()
     D, I = MODELS[args.model]
+    rows = []
     for quant in args.quant:
-        cfgs = [dk.DEFAULT_CONFIGS[quant]]
+        cfgs = [ab.default(quant, D, I, DEVICE)]
         if args.config:
             cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":
-            other = dk.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
+            other = ab.MMA_CONFIGS[quant] if not cfgs[0].mma else replace(
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
             cfgs.append(other)
         for cfg in cfgs:
             cfg = dk.fit_config(quant, D, I, 32, cfg)
             if args.stages is not None and cfg.mma:
                 cfg = replace(cfg, stages=args.stages)
-            for name, fn, sig, consts, warps, weights, per_pair in kernels(quant, cfg, D, I):
-                c = compile_sm90(fn, sig, consts, warps)
-                res = resources(c, Path(args.tmp))
-                ops = opcodes(c, Path(args.tmp))
-                n = sum(ops.values())
-                # thread-instructions per weight; with a pipelined (rolled) loop the body is
-                # counted once, so the figure is a lower bound and marked with '>'
-                per_weight = n * warps * 32 / weights
-                rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
-                conv = c.asm["ttgir"].count("convert_layout")
-                fam = "mma" if cfg.mma else "cuda-cores"
-                # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy
-                bps = dk.blocks_per_sm(res["REG"], warps, c.metadata.shared)
-                # (the fused kernel is persistent: one wave of programs taking items)
-                waves = (
-                    "persistent" if name == "fused" else f"{8 * per_pair / (132 * bps):4.2f} waves"
-                )
-                if args.config:
-                    print(cfg)
-                print(f"{args.model} {quant:4} {fam:10} {name:7} {n:5} SASS, "
-                      f"{rolled}{per_weight:5.2f} instr/weight, {res['REG']:3} regs "
-                      f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, {waves} "
-                      f"at T=1, shared {c.metadata.shared:6} B, "
-                      f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+            rows += report(args.model, quant, cfg, Path(args.tmp), bool(args.config))
+    if args.out:
+        write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -392,22 +392,6 @@ def _add_obs(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_simulate)
 
-    bench = sub.add_parser("bench", help="experiments").add_subparsers(dest="bench", required=True)
-    p = bench.add_parser("warmup", help="pre-warming hot experts vs none (seed 000)")
-    p.add_argument("-m", "--model", required=True, help="store or checkpoint folder")
-    p.add_argument("--trace", required=True, help="trace of this model (hot experts)")
-    p.add_argument("-p", "--prompt", default="def fibonacci(n):", help="prompt text")
-    p.add_argument("-n", "--max-tokens", type=int, default=32, help="tokens per trial")
-    p.add_argument("--top-n", type=int, default=20, help="experts pre-warmed per layer")
-    p.add_argument("--reps", type=int, default=3, help="repetitions (arm order alternates)")
-    p.add_argument("--arms", default="none,hot,random", help="comma list of none,hot,random")
-    p.add_argument("--page-cache", default="warm,evicted", help="comma list of warm,evicted")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
-    p.add_argument("--out", default=None, help="append JSON lines (trials + summary) here")
-    _add_store_args(p)
-    p.set_defaults(func=cmd_bench_warmup)
-
 
 def cmd_trace(a: argparse.Namespace) -> int:
     from moestream.obs.guard import MemoryGuard
@@ -477,52 +461,6 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     print(format_results(results, expert_bytes))
     for line in skipped:
         print(f"skipped: {line}")
-    return 0
-
-
-def cmd_bench_warmup(a: argparse.Namespace) -> int:
-    from moestream.obs import warmup
-    from moestream.obs.trace import load_trace
-    from moestream.runtime import open_model
-
-    _setup_threads(a.threads)
-    cfg = warmup.WarmupConfig(
-        top_n=a.top_n,
-        reps=a.reps,
-        max_new_tokens=a.max_tokens,
-        arms=tuple(a.arms.split(",")),
-        page_cache=tuple(a.page_cache.split(",")),
-    )
-    if a.io is None and not a.resident and a.memory_budget is None:
-        a.io = "mmap"  # seed 000's setting: experts through the OS page cache
-    t = load_trace(a.trace)
-    rt = open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a))
-    prompt_ids = rt.encode_prompt(a.prompt)
-
-    def log(row):
-        print(
-            f"rep {row['rep']} {row['page_cache']:<7} {row['arm']:<6} TTFT "
-            f"{row['ttft_s'] * 1e3:7.1f} ms  {row['decode_tok_s']:7.2f} tok/s",
-            file=sys.stderr,
-        )
-
-    rows = warmup.run_warmup(rt, prompt_ids, t, cfg, log)
-    summary = warmup.summarize(rows)
-    print(warmup.format_summary(summary))
-    if a.out:
-        from pathlib import Path
-
-        meta = {
-            "bench": "warmup",
-            "model": str(a.model),
-            "trace": str(a.trace),
-            "io": a.io,
-            "env": warmup.environment(),
-        }
-        with open(Path(a.out), "a") as f:
-            for row in rows:
-                f.write(json.dumps({**meta, **row}) + "\n")
-            f.write(json.dumps({**meta, "summary": summary}) + "\n")
     return 0
 
 

@@ -9,7 +9,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
+# the benchmark modules their tests import (ablations, bench_warmup, common)
+sys.path.insert(1, str(Path(__file__).parents[1] / "benchmarks"))
 torch.set_num_threads(2)
+# Without a GPU the Triton kernels run through the interpreter on CPU tensors; triton reads the
+# variable when a kernel is decorated, so it is set before any test module imports them.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,6 +10,7 @@ limit=${2:-300}
 py=${PYTHON:-python}
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
 kern=tests/test_triton_kernels.py
+abl=tests/test_triton_ablations.py
 
 shard() {
     local name=$1
@@ -20,9 +21,9 @@ shard() {
 }
 
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
-shard decode -m cuda "$kern" -k test_decode_cuda &
+shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
-shard prefill "$kern" -k "prefill_cuda or dispatcher_cuda or pair_rows or fused_layer" &
+shard prefill "$kern" "$abl" -k "prefill_cuda or dispatcher_cuda or pair_rows or fused_layer" &
 shard provider -m cuda tests/test_gpu_provider.py &
 wait
-shard variants -m cuda "$kern" -k variants_cuda
+shard variants -m cuda "$abl" -k variants_cuda

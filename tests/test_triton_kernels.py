@@ -7,12 +7,13 @@ Documented tolerances:
   and silu(gate) * up to bf16 for the tensor-core dot).
 Every check draws fresh random inputs, poisons the caching allocator and the output with NaN first,
 and needs every output element finite. `cuda` tests run compiled kernels on a GPU (CI skips them);
-the interpreter tests run the same kernels through TRITON_INTERPRET=1 on CPU tensors.
+the interpreter tests run the same kernels through TRITON_INTERPRET=1 on CPU tensors (set by
+conftest.py when there is no GPU; triton comes with the `test` extra; with the ablations of
+test_triton_ablations.py about 95 s on 2 cores).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -23,8 +24,6 @@ from moestream.kernels.triton.layout import moe_stacked_ref, quantize_stacked, s
 from moestream.quant import RecordLayout, make_scheme, quantize_expert
 
 CUDA = torch.cuda.is_available()
-if not CUDA:  # must be set before the kernels are decorated (first import of decode.py)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 try:
     import triton  # noqa: F401
 
@@ -100,8 +99,8 @@ def test_decode_interpreter(quant):
     from moestream.kernels.triton.decode import DecodeConfig, moe_decode
 
     bn = 64 if quant == "int4" else 8
-    for elem, split in ((False, 2), (True, 1)):
-        cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32, elem=elem)
+    for split in (2, 1):
+        cfg = DecodeConfig(bn=bn, bk=32, split=split, bn_d=bn, bk_d=32)
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
@@ -141,42 +140,6 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("mma", [False, True])
-def test_fused_layer_gives_the_two_launch_bits(quant, mma):
-    """One persistent launch per layer (DecodeConfig(fused=True): work items taken from a counter,
-    down items waiting on their pair's gate/up items) computes the two-launch path's items:
-    combined (T=3) and as pair rows (T=1, combine=False), with a D split; a second call reuses
-    the reset counters. Interpreter (one program): equal bits. CUDA (as many programs as the GPU
-    holds, a Qwen3-30B-A3B layer's D and I): within the tolerance of the two-launch result, not
-    bit for bit: on the H200 the int8 and int4-mma bits differed (int8's down items run with
-    the gate/up warps, so their sums reduce in another order), so a run must not mix the paths."""
-    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, MMA_CONFIGS, fit_config, moe_decode
-
-    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
-    E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
-    base = (MMA_CONFIGS if mma else DEFAULT_CONFIGS)[quant]
-    bk = min(base.bk, 512 if CUDA else 32)
-    cfg = fit_config(quant, D, I, 32, replace(base, split=2, bk=bk))
-    gen = torch.Generator().manual_seed(40 + mma)
-    ex = _layer(quant, E, D, I, device, gen)
-    for T, combine in ((3, True), (1, False), (3, True)):
-        x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
-        ids, w = _routing(T, E, K, device, gen)
-        want = moe_decode(x, ids, w, ex, cfg, combine=combine).clone().double()
-        got = moe_decode(x, ids, w, ex, replace(cfg, fused=True), combine=combine).clone().double()
-        if CUDA:
-            err = ((got - want).norm() / want.norm()).item()
-            assert err <= TOL[dtype], f"T={T} combine={combine}: {err:.2e}"
-        else:
-            assert torch.equal(got, want), f"T={T} combine={combine}"
-        if combine:
-            ref = moe_stacked_ref(x.double(), ids, w.double(), ex)
-            err = ((got - ref).norm() / ref.norm()).item()
-            assert err <= TOL[dtype], err
-
-
-@needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_prefill_interpreter(quant):
@@ -202,18 +165,22 @@ CASES = [
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("T", [1, 3, 8])
-@pytest.mark.parametrize("fused", [False, True])
-def test_decode_cuda(quant, case, T, fused):
-    """The default tiles, as two launches and as the one-launch layer (persistent programs,
-    work counter); each twice, so the second call reuses the counters the first one reset."""
-    from moestream.kernels.triton.decode import DEFAULT_CONFIGS, fit_config, moe_decode
+def test_decode_cuda(quant, case, T):
+    """The default tiles, each case twice, so the second call reuses the counters the first one
+    reset (the one-launch ablation: test_triton_ablations.py)."""
+    from moestream.kernels.triton.decode import moe_decode
 
     (E, D, I, K), dtype = case
-    cfg = (
-        replace(fit_config(quant, D, I, 32, DEFAULT_CONFIGS[quant]), fused=True) if fused else None
-    )
     for seed in range(2):
-        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T)
+
+
+# tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)
+MMA_TILES = {
+    "bf16": dict(bn=32, bk=256, split=2, bn_d=32, bk_d=256),
+    "int8": dict(bn=32, bk=512, split=2, bn_d=32, bk_d=256),
+    "int4": dict(bn=64, bk=256, split=4, bn_d=64, bk_d=256),
+}
 
 
 @pytest.mark.cuda
@@ -223,32 +190,13 @@ def test_decode_cuda(quant, case, T, fused):
 def test_decode_mma_cuda(quant, case, T):
     """The tensor-core kernels (exact integer weights in the dot, scales per group) and their
     byte-to-bf16 conversions, tiles fitted to each shape."""
-    from moestream.kernels.triton.decode import MMA_CONFIGS, fit_config, moe_decode
+    from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
 
     (E, D, I, K), dtype = case
-    cfg = fit_config(quant, D, I, 32, MMA_CONFIGS[quant])
+    cfg = fit_config(quant, D, I, 32, DecodeConfig(**MMA_TILES[quant], mma=True))
     for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=300 + 100 * seed + T,
                cfg=replace(cfg, stages=stages))  # fmt: skip
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("elem", [False, True])
-@pytest.mark.parametrize("split", [1, 2, 4])
-def test_decode_variants_cuda(quant, elem, split):
-    """Accumulation orders, D splits, no prefetch / no PDL (the benchmark's sweep) at the
-    Qwen3-30B D, I; each config twice, so the counters reset by the last programs are reused."""
-    from moestream.kernels.triton.decode import DecodeConfig, moe_decode
-
-    bn = 64 if quant == "int4" else 8
-    for prefetch in (False, True):
-        cfg = DecodeConfig(bn=bn, bk=64 if quant == "int4" else 256, split=split,
-                           bn_d=64 if quant == "int4" else 16, bk_d=64 if quant == "int4" else 128,
-                           elem=elem, prefetch=prefetch, pdl=prefetch)  # fmt: skip
-        for T in (1, 2):
-            _check(moe_decode, quant, 16, 2048, 768, T, 8, torch.bfloat16, "cuda", seed=5 + T,
-                   cfg=cfg)  # fmt: skip
 
 
 @pytest.mark.cuda

@@ -2,10 +2,11 @@
 
 - `layout.py`: `StackedExperts` (a layer's expert sections stacked on the device, store layout)
   and its pure-torch reference (`moe_stacked_ref`, built on kernels/ref.py).
-- `decode.py`: 1-8 tokens, two launches per layer (or one persistent launch, `fused`, off by
-  default: slower on the H200): gate/up per (pair, row block, D split) writing
-  h = silu(g) * u, then down (PDL-launched) per (pair, row block), a token's rows added in slot
-  order by the last program; GEMV on CUDA cores (bf16, int8) or tensor cores (`mma`, int4).
+- `decode.py`: 1-8 tokens, two launches per layer: gate/up per (pair, row block, D split)
+  writing h = silu(g) * u, then down (PDL-launched) per (pair, row block), a token's rows added
+  in slot order by the last program; GEMV on CUDA cores (bf16, int8) or tensor cores (`mma`,
+  int4). Variants measured slower (one persistent launch per layer, ...) are benchmark code:
+  benchmarks/ablations/triton_decode.py.
 - `prefill.py`: tokens grouped by expert on the device, tl.dot per block of BLOCK_M rows.
 `moe_experts` picks the path; shapes the kernels do not take fall back to the reference.
 `moe_pairs` + `combine_pairs` split a call into per-pair rows and their slot-order sum, with the
@@ -24,16 +25,15 @@ DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     """Why the Triton path cannot take this layer at this token count (None when it can)."""
-    from moestream.kernels.triton import decode, prefill
+    from moestream.kernels.triton import decode, prefill, tuned
 
-    s = experts.scheme
+    s, D, I = experts.scheme, experts.hidden, experts.inter
+    device = tuned.device_name(next(iter(experts.sections.values())).device)
     if tokens <= DECODE_MAX_TOKENS:
-        cfg = decode.fit_config(
-            s.name, experts.hidden, experts.inter, s.group_size, decode.DEFAULT_CONFIGS[s.name]
-        )
-        return None if cfg else f"no decode tile fits D={experts.hidden}, I={experts.inter}"
+        cfg = decode.default_config(s.name, D, I, s.group_size, device)
+        return None if cfg else f"no decode tile fits D={D}, I={I}"
     return prefill.check_shapes(
-        s.name, experts.hidden, experts.inter, s.group_size, prefill.PrefillConfig()
+        s.name, D, I, s.group_size, prefill.default_config(s.name, D, I, device)
     )
 
 

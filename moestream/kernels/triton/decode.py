@@ -3,9 +3,8 @@ grouping runs on the hot path, and a layer is two launches (no memset, no cast k
 
   _gate_up_kernel  one program per (pair p = (token, slot), block of BN gate rows and the same up
                    rows, split of D): h[p] = silu(g) * u; with SPLIT > 1 the last program of a
-                   block (fp32 partials, int32 counter) sums the splits. Optionally asks L2 for a
-                   slice of the pair's w2 (bulk prefetch; off: it slowed the H200 down). Lets the
-                   down kernel launch early (programmatic dependent launch, PDL).
+                   block (fp32 partials, int32 counter) sums the splits. Lets the down kernel
+                   launch early (programmatic dependent launch, PDL).
   _down_kernel     one program per (pair, block of BN output rows) over all of I: the weighted
                    expert output is stored as the pair's fp32 row; the last program of a (token,
                    row block) adds the token's K rows in slot order and writes the output dtype
@@ -13,8 +12,10 @@ grouping runs on the hot path, and a layer is two launches (no memset, no cast k
                    other pairs: a streamed prefill that runs its pairs in chunks (the pool cannot
                    hold all their experts) and `combine_pairs` them gives the resident bits.
 Both kernels are thin wrappers over work-item helpers (`_gate_up_item`, `_down_item`, and the
-`mma` twins); `_fused_kernel` runs the same items as one persistent launch (`fused`, off: slower
-on the H200, docs/gpu.md item 12). Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
+`mma` twins). The experiments measured slower and off (one persistent launch per layer, an L2
+prefetch of w2, per-step int4 row sums) live in benchmarks/ablations/triton_decode.py; they run
+these helpers through the hooks READY, WAIT=2 and ELEM=False, which the product never sets.
+Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
 mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. Inputs are
 loaded through offsets broadcast to the weight tile's shape, so they take its register layout and no
 tile goes through shared memory. int4 uses the store layout: a block of 64 rows is [K, 32] bytes
@@ -23,15 +24,17 @@ tile goes through shared memory. int4 uses the store layout: a block of 64 rows 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import tuned
+
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
-L2_PREFETCH_BYTES = 24 << 20  # prefetch w2 only while the pairs' w2 fit well inside L2 (50 MB)
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,34 +46,14 @@ class DecodeConfig:
     bk_d: int = 256
     num_warps: int = 4  # gate/up programs
     warps_d: int = 4  # down programs
-    elem: bool = True  # int4: accumulate [groups, G, 32] products, reduce once at the end
-    prefetch: bool = False  # gate/up prefetches w2 into L2 (cost 15-25% on the H200: off)
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
     mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
     stages: int = 0  # mma gate/up: 0 = K loop unrolled, else software-pipelined with this depth
-    fused: bool = False  # one persistent launch per layer (_fused_kernel) instead of two
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
-
-
-DEFAULT_CONFIGS = {
-    # Best gate/up and down tiles of a per-kernel sweep at T=1 on the H200 (docs/gpu.md)
-    "bf16": DecodeConfig(bn=4, bk=128, num_warps=4, bn_d=16, bk_d=256),
-    "int8": DecodeConfig(bn=4, bk=512, num_warps=4, bn_d=8, bk_d=256, warps_d=2),
-    # int4 on tensor cores: 26.5 vs 31.1 us per Qwen3-30B layer (tune_gpu_decode.jsonl); the
-    # K loop software-pipelined 3 deep: 24.8-24.9 vs 25.9 us (Qwen3-30B), 20.5-20.6 vs 22.7-23.4
-    # (Qwen3.5-35B) in two runs (gpu_moe.jsonl, sources 09cde96 and 2c2daee)
-    "int4": DecodeConfig(bn=64, bk=128, split=4, bn_d=64, bk_d=256, mma=True, stages=3),
-}
-# Tensor-core variants (first guesses; benchmarks/tune_gpu_decode.py sweeps them)
-MMA_CONFIGS = {
-    "bf16": DecodeConfig(bn=32, bk=256, split=2, bn_d=32, bk_d=256, mma=True),
-    "int8": DecodeConfig(bn=32, bk=512, split=2, bn_d=32, bk_d=256, mma=True),
-    "int4": DecodeConfig(bn=64, bk=256, split=4, bn_d=64, bk_d=256, mma=True),
-}
 
 
 # ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
@@ -141,27 +124,6 @@ def _u4_f32(b, FAST: tl.constexpr):
         return (w & 15).to(tl.float32) - 8.0, (w >> 4).to(tl.float32) - 8.0
 
 
-@triton.jit
-def _prefetch_l2(base, start, end, NT: tl.constexpr):
-    """Bulk-prefetch bytes [start, end) after `base` into L2, split over NT threads (16 B units)."""
-    sub = ((end - start + NT - 1) // NT + 15) // 16 * 16
-    lo = start + tl.arange(0, NT) * sub
-    size = tl.minimum(lo + sub, end) - lo
-    tl.inline_asm_elementwise(
-        """{
-        .reg .pred p;
-        setp.gt.s32 p, $2, 0;
-        @p cp.async.bulk.prefetch.L2.global [$1], $2;
-        mov.u32 $0, 0;
-        }""",
-        "=r,l,r",
-        [base + lo, size.to(tl.int32)],
-        dtype=tl.int32,
-        is_pure=False,
-        pack=1,
-    )
-
-
 # ---- tiles: offsets of the inputs a K step needs, and the step's products ----------------------
 @triton.jit
 def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -180,6 +142,8 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
 @triton.jit
 def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                ELEM: tl.constexpr):  # fmt: skip
+    """Accumulators of one K step. int4: ELEM (the product's) keeps [groups, G, 32] products and
+    reduces once at the end; ELEM=False (an ablation) sums rows per step."""
     if QUANT == 0:
         a = tl.zeros([BN, BK], tl.float32)
         return a, a
@@ -282,8 +246,8 @@ def _gate_up_finish(g_a, g_b, u_a, u_b, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, 
                     SPLIT: tl.constexpr, READY: tl.constexpr):  # fmt: skip
     """Row sums of program (p, nb, sk) -> h[p, n0:n0+BN] = silu(g) * u; with SPLIT > 1 through
     fp32 partials, the block's last program (int32 counter) adding them in split order. READY:
-    the program that wrote the h block counts it in ready[p] (release), for the fused kernel's
-    down items."""
+    the program that wrote the h block counts it in ready[p] (release), for the down items of
+    the benchmarks' one-launch ablation."""
     N: tl.constexpr = 2 * I
     if SPLIT == 1:
         hd = h_ptr.dtype.element_ty
@@ -365,37 +329,24 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
+    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PREFETCH: tl.constexpr, W2Q_BYTES: tl.constexpr,
-    W2S_BYTES: tl.constexpr, NT: tl.constexpr, PDL: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item."""
-    p = tl.program_id(0)
-    nb = tl.program_id(1)
-    sk = tl.program_id(2)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if PREFETCH:  # this program's share of the pair's w2 (and its scales)
-        e = tl.load(ids_ptr + p).to(tl.int64)
-        j = (nb * SPLIT + sk).to(tl.int64)
-        n_j = tl.num_programs(1) * SPLIT
-        qb = w2q_ptr.to(tl.pointer_type(tl.int8)) + e * W2Q_BYTES
-        _prefetch_l2(qb, j * W2Q_BYTES // n_j, (j + 1) * W2Q_BYTES // n_j, NT)
-        if W2S_BYTES > 0:
-            sb = w2s_ptr.to(tl.pointer_type(tl.int8)) + e * W2S_BYTES
-            _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
-    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr, p, nb, sk, P, D,
-                  I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False)  # fmt: skip
+    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
+                  tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN, BK,
+                  SPLIT, TOPK, ELEM, FAST, False)  # fmt: skip
 
 
 @triton.jit
 def _await(ready_ptr, p, WAIT: tl.constexpr, NBG: tl.constexpr):
     """Before reading h: WAIT 1 = the PDL-launched down kernel waits for the gate/up grid; 2 = a
-    fused kernel's down item spins until pair p's NBG h blocks are counted in ready[p]. (Polling
-    with acquire loads and a 100 ns sleep instead of atomics was slower on the H200: bf16 30.3
-    vs 28.3 us per Qwen3-30B layer.)"""
+    persistent kernel's down item (the benchmarks' one-launch ablation) spins until pair p's NBG
+    h blocks are counted in ready[p] (atomics: polling loads with a sleep measured slower)."""
     if WAIT == 1:
         tl.extra.cuda.gdc_wait()  # h of the gate/up kernel complete and visible
     elif WAIT == 2:
@@ -662,64 +613,6 @@ def _down_mma_kernel(
                    1 if PDL else 0, 0, COMBINE, DT, PREC)  # fmt: skip
 
 
-# ---- one persistent launch per layer ------------------------------------------------------------
-@triton.jit
-def _fused_kernel(
-    x_ptr, ids_ptr, rw_ptr, q13_ptr, s13_ptr, q2_ptr, s2_ptr, part_ptr, cnt_g_ptr, h_ptr,
-    ready_ptr, work_ptr, dpart_ptr, cnt_d_ptr, out_ptr, P: tl.constexpr, NPROG: tl.constexpr,
-    D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-    BK: tl.constexpr, SPLIT: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
-    TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, MMA: tl.constexpr,
-    DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, COMBINE: tl.constexpr,
-):  # fmt: skip
-    """A whole layer in one launch of NPROG persistent programs. Work items are numbered gate/up
-    first, then down, and taken in that order from a counter (work[0]); a program takes its
-    next item before it works on the current one, so the counter's round trip overlaps the work.
-    A down item loads its first weight tile, then waits until its pair's NBG h blocks are
-    counted in ready[p]: no second launch, and a pair's down reads overlap other pairs' gate/up.
-    Never a deadlock, whatever the number of programs the GPU holds at once: an item waits only
-    on gate/up items, which were taken before it by running programs that finish them without
-    waiting. The last program to leave (work[1] counts them) resets the counters for the next
-    call. P and NPROG are constexpr because the interpreter cannot run a loop on run-time
-    values."""
-    NBG: tl.constexpr = I // BN
-    NBD: tl.constexpr = D // BN_D
-    N_GU: tl.constexpr = P * NBG * SPLIT
-    N: tl.constexpr = N_GU + P * NBD
-    it = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
-    while it < N:
-        nxt = tl.atomic_add(work_ptr, 1, sem="relaxed", scope="gpu")
-        if it < N_GU:
-            p = it // (NBG * SPLIT)
-            nb = (it // SPLIT) % NBG
-            sk = it % SPLIT
-            if MMA:
-                _gate_up_mma_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
-                                  ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK,
-                                  FAST, DT, PREC, STAGES, True)  # fmt: skip
-            else:
-                _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
-                              ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM,
-                              FAST, True)  # fmt: skip
-        else:
-            p = (it - N_GU) // NBD
-            nb = (it - N_GU) % NBD
-            if MMA:
-                _down_mma_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr,
-                               out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, FAST,
-                               2, NBG, COMBINE, DT, PREC)  # fmt: skip
-            else:
-                _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr, out_ptr,
-                           ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, ELEM, FAST, 2,
-                           NBG, COMBINE)  # fmt: skip
-        it = nxt
-    if tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
-        for i in tl.static_range(P):  # every item is done
-            tl.store(ready_ptr + i, 0)
-        tl.atomic_xchg(work_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(work_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
 # ---- host side ----------------------------------------------------------------------------------
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig) -> str | None:
     """None when the kernels take these shapes, else why not (the dispatcher falls back)."""
@@ -740,6 +633,18 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     return None
 
 
+def tuned_config(quant: str, hidden: int, inter: int, device: str | None) -> DecodeConfig:
+    """The tuned tiles for this device name and shape (tuned.py: configs/tiles.json), as stored."""
+    return DecodeConfig(**tuned.settings("decode", quant, hidden, inter, device))
+
+
+@functools.cache
+def default_config(quant: str, hidden: int, inter: int, group: int,
+                   device: str | None) -> DecodeConfig | None:  # fmt: skip
+    """The tuned tiles fitted to the shape (fit_config); None when no tile fits."""
+    return fit_config(quant, hidden, inter, group, tuned_config(quant, hidden, inter, device))
+
+
 def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
     """Halve the split, then K steps, then row blocks until the shapes fit (small models); None
     when nothing does."""
@@ -752,139 +657,119 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
 
 
 _WORKSPACE: dict = {}
-_RESIDENT: dict = {}
-
-
-def blocks_per_sm(regs: int, warps: int, shared: int, sm_regs: int = 65536, sm_warps: int = 64,
-                  sm_shared: int = 228 << 10, sm_blocks: int = 32) -> int:  # fmt: skip
-    """Programs one SM holds at once (sm_90 limits by default): registers are allocated per warp
-    in units of 256, and each program reserves 1 KB of shared memory."""
-    per_warp = -(-regs * 32 // 256) * 256
-    return min(sm_regs // (per_warp * warps), sm_warps // warps, sm_blocks,
-               sm_shared // (shared + 1024))  # fmt: skip
-
-
-def _resident_programs(args, kw) -> int:
-    """How many programs of the fused kernel the GPU holds at once (compiled first, to read its
-    registers and shared memory)."""
-    key = tuple(sorted((k, str(v)) for k, v in kw.items())) + (str(args[0].device),)
-    n = _RESIDENT.get(key)
-    if n is None:
-        ck = _fused_kernel.warmup(*args, grid=(1,), NPROG=1, **kw)
-        ck._init_handles()
-        props = torch.cuda.get_device_properties(args[0].device)
-        per_sm = blocks_per_sm(ck.n_regs, kw["num_warps"], ck.metadata.shared,
-                               sm_regs=getattr(props, "regs_per_multiprocessor", 65536),
-                               sm_warps=props.max_threads_per_multi_processor // 32,
-                               sm_shared=getattr(props, "shared_memory_per_multiprocessor",
-                                                 228 << 10))  # fmt: skip
-        assert per_sm >= 1, f"the fused kernel does not fit an SM ({ck.n_regs} registers)"
-        n = _RESIDENT[key] = per_sm * props.multi_processor_count
-    return n
 
 
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,
                h_dtype: torch.dtype):  # fmt: skip
     """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 pair rows [P, D]
-    and int32 counters (gate/up [P, nbg], combine [T, nbd], the fused kernel's ready [P] and
-    work [2]; zero, and the program that completes a block resets its counter). Cached so CUDA
-    graphs captured after a first call reuse the buffers."""
+    and int32 counters (gate/up [P, nbg], combine [T, nbd]; zero, and the program that completes
+    a block resets its counter). Cached so CUDA graphs captured after a first call reuse the
+    buffers."""
     key = (str(device), split, P, I, T, D, nbg, nbd, h_dtype)
     ws = _WORKSPACE.get(key)
     if ws is None:
         f32 = dict(device=device, dtype=torch.float32)
-        cnt = torch.zeros(P * nbg + T * nbd + P + 2, device=device, dtype=torch.int32)
+        cnt = torch.zeros(P * nbg + T * nbd, device=device, dtype=torch.int32)
         ws = (
             torch.empty(max(split, 2) * P * 2 * I, **f32),
             torch.empty(P * I, device=device, dtype=h_dtype),
             torch.empty(P * D, **f32),
             cnt[: P * nbg],
-            cnt[P * nbg : P * nbg + T * nbd],
-            cnt[P * nbg + T * nbd : P * nbg + T * nbd + P],  # ready
-            cnt[P * nbg + T * nbd + P :],  # work
+            cnt[P * nbg :],
         )
         _WORKSPACE[key] = ws
     return ws
 
 
-def moe_decode(
-    x,
-    ids,
-    weights,
-    experts,
-    cfg: DecodeConfig | None = None,
-    out=None,
-    stages: str = "gate_up+down",
-    combine: bool = True,
-) -> torch.Tensor:
+@dataclass(slots=True)
+class Launch:
+    """One call's device arguments, workspace and shared constexprs. `moe_decode` runs `gate_up`
+    then `down`; the benchmarks launch one of them alone, or their ablation kernels, on it."""
+
+    cfg: DecodeConfig
+    x: torch.Tensor  # [T, D]
+    ids: torch.Tensor  # [T, K]
+    weights: torch.Tensor  # [T, K]
+    w13: tuple  # gate/up (weights, scales)
+    w2: tuple  # down (weights, scales)
+    ws: tuple  # _workspace: part, h, dpart, cnt_g, cnt_d
+    out: torch.Tensor | None
+    combine: bool
+    gpu: bool  # else the interpreter: plain casts, no PTX, no PDL
+    common: dict  # constexprs both kernels take
+
+    @property
+    def P(self) -> int:
+        return self.ids.numel()
+
+    @classmethod
+    def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool) -> Launch:
+        quant = experts.scheme.name
+        T, D = x.shape
+        P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
+        why = check_shapes(quant, D, I, G, cfg)
+        assert why is None, why
+        gpu = x.device.type == "cuda"
+        sec = dict(experts.sections)
+        if quant == "int4":  # (scale, zero) bf16 pairs as one int32 word
+            sec = {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in sec.items()}
+        scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
+        ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, x.dtype)
+        if out is None and combine:
+            out = torch.empty(T, D, device=x.device, dtype=x.dtype)
+        assert not combine or (out.is_contiguous() and out.shape == (T, D))
+        common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=ids.shape[1])
+        if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
+            bf16 = x.dtype == torch.bfloat16
+            common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
+                          FAST=gpu and (bf16 or quant != "int4"))  # fmt: skip
+        else:
+            common.update(ELEM=True, FAST=gpu)
+        w13, w2 = (sec["w13.q"], sec[f"w13.{scale}"]), (sec["w2.q"], sec[f"w2.{scale}"])
+        return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
+                   combine, gpu, common)  # fmt: skip
+
+    def gate_up(self, kernel=None, **extra) -> None:
+        """Gate/up programs (P, I / bn, split); `kernel` and `extra` arguments: an ablation's."""
+        cfg, (part, h, _, cnt_g, _) = self.cfg, self.ws
+        if kernel is None:
+            kernel = _gate_up_mma_kernel if cfg.mma else _gate_up_kernel
+            extra = {"STAGES": cfg.stages, **extra} if cfg.mma else extra
+        kernel[(self.P, self.common["I"] // cfg.bn, cfg.split)](
+            self.x, self.ids, *self.w13, part, cnt_g, h, P=self.P, BN=cfg.bn, BK=cfg.bk,
+            SPLIT=cfg.split, PDL=self.gpu and cfg.pdl, num_warps=cfg.num_warps,
+            **{**self.common, **extra},
+        )  # fmt: skip
+
+    def down(self, **extra) -> None:
+        """Down programs (P, D / bn_d), PDL-launched: each pair's fp32 row, combined if asked."""
+        cfg, (_, h, dpart, _, cnt_d) = self.cfg, self.ws
+        pdl = self.gpu and cfg.pdl
+        kernel = _down_mma_kernel if cfg.mma else _down_kernel
+        kernel[(self.P, self.common["D"] // cfg.bn_d)](
+            h, self.ids, self.weights, *self.w2, dpart, cnt_d, self.out, self.P,
+            BN=cfg.bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=self.combine, num_warps=cfg.warps_d,
+            **({"launch_pdl": True} if pdl else {}), **{**self.common, **extra},
+        )  # fmt: skip
+
+    def result(self) -> torch.Tensor:
+        """The output [T, D], or with combine=False the pair rows [P, D] (a workspace view)."""
+        return self.out if self.combine else self.ws[2].view(self.P, self.common["D"])
+
+
+def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None,
+               combine: bool = True) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
     when given, which must be contiguous). `combine=False` returns the pair rows instead: fp32
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
-    `combine_pairs` of them gives the bits of the combined call. `stages` launches only one
-    kernel when it names one (the benchmark times each kernel; the output is then not the MoE
-    result)."""
-    quant = experts.scheme.name
-    T, D = x.shape
-    K = ids.shape[1]
-    P, I, G = T * K, experts.inter, experts.scheme.group_size
-    cfg = cfg or fit_config(quant, D, I, G, DEFAULT_CONFIGS[quant]) or DEFAULT_CONFIGS[quant]
-    why = check_shapes(quant, D, I, G, cfg)
-    assert why is None, why
-    gpu = x.device.type == "cuda"  # else the interpreter: plain casts, no PTX
-    sec = dict(experts.sections)
-    if quant == "int4":  # (scale, zero) bf16 pairs as one int32 word
-        sec = {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in sec.items()}
-    scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
-    w2q, w2s = sec["w2.q"], sec[f"w2.{scale}"]
-    w2q_bytes = w2q[0].numel() * w2q.element_size()
-    w2s_bytes = 0 if quant == "bf16" else w2s[0].numel() * w2s.element_size()
-    prefetch = gpu and cfg.prefetch and P * (w2q_bytes + w2s_bytes) <= L2_PREFETCH_BYTES
-    bn, bn_d = cfg.bn, cfg.bn_d
-    nbg, nbd = I // bn, D // bn_d
-    part, h, dpart, cnt_g, cnt_d, ready, work = _workspace(x.device, cfg.split, P, I, T, D, nbg,
-                                                           nbd, x.dtype)  # fmt: skip
-    if out is None and combine:
-        out = torch.empty(T, D, device=x.device, dtype=x.dtype)
-    assert not combine or (out.is_contiguous() and out.shape == (T, D))
-    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
-    common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=K)
-    pdl = gpu and cfg.pdl
-    if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
-        bf16 = x.dtype == torch.bfloat16
-        common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
-                      FAST=gpu and (bf16 or quant != "int4"))  # fmt: skip
-        gate_up, down, extra = _gate_up_mma_kernel, _down_mma_kernel, {"STAGES": cfg.stages}
-    else:
-        common.update(ELEM=cfg.elem, FAST=gpu)
-        gate_up, down = _gate_up_kernel, _down_kernel
-        extra = dict(PREFETCH=prefetch, W2Q_BYTES=w2q_bytes, W2S_BYTES=w2s_bytes, NT=32 * cfg.num_warps,
-                     w2q_ptr=w2q, w2s_ptr=w2s)  # fmt: skip
-    if cfg.fused:
-        assert stages == "gate_up+down", "the fused kernel runs both stages"
-        args = (x, ids, weights, sec["w13.q"], sec[f"w13.{scale}"], w2q, w2s, part, cnt_g, h, ready,
-                work, dpart, cnt_d, out if combine else dpart, P)  # fmt: skip
-        # the other family's constexprs are unused: fixed values, one compiled kernel
-        kw = dict(ELEM=cfg.elem, DT=tl.float32, PREC="ieee", STAGES=cfg.stages)
-        kw.update(BN=bn, BK=cfg.bk, SPLIT=cfg.split, BN_D=bn_d, BK_D=cfg.bk_d, MMA=cfg.mma,
-                  COMBINE=combine, num_warps=cfg.num_warps, **common)  # fmt: skip
-        # as many programs as the GPU holds at once (more would only queue); the interpreter
-        # runs programs one after another, so it gets one
-        n = min(_resident_programs(args, kw) if gpu else 1, P * max(nbg * cfg.split, nbd))
-        _fused_kernel[(n,)](*args, NPROG=n, **kw)
-        return out if combine else dpart.view(P, D)
-    if "gate_up" in stages:
-        gate_up[(P, nbg, cfg.split)](
-            x, ids, sec["w13.q"], sec[f"w13.{scale}"], part, cnt_g, h, P=P,
-            BN=bn, BK=cfg.bk, SPLIT=cfg.split, PDL=pdl, num_warps=cfg.num_warps, **extra,
-            **common,
-        )  # fmt: skip
-    if "down" in stages:
-        down[(P, nbd)](
-            h, ids, weights, w2q, w2s, dpart, cnt_d, out, P,
-            BN=bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=combine, num_warps=cfg.warps_d,
-            **({"launch_pdl": True} if pdl else {}), **common,
-        )  # fmt: skip
-    return out if combine else dpart.view(P, D)
+    `combine_pairs` of them gives the bits of the combined call."""
+    quant, (_, D), I, G = experts.scheme.name, x.shape, experts.inter, experts.scheme.group_size
+    cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
+    assert cfg is not None, f"no decode tile fits D={D}, I={I}"
+    launch = Launch.build(x, ids, weights, experts, cfg, out, combine)
+    launch.gate_up()
+    launch.down()
+    return launch.result()
 
 
 def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype, out=None) -> torch.Tensor:

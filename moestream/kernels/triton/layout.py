@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moestream.kernels.ref import dequantize, expert_ffn, moe_ref
+from moestream.kernels.ref import dequantize, moe_ref
 from moestream.quant import QuantScheme, quantize
 
 NAMES = ("w13", "w2")
@@ -103,18 +103,3 @@ def moe_stacked_ref(
 
     out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
     return out.to(x.device)
-
-
-def moe_loop_ref(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts
-) -> torch.Tensor:
-    """Per-expert torch loop for one token (the benchmark's baseline b): dequantize each routed
-    expert, two F.linear, weighted sum. Reads the ids on the host (one sync)."""
-    g = experts.scheme.group_size
-    out = torch.zeros_like(x)
-    for e, w in zip(ids[0].tolist(), weights[0]):
-        sec = experts.expert(e)
-        out += (
-            expert_ffn(x, dequantize(sec, "w13", g, x.dtype), dequantize(sec, "w2", g, x.dtype)) * w
-        )
-    return out

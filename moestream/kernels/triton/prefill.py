@@ -9,12 +9,14 @@ decode.py, int4 from the store layout) right before the dot; accumulation is fp3
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import tuned
 from moestream.kernels.triton.decode import INT4_ROWS, QUANT_CODE, combine_pairs
 
 
@@ -189,6 +191,12 @@ def _down_grouped(
     tl.store(out + HALF, acc_hi * rw[:, None], mask=valid[:, None] & (n0 + HALF + di < D))
 
 
+@functools.cache
+def default_config(quant: str, hidden: int, inter: int, device: str | None) -> PrefillConfig:
+    """The tiles for this device name and shape (tuned.py: configs/tiles.json)."""
+    return PrefillConfig(**tuned.settings("prefill", quant, hidden, inter, device))
+
+
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillConfig) -> str | None:
     """None when the grouped kernels take these shapes, else why not."""
     if hidden % cfg.bk or inter % cfg.bk or cfg.bk % group and quant != "bf16":
@@ -205,11 +213,11 @@ def moe_prefill(
     `combine=False` returns the fp32 pair rows [T * K, D] (weight times expert output): each row
     is computed alone (a row of the dot never meets another row), so rows from chunks of pairs,
     added by `combine_pairs`, give the bits of one call. No atomics: deterministic."""
-    cfg = cfg or PrefillConfig()
     quant = experts.scheme.name
     T, D = x.shape
     K = ids.shape[1]
     P, I, G = T * K, experts.inter, experts.scheme.group_size
+    cfg = cfg or default_config(quant, D, I, tuned.device_name(x.device))
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
     pair_of_row, block_expert = align_blocks(ids, experts.num_experts, cfg.block_m)

@@ -1,13 +1,14 @@
-"""Warm-up experiment bookkeeping: hot-expert choice from a trace, the summary's medians/ratios."""
+"""Warm-up experiment bookkeeping (benchmarks/bench_warmup.py): hot-expert choice from a trace, the
+summary's medians/ratios."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
+from bench_warmup import WarmupConfig, hot_experts, random_experts, summarize
 
 from moestream.config import ConfigError
 from moestream.obs.trace import Trace
-from moestream.obs.warmup import WarmupConfig, hot_experts, random_experts, summarize
 
 
 def test_hot_experts_per_layer():
