@@ -109,30 +109,28 @@ def fill_page_cache(paths, chunk: int = 8 << 20) -> None:
                 pass
 
 
-def fresh_provider(model, store, stream_cfg):
-    """Replace the model's expert provider by a new one (empty slot cache, no mappings)."""
-    from moestream.store.stream import StreamingExperts
+def fresh_provider(rt, store, stream_cfg):
+    """Replace the runtime's expert provider by a new one (empty slot cache, no mappings)."""
+    from moestream.experts.mmap import MmapExperts
+    from moestream.experts.streaming import StreamingExperts
 
-    old = model.moe_blocks[0].provider
-    model.set_provider(None)
-    old.close()
-    del old
+    make = MmapExperts if stream_cfg.mmap else StreamingExperts
+    rt.replace_provider(make(store, stream_cfg))
     gc.collect()  # drop the old mmaps so their pages can leave the page cache
-    provider = StreamingExperts(store, stream_cfg)
-    model.set_provider(provider)
-    return provider
+    return rt.provider
 
 
 def run_warmup(rt, prompt_ids: list[int], t: Trace, cfg: WarmupConfig, log=None) -> list[dict]:
     """All trials; one dict per trial (arm, page cache, rep, TTFT, decode tok/s, pre-warm time)."""
-    model = rt.generator.model
-    provider = model.moe_blocks[0].provider
-    store = getattr(provider, "store", None)
-    if store is None:
+    model = rt.model
+    from moestream.experts.streaming import StoreExperts
+
+    store = rt.store
+    if not isinstance(rt.provider, StoreExperts):
         raise ConfigError("the warm-up bench needs a store-backed model (a store folder or --io)")
     if t.model.moe_layers != rt.args.moe_layer_ids or t.num_experts != rt.args.num_experts:
         raise ConfigError("the trace was recorded on another model (MoE layers or experts differ)")
-    stream_cfg = provider.cfg
+    stream_cfg = rt.provider.cfg
     sets = {
         "none": {},
         "hot": hot_experts(t, cfg.top_n),
@@ -146,7 +144,7 @@ def run_warmup(rt, prompt_ids: list[int], t: Trace, cfg: WarmupConfig, log=None)
         for cache in cfg.page_cache:
             arms = cfg.arms if rep % 2 == 0 else tuple(reversed(cfg.arms))
             for arm in arms:
-                fresh_provider(model, store, stream_cfg)
+                fresh_provider(rt, store, stream_cfg)
                 if cache == "evicted":
                     evict_page_cache(files)
                 else:

@@ -40,6 +40,14 @@ class Runtime:
         """The expert store the experts come from (None for a Hugging Face folder)."""
         return Store(self.folder) if is_store(self.folder) else None
 
+    def replace_provider(self, provider: ExpertProvider) -> None:
+        """Close the current provider and run the model on `provider` (benchmarks start a fresh,
+        empty cache this way); the model's blocks and the generator follow."""
+        old, self.provider = self.provider, provider
+        old.close()
+        self.model.set_provider(provider)
+        self.generator.provider = provider
+
     def close(self) -> None:
         self.provider.close()
 
