@@ -21,6 +21,7 @@ venv: $(VENV)/.installed
 
 lint: venv
 	$(PY) -m ruff check moestream tests benchmarks scripts
+	$(PY) -m ruff format --check moestream tests benchmarks scripts
 
 test: venv lint
 	$(PY) -m pytest -q

@@ -117,7 +117,9 @@ def open_model(
         raise ConfigError("routing prediction is not implemented with --device cuda")
     folder = Path(path)
     if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {folder} does not exist; pass -m a checkpoint folder")
+        raise FileNotFoundError(
+            f"model folder {folder} does not exist; pass -m a checkpoint folder"
+        )
     if not is_store(folder) and (experts is not None or quant is not None):
         folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
     _check_quant(folder, quant)

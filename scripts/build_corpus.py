@@ -33,12 +33,28 @@ DEFAULT_PYVER = "3.11"
 # Pinned wheels; their .py files are the text taken. Platform and Python version are fixed below, so
 # every machine downloads the same files.
 DEFAULT_WHEELS = [
-    "sympy==1.13.3", "Django==5.1.4", "numpy==2.1.3", "pandas==2.2.3", "scipy==1.14.1",
-    "scikit-learn==1.5.2", "matplotlib==3.9.2", "networkx==3.4.2", "SQLAlchemy==2.0.36",
-    "Twisted==24.10.0", "astropy==6.1.6",
+    "sympy==1.13.3",
+    "Django==5.1.4",
+    "numpy==2.1.3",
+    "pandas==2.2.3",
+    "scipy==1.14.1",
+    "scikit-learn==1.5.2",
+    "matplotlib==3.9.2",
+    "networkx==3.4.2",
+    "SQLAlchemy==2.0.36",
+    "Twisted==24.10.0",
+    "astropy==6.1.6",
 ]
-WHEEL_PLATFORM = ["--python-version", "3.11", "--implementation", "cp",
-                  "--platform", "manylinux2014_x86_64", "--platform", "manylinux_2_17_x86_64"]
+WHEEL_PLATFORM = [
+    "--python-version",
+    "3.11",
+    "--implementation",
+    "cp",
+    "--platform",
+    "manylinux2014_x86_64",
+    "--platform",
+    "manylinux_2_17_x86_64",
+]
 MAX_FILE_BYTES = 400_000
 
 
@@ -110,8 +126,19 @@ def fetch_wheels(work: str, specs: list[str]) -> list[tuple[str, str, str]]:
     os.makedirs(wdir, exist_ok=True)
     if specs:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
-             *WHEEL_PLATFORM, "-d", wdir, *specs],
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                *WHEEL_PLATFORM,
+                "-d",
+                wdir,
+                *specs,
+            ],
             check=True,
         )
     for whl in sorted(glob.glob(os.path.join(wdir, "*.whl"))):
@@ -138,9 +165,13 @@ def is_valid(source: str, rel: str, percent: float) -> bool:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--out", default="data/corpus")
-    ap.add_argument("--pyver", default=DEFAULT_PYVER, help="Debian's CPython version (bookworm: 3.11)")
+    ap.add_argument(
+        "--pyver", default=DEFAULT_PYVER, help="Debian's CPython version (bookworm: 3.11)"
+    )
     ap.add_argument("--wheels", nargs="*", default=DEFAULT_WHEELS, help="pinned PyPI wheels")
     ap.add_argument("--valid-percent", type=float, default=2.0)
     args = ap.parse_args(argv)
@@ -173,8 +204,12 @@ def main(argv=None) -> int:
     finally:
         for f in outs.values():
             f.close()
-    manifest = {"sources": per_source, "splits": stats, "valid_percent": args.valid_percent,
-                "files_dropped_or_duplicate": len(docs) - len(uniq)}
+    manifest = {
+        "sources": per_source,
+        "splits": stats,
+        "valid_percent": args.valid_percent,
+        "files_dropped_or_duplicate": len(docs) - len(uniq),
+    }
     with open(os.path.join(args.out, "manifest.json"), "w") as f:
         json.dump(manifest, f, indent=1)
     for src, n in per_source.items():

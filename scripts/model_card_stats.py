@@ -28,7 +28,7 @@ import torch.nn.functional as F
 CODE_PROMPTS = ["def fibonacci(n):", "class BinarySearchTree:", "import os\n"]
 ROUTING_PROMPTS = [
     "class BinarySearchTree:\n    def insert(self, key):\n",
-    "def matrix_power_fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number by matrix power.\"\"\"\n",
+    'def matrix_power_fibonacci(n):\n    """Return the n-th Fibonacci number by matrix power."""\n',
     "The :mod:`json` module provides",
     "from django.db import models\n\n\nclass Article(models.Model):\n",
     "import numpy as np\n\n\ndef test_broadcast_shapes():\n",
@@ -36,24 +36,33 @@ ROUTING_PROMPTS = [
 
 
 @torch.no_grad()
-def perplexities(model, valid: np.ndarray, train: np.ndarray, vocab: int, seq: int, max_tokens: int):
+def perplexities(
+    model, valid: np.ndarray, train: np.ndarray, vocab: int, seq: int, max_tokens: int
+):
     toks = torch.from_numpy(valid[: max_tokens + 1].astype(np.int64))
     n = (toks.numel() - 1) // seq
     total, count = 0.0, 0
     targets = []
     for i in range(0, n, 8):
         j = min(n, i + 8)
-        x = torch.stack([toks[k * seq: (k + 1) * seq + 1] for k in range(i, j)])
+        x = torch.stack([toks[k * seq : (k + 1) * seq + 1] for k in range(i, j)])
         logits = model(input_ids=x[:, :-1], use_cache=False).logits.float()
-        total += F.cross_entropy(logits.reshape(-1, vocab), x[:, 1:].reshape(-1), reduction="sum").item()
+        total += F.cross_entropy(
+            logits.reshape(-1, vocab), x[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         count += x[:, 1:].numel()
         targets.append(x[:, 1:].reshape(-1).numpy())
     tg = np.concatenate(targets)
     counts = np.bincount(train.astype(np.int64), minlength=vocab).astype(np.float64) + 1.0
     logp = np.log(counts / counts.sum())
     uni = -logp[tg].mean()
-    return {"val_tokens": int(count), "model_ce": total / count, "model_ppl": math.exp(total / count),
-            "unigram_ce": float(uni), "unigram_ppl": float(math.exp(uni))}
+    return {
+        "val_tokens": int(count),
+        "model_ce": total / count,
+        "model_ppl": math.exp(total / count),
+        "unigram_ce": float(uni),
+        "unigram_ppl": float(math.exp(uni)),
+    }
 
 
 def routing(model, tok, n_new: int, sample: bool = False):
@@ -64,7 +73,10 @@ def routing(model, tok, n_new: int, sample: bool = False):
     def hook(li):
         def f(mod, inp, out):
             idx = out[2]  # (tokens, k): router_logits, router_scores, router_indices
-            trace[li].append(idx[-1].clone())  # the last position: the one that predicts the next token
+            trace[li].append(
+                idx[-1].clone()
+            )  # the last position: the one that predicts the next token
+
         return f
 
     handles = [layer.mlp.gate.register_forward_hook(hook(i)) for i, layer in enumerate(layers)]
@@ -76,9 +88,13 @@ def routing(model, tok, n_new: int, sample: bool = False):
                 t.clear()
             ids = tok(p, return_tensors="pt").input_ids
             torch.manual_seed(0)
-            kw = dict(do_sample=True, temperature=0.8, top_p=0.95) if sample else dict(do_sample=False)
+            kw = (
+                dict(do_sample=True, temperature=0.8, top_p=0.95)
+                if sample
+                else dict(do_sample=False)
+            )
             out = model.generate(ids, max_new_tokens=n_new, min_new_tokens=n_new, **kw)
-            texts.append(tok.decode(out[0, ids.shape[1]:]))
+            texts.append(tok.decode(out[0, ids.shape[1] :]))
             # one routing record per generated token: prefill's last position, then each decode step
             per_prompt.append(torch.stack([torch.stack(t[:n_new]) for t in trace]))  # (L, T, k)
     finally:
@@ -99,19 +115,29 @@ def routing(model, tok, n_new: int, sample: bool = False):
         share = counts / counts.sum()
         dead = int((share < 0.002).sum())
         dead_total += dead
-        rows.append({
-            "layer": li,
-            "unique_per_prompt": float(np.mean(uniq)),
-            "unique_all_prompts": int((counts > 0).sum()),
-            "temporal_reuse": float(np.mean(reuse)),
-            "max_over_mean_load": float(share.max() / share.mean()),
-            "load_cv": float(share.std() / share.mean()),
-            "dead": dead,
-        })
-    return {"decoding": "sampled T=0.8 top-p 0.95 seed 0" if sample else "greedy",
-            "prompts": ROUTING_PROMPTS, "generated": texts, "tokens_per_prompt": T, "experts": E,
-            "top_k": k, "random_reuse": k / E, "layers": rows, "dead_slots": dead_total,
-            "dead_fraction": dead_total / (E * L)}
+        rows.append(
+            {
+                "layer": li,
+                "unique_per_prompt": float(np.mean(uniq)),
+                "unique_all_prompts": int((counts > 0).sum()),
+                "temporal_reuse": float(np.mean(reuse)),
+                "max_over_mean_load": float(share.max() / share.mean()),
+                "load_cv": float(share.std() / share.mean()),
+                "dead": dead,
+            }
+        )
+    return {
+        "decoding": "sampled T=0.8 top-p 0.95 seed 0" if sample else "greedy",
+        "prompts": ROUTING_PROMPTS,
+        "generated": texts,
+        "tokens_per_prompt": T,
+        "experts": E,
+        "top_k": k,
+        "random_reuse": k / E,
+        "layers": rows,
+        "dead_slots": dead_total,
+        "dead_fraction": dead_total / (E * L),
+    }
 
 
 def plot_loss(log_path: str, out_png: str):
@@ -142,14 +168,20 @@ def plot_loss(log_path: str, out_png: str):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default="models/pystd-moe-29m")
     ap.add_argument("--data", default="data/tok")
     ap.add_argument("--log", default="data/runs/pystd/log.jsonl")
     ap.add_argument("--out", default="/tmp/card")
     ap.add_argument("--seq-len", type=int, default=1024)
-    ap.add_argument("--max-val-tokens", type=int, default=131072,
-                    help="the first N validation tokens (default: 128 windows of 1024); 0: all")
+    ap.add_argument(
+        "--max-val-tokens",
+        type=int,
+        default=131072,
+        help="the first N validation tokens (default: 128 windows of 1024); 0: all",
+    )
     ap.add_argument("--new-tokens", type=int, default=150)
     ap.add_argument("--sample-tokens", type=int, default=100)
     args = ap.parse_args(argv)
@@ -196,15 +228,23 @@ def main(argv=None):
 
 
 def print_routing(r):
-    print(f"\nrouting, {r['decoding']}, {r['tokens_per_prompt']} generated tokens x {len(r['prompts'])} prompts")
-    print(f"\n| layer | unique experts / prompt (of {r['experts']}) | unique, all 5 prompts | temporal reuse "
-          f"| max/mean load | load CV | dead (<0.2%) |")
+    print(
+        f"\nrouting, {r['decoding']}, {r['tokens_per_prompt']} generated tokens x {len(r['prompts'])} prompts"
+    )
+    print(
+        f"\n| layer | unique experts / prompt (of {r['experts']}) | unique, all 5 prompts | temporal reuse "
+        f"| max/mean load | load CV | dead (<0.2%) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for row in r["layers"]:
-        print(f"| {row['layer']} | {row['unique_per_prompt']:.1f} | {row['unique_all_prompts']} | "
-              f"{row['temporal_reuse']:.3f} | {row['max_over_mean_load']:.2f} | {row['load_cv']:.2f} | {row['dead']} |")
-    print(f"\ndead slots {r['dead_slots']}/{r['experts'] * len(r['layers'])} = {r['dead_fraction']:.1%}; "
-          f"random-routing reuse would be {r['random_reuse']:.3f}")
+        print(
+            f"| {row['layer']} | {row['unique_per_prompt']:.1f} | {row['unique_all_prompts']} | "
+            f"{row['temporal_reuse']:.3f} | {row['max_over_mean_load']:.2f} | {row['load_cv']:.2f} | {row['dead']} |"
+        )
+    print(
+        f"\ndead slots {r['dead_slots']}/{r['experts'] * len(r['layers'])} = {r['dead_fraction']:.1%}; "
+        f"random-routing reuse would be {r['random_reuse']:.3f}"
+    )
 
 
 if __name__ == "__main__":

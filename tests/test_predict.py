@@ -97,7 +97,11 @@ def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
         for name in PREDICTORS:
             model = load_model(folder, StreamConfig(memory_budget=budget, io=io)).model
             heads = untrained_heads(model)
-            p = attach(model, model.moe_blocks[0].provider, make_predictor(name, model, heads=heads, trace=trace))
+            p = attach(
+                model,
+                model.moe_blocks[0].provider,
+                make_predictor(name, model, heads=heads, trace=trace),
+            )
             got, logits = greedy(model, PROMPT, 12)
             s = p.stats()
             p.close()
@@ -114,7 +118,12 @@ def test_exact_routing_with_every_predictor_is_bit_identical(stores, arch):
             )
         # Two layers ahead, reads filtered by confidence: still only prefetching.
         model = load_model(folder, StreamConfig(memory_budget=budget, io=io)).model
-        p = attach(model, model.moe_blocks[0].provider, make_predictor("stale-gate", model, ahead=2), min_score=0.2)
+        p = attach(
+            model,
+            model.moe_blocks[0].provider,
+            make_predictor("stale-gate", model, ahead=2),
+            min_score=0.2,
+        )
         got, logits = greedy(model, PROMPT, 12)
         p.close()
         assert got == want and torch.equal(logits, want_logits), budget
@@ -126,7 +135,12 @@ def test_predicted_routing_with_the_oracle_matches_exact(stores):
     want, want_logits = greedy(ref, PROMPT, 10)
     _, trace = record(ref, PROMPT, 10)
     model = load_model(folder, StreamConfig(resident=True)).model
-    p = attach(model, model.moe_blocks[0].provider, make_predictor("oracle", model, trace=trace), routing="predicted")
+    p = attach(
+        model,
+        model.moe_blocks[0].provider,
+        make_predictor("oracle", model, trace=trace),
+        routing="predicted",
+    )
     got, logits = greedy(model, PROMPT, 10)
     assert got == want
     torch.testing.assert_close(logits, want_logits, rtol=1e-5, atol=1e-5)
@@ -143,7 +157,9 @@ def test_predicted_routing_uses_the_prediction(stores):
             nxt, npos = (col + 1, pos) if col + 1 < self.L else (0, pos + 1)
             return [Prediction(nxt, npos, (0, 1))]
 
-    p = attach(model, model.moe_blocks[0].provider, Fixed(len(model.moe_blocks)), routing="predicted")
+    p = attach(
+        model, model.moe_blocks[0].provider, Fixed(len(model.moe_blocks)), routing="predicted"
+    )
     used = []
     inner_experts = p.inner.experts
     p.inner.experts = lambda layer, x, ids, w: (

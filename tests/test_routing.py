@@ -47,11 +47,15 @@ def test_predicted_routing_weighs_by_the_block(tiny_dir, arch):
     """Under predicted routing the forced set's weights are block.weights_for, whatever the rule."""
     loaded = load_model(tiny_dir(arch))
     model, inner = loaded.model, loaded.provider
-    wrapper = PredictingExperts(inner, _Repeat(len(model.moe_blocks)), model.moe_blocks, "predicted")
+    wrapper = PredictingExperts(
+        inner, _Repeat(len(model.moe_blocks)), model.moe_blocks, "predicted"
+    )
     model.set_provider(wrapper)
     seen = []
     real = inner.experts
-    inner.experts = lambda layer, x, ids, w: seen.append((layer, x, ids, w)) or real(layer, x, ids, w)
+    inner.experts = lambda layer, x, ids, w: (
+        seen.append((layer, x, ids, w)) or real(layer, x, ids, w)
+    )
     wrapper.reset()
     from moestream.engine.kv_cache import KVCache
 

@@ -116,9 +116,7 @@ class Generator:
     `decode_threads`: torch threads for the one-token steps (None: the process's setting); the
     prompt always runs with the process's setting."""
 
-    def __init__(
-        self, model, args: ModelArgs, tokenizer, provider: ExpertProvider, eos_ids=()
-    ):
+    def __init__(self, model, args: ModelArgs, tokenizer, provider: ExpertProvider, eos_ids=()):
         self.model, self.args, self.tok, self.provider = model, args, tokenizer, provider
         self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)

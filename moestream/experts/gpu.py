@@ -283,4 +283,3 @@ class GpuExperts(ExpertProvider):
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
-

@@ -182,4 +182,3 @@ class Worker:
             "peak_rss_bytes": peak_rss_bytes(),
             "experts": self.gen.provider.stats() or None,
         }
-

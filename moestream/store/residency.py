@@ -41,7 +41,9 @@ class SlotResidency:
     def __init__(self, store: Store, n_slots: int, policy: str, io: IOConfig):
         self.store, self.n_slots = store, n_slots
         layers = sorted(store.crc)
-        self.table = SlotTable(n_slots, make_policy(policy, layers=layers), store.args.num_experts_per_tok)
+        self.table = SlotTable(
+            n_slots, make_policy(policy, layers=layers), store.args.num_experts_per_tok
+        )
         self.pool = SlotPool(store, n_slots)
         self.reader = RecordReader(store, self.pool, io)
         self.inflight: dict[Key, RecordRead] = {}  # prefetch reads not yet reaped
@@ -141,7 +143,9 @@ class SlotResidency:
             self.reader.io_seconds += dt
 
     # ---- prefetch ------------------------------------------------------------------------------
-    def prefetch(self, layer: int, experts, protect: Iterable[Key] = (), priority: int = PREFETCH) -> int:
+    def prefetch(
+        self, layer: int, experts, protect: Iterable[Key] = (), priority: int = PREFETCH
+    ) -> int:
         """Start reads of the non-resident `experts` of `layer` in order without taking the
         slots of `protect`; returns the reads started."""
         self.reap()

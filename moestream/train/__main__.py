@@ -1,5 +1,6 @@
 """CLI: python -m moestream.train {tokenizer,fit,bench,export} ...
 
+Usage:
     python scripts/build_corpus.py --out data/corpus
     python -m moestream.train tokenizer --corpus data/corpus --out data/tok --vocab 8192
     python -m moestream.train fit --data data/tok --out runs/pystd --steps 1200
