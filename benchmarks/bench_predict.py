@@ -61,7 +61,7 @@ t = load_trace(trace_dir)
 s = t.sequences[seq]
 io = IOConfig(mode="direct", threads=mode["io_threads"], split=mode["split"], verify=mode["verify"])
 cfg = StreamConfig(
-    memory_budget=mode["budget"],
+    memory_budget=None if mode["resident"] else mode["budget"],  # resident: no cache, no budget
     resident=mode["resident"],
     io=io,
     policy=mode["policy"],

@@ -61,7 +61,10 @@ def _add_store_args(p) -> None:
     """Expert store flags: any of them turns a Hugging Face folder into a (cached) store."""
     g = p.add_argument_group("expert store (streaming)")
     g.add_argument(
-        "--memory-budget", default=None, help="expert cache size, e.g. 512MiB (streams experts)"
+        "--memory-budget",
+        default=None,
+        help="expert cache size (streams experts): bytes (512MiB, 4GB; binary units) or a "
+        "fraction of the expert bytes (0.25, 25%%)",
     )
     g.add_argument(
         "--resident", action="store_true", help="load every expert into RAM (VRAM with cuda)"
@@ -73,7 +76,7 @@ def _add_store_args(p) -> None:
         help="cuda: dense weights, KV cache and an expert slot pool in VRAM (default cpu)",
     )
     g.add_argument(
-        "--gpu-budget", default=None, help="VRAM expert slots with --device cuda, e.g. 2GiB"
+        "--gpu-budget", default=None, help="VRAM expert slots with --device cuda: 2GiB or 0.25"
     )
     g.add_argument(
         "--pin-experts",
@@ -90,9 +93,9 @@ def _add_store_args(p) -> None:
     g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
     g.add_argument(
         "--policy",
-        default="lrfu",
+        default=None,
         choices=["lru", "lfu", "lrfu", "sticky"],
-        help="cache eviction: lrfu (default: uses weighed by a decay of 0.9 per token, so "
+        help="slot cache eviction: lrfu (default: uses weighed by a decay of 0.9 per token, so "
         "recency and frequency count), lru, lfu, sticky (per-layer slots)",
     )
     g.add_argument(
@@ -146,37 +149,103 @@ def _predict_config(a: argparse.Namespace):
 
 def _store_kwargs(a: argparse.Namespace) -> dict:
     """open_model's experts/quant/predict arguments from the flags (no experts config: a store
-    opens resident, a Hugging Face folder loads directly)."""
-    from moestream.config import parse_size
+    opens resident, a Hugging Face folder loads directly). Checked here, before anything loads:
+    a flag that the others would leave unused is refused, prediction without a cache noted."""
+    _check_device_flags(a)
+    kw = {"quant": a.quant, "threads": a.threads, "predict": _predict_config(a)}
+    experts = _gpu_config(a) if a.device == "cuda" else _stream_config(a)
+    _check_policy(a, experts)
+    _note_prediction(kw["predict"], experts)
+    return kw if experts is None else {**kw, "experts": experts}
+
+
+def _stream_config(a: argparse.Namespace):
+    from moestream.config import parse_budget
     from moestream.experts.config import StreamConfig
     from moestream.store.io import IOConfig
 
-    kw = {"quant": a.quant, "threads": a.threads, "predict": _predict_config(a)}
-    if a.device == "cuda":
-        return {**kw, "experts": _gpu_config(a)}
     if a.memory_budget is None and not a.resident and a.io is None:
-        return kw
+        return None
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
-    budget = None if a.memory_budget is None else parse_size(a.memory_budget)
-    stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
-    return {**kw, "experts": stream}
+    budget = None if a.memory_budget is None else parse_budget(a.memory_budget, "--memory-budget")
+    policy = a.policy or "lrfu"
+    return StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=policy)
 
 
 def _gpu_config(a: argparse.Namespace):
-    from moestream.config import ConfigError, parse_size
+    from moestream.config import parse_budget
     from moestream.experts.config import GpuConfig
     from moestream.store.io import IOConfig
 
-    if a.memory_budget is not None:
-        raise ConfigError("--memory-budget is the CPU cache; with --device cuda use --gpu-budget")
-    budget = None if a.gpu_budget is None else parse_size(a.gpu_budget)
+    budget = None if a.gpu_budget is None else parse_budget(a.gpu_budget, "--gpu-budget")
     io = IOConfig(mode=a.io or "pagecache", threads=a.io_threads, split=a.io_split)
     return GpuConfig(
         gpu_budget=budget,
         resident=a.resident or budget is None,
         pinned_mirror=a.pin_experts,
         io=io,
-        policy=a.policy,
+        policy=a.policy or "lrfu",
+    )
+
+
+def _check_device_flags(a: argparse.Namespace) -> None:
+    """Flags of one device given for the other, and a CUDA device torch cannot see."""
+    from moestream.config import ConfigError
+
+    if a.device != "cuda":
+        gpu_only = {"--gpu-budget": a.gpu_budget is not None, "--pin-experts": a.pin_experts}
+        for flag, given in gpu_only.items():
+            if given:
+                raise ConfigError(
+                    f"{flag} is for the GPU expert pool: add --device cuda (on the CPU the "
+                    "expert cache is --memory-budget)"
+                )
+        return
+    if a.memory_budget is not None:
+        raise ConfigError("--memory-budget is the CPU cache; with --device cuda use --gpu-budget")
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device cuda, but torch {torch.__version__} sees no CUDA GPU (a CPU-only build, or "
+            "no GPU/driver); drop --device cuda to run on the CPU"
+        )
+
+
+def _check_policy(a: argparse.Namespace, experts) -> None:
+    from moestream.config import ConfigError
+
+    if a.policy is None or (experts is not None and experts.slot_cache):
+        return
+    raise ConfigError(
+        f"--policy {a.policy} picks what a slot cache evicts, but {_no_cache(experts)}: give "
+        "--memory-budget (--gpu-budget with --device cuda) to stream, or drop --policy"
+    )
+
+
+def _no_cache(experts) -> str:
+    """Why an experts config (None: resident) has no slot cache, for messages."""
+    from moestream.experts.config import StreamConfig
+
+    if isinstance(experts, StreamConfig) and experts.mmap:
+        return "--io mmap pages experts in through the OS page cache"
+    return "every expert is resident"
+
+
+def _note_prediction(predict, experts) -> None:
+    """Prediction without a slot cache runs (predictions are scored; predicted routing changes
+    which experts run, as `eval` measures) but nothing is prefetched: say so, it is no error."""
+    if not predict.active or (experts is not None and experts.slot_cache):
+        return
+    what = (
+        "the predicted experts run (lossy) but no reads are saved"
+        if predict.routing == "predicted"
+        else "predictions are only scored"
+    )
+    print(
+        f"moestream: note: --predictor {predict.predictor}: {_no_cache(experts)}, so nothing "
+        f"is prefetched; {what}",
+        file=sys.stderr,
     )
 
 
@@ -199,6 +268,10 @@ def cmd_convert(a: argparse.Namespace) -> int:
 
 
 def _setup_threads(n: int | None) -> None:
+    from moestream.config import ConfigError
+
+    if n is not None and n < 1:
+        raise ConfigError(f"--threads {n}: give a positive number of threads (default: all cores)")
     import torch
 
     # Set once, before any op: switching thread counts later makes every op slow.
@@ -344,7 +417,8 @@ def _add_obs(sub) -> None:
         "--prompts", required=True, help="file: one prompt per line, or JSONL with 'prompt'"
     )
     p.add_argument("-n", "--max-tokens", type=int, default=128, help="tokens per prompt")
-    p.add_argument("-o", "--out", required=True, help="trace folder to write")
+    p.add_argument("-o", "--out", required=True, help="trace folder to write (must not exist)")
+    p.add_argument("--force", action="store_true", help="replace the trace folder -o if it exists")
     p.add_argument("--hidden", action="store_true", help="also save router inputs (float16)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
     _add_sampling_args(p)
@@ -395,13 +469,14 @@ def _add_obs(sub) -> None:
 
 def cmd_trace(a: argparse.Namespace) -> int:
     from moestream.obs.guard import MemoryGuard
-    from moestream.obs.trace import read_prompts
+    from moestream.obs.trace import prepare_out, read_prompts
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
     prompts = read_prompts(a.prompts)
-    cfg = _sampling(a)
-    with open_model(a.model, dtype=a.dtype, progress=True, **_store_kwargs(a)) as rt:
+    cfg, kw = _sampling(a), _store_kwargs(a)
+    prepare_out(a.out, a.force)  # after the flags, before the model loads: refusals cost nothing
+    with open_model(a.model, dtype=a.dtype, progress=True, **kw) as rt:
         if not a.no_memory_guard:
             MemoryGuard().attach(rt.model)
         out = _trace(rt, a, prompts, cfg)
@@ -630,7 +705,10 @@ def cmd_eval(a: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from moestream import __version__
+
     parser = argparse.ArgumentParser(prog="moestream", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"moestream {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_convert(sub)
@@ -661,6 +739,18 @@ def main(argv: list[str] | None = None) -> int:
         return 3
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _quiet_broken_pipe()
+        return 0
+
+
+def _quiet_broken_pipe() -> None:
+    """The reader of stdout left (`generate ... | head`): point stdout at devnull so the
+    interpreter's final flush does not fail again (the recipe in Python's signal docs)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass  # stdout is no file (captured): nothing will flush to the closed pipe
 
 
 if __name__ == "__main__":

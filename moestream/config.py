@@ -316,10 +316,11 @@ class SamplingConfig:
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_FRACTION = re.compile(r"^\s*([0-9]*\.[0-9]+|[0-9]+\.)\s*$|^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
 
 
 def parse_size(text: str | int) -> int:
-    """'512MiB' / '2G' / '1.5GiB' / '4096' -> bytes (binary units)."""
+    """'512MiB' / '2G' / '4GB' / '1.5GiB' / '4096' -> bytes (binary units: KB = KiB)."""
     if isinstance(text, int):
         return text
     m = _SIZE.match(str(text))
@@ -329,3 +330,46 @@ def parse_size(text: str | int) -> int:
         )
     unit = (m.group(2) or "").upper().rstrip("B").rstrip("I") if m.group(2) else ""
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+@dataclass(frozen=True, slots=True)
+class Budget:
+    """Bytes of expert memory: `nbytes`, or a `fraction` of the model's expert bytes, which is
+    known only once the store is (`resolve`). `flag` names the setting in errors."""
+
+    nbytes: int | None = None
+    fraction: float | None = None
+    flag: str = field(default="budget", compare=False)
+
+    def __post_init__(self):
+        if (self.nbytes is None) == (self.fraction is None):
+            raise ConfigError(f"{self.flag}: give either bytes or a fraction")
+        if self.nbytes is not None and self.nbytes <= 0:
+            raise ConfigError(f"{self.flag} must be > 0 bytes, got {self.nbytes}")
+        if self.fraction is not None and not 0 < self.fraction <= 1:
+            raise ConfigError(
+                f"{self.flag} {self.fraction:g} ({100 * self.fraction:g}%): a fraction of the "
+                "expert bytes must be in (0, 1] (e.g. 0.25 or 25%); for bytes give a unit: 512MiB"
+            )
+
+    def resolve(self, total_bytes: int) -> int:
+        """Bytes, given the total bytes of every expert of the model."""
+        return self.nbytes if self.fraction is None else int(self.fraction * total_bytes)
+
+    def __str__(self) -> str:
+        return f"{self.nbytes} bytes" if self.fraction is None else f"{100 * self.fraction:g}%"
+
+
+def parse_budget(text: str | int, flag: str = "budget") -> Budget:
+    """The one reader of budget flags: '512MiB', '4GB', '4096' (bytes) or '25%', '0.25' (a
+    fraction of the expert bytes). A unitless number with a decimal point is a fraction."""
+    m = _FRACTION.match(str(text))
+    if m:
+        frac = float(m.group(1)) if m.group(1) else float(m.group(2)) / 100
+        return Budget(fraction=frac, flag=flag)
+    if not _SIZE.match(str(text)):
+        raise ConfigError(
+            f"cannot read {flag} {text!r}: give bytes (4096, 512MiB, 4GB; binary units) or "
+            "a fraction of the model's expert bytes (0.25 or 25%)"
+        )
+    return Budget(nbytes=parse_size(text), flag=flag)

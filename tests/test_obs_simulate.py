@@ -9,7 +9,7 @@ import pytest
 
 from moestream.cli import main as cli_main
 from moestream.config import ConfigError
-from moestream.obs.simulate import accesses, parse_budget, run_grid, simulate
+from moestream.obs.simulate import accesses, budget_slots, run_grid, simulate
 from moestream.obs.trace import Trace, TraceModel, TraceWriter
 
 # The textbook reference string 1,2,3,4,1,2,5,1,2,3,4,5 (here 0-based) with 3 frames:
@@ -63,13 +63,18 @@ def test_accesses_follow_the_engine_order():
     ]
 
 
-def test_parse_budget():
-    assert parse_budget("0.25", 64, 1000) == 16
-    assert parse_budget("1", 64, 1000) == 64
-    assert parse_budget("10KiB", 64, 1000) == 10
-    assert parse_budget("1GiB", 64, 1000) == 64  # capped at every expert
+def test_budget_slots():
+    assert budget_slots("0.25", 64, 1000) == 16
+    assert budget_slots("25%", 64, 1000) == 16
+    assert budget_slots("1.0", 64, 1000) == 64
+    assert budget_slots("10KiB", 64, 1000) == 10
+    assert budget_slots("4000", 64, 1000) == 4  # a unitless integer is bytes
+    assert budget_slots("1GiB", 64, 1000) == 64  # capped at every expert
     with pytest.raises(ConfigError, match="fraction"):
-        parse_budget("1MiB", 64, 0)
+        budget_slots("1MiB", 64, 0)
+    for bad, msg in [("2", "holds no expert"), ("1.5", "--budget 1.5"), ("0", "> 0")]:
+        with pytest.raises(ConfigError, match=msg):
+            budget_slots(bad, 64, 1000)
 
 
 def test_grid_and_cli(tmp_path, capsys):

@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from moestream.config import ConfigError
 from moestream.convert.hf import HFCheckpoint
+from moestream.errors import TokenizerError
 from moestream.quant import QuantScheme, RecordLayout, quantize_expert, record_bytes
 from moestream.store.format import (
     COPIED_FILES,
@@ -29,6 +30,7 @@ from moestream.store.format import (
     VERSION,
     crc32,
     expert_file,
+    is_store,
     tensor_crc,
 )
 
@@ -49,6 +51,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise ConfigError(f"{dst} already exists; remove it or choose another destination")
+    _check_source(src)
     ckpt = HFCheckpoint(src)
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
@@ -79,6 +82,21 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return dst
+
+
+def _check_source(src: Path) -> None:
+    """Refuse, before anything is written, a folder that would not give a store that runs."""
+    if is_store(src):
+        origin = json.loads((src / MANIFEST).read_text()).get("source", {}).get("path", "")
+        raise ConfigError(
+            f"{src} is already a moestream store; run it as it is (-m {src}), or convert its "
+            f"Hugging Face folder{f' ({origin})' if origin else ''} for another --quant"
+        )
+    if src.is_dir() and not (src / "tokenizer.json").is_file():
+        raise TokenizerError(
+            f"{src / 'tokenizer.json'} not found: a store needs the checkpoint's tokenizer.json "
+            "(fast tokenizer) to run; copy it from the original model folder, then convert"
+        )
 
 
 def _write_dense(ckpt: HFCheckpoint, out: Path) -> dict[str, int]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from moestream.config import ConfigError
+from moestream.config import Budget, ConfigError
 from moestream.store.format import Store
 from moestream.store.io import IOConfig
 
@@ -20,7 +20,7 @@ class StreamConfig:
     """Experts of a store on the CPU: every one in RAM (`resident`), a slot cache of
     `memory_budget` bytes fed by the IO pool, or the OS page cache (`io.mode == "mmap"`)."""
 
-    memory_budget: int | None = None  # bytes of expert slots (direct/pagecache)
+    memory_budget: int | Budget | None = None  # bytes of expert slots (direct/pagecache)
     resident: bool = False  # every expert in RAM (ignores the budget)
     io: IOConfig = field(default_factory=IOConfig)
     policy: str = "lrfu"
@@ -32,8 +32,18 @@ class StreamConfig:
     def __post_init__(self):
         if self.slot_cache and self.memory_budget is None:
             raise ConfigError("streaming needs --memory-budget (or use --resident / --io mmap)")
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ConfigError(f"--memory-budget must be > 0, got {self.memory_budget}")
+        _check_bytes(self.memory_budget, "--memory-budget")
+        # A budget that nothing uses would say a cache runs where none does.
+        if self.memory_budget is not None and self.resident:
+            raise ConfigError(
+                "--resident keeps every expert in RAM and has no budget: drop --memory-budget "
+                "(or drop --resident to stream through a cache of that size)"
+            )
+        if self.memory_budget is not None and self.mmap:
+            raise ConfigError(
+                "--io mmap reads experts through the OS page cache, which takes no budget: drop "
+                "--memory-budget (or use --io direct|pagecache for a slot cache of that size)"
+            )
 
     @property
     def mmap(self) -> bool:
@@ -44,12 +54,17 @@ class StreamConfig:
         return not self.resident and self.io.mode != "mmap"
 
 
+def _check_bytes(budget: int | Budget | None, flag: str) -> None:
+    if isinstance(budget, int) and budget <= 0:
+        raise ConfigError(f"{flag} must be > 0, got {budget}")
+
+
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
     """Experts of a store in a VRAM slot pool on `device` (every one with `resident`), misses
     read from the store (or a pinned host mirror). `device="cpu"` + `kernel="ref"`: tests."""
 
-    gpu_budget: int | None = None  # bytes of VRAM expert slots (streaming)
+    gpu_budget: int | Budget | None = None  # bytes of VRAM expert slots (streaming)
     resident: bool = False  # every expert in VRAM
     pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
     io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
@@ -60,8 +75,21 @@ class GpuConfig:
     def __post_init__(self):
         if not self.resident and self.gpu_budget is None:
             raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
-        if self.gpu_budget is not None and self.gpu_budget <= 0:
-            raise ConfigError(f"--gpu-budget must be > 0, got {self.gpu_budget}")
+        _check_bytes(self.gpu_budget, "--gpu-budget")
+        if self.resident and self.gpu_budget is not None:
+            raise ConfigError(
+                "--resident keeps every expert in VRAM and has no budget: drop --gpu-budget "
+                "(or drop --resident to stream through a VRAM pool of that size)"
+            )
+        if self.resident and self.pinned_mirror:
+            raise ConfigError(
+                "--pin-experts mirrors records in host RAM for a streaming VRAM pool; with every "
+                "expert in VRAM there is nothing to read: give --gpu-budget or drop --pin-experts"
+            )
+
+    @property
+    def slot_cache(self) -> bool:
+        return not self.resident
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,6 +120,19 @@ class PredictConfig:
             raise ConfigError(f"--predict-ahead {self.ahead}: the stale gate names 1 or 2 layers ahead")
         if self.ahead != 1 and self.predictor != "stale-gate":
             raise ConfigError(f"--predict-ahead applies to --predictor stale-gate, not {self.predictor}")
+        self._check_unused()
+
+    def _check_unused(self) -> None:
+        """Settings that nothing would read with this predictor and routing."""
+        if self.min_score and (self.predictor == "none" or self.routing == "predicted"):
+            raise ConfigError(
+                f"--min-score {self.min_score} filters the prefetches of a --predictor under exact "
+                "routing; give one (e.g. --predictor stale-gate) or drop --min-score"
+            )
+        if (self.trace is not None) != (self.predictor == "oracle"):
+            raise ConfigError(
+                "--predictor oracle replays --oracle-trace FOLDER: give both or neither"
+            )
 
     @property
     def active(self) -> bool:
@@ -114,15 +155,18 @@ def slot_count(store: Store, cfg: ExpertsConfig) -> int:
         return total
     if isinstance(cfg, StreamConfig) and cfg.mmap:
         return 0
-    budget, flag = (
+    given, flag = (
         (cfg.gpu_budget, "--gpu-budget")
         if isinstance(cfg, GpuConfig)
         else (cfg.memory_budget, "--memory-budget")
     )
+    # A fraction is of the model's expert bytes, known only now that the store is.
+    budget = given.resolve(total * store.layout.size) if isinstance(given, Budget) else given
     least = min_budget(store)
     if budget < least:
+        shown = f"{given} = {budget}" if isinstance(given, Budget) and given.fraction else budget
         raise ConfigError(
-            f"{flag} {budget} bytes is below the minimum {least} bytes "
+            f"{flag} {shown} bytes is below the minimum {least} bytes "
             f"({least / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} "
             f"experts x {store.layout.size} bytes per record); raise the budget"
         )

@@ -140,6 +140,8 @@ def plot_trace(
 ) -> list[Path]:
     """All trace plots into folder `out`; `layer` is a model layer index for the raster."""
     folder = Path(out)
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"{folder} is a file; plot -o names a folder for the PNGs")
     folder.mkdir(parents=True, exist_ok=True)
     col = None
     if layer is not None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from moestream.config import ConfigError, parse_size
+from moestream.config import ConfigError, parse_budget
 from moestream.obs.stats import expert_counts
 from moestream.obs.trace import Trace
 from moestream.store.policy import POLICIES as ENGINE_POLICIES
@@ -104,23 +104,25 @@ class SimResult:
         return {**self.__dict__, "hit_rate": self.hit_rate, "decode_hit_rate": self.decode_hit_rate}
 
 
-def parse_budget(text: str, total_experts: int, expert_bytes: int) -> int:
-    """A budget as slots: a plain number <= 1 is a fraction of all experts (0.25), anything else
-    a size in bytes ('512MiB', '2G', '1048576') divided by the bytes of one expert."""
-    try:
-        frac = float(text)
-    except ValueError:
-        frac = None
-    if frac is not None and 0 < frac <= 1:
-        return int(frac * total_experts)
-    if frac is not None and frac <= 0:
-        raise ConfigError(f"budget {text!r} must be > 0")
-    if expert_bytes <= 0:
+def budget_slots(text: str, total_experts: int, expert_bytes: int) -> int:
+    """A --budget as slots: a fraction of all experts (0.25, 25%) or bytes (512MiB, 4096) divided
+    by the bytes of one expert; config.parse_budget reads both, as for --memory-budget."""
+    b = parse_budget(text, "--budget")
+    if b.fraction is not None:
+        n = int(b.fraction * total_experts)
+    elif expert_bytes <= 0:
         raise ConfigError(
             "this trace does not know the size of an expert; give the budget as a fraction of all "
             "experts (e.g. 0.25) or pass --expert-bytes"
         )
-    return min(parse_size(text) // expert_bytes, total_experts)
+    else:
+        n = min(b.nbytes // expert_bytes, total_experts)
+    if n < 1:
+        raise ConfigError(
+            f"--budget {text} holds no expert ({total_experts} experts of {expert_bytes} bytes); "
+            "raise it (a unitless integer is bytes; a fraction is written 0.25 or 25%)"
+        )
+    return n
 
 
 def hottest_keys(t: Trace, n: int) -> list[Key]:
@@ -184,7 +186,7 @@ def run_grid(
     names = list(dict.fromkeys([*policies, "belady"]))
     out, skipped = [], []
     for b in budgets:
-        n_slots = parse_budget(b, total, expert_bytes)
+        n_slots = budget_slots(b, total, expert_bytes)
         for name in names:
             try:
                 out.append(simulate(t, name, n_slots, expert_bytes, b, pin_fraction))

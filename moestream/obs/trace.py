@@ -107,6 +107,32 @@ class TraceModel:
         )
 
 
+TRACE_FILES = ("trace.json", "ids.npy", "weights.npy", "tokens.npy", "hidden.npy")
+
+
+def prepare_out(folder: str | Path, force: bool = False) -> Path:
+    """The folder a new trace goes to. An existing one is refused unless `force`; then the old
+    trace's files are removed first, so none (e.g. hidden.npy) is left beside the new trace."""
+    folder = Path(folder)
+    if not folder.exists():
+        return folder
+    if not force:
+        raise TraceError(
+            f"{folder} already exists; pass --force to replace it, or choose another -o"
+        )
+    if not folder.is_dir():
+        raise TraceError(f"{folder} is a file; -o names the trace folder to write")
+    others = sorted(p.name for p in folder.iterdir() if p.name not in TRACE_FILES)
+    if others:
+        # --force replaces a trace; it never deletes a folder of other things.
+        raise TraceError(
+            f"{folder} is not a trace folder (it holds {', '.join(others[:3])}); choose another -o"
+        )
+    for name in TRACE_FILES:
+        (folder / name).unlink(missing_ok=True)
+    return folder
+
+
 class TraceWriter:
     """Appends steps of routing rows; `end_sequence` closes one prompt's record."""
 

@@ -38,6 +38,6 @@ def make_predictor(name: str, model, *, heads=None, trace=None, ahead: int = 1) 
         return PrerouterPredictor(heads)
     if name == "oracle":
         if trace is None:
-            raise ConfigError("--predictor oracle replays a trace: pass --trace FOLDER")
+            raise ConfigError("--predictor oracle replays a trace: pass --oracle-trace FOLDER")
         return OraclePredictor(trace)
     raise ConfigError(f"unknown --predictor {name!r}; use one of {', '.join(PREDICTORS)}")
