@@ -115,11 +115,17 @@ class PredictConfig:
         if self.predictor == "none" and self.routing != "exact":
             raise ConfigError("--routing predicted needs a --predictor (e.g. prerouter)")
         if not 0.0 <= self.min_score < 1.0:
-            raise ConfigError(f"--min-score {self.min_score} must be in [0, 1): a router probability")
+            raise ConfigError(
+                f"--min-score {self.min_score} must be in [0, 1): a router probability"
+            )
         if self.ahead not in (1, 2):
-            raise ConfigError(f"--predict-ahead {self.ahead}: the stale gate names 1 or 2 layers ahead")
+            raise ConfigError(
+                f"--predict-ahead {self.ahead}: the stale gate names 1 or 2 layers ahead"
+            )
         if self.ahead != 1 and self.predictor != "stale-gate":
-            raise ConfigError(f"--predict-ahead applies to --predictor stale-gate, not {self.predictor}")
+            raise ConfigError(
+                f"--predict-ahead applies to --predictor stale-gate, not {self.predictor}"
+            )
         self._check_unused()
 
     def _check_unused(self) -> None:
