@@ -84,6 +84,11 @@ def _add_store_args(p) -> None:
         help="with --gpu-budget: keep every expert record in pinned host RAM (no disk reads)",
     )
     g.add_argument(
+        "--no-cuda-graph",
+        action="store_true",
+        help="--device cuda: run each decode step eagerly instead of replaying a captured graph",
+    )
+    g.add_argument(
         "--io",
         default=None,
         choices=["direct", "pagecache", "mmap"],
@@ -185,6 +190,7 @@ def _gpu_config(a: argparse.Namespace):
         pinned_mirror=a.pin_experts,
         io=io,
         policy=a.policy or "lrfu",
+        cuda_graph=not a.no_cuda_graph,
     )
 
 
@@ -193,7 +199,11 @@ def _check_device_flags(a: argparse.Namespace) -> None:
     from moestream.config import ConfigError
 
     if a.device != "cuda":
-        gpu_only = {"--gpu-budget": a.gpu_budget is not None, "--pin-experts": a.pin_experts}
+        gpu_only = {
+            "--gpu-budget": a.gpu_budget is not None,
+            "--pin-experts": a.pin_experts,
+            "--no-cuda-graph": a.no_cuda_graph,
+        }
         for flag, given in gpu_only.items():
             if given:
                 raise ConfigError(

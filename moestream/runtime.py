@@ -5,6 +5,7 @@ the runtime (its provider's IO threads, pinned buffers and maps) when done."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -86,6 +87,19 @@ def _attach_predictor(loaded, cfg: PredictConfig, folders) -> ExpertProvider:
     return attach(loaded.model, loaded.provider, predictor, cfg.routing, cfg.min_score)
 
 
+def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
+    """Captured decode steps when the model and its experts allow them; else say why, once."""
+    from moestream.engine.graph import DecodeGraphs, graphable
+    from moestream.loader import resolve_dtype
+
+    why = graphable(loaded.model, loaded.args, provider)
+    if why is not None:
+        print(f"moestream: decode runs eagerly (no CUDA graph): {why}", file=sys.stderr)
+        return None
+    device = loaded.model.lm_head.weight.device
+    return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device)
+
+
 def _check_quant(folder: Path, quant: str | None) -> None:
     if quant is None or not is_store(folder):
         return
@@ -132,4 +146,6 @@ def open_model(
     gen = Generator(loaded.model, loaded.args, tokenizer, provider, eos)
     if threads is None and not on_gpu:
         gen.decode_threads = small_decode_threads(loaded.args)
+    if on_gpu and experts.cuda_graph:
+        gen.graphs = _decode_graphs(loaded, provider, dtype)
     return Runtime(loaded.args, loaded.model, provider, tokenizer, gen, folder)

@@ -118,6 +118,7 @@ class Generator:
 
     def __init__(self, model, args: ModelArgs, tokenizer, provider: ExpertProvider, eos_ids=()):
         self.model, self.args, self.tok, self.provider = model, args, tokenizer, provider
+        self.graphs = None  # engine.graph.DecodeGraphs: decode steps replayed as CUDA graphs
         self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -145,7 +146,8 @@ class Generator:
         if cfg.max_new_tokens == 0:
             return
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
-        cache = KVCache(self.args, total, self.dtype, self.device)
+        graph = self.graphs.for_length(total) if self.graphs is not None else None
+        cache = graph.cache if graph else KVCache(self.args, total, self.dtype, self.device)
         text = TextStream(self.tok, cfg.stop)
         before = self.provider.stats()
         self.provider.reset()
@@ -158,7 +160,7 @@ class Generator:
         if self.decode_threads:
             torch.set_num_threads(self.decode_threads)
         try:
-            yield from self._decode(logits, cache, pos, cfg, gen, text, res)
+            yield from self._decode(logits, cache, pos, cfg, gen, text, res, graph)
         finally:
             torch.set_num_threads(threads)
         if before:
@@ -168,7 +170,7 @@ class Generator:
             yield tail
         res.text = text.text
 
-    def _decode(self, logits, cache, pos: int, cfg, gen, text, res) -> Iterator[str]:
+    def _decode(self, logits, cache, pos: int, cfg, gen, text, res, graph=None) -> Iterator[str]:
         t1 = time.perf_counter()
         while True:
             logits = logits.cpu()  # on a GPU: one copy per token, sampled on the host
@@ -186,8 +188,11 @@ class Generator:
                 break
             if len(res.ids) >= cfg.max_new_tokens:
                 break
-            nxt = torch.tensor([token], device=self.device)
-            logits = self.model(nxt, cache, pos, last_only=True)[-1]
+            if graph is not None:
+                logits = graph.step(token, pos)
+            else:
+                nxt = torch.tensor([token], device=self.device)
+                logits = self.model(nxt, cache, pos, last_only=True)[-1]
             pos += 1
         res.decode_seconds = time.perf_counter() - t1
 

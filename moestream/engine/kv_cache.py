@@ -1,6 +1,10 @@
 """Per-sequence decode state: a preallocated KV cache for attention layers, [Hkv, max_len, hd] per
 layer (MLA: [H, max_len, qk_nope+qk_rope] keys and [H, max_len, v_head_dim] values), no
-reallocation; and a state slot per recurrent layer (linear attention: conv + recurrent state)."""
+reallocation; and a state slot per recurrent layer (linear attention: conv + recurrent state).
+
+`StaticKVCache` is the same cache for a captured decode step (engine/graph.py): the position is a
+device tensor and attention reads the whole buffer, later positions masked, so every step has the
+same shapes and nothing is decided on the host."""
 
 from __future__ import annotations
 
@@ -35,3 +39,26 @@ class KVCache:
         kc.narrow(1, start, end - start).copy_(k)  # narrow: one view op (decode counts ops)
         vc.narrow(1, start, end - start).copy_(v)
         return kc.narrow(1, 0, end), vc.narrow(1, 0, end)
+
+
+class StaticKVCache(KVCache):
+    """A KVCache whose decode steps take the position as a device tensor `pos` [1] (int64).
+    An int start (the prompt) writes as KVCache does. Buffers start zeroed: masked positions
+    meet a zero probability, and 0 * garbage could be NaN."""
+
+    def __init__(self, args: ModelArgs, max_len: int, dtype: torch.dtype, device="cpu"):
+        super().__init__(args, max_len, dtype, device)
+        for t in self.k + self.v:
+            if t is not None:
+                t.zero_()
+        self.pos = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start):
+        """start: an int (prompt) or a device tensor [1] (one decode token): then k/v [Hkv, 1, hd]
+        go to that position and the whole buffers [Hkv, max_len, hd] come back."""
+        if not isinstance(start, torch.Tensor):
+            return super().update(layer, k, v, start)
+        kc, vc = self.k[layer], self.v[layer]
+        kc.index_copy_(1, start, k)
+        vc.index_copy_(1, start, v)
+        return kc, vc

@@ -71,6 +71,8 @@ class GpuConfig:
     policy: str = "lrfu"
     kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
     device: str = "cuda"
+    # Decode steps captured as CUDA graphs where the model allows it (engine/graph.py).
+    cuda_graph: bool = True
 
     def __post_init__(self):
         if not self.resident and self.gpu_budget is None:

@@ -70,25 +70,33 @@ class MoeCausalLM(nn.Module):
         for block in self.moe_blocks:
             block.observer = observer
 
-    def _rope_on(self, start: int, end: int, x: torch.Tensor):
+    def _rope_on(self, start, end, x: torch.Tensor):
         """cos/sin on x's device: the CPU tables as they are; on a GPU a copy of the whole table made
-        once (a per-step copy from pageable memory would synchronise the stream)."""
+        once (a per-step copy from pageable memory would synchronise the stream). A device tensor
+        `start` [1] (a captured decode step) gathers its row from the whole table."""
+        if isinstance(start, torch.Tensor):
+            tab = self._rope_table(self.args.max_position_embeddings, x)
+            return tab[0].index_select(0, start), tab[1].index_select(0, start)
         if x.device.type == "cpu":
             return self.rope(start, end, x.dtype)
         if self.rope.r.rope_type == "dynamic":  # the table changes with the length
             cos, sin = self.rope(start, end, x.dtype)
             return cos.to(x.device), sin.to(x.device)
+        tab = self._rope_table(end, x)
+        return tab[0][start:end], tab[1][start:end]
+
+    def _rope_table(self, end: int, x: torch.Tensor):
+        """The whole cos/sin table (at least `end` rows) in x's dtype on x's device, made once."""
         key = (x.dtype, x.device)
         tab = self._rope_dev.get(key)
         if tab is None or tab[0].shape[0] < end:
             cos, sin = self.rope(0, max(end, self.args.max_position_embeddings), x.dtype)
             tab = self._rope_dev[key] = (cos.to(x.device), sin.to(x.device))
-        return tab[0][start:end], tab[1][start:end]
+        return tab
 
-    def forward(
-        self, ids: torch.Tensor, cache, start: int, last_only: bool = False
-    ) -> torch.Tensor:
-        """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only)."""
+    def forward(self, ids: torch.Tensor, cache, start, last_only: bool = False) -> torch.Tensor:
+        """ids [T] at positions start..start+T-1 -> logits [T, V] (or [1, V] with last_only).
+        `start` is an int, or a device tensor [1] with a StaticKVCache (one captured decode step)."""
         x = self.model.embed_tokens(ids)  # [T, D]
         cos, sin = self._rope_on(start, start + ids.shape[0], x)
         for layer in self.model.layers:

@@ -298,11 +298,17 @@ def gqa_attention(
     return out.view(H, T, vd).transpose(0, 1).reshape(T, H * vd)
 
 
-def attention_mask(T: int, S: int, start: int, window: int | None, device) -> torch.Tensor | None:
-    """True where a query may NOT look: the future, and keys beyond the sliding window."""
-    if T == 1 and (window is None or S <= window):
+def attention_mask(T: int, S: int, start, window: int | None, device) -> torch.Tensor | None:
+    """True where a query may NOT look: the future, and keys beyond the sliding window. `start`
+    is an int, or a device tensor [1] for a captured decode step (engine/graph.py), whose S is the
+    whole cache: then the mask is built on the device, never None."""
+    static = isinstance(start, torch.Tensor)
+    if not static and T == 1 and (window is None or S <= window):
         return None
-    q_pos = torch.arange(start, start + T, device=device)[:, None]
+    q_pos = (start if static else torch.tensor(start, device=device)) + torch.arange(
+        T, device=device
+    )
+    q_pos = q_pos[:, None]
     k_pos = torch.arange(S, device=device)[None, :]
     blocked = k_pos > q_pos
     if window is not None:
