@@ -236,7 +236,7 @@ def test_cuda_graph_decode_equals_eager(stores, quant):
         got = graph.generator.generate(ids, cfg)
         assert got.ids == want.ids, prompt
         diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
-        assert diff < 2e-2, diff
+        assert diff < 5e-2, diff  # bf16 logits: steps of ~0.03-0.06 at magnitudes 8-16
     t = {}
     for name, rt in (("eager", eager), ("graph", graph)):
         res = rt.generator.generate(ids, cfg)
