@@ -244,3 +244,18 @@ def test_cuda_graph_decode_equals_eager(stores, quant):
     print(f"{quant}: decode tok/s eager {t['eager']:.1f}, graph {t['graph']:.1f}")
     eager.close()
     graph.close()
+
+
+@pytest.mark.cuda
+def test_cuda_greedy_choice_equals_host():
+    from moestream.config import SamplingConfig
+    from moestream.engine.sampling import choose
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        logits = torch.randn(151936, generator=g).to(dtype)
+        logits[7] = logits[99] = logits.max() + 1  # a tie: the first maximum wins on both
+        cpu = choose(logits, SamplingConfig(), None)
+        dev = choose(logits.cuda(), SamplingConfig(), None)
+        assert dev[0] == cpu[0] == 7
+        assert abs(dev[1] - cpu[1]) < 1e-4

@@ -12,7 +12,7 @@ import torch
 
 from moestream.config import ConfigError, ModelArgs, SamplingConfig
 from moestream.engine.kv_cache import KVCache
-from moestream.engine.sampling import sample
+from moestream.engine.sampling import choose
 from moestream.experts.base import ExpertProvider, stats_delta
 
 
@@ -173,10 +173,9 @@ class Generator:
     def _decode(self, logits, cache, pos: int, cfg, gen, text, res, graph=None) -> Iterator[str]:
         t1 = time.perf_counter()
         while True:
-            logits = logits.cpu()  # on a GPU: one copy per token, sampled on the host
-            token = sample(logits, cfg, gen)
+            token, logprob = choose(logits, cfg, gen)
             res.ids.append(token)
-            res.logprobs.append(float(torch.log_softmax(logits.float(), -1)[token]))
+            res.logprobs.append(logprob)
             if token in self.eos_ids and not cfg.ignore_eos:
                 res.finish_reason = "stop"
                 break

@@ -29,3 +29,17 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
         logits = torch.full_like(logits, float("-inf")).scatter(0, order, sorted_logits)
     probs = torch.softmax(logits, dim=-1)
     return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def choose(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | None):
+    """logits [V] -> (token, its log-probability). Greedy on a GPU stays there: argmax and
+    log-softmax on the device, two numbers copied back (not V logits, then a host softmax);
+    sampling copies the logits and draws on the host from the seeded generator."""
+    if cfg.temperature == 0 and logits.device.type != "cpu":
+        tok = torch.argmax(logits)  # the first maximum, as on the CPU
+        lp = torch.log_softmax(logits.float(), -1)[tok]
+        token, logprob = torch.stack((tok.double(), lp.double())).tolist()
+        return int(token), logprob
+    logits = logits.cpu()
+    token = sample(logits, cfg, gen)
+    return token, float(torch.log_softmax(logits.float(), -1)[token])
