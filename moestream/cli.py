@@ -289,6 +289,22 @@ def _setup_threads(n: int | None) -> None:
         torch.set_num_threads(n)
 
 
+def mode_line(mode: dict) -> str:
+    """The mode a run used, in one bracket: experts (cache size, policy), quant, device, ..."""
+    parts = [mode["experts"]]
+    if "cache_bytes" in mode:
+        parts[0] += (
+            f" {mode['cache_bytes'] / 2**20:.1f} MiB ({100 * mode['cache_fraction']:.0f}% of "
+            f"experts, {mode['policy']})"
+        )
+    parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
+    if mode.get("predictor"):
+        parts.append(f"predictor {mode['predictor']}, routing {mode['routing']}")
+    if mode["device"] == "cuda":
+        parts.append("cuda graph" if mode["cuda_graph"] else "eager")
+    return "[mode: " + ", ".join(parts) + "]"
+
+
 def _expert_stats(s: dict) -> str:
     """Expert-store part of the stats line: hit rate, MB read per token, read GB/s."""
     if "bytes_read" not in s:
@@ -322,12 +338,14 @@ def _generate(rt, a: argparse.Namespace, cfg) -> int:
             "text": res.text,
             "logprobs": res.logprobs,
             "stats": res.stats(),
+            "mode": rt.mode,
         }
         print(json.dumps(out))
         return 0
     from moestream.engine.generate import GenerationResult
 
     res = GenerationResult(prompt_ids)
+    print(mode_line(rt.mode), file=sys.stderr)
     for piece in rt.generator.stream(prompt_ids, cfg, res):
         sys.stdout.write(piece)
         sys.stdout.flush()

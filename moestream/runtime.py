@@ -36,6 +36,18 @@ class Runtime:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt)
 
+    @property
+    def mode(self) -> dict:
+        """What runs: device, compute dtype, the provider's description (experts, quant, cache
+        size and policy, predictor, routing) and whether decode replays CUDA graphs."""
+        p = self.model.lm_head.weight
+        return {
+            "device": p.device.type,
+            "dtype": str(p.dtype).removeprefix("torch."),
+            **self.provider.describe(),
+            "cuda_graph": self.generator.graphs is not None,
+        }
+
     @cached_property
     def store(self) -> Store | None:
         """The expert store the experts come from (None for a Hugging Face folder)."""

@@ -279,3 +279,53 @@ def test_generate_into_head_exits_quietly(store):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == 0
     assert "Traceback" not in err and "BrokenPipe" not in err
+
+
+# ---- the mode a run used ------------------------------------------------------------------------
+def test_every_run_names_its_mode(store, tiny_dir, capsys):
+    """The stats line and --json say which experts path ran, its size, policy, quant, device."""
+    import json
+
+    from moestream.cli import mode_line
+    from moestream.experts.config import PredictConfig
+    from moestream.runtime import open_model
+    from moestream.store.io import IOConfig
+
+    io = IOConfig(mode="pagecache", threads=1)
+    budget = total_bytes(store) // 4
+    cases = [
+        (open_model(tiny_dir("qwen3_moe")), "resident", "none (checkpoint weights)"),
+        (open_model(store), "resident", "int8"),
+        (open_model(store, experts=StreamConfig(io=IOConfig(mode="mmap"))), "mmap", "int8"),
+        (
+            open_model(store, experts=StreamConfig(memory_budget=budget, io=io)),
+            "slot cache",
+            "int8",
+        ),
+    ]
+    for rt, experts, quant in cases:
+        with rt:
+            m = rt.mode
+            assert (m["experts"], m["quant"], m["device"], m["dtype"]) == (
+                experts,
+                quant,
+                "cpu",
+                "float32",
+            )
+            assert m["cuda_graph"] is False
+    with open_model(
+        store,
+        experts=StreamConfig(memory_budget=budget, io=io, policy="lru"),
+        predict=PredictConfig(predictor="temporal"),
+    ) as rt:
+        m = rt.mode
+        assert m["policy"] == "lru" and m["predictor"] == "temporal" and m["routing"] == "exact"
+        assert m["cache_bytes"] <= budget and 0.2 < m["cache_fraction"] <= 0.25
+        line = mode_line(m)
+        assert line.startswith("[mode: slot cache") and "lru" in line and "temporal" in line
+    capsys.readouterr()
+    argv = ["generate", "-m", str(store), "-p", "x", "-n", "2", "--io", "mmap", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["mode"]["experts"] == "mmap"
+    assert main(["generate", "-m", str(store), "-p", "x", "-n", "2", "--io", "mmap"]) == 0
+    assert "[mode: mmap, int8, cpu float32]" in capsys.readouterr().err

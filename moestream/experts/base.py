@@ -31,6 +31,11 @@ class ExpertProvider(ABC):
         """Cumulative counters (bytes read, hits, seconds...); numbers only. None by default."""
         return {}
 
+    @abstractmethod
+    def describe(self) -> dict:
+        """What runs, for the mode line and --json: `experts` (resident / slot cache / mmap /
+        vram ...) and its size, policy, kernel; plain JSON values."""
+
     def reset(self) -> None:  # noqa: B027 (a declared no-op default, not a forgotten abstract)
         """A new sequence starts at position 0 (the generator calls this before each prefill)."""
 

@@ -258,6 +258,16 @@ class GpuExperts(ExpertProvider):
                     out.index_add_(0, tok[at], y[at])
         return combine_pairs(rows, K, x.dtype) if pairs else out
 
+    def describe(self) -> dict:
+        d = {"experts": "vram resident" if self.cfg.resident else "vram slot cache",
+             "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
+        if not self.cfg.resident:
+            total = len(self.layers) * self.E
+            d.update(cache_bytes=self.n_slots * self.size, cache_slots=self.n_slots,
+                     cache_fraction=self.n_slots / total, policy=self.cfg.policy,
+                     host="pinned mirror" if self.cfg.pinned_mirror else self.cfg.io.mode)  # fmt: skip
+        return d
+
     # ---- stats ---------------------------------------------------------------------------------
     def stats(self) -> dict:
         for start, end in self._copy_events:

@@ -28,6 +28,9 @@ class MmapExperts(StoreExperts):
             mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)  # private: reads share pages
         return torch.frombuffer(mm, dtype=torch.uint8)
 
+    def describe(self) -> dict:
+        return {"experts": "mmap", "quant": self.store.scheme.name, "kernel": self.cfg.kernel}
+
     def _capacity(self) -> int:
         return self.store.args.num_experts
 

@@ -54,6 +54,10 @@ class PredictingExperts(ExpertProvider):
     def close(self) -> None:
         self.inner.close()
 
+    def describe(self) -> dict:
+        return {**self.inner.describe(), "predictor": self.predictor.name, "routing": self.routing,
+                "prefetch": self.can_prefetch}  # fmt: skip
+
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:

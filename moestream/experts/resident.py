@@ -40,6 +40,9 @@ class ResidentExperts(ExpertProvider):
         self.plain = b13 is None and act is None
         self._bufs = DecodeBuffers()
 
+    def describe(self) -> dict:
+        return {"experts": "resident", "quant": "none (checkpoint weights)"}
+
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:

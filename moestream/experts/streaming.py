@@ -101,6 +101,16 @@ class StreamingExperts(StoreExperts, Prefetcher):
     def table(self):
         return self.res.table
 
+    def describe(self) -> dict:
+        total = len(self.store.crc) * self.store.args.num_experts
+        d = {"experts": "resident" if self.cfg.resident else "slot cache",
+             "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
+        if not self.cfg.resident:
+            d.update(cache_bytes=self.n_slots * self.store.layout.size, cache_slots=self.n_slots,
+                     cache_fraction=self.n_slots / total, policy=self.cfg.policy,
+                     io=self.cfg.io.mode)  # fmt: skip
+        return d
+
     def _capacity(self) -> int:
         return self.res.capacity()
 
