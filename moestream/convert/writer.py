@@ -30,6 +30,7 @@ from moestream.store.format import (
     VERSION,
     crc32,
     expert_file,
+    file_checksums,
     is_store,
     tensor_crc,
 )
@@ -74,6 +75,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
             "record": layout.to_json(),
             "dense": dense,
             "experts": {str(layer): crcs for layer, crcs in experts.items()},
+            "files": file_checksums(tmp),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
