@@ -74,6 +74,10 @@ def check_copied_files(folder: Path, want: dict[str, int]) -> None:
             )
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def tensor_crc(t: torch.Tensor) -> int:
     return crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
@@ -109,6 +113,7 @@ class Store:
         if self.layout.to_json() != m["record"]:
             raise StoreError(f"{path}: record layout differs from this version's; convert again")
         self.dense_crc: dict[str, int] = m["dense"]
+        self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})  # absent in older stores
         self.dense_names = sorted(self.dense_crc)
         self.crc = {int(k): v for k, v in m["experts"].items()}  # layer -> [crc per expert]
         self._dense = None
@@ -147,6 +152,12 @@ class Store:
         if self._dense is None:
             self._dense = safe_open(str(self.folder / DENSE_FILE), framework="pt")
         t = self._dense.get_tensor(name)
+        want = self.dense_dtypes.get(name, dtype_name(t.dtype))
+        if dtype_name(t.dtype) != want:
+            raise StoreError(
+                f"{self.folder / DENSE_FILE}: dense tensor {name!r} is {dtype_name(t.dtype)}, "
+                f"convert wrote {want} (its header is damaged); convert the model again"
+            )
         if tensor_crc(t) != self.dense_crc[name]:
             raise StoreError(
                 f"{self.folder / DENSE_FILE}: dense tensor {name!r} is damaged (checksum mismatch); "
