@@ -372,7 +372,22 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_size,
+        default=4 * 2**20,
+        help="largest request body accepted, bytes or e.g. 16MiB (default 4MiB; larger: 413)",
+    )
     p.set_defaults(func=cmd_serve)
+
+
+def _positive_size(text: str) -> int:
+    from moestream.config import parse_size
+
+    n = parse_size(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive size")
+    return n
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -395,7 +410,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
             f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
             file=sys.stderr,
         )
-        uvicorn.run(create_app(rt, model_id), host=a.host, port=a.port, log_level=a.log_level)
+        app = create_app(rt, model_id, a.max_body_bytes)
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
 
