@@ -53,7 +53,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
-    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -308,11 +308,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate(rt, a, cfg)
 
 
-def _generate(rt, a: argparse.Namespace, cfg) -> int:
+def _guard(rt, a: argparse.Namespace) -> None:
+    """The memory-pressure guard on rt's model unless --no-memory-guard."""
     if not a.no_memory_guard:
         from moestream.obs.guard import MemoryGuard
 
         MemoryGuard().attach(rt.model)  # PSI + swap growth; off without /proc files
+
+
+def _add_guard_arg(p) -> None:
+    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
+
+
+def _generate(rt, a: argparse.Namespace, cfg) -> int:
+    _guard(rt, a)
     prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)
@@ -378,6 +387,7 @@ def _add_serve(sub) -> None:
         default=4 * 2**20,
         help="largest request body accepted, bytes or e.g. 16MiB (default 4MiB; larger: 413)",
     )
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -405,6 +415,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     with _open_runtime(a) as rt:
+        _guard(rt, a)  # a request under memory pressure fails with 503, the server lives on
         model_id = a.model_name or Path(a.model).resolve().name
         print(
             f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
@@ -424,6 +435,7 @@ def _add_chat(sub) -> None:
     )
     _add_sampling_args(p)
     p.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -432,6 +444,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     cfg = _sampling(a)
     with _open_runtime(a, progress=sys.stderr.isatty()) as rt:
+        _guard(rt, a)
         return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
 
 

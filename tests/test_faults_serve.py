@@ -154,3 +154,76 @@ def test_health_answers_while_a_long_prompt_is_tokenized(url, rt, monkeypatch):
     gaps = [b - a for a, b in zip([span["start"], *answered], answered)]
     assert max(gaps) < 1.0, gaps
     assert result["r"][0] == 400  # far over the tiny model's context
+
+
+def test_memory_pressure_fails_the_request_with_503(url, rt):
+    from moestream.obs.guard import MemoryPressureError
+
+    def pressure(_m, _args):
+        raise MemoryPressureError("memory pressure: PSI full avg10 50% > 20%")
+
+    hook = rt.model.register_forward_pre_hook(pressure)
+    try:
+        status, body = post(url, "/v1/completions", {"model": MODEL, "prompt": "def"})
+    finally:
+        hook.remove()
+    assert status == 503
+    assert "stopped under memory pressure: memory pressure: PSI" in body["error"]["message"]
+    status, _ = post(url, "/v1/completions", {"model": MODEL, "prompt": "def", "max_tokens": 1})
+    assert status == 200  # the server lives on
+
+
+@pytest.mark.parametrize("command", ["serve", "chat"])
+def test_serve_and_chat_run_with_the_memory_guard(tiny_dir, monkeypatch, command):
+    import moestream.chat
+    from moestream.cli import main
+    from moestream.obs.guard import MemoryGuard
+
+    attached = []
+    monkeypatch.setattr(MemoryGuard, "attach", lambda self, model: attached.append(model))
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    monkeypatch.setattr(moestream.chat, "run_chat", lambda *a, **k: 0)
+    argv = [command, "-m", str(tiny_dir("qwen3_moe")), "--threads", "1"]
+    assert main(argv) == 0
+    assert len(attached) == 1
+    assert main([*argv, "--no-memory-guard"]) == 0
+    assert len(attached) == 1
+
+
+@pytest.fixture
+def damaged_store(tiny_dir, tmp_path):
+    """A store whose every expert of layer 0 has one flipped byte: any token routes into one."""
+    from moestream.convert.writer import convert
+    from moestream.quant import make_scheme
+    from moestream.store.format import Store
+
+    folder = convert(tiny_dir("qwen3_moe"), tmp_path / "s", make_scheme("int8"), False)
+    store = Store(folder)
+    with open(store.path(0), "r+b") as f:
+        for e in range(store.args.num_experts):
+            f.seek(store.offset(e) + 100)
+            b = f.read(1)
+            f.seek(store.offset(e) + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+    return folder
+
+
+def test_damaged_store_error_reaches_the_client(damaged_store):
+    from moestream.experts.config import StreamConfig
+
+    with open_model(damaged_store, experts=StreamConfig(memory_budget=1 << 20), threads=1) as rt:
+        with serving(rt) as url:
+            status, body = post(url, "/v1/completions", {"model": MODEL, "prompt": "def"})
+            assert status == 500
+            msg = body["error"]["message"]
+            assert "experts-L000.bin: layer 0 expert" in msg and "is damaged" in msg
+            assert "convert the model again" in msg
+            chat = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
+            req = urllib.request.Request(
+                url + "/v1/chat/completions",
+                json.dumps({**chat, "stream": True}).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(req, timeout=120) as r:
+                events = r.read().decode()
+            assert "layer 0 expert" in events and "server_error" in events
