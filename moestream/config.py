@@ -257,7 +257,7 @@ POSITIVE_INTS = (
 NON_NEGATIVE_INTS = (
     "intermediate_size shared_expert_intermediate_size n_shared_experts n_group topk_group "
     "kv_lora_rank q_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim first_k_dense_replace "
-    "num_nextn_predict_layers num_mtp_layers num_dense_layers sliding_window max_window_layers "
+    "num_nextn_predict_layers num_mtp_layers num_dense_layers max_window_layers "
     "full_attention_interval linear_conv_kernel_dim linear_num_key_heads linear_num_value_heads "
     "linear_key_head_dim linear_value_head_dim"
 ).split()
