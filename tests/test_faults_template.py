@@ -58,3 +58,27 @@ def test_trace_function_is_restored():
     with pytest.raises(TemplateError):
         render("{{ raise_exception('no') }}")
     assert sys.gettrace() is before
+
+
+def test_generate_chat_with_a_bomb_exits_2(tiny_dir, tmp_path, monkeypatch, capsys):
+    import json
+    import shutil
+
+    from moestream.cli import main
+    from moestream.engine.tokenizer import Tokenizer
+
+    d = shutil.copytree(tiny_dir("qwen3_moe"), tmp_path / "m")
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = (
+        "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    )
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    monkeypatch.setattr(Tokenizer, "render_seconds", 0.5)
+    capsys.readouterr()  # the tiny checkpoint's build output
+    argv = ["generate", "-m", str(d), "-p", "hi", "--chat", "-n", "1", "--json", "--threads", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert (
+        err
+        == "moestream: error: chat template failed: chat template ran longer than 0.5 s; stopped"
+    )
