@@ -227,3 +227,15 @@ def test_damaged_store_error_reaches_the_client(damaged_store):
             with urllib.request.urlopen(req, timeout=120) as r:
                 events = r.read().decode()
             assert "layer 0 expert" in events and "server_error" in events
+
+
+def test_max_body_bytes_flag_reaches_the_app(tiny_dir, monkeypatch):
+    from moestream.cli import main
+    from moestream.serve.limits import BodyLimit
+
+    apps = []
+    monkeypatch.setattr(uvicorn, "run", lambda app, **k: apps.append(app))
+    argv = ["serve", "-m", str(tiny_dir("qwen3_moe")), "--threads", "1"]
+    assert main([*argv, "--max-body-bytes", "16MiB"]) == 0
+    (limit,) = [m.kwargs["limit"] for m in apps[0].user_middleware if m.cls is BodyLimit]
+    assert limit == 16 * 2**20
