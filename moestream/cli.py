@@ -53,7 +53,7 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
-    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -324,11 +324,20 @@ def cmd_generate(a: argparse.Namespace) -> int:
         return _generate(rt, a, cfg)
 
 
-def _generate(rt, a: argparse.Namespace, cfg) -> int:
+def _guard(rt, a: argparse.Namespace) -> None:
+    """The memory-pressure guard on rt's model unless --no-memory-guard."""
     if not a.no_memory_guard:
         from moestream.obs.guard import MemoryGuard
 
         MemoryGuard().attach(rt.model)  # PSI + swap growth; off without /proc files
+
+
+def _add_guard_arg(p) -> None:
+    p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
+
+
+def _generate(rt, a: argparse.Namespace, cfg) -> int:
+    _guard(rt, a)
     prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)
@@ -390,7 +399,23 @@ def _add_serve(sub) -> None:
     p.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    p.add_argument(
+        "--max-body-bytes",
+        type=_positive_size,
+        default=4 * 2**20,
+        help="largest request body accepted, bytes or e.g. 16MiB (default 4MiB; larger: 413)",
+    )
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_serve)
+
+
+def _positive_size(text: str) -> int:
+    from moestream.config import parse_size
+
+    n = parse_size(text)
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a positive size")
+    return n
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -408,12 +433,14 @@ def cmd_serve(a: argparse.Namespace) -> int:
     from pathlib import Path
 
     with _open_runtime(a) as rt:
+        _guard(rt, a)  # a request under memory pressure fails with 503, the server lives on
         model_id = a.model_name or Path(a.model).resolve().name
         print(
             f"serving {model_id!r} on http://{a.host}:{a.port}/v1 (FIFO, one request at a time)",
             file=sys.stderr,
         )
-        uvicorn.run(create_app(rt, model_id), host=a.host, port=a.port, log_level=a.log_level)
+        app = create_app(rt, model_id, a.max_body_bytes)
+        uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level)
     return 0
 
 
@@ -426,6 +453,7 @@ def _add_chat(sub) -> None:
     )
     _add_sampling_args(p)
     p.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
+    _add_guard_arg(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -434,6 +462,7 @@ def cmd_chat(a: argparse.Namespace) -> int:
 
     cfg = _sampling(a)
     with _open_runtime(a, progress=sys.stderr.isatty()) as rt:
+        _guard(rt, a)
         return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
 
 

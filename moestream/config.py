@@ -8,6 +8,7 @@ fields (`config_fields`) and `moestream.models` picks the file by `model_type`.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,10 @@ class RopeArgs:
         if self.rope_type not in known:
             raise ConfigError(
                 f"rope type {self.rope_type!r} is not supported (supported: {', '.join(known)})"
+            )
+        if not (math.isfinite(self.theta) and self.theta > 0):
+            raise ConfigError(
+                f"config.json: rope_theta must be a positive number, got {self.theta}"
             )
         if self.rope_type != "default" and self.factor <= 0:
             raise ConfigError(f"rope scaling factor must be > 0, got {self.factor}")
@@ -123,6 +128,8 @@ class ModelArgs:
         ):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"config.json: {name} must be > 0, got {getattr(self, name)}")
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"config.json: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"config.json: num_attention_heads ({self.num_attention_heads}) must be a multiple of "
@@ -235,9 +242,46 @@ def partial_rotary_factor(cfg: dict[str, Any], default: float = 1.0) -> float:
 
 
 def require(cfg: dict[str, Any], key: str, path: str) -> Any:
-    if key not in cfg:
+    if cfg.get(key) is None:
         raise ConfigError(f"{path}: missing required field {key!r}")
     return cfg[key]
+
+
+# Keys the model files read with int()/float(): checked first, so that `num_experts: 64.5` is
+# refused by name instead of truncated to 64. null stays allowed (HF writes it for "unset").
+POSITIVE_INTS = (
+    "vocab_size hidden_size num_hidden_layers num_attention_heads num_key_value_heads head_dim "
+    "num_experts num_local_experts n_routed_experts num_experts_per_tok max_position_embeddings "
+    "moe_intermediate_size decoder_sparse_step"
+).split()
+NON_NEGATIVE_INTS = (
+    "intermediate_size shared_expert_intermediate_size n_shared_experts n_group topk_group "
+    "kv_lora_rank q_lora_rank qk_nope_head_dim qk_rope_head_dim v_head_dim first_k_dense_replace "
+    "num_nextn_predict_layers num_mtp_layers num_dense_layers max_window_layers "
+    "full_attention_interval linear_conv_kernel_dim linear_num_key_heads linear_num_value_heads "
+    "linear_key_head_dim linear_value_head_dim"
+).split()
+POSITIVE_FLOATS = "rms_norm_eps norm_eps rope_theta routed_scaling_factor partial_rotary_factor"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) or isinstance(v, float) and v.is_integer()
+
+
+def check_config_values(cfg: dict[str, Any], path: str = "config.json") -> None:
+    """Refuse, naming the key, a number of the wrong type or sign in config.json."""
+    for key in POSITIVE_INTS + NON_NEGATIVE_INTS:
+        v = cfg.get(key)
+        if v is not None and not (_is_int(v) and v >= (key in POSITIVE_INTS)):
+            sign = "a positive" if key in POSITIVE_INTS else "a non-negative"
+            raise ConfigError(f"{path}: {key} must be {sign} integer, got {v!r}")
+    nest = "rope_parameters" if cfg.get("rope_parameters") else "rope_scaling"
+    rope = cfg.get(nest) if isinstance(cfg.get(nest), dict) else {}
+    for key in POSITIVE_FLOATS.split():
+        for where, v in ((key, cfg.get(key)), (f"{nest}.{key}", rope.get(key))):
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v < math.inf
+            if v is not None and not ok:
+                raise ConfigError(f"{path}: {where} must be a positive number, got {v!r}")
 
 
 def common_fields(cfg: dict[str, Any], path: str = "config.json") -> dict[str, Any]:

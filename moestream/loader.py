@@ -95,13 +95,23 @@ def load_dense(
     with torch.no_grad():
         for name in tqdm(sorted(expected), desc="dense weights", disable=not progress, leave=False):
             t = ckpt.tensor(by_ours[name])
-            if list(t.shape) != expected[name]:
-                raise CheckpointError(
-                    f"tensor {by_ours[name]!r} has shape {list(t.shape)}, expected {expected[name]}"
-                )
+            _check_tensor(ckpt, by_ours[name], t, params[name])
             params[name].copy_(t.to(params[name].dtype))
         if ckpt.args.tie_word_embeddings:
             model.lm_head.weight = model.model.embed_tokens.weight
+
+
+def _check_tensor(ckpt, name: str, t: torch.Tensor, param: torch.Tensor) -> None:
+    if t.shape != param.shape:
+        raise CheckpointError(
+            f"tensor {name!r} has shape {list(t.shape)}, expected {list(param.shape)}"
+        )
+    # .to() would turn a header relabelled BF16 -> I16 into large integers without a word.
+    if param.is_floating_point() and not t.is_floating_point():
+        raise CheckpointError(
+            f"{ckpt.folder}: tensor {name!r} has dtype {t.dtype}, a float weight needs a float "
+            "dtype (its safetensors header is damaged); re-download or convert the model again"
+        )
 
 
 def load_resident_experts(

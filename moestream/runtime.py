@@ -112,11 +112,12 @@ def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
     return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device)
 
 
-def _check_quant(folder: Path, quant: str | None) -> None:
-    if quant is None or not is_store(folder):
+def _check_store(folder: Path, quant: str | None) -> None:
+    """Open a store's manifest before the tokenizer reads its files (their checksums are there)."""
+    if not is_store(folder):
         return
     stored = Store(folder).scheme.name
-    if quant != stored:
+    if quant is not None and quant != stored:
         raise ConfigError(
             f"{folder} is stored as {stored}; --quant {quant} needs a convert from the Hugging "
             "Face folder"
@@ -148,7 +149,7 @@ def open_model(
         )
     if not is_store(folder) and (experts is not None or quant is not None):
         folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
-    _check_quant(folder, quant)
+    _check_store(folder, quant)
     tokenizer = Tokenizer(folder)
     loaded = load_model(folder, experts, dtype=dtype, progress=progress)
     provider = loaded.provider

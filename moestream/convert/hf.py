@@ -76,6 +76,9 @@ def _shard_header(path: Path) -> dict:
     return header
 
 
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertRef:
     """Where one expert's gate/up/down live: per-expert tensor names or slices of fused tensors."""
@@ -172,11 +175,22 @@ class HFCheckpoint:
     @staticmethod
     def _not_fp8(name: str, t: torch.Tensor) -> torch.Tensor:
         # An FP8 tensor without its scale would load off by the scale factor, silently.
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if t.dtype in _FP8:
             raise CheckpointError(f"tensor {name!r} is FP8 but has no {name}_scale_inv")
+        # A header relabelled to a same-size integer dtype would load as garbage numbers.
+        if not t.is_floating_point():
+            raise CheckpointError(
+                f"tensor {name!r} has dtype {t.dtype}, but weights are floating point: the "
+                "safetensors header is damaged or the format is not one moestream reads; "
+                "re-download the checkpoint"
+            )
         return t
 
     def _dequantize(self, name: str, t: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        if t.dtype not in _FP8:
+            raise CheckpointError(
+                f"tensor {name!r} has a scale_inv but dtype {t.dtype}, not FP8; re-download it"
+            )
         try:
             return dequantize_fp8(t, scale, self._fp8_block)
         except Fp8Error as e:

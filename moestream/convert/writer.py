@@ -29,7 +29,9 @@ from moestream.store.format import (
     MANIFEST,
     VERSION,
     crc32,
+    dtype_name,
     expert_file,
+    file_checksums,
     is_store,
     tensor_crc,
 )
@@ -60,7 +62,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        dense = _write_dense(ckpt, tmp)
+        dense, dtypes = _write_dense(ckpt, tmp)
         experts = _write_experts(ckpt, layout, tmp, progress)
         for name in COPIED_FILES:
             if (src / name).is_file():
@@ -73,7 +75,9 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
             "quant": scheme.to_json(),
             "record": layout.to_json(),
             "dense": dense,
+            "dense_dtypes": dtypes,
             "experts": {str(layer): crcs for layer, crcs in experts.items()},
+            "files": file_checksums(tmp),
         }
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
         _fsync_dir(tmp)
@@ -99,11 +103,13 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _write_dense(ckpt: HFCheckpoint, out: Path) -> dict[str, int]:
-    """Non-expert tensors as stored in the source (dtype kept) -> crc32 per tensor."""
+def _write_dense(ckpt: HFCheckpoint, out: Path) -> tuple[dict[str, int], dict[str, str]]:
+    """Non-expert tensors as stored in the source (dtype kept) -> crc32 and dtype per tensor
+    (the crc covers bytes only, and a relabelled dtype keeps them)."""
     tensors = {name: ckpt.tensor(name).contiguous() for name in ckpt.dense_names}
     save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
-    return {name: tensor_crc(t) for name, t in tensors.items()}
+    crcs = {name: tensor_crc(t) for name, t in tensors.items()}
+    return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}
 
 
 def _write_experts(
@@ -111,27 +117,31 @@ def _write_experts(
 ) -> dict[int, list[int]]:
     a = ckpt.args
     total = len(a.moe_layer_ids) * a.num_experts
-    bar = tqdm(total=total, desc=f"converting experts ({layout.scheme.name})", disable=not progress)
+    desc = f"converting experts ({layout.scheme.name})"
     crcs: dict[int, list[int]] = {}
-    for layer in a.moe_layer_ids:
-        crcs[layer] = []
-        with open(out / expert_file(layer), "wb") as f:
-            for e in range(a.num_experts):
-                gate, up, down = ckpt.expert(layer, e)  # [I, D], [I, D], [D, I]
-                w13 = torch.cat([gate.float(), up.float()])  # [2I, D]
-                b13 = b2 = None
-                if a.expert_bias:
-                    b_gate, b_up, b2 = ckpt.expert_biases(layer, e)  # [I], [I], [D]
-                    b13 = torch.cat([b_gate, b_up])
-                tensors = quantize_expert(layout, w13, down.float(), b13, b2)
-                rec = record_bytes(layout, tensors)
-                crcs[layer].append(crc32(rec))
-                f.write(rec)
-                bar.update()
-            f.flush()
-            os.fsync(f.fileno())
-    bar.close()
+    # `with`: a failing expert closes the bar before the error line is printed.
+    with tqdm(total=total, desc=desc, disable=not progress) as bar:
+        for layer in a.moe_layer_ids:
+            crcs[layer] = []
+            with open(out / expert_file(layer), "wb") as f:
+                for e in range(a.num_experts):
+                    rec = _expert_record(ckpt, layout, layer, e)
+                    crcs[layer].append(crc32(rec))
+                    f.write(rec)
+                    bar.update()
+                f.flush()
+                os.fsync(f.fileno())
     return crcs
+
+
+def _expert_record(ckpt: HFCheckpoint, layout: RecordLayout, layer: int, e: int) -> bytes:
+    gate, up, down = ckpt.expert(layer, e)  # [I, D], [I, D], [D, I]
+    w13 = torch.cat([gate.float(), up.float()])  # [2I, D]
+    b13 = b2 = None
+    if ckpt.args.expert_bias:
+        b_gate, b_up, b2 = ckpt.expert_biases(layer, e)  # [I], [I], [D]
+        b13 = torch.cat([b_gate, b_up])
+    return record_bytes(layout, quantize_expert(layout, w13, down.float(), b13, b2))
 
 
 def _fsync_dir(folder: Path) -> None:

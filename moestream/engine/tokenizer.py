@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 from jinja2.exceptions import TemplateError
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
+from moestream.engine.chat_template import RENDER_SECONDS, render
 from moestream.errors import TokenizerError
 
 
@@ -19,6 +19,8 @@ def _token_str(tok) -> str | None:
 
 
 class Tokenizer:
+    render_seconds = RENDER_SECONDS  # the chat template's time bound (engine/chat_template.py)
+
     def __init__(self, folder: str | Path):
         folder = Path(folder)
         path = folder / "tokenizer.json"
@@ -48,7 +50,9 @@ class Tokenizer:
         return None if token is None else self.tk.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tk.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch releases the GIL (encode does not: a 4 MB prompt froze every other
+        # thread, the server's event loop included, for seconds); the ids are the same.
+        return self.tk.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tk.decode(ids, skip_special_tokens=True)
@@ -59,14 +63,10 @@ class Tokenizer:
                 "this checkpoint has no chat template (tokenizer_config.json 'chat_template' or "
                 "chat_template.jinja); run without --chat to use the prompt as is"
             )
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-        def raise_exception(msg):
-            raise TemplateError(msg)
-
-        env.globals["raise_exception"] = raise_exception
         try:
-            return env.from_string(self.chat_template).render(
+            return render(
+                self.chat_template,
+                self.render_seconds,
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",

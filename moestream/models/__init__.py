@@ -15,7 +15,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from moestream.config import ConfigError, ModelArgs, common_fields, read_config_json
+from moestream.config import (
+    ConfigError,
+    ModelArgs,
+    check_config_values,
+    common_fields,
+    read_config_json,
+)
 
 
 @functools.cache
@@ -61,6 +67,7 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
     normalize = getattr(module, "normalize_config", None)
     if normalize is not None:
         cfg = normalize(cfg)
+    check_config_values(cfg, path)
     fields = common_fields(cfg, path)
     fields.update(module.config_fields(cfg, path))
     return ModelArgs(model_type=module.__name__.rpartition(".")[2], **fields)

@@ -1,7 +1,8 @@
 """The FastAPI app: OpenAI routes, /health, /stats, errors in OpenAI's shape, SSE streaming.
 
 Every request is validated (schemas.py, protocol.py) before it reaches the engine worker, so bad
-input is a 4xx with a message, never a 5xx. A streamed request is cancelled when Starlette sees the
+input is a 4xx with a message, never a 5xx; bodies are bounded (limits.py) and prompts are
+tokenized off the event loop. A streamed request is cancelled when Starlette sees the
 client disconnect (it cancels the body iterator); a non-streamed one polls for the disconnect while
 it waits.
 """
@@ -21,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from moestream.runtime import Runtime
 from moestream.serve import protocol as P
+from moestream.serve.limits import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from moestream.serve.schemas import (
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -251,6 +253,12 @@ def streaming(body) -> StreamingResponse:
     return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
 
+async def prompt_ids(encode, server: Server, req) -> list[int]:
+    """Tokenize (and render the chat template) in a thread: the event loop keeps answering
+    /health and other streams meanwhile (the tokenizer releases the GIL, templates are bounded)."""
+    return await asyncio.to_thread(encode, server.rt, req)
+
+
 def add_routes(app: FastAPI, server: Server) -> None:
     @app.get("/health", response_model=Health)
     async def health():
@@ -272,7 +280,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**ERRORS, **SSE})
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
-        job = server.submit(P.completion_prompt_ids(server.rt, req), req)
+        job = server.submit(await prompt_ids(P.completion_prompt_ids, server, req), req)
         if req.stream:
             return streaming(completion_stream(server, job, req))
         done = await collect(job, request)
@@ -287,7 +295,7 @@ def add_routes(app: FastAPI, server: Server) -> None:
     )
     async def chat_completions(req: ChatCompletionRequest, request: Request):
         server.check_model(req.model)
-        job = server.submit(P.chat_prompt_ids(server.rt, req), req)
+        job = server.submit(await prompt_ids(P.chat_prompt_ids, server, req), req)
         if req.stream:
             return streaming(chat_stream(server, job, req))
         done = await collect(job, request)
@@ -341,7 +349,9 @@ def openapi_schema(app: FastAPI, model_id: str, context: int) -> dict:
     return schema
 
 
-def create_app(runtime: Runtime, model_id: str) -> FastAPI:
+def create_app(
+    runtime: Runtime, model_id: str, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+) -> FastAPI:
     server = Server(runtime, model_id)
 
     @asynccontextmanager
@@ -353,6 +363,7 @@ def create_app(runtime: Runtime, model_id: str) -> FastAPI:
 
     app = FastAPI(title="moestream", version=__version__, lifespan=lifespan)
     app.state.server = server
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
     install_error_handlers(app)
     add_routes(app, server)
     context = runtime.args.max_position_embeddings

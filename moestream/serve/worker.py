@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 from moestream.config import ConfigError, SamplingConfig
 from moestream.engine.generate import GenerationResult, Generator, peak_rss_bytes
+from moestream.errors import CheckpointError
+from moestream.obs.guard import MemoryPressureError
 
 log = logging.getLogger("moestream.serve")
 
@@ -40,7 +42,8 @@ class Finished:
 @dataclass
 class Failed:
     message: str
-    status: int  # 400: the request cannot be served as asked; 500: an engine bug
+    status: int  # 400: the request cannot be served as asked; 500: damaged files or an engine
+    # bug; 503: stopped by the memory-pressure guard
 
 
 Event = Piece | Finished | Failed
@@ -122,6 +125,12 @@ class Worker:
                 sent = self._emit_piece(job, text, visible, sent)
         except ConfigError as e:  # checked before queueing; kept as a safety net
             return self._fail(job, str(e), 400)
+        except CheckpointError as e:  # a damaged store: the message names file, layer, expert
+            log.error("generation failed: %s", e)
+            return self._fail(job, f"the server's model files are damaged: {e}", 500)
+        except MemoryPressureError as e:
+            log.error("generation stopped: %s", e)
+            return self._fail(job, f"stopped under memory pressure: {e}", 503)
         except Exception:
             log.exception("generation failed")
             return self._fail(job, "the engine failed on this request; see the server log", 500)

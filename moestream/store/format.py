@@ -2,7 +2,8 @@
 
 A store folder holds `manifest.json`, `dense.safetensors` (every non-expert weight),
 `experts-L{layer:03d}.bin` (one per MoE layer: expert e's record at e * record size, each record
-4 KiB aligned), and the model's config.json / tokenizer files / generation_config.json.
+4 KiB aligned), and the model's config.json / tokenizer files / generation_config.json, whose
+crc32s the manifest's "files" holds (stores written before it have none and open unchecked).
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -55,6 +56,28 @@ def crc32(buf) -> int:
     return zlib.crc32(buf) & 0xFFFFFFFF
 
 
+def file_checksums(folder: Path) -> dict[str, int]:
+    """crc32 of each COPIED_FILES file present in folder (they are small: read whole)."""
+    return {n: crc32((folder / n).read_bytes()) for n in COPIED_FILES if (folder / n).is_file()}
+
+
+def check_copied_files(folder: Path, want: dict[str, int]) -> None:
+    """Refuse a store whose config/tokenizer files differ from what convert wrote: a changed
+    num_experts_per_tok or rms_norm_eps would otherwise change the output silently."""
+    for name, crc in want.items():
+        path = folder / name
+        if not path.is_file():
+            raise StoreError(f"{path}: {name} of the store is missing; convert again")
+        if crc32(path.read_bytes()) != crc:
+            raise StoreError(
+                f"{path}: {name} of the store was changed after convert; convert again"
+            )
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def tensor_crc(t: torch.Tensor) -> int:
     return crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
@@ -78,6 +101,7 @@ class Store:
                 f"reads {FORMAT!r} version {VERSION}; convert the model again"
             )
         self.manifest = m
+        check_copied_files(self.folder, m.get("files", {}))
         self.config = json.loads((self.folder / "config.json").read_text())
         self.args: ModelArgs = model_args_from_dict(self.config, str(self.folder / "config.json"))
         q = m["quant"]
@@ -89,6 +113,7 @@ class Store:
         if self.layout.to_json() != m["record"]:
             raise StoreError(f"{path}: record layout differs from this version's; convert again")
         self.dense_crc: dict[str, int] = m["dense"]
+        self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})  # absent in older stores
         self.dense_names = sorted(self.dense_crc)
         self.crc = {int(k): v for k, v in m["experts"].items()}  # layer -> [crc per expert]
         self._dense = None
@@ -127,6 +152,12 @@ class Store:
         if self._dense is None:
             self._dense = safe_open(str(self.folder / DENSE_FILE), framework="pt")
         t = self._dense.get_tensor(name)
+        want = self.dense_dtypes.get(name, dtype_name(t.dtype))
+        if dtype_name(t.dtype) != want:
+            raise StoreError(
+                f"{self.folder / DENSE_FILE}: dense tensor {name!r} is {dtype_name(t.dtype)}, "
+                f"convert wrote {want} (its header is damaged); convert the model again"
+            )
         if tensor_crc(t) != self.dense_crc[name]:
             raise StoreError(
                 f"{self.folder / DENSE_FILE}: dense tensor {name!r} is damaged (checksum mismatch); "
