@@ -128,7 +128,8 @@ def greedy_8(rt):
 
 def test_cli_json_interface(tiny_dir, rt):
     out = json.loads(run_generate(tiny_dir("qwen3_moe"), "--json").stdout)
-    assert set(out) == {"prompt_ids", "ids", "text", "logprobs", "stats"}
+    assert set(out) == {"prompt_ids", "ids", "text", "logprobs", "stats", "mode"}
+    assert out["mode"]["experts"] == "resident" and out["mode"]["device"] == "cpu"
     want = greedy_8(rt)
     assert out["prompt_ids"] == rt.encode_prompt("def fib")
     assert out["ids"] == want.ids and out["text"] == want.text
