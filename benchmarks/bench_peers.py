@@ -70,15 +70,17 @@ def child_rss(cmd: list[str]) -> tuple[str, int]:
     return "".join(chunks), usage.ru_maxrss * 1024
 
 
-def moestream_child(store: str, threads: int, P: int, N: int) -> None:
+def moestream_child(store: str, kernel: str, threads: int, P: int, N: int) -> None:
     """In a child process: prefill P random ids, decode N greedy tokens; print one JSON line."""
     import torch
 
     from moestream.config import SamplingConfig
+    from moestream.experts.config import StreamConfig
     from moestream.runtime import open_model
 
     torch.set_num_threads(threads)
-    with open_model(store, threads=threads) as rt:
+    experts = StreamConfig(resident=True, kernel=kernel)
+    with open_model(store, experts=experts, threads=threads) as rt:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, rt.args.vocab_size, (P,), generator=g).tolist()
         cfg = SamplingConfig(max_new_tokens=N, ignore_eos=True)
@@ -107,7 +109,9 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
     out = work / f"llama-{qtype}.gguf"
     if not out.is_file():
         quantize = llama / "build/bin/llama-quantize"
-        subprocess.run([str(quantize), str(q8), str(out), qtype], check=True)
+        # From the Q8_0 file (speed is what is compared; the bf16 GGUF would double the disk).
+        cmd = [str(quantize), "--allow-requantize", str(q8), str(out), qtype]
+        subprocess.run(cmd, check=True)
     return out
 
 
@@ -157,11 +161,29 @@ def llama_run(llama: Path, gguf: Path, threads: int, P: int, N: int) -> tuple[di
     return {"prefill_tok_s": pp, "decode_tok_s": tg}, rss
 
 
-def ours_run(store: Path, threads: int, P: int, N: int) -> tuple[dict, int]:
-    cmd = [sys.executable, __file__, "--child", str(store), "--threads", str(threads),
-           "-p", str(P), "-n", str(N)]  # fmt: skip
+def ours_run(store: Path, kernel: str, threads: int, P: int, N: int) -> tuple[dict, int]:
+    cmd = [sys.executable, __file__, "--child", str(store), "--kernel", kernel,
+           "--threads", str(threads), "-p", str(P), "-n", str(N)]  # fmt: skip
     out, rss = child_rss(cmd)
     return json.loads(out.strip().splitlines()[-1]), rss
+
+
+def measure(pairs, kernels: list[str], files: dict, llama: Path, a) -> dict:
+    """Interleaved repeats: per repeat and pair, llama.cpp and each moestream kernel, the order
+    reversed every other repeat. Keys: the llama.cpp format, or (moestream format, kernel)."""
+    P, N = a.prompt_tokens, a.tokens
+    runs: dict = {}
+    for rep in range(a.reps):
+        for ours, theirs in pairs:
+            order = [theirs] + [(ours, k) for k in kernels]
+            for key in order if rep % 2 == 0 else order[::-1]:
+                if isinstance(key, tuple):
+                    r = ours_run(files[key[0]], key[1], a.threads, P, N)
+                else:
+                    r = llama_run(llama, files[key], a.threads, P, N)
+                runs.setdefault(key, []).append(r)
+                print(f"rep {rep} {key}: decode {r[0]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+    return runs
 
 
 def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
@@ -188,10 +210,14 @@ def main(argv=None) -> int:
     ap.add_argument("-n", "--tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default=None, help="append JSON rows here")
+    ap.add_argument(
+        "--kernels", default="cpu", help="moestream expert kernels to run, e.g. native,cpu"
+    )
+    ap.add_argument("--kernel", default="cpu", help=argparse.SUPPRESS)  # the child's
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
-        moestream_child(a.child, a.threads, a.prompt_tokens, a.tokens)
+        moestream_child(a.child, a.kernel, a.threads, a.prompt_tokens, a.tokens)
         return 0
     hf, work, llama = Path(a.hf), Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
@@ -207,41 +233,31 @@ def main(argv=None) -> int:
     K, E = args.num_experts_per_tok, args.num_experts
     bpt.update({t: gguf_bytes_per_token(files[t], llama, K, E) for _, t in pairs})
     ceiling = dram_gbps(a.threads)
-    runs = {name: [] for pair in pairs for name in pair}
-    for rep in range(a.reps):
-        for ours, theirs in pairs:
-            order = (
-                [(ours, True), (theirs, False)] if rep % 2 == 0 else [(theirs, False), (ours, True)]
-            )
-            for name, mine in order:
-                P, N = a.prompt_tokens, a.tokens
-                r = (
-                    ours_run(files[name], a.threads, P, N)
-                    if mine
-                    else llama_run(llama, files[name], a.threads, P, N)
-                )
-                runs[name].append(r)
-                print(
-                    f"rep {rep} {name:<5} decode {r[0]['decode_tok_s']:7.2f} tok/s", file=sys.stderr
-                )
+    kernels = a.kernels.split(",")
+    runs = measure(pairs, kernels, files, llama, a)
     rows = []
     for ours, theirs in pairs:
-        s_ours, s_theirs = (summarize(runs[n], bpt[n], ceiling) for n in (ours, theirs))
-        for engine, fmt, s in (("moestream", ours, s_ours), ("llama.cpp", theirs, s_theirs)):
+        base = summarize(runs[theirs], bpt[theirs], ceiling)
+        variants = [("llama.cpp", theirs, base)] + [
+            ("moestream", f"{ours}/{k}", summarize(runs[(ours, k)], bpt[ours], ceiling))
+            for k in kernels
+        ]
+        for engine, fmt, s in variants:
             rows.append({"engine": engine, "format": fmt, "dram_gbps": ceiling, **s,
-                         "decode_ratio_vs_llama": s["decode_tok_s"] / s_theirs["decode_tok_s"],
-                         "prefill_ratio_vs_llama": s["prefill_tok_s"] / s_theirs["prefill_tok_s"]})  # fmt: skip
+                         "decode_ratio_vs_llama": s["decode_tok_s"] / base["decode_tok_s"],
+                         "prefill_ratio_vs_llama": s["prefill_tok_s"] / base["prefill_tok_s"]})  # fmt: skip
     print(f"DRAM read ceiling {ceiling:.1f} GB/s ({a.threads} threads)")
-    print(f"{'engine':<10} {'format':<6} {'decode':>8} {'prefill':>8} {'GB/tok':>7} {'GB/s':>6} "
+    print(f"{'engine':<10} {'format':<12} {'decode':>8} {'prefill':>8} {'GB/tok':>7} {'GB/s':>6} "
           f"{'of DRAM':>7} {'RSS GB':>7} {'ratio':>6}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['engine']:<10} {r['format']:<6} {r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
+            f"{r['engine']:<10} {r['format']:<12} {r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
             f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['dram_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
         )
     if a.out:
         config = {"hf": str(hf), "layers": args.num_hidden_layers, "threads": a.threads,
+                  "kernels": kernels,
                   "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "reps": a.reps}  # fmt: skip
         write_rows(a.out, [bench_row("peers", config, r) for r in rows])
     return 0

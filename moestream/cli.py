@@ -624,7 +624,8 @@ def _add_predict(sub) -> None:
     p.add_argument(
         "--reference",
         default=None,
-        help="oracle folder run in fp32 with every expert resident (default: -m itself)",
+        help="Hugging Face folder run in fp32 as the oracle (default: for a store, the folder it "
+        "was converted from, as its manifest records; for a Hugging Face folder, itself)",
     )
     p.add_argument("--no-reference", action="store_true", help="perplexity only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -722,14 +723,15 @@ def cmd_train_prerouter(a: argparse.Namespace) -> int:
 def cmd_eval(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moestream.quality.eval import evaluate
+    from moestream.quality.eval import evaluate, oracle_folder
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
+    oracle, why = (None, None) if a.no_reference else oracle_folder(a.model, a.reference)
     with open_model(a.model, dtype=a.dtype, progress=False, **_store_kwargs(a)) as cand:
         ref = None
-        if not a.no_reference:
-            ref = open_model(a.reference or a.model, dtype="float32", progress=False)
+        if oracle is not None:
+            ref = open_model(oracle, dtype="float32", progress=False)
         ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
         ctx = min(a.ctx, cand.args.max_position_embeddings)
         try:
@@ -744,7 +746,8 @@ def cmd_eval(a: argparse.Namespace) -> int:
         "quant": a.quant,
         "predictor": a.predictor,
         "routing": a.routing,
-        "reference": None if ref is None else str(a.reference or a.model),
+        "reference": None if oracle is None else str(oracle),
+        "reference_from": why,
         "ctx": ctx,
     }
     if a.json:
@@ -753,7 +756,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
     print(f"perplexity {out['perplexity']:.4f} +/- {out['stderr']:.4f} ({out['tokens']} tokens)")
     if ref is not None:
         o = out["oracle"]
-        print(f"oracle     {o['perplexity']:.4f} +/- {o['stderr']:.4f}")
+        print(f"oracle     {o['perplexity']:.4f} +/- {o['stderr']:.4f} (fp32: {oracle}, {why})")
         print(
             f"flips {out['flips']}/{out['positions']} (margin >= 0.1; {out['ties']} ties)  "
             f"KL mean {out['kl_mean']:.5f} max {out['kl_max']:.4f}"

@@ -83,3 +83,38 @@ def test_cli_eval_json_compares_int8_and_predicted_routing(tiny_dir, tmp_path):
     out = json.loads(r.stdout)
     assert {"perplexity", "stderr", "flips", "kl_mean"} <= out.keys()
     assert out["kl_mean"] > 0 and out["provider"]["predict_forced_layers"] > 0
+
+
+def test_eval_oracle_is_the_stores_source_never_the_store(tiny_dir, tmp_path):
+    """A store is judged against the Hugging Face folder its manifest names (0 flips against
+    itself would say nothing); a moved or changed source, or a store as --reference, is refused."""
+    import shutil
+
+    from moestream.config import ConfigError
+    from moestream.convert.writer import convert
+    from moestream.quality.eval import oracle_folder
+    from moestream.quant import make_scheme
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_dir("qwen3_moe"), src)
+    store = convert(src, tmp_path / "store", make_scheme("int4"), False)
+    assert oracle_folder(store, None) == (
+        src.resolve(),
+        f"the source of store {store} (its manifest)",
+    )
+    assert oracle_folder(src, None)[0] == src
+    assert oracle_folder(store, src) == (src, "--reference")
+    with pytest.raises(ConfigError, match="is a store"):
+        oracle_folder(store, store)
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    cmd = [sys.executable, "-m", "moestream", "eval", "-m", str(store), "--text", str(text)]
+    cmd += ["--json", "--threads", "1", "--ctx", "32"]
+    out = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+    assert out["config"]["reference"] == str(src.resolve()) and out["kl_mean"] > 0
+    (src / "config.json").write_text((src / "config.json").read_text() + " ")
+    with pytest.raises(ConfigError, match="changed since the convert"):
+        oracle_folder(store, None)
+    shutil.rmtree(src)
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 2 and "pass --reference" in r.stderr and "Traceback" not in r.stderr

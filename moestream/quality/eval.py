@@ -8,8 +8,11 @@ KV cache, exactly as decode does.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
+from moestream.config import ConfigError
 from moestream.engine.kv_cache import KVCache
 from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
 
@@ -54,3 +57,31 @@ def evaluate(cand, ref, ids: list[int], ctx: int, stepwise: bool = False, log=No
         out["kl_max"] = float(kl.max())
         out["flips"], out["ties"], out["positions"] = flip, ties, pos
     return out
+
+
+def oracle_folder(model: str | Path, reference: str | Path | None) -> tuple[Path, str]:
+    """The fp32 oracle for a candidate `model` and where it came from: an explicit `reference`;
+    for a store, the Hugging Face folder it was converted from (its manifest's source, checked
+    unchanged since); for a Hugging Face folder, the folder itself. A store never judges itself:
+    its own quantized experts would give 0 flips and KL 0 whatever they are."""
+    from moestream.convert.writer import source_fingerprint
+    from moestream.store.format import MANIFEST, Store, is_store
+
+    if reference is not None:
+        if is_store(reference):
+            raise ConfigError(f"--reference {reference} is a store: give the Hugging Face folder")
+        return Path(reference), "--reference"
+    model = Path(model)
+    if not is_store(model):
+        return model, "the Hugging Face folder given to -m"
+    src = Store(model).manifest.get("source", {})
+    path = Path(src["path"]) if src.get("path") else None
+    fix = "pass --reference HF_FOLDER (or --no-reference for perplexity only)"
+    if path is None or not (path / "config.json").is_file():
+        raise ConfigError(
+            f"{model} is a store and the Hugging Face folder it was converted from "
+            f"({path or 'not recorded in ' + MANIFEST}) is not there: {fix}"
+        )
+    if src.get("fingerprint") and source_fingerprint(path) != src["fingerprint"]:
+        raise ConfigError(f"{path}, the source of store {model}, changed since the convert: {fix}")
+    return path, f"the source of store {model} (its manifest)"
