@@ -263,7 +263,13 @@ def _add_convert(sub) -> None:
     p = sub.add_parser("convert", help="convert a Hugging Face folder into an expert store")
     p.add_argument("src", help="Hugging Face checkpoint folder")
     p.add_argument("dst", help="store folder to create (must not exist)")
-    p.add_argument("--quant", default="int4", choices=["bf16", "int8", "int4"])
+    p.add_argument(
+        "--quant",
+        default="bf16",
+        choices=["bf16", "int8", "int4"],
+        help="expert format (default bf16: lossless for bf16 checkpoints, as -m HF with store "
+        "flags converts; int8/int4 are lossy: measure them with eval)",
+    )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
     p.set_defaults(func=cmd_convert)
 
