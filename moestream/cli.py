@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from moestream.config import SamplingConfig
 
@@ -38,10 +39,18 @@ def _sampling(a: argparse.Namespace) -> SamplingConfig:
     )
 
 
+def _add_threads(p) -> None:
+    p.add_argument(
+        "-t", "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
+
+
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(p)
-    p.add_argument("-p", "--prompt", required=True, help="prompt text (used raw unless --chat)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("-p", "--prompt", help="prompt text, used raw unless --chat; '-' reads stdin")
+    src.add_argument("-f", "--file", help="read the prompt from this UTF-8 file")
     p.add_argument(
         "-n", "--max-tokens", type=int, default=64, help="tokens to generate (default 64)"
     )
@@ -342,9 +351,21 @@ def _add_guard_arg(p) -> None:
     p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
 
 
+def _prompt_text(a: argparse.Namespace) -> str:
+    """-p TEXT, -p - (standard input) or -f FILE."""
+    from moestream.config import ConfigError
+
+    if a.file is not None:
+        try:
+            return Path(a.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"-f {a.file}: cannot read the prompt ({e})") from e
+    return sys.stdin.read() if a.prompt == "-" else a.prompt
+
+
 def _generate(rt, a: argparse.Namespace, cfg) -> int:
     _guard(rt, a)
-    prompt_ids = rt.encode_prompt(a.prompt, chat=a.chat)
+    prompt_ids = rt.encode_prompt(_prompt_text(a), chat=a.chat)
     if a.json:
         res = rt.generator.generate(prompt_ids, cfg)
         out = {
@@ -383,7 +404,7 @@ def _add_model_args(p) -> None:
         choices=["float32", "bfloat16"],
         help=DTYPE_HELP,
     )
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    _add_threads(p)
     _add_store_args(p)
 
 
@@ -487,7 +508,7 @@ def _add_obs(sub) -> None:
     _add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    _add_threads(p)
     p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
     _add_store_args(p)
     p.set_defaults(func=cmd_trace)
@@ -618,7 +639,7 @@ def _add_predict(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("-o", "--out", default=None, help="heads file (default: beside the model)")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    _add_threads(p)
     p.add_argument("--json", action="store_true", help="print the per-head report as JSON")
     p.set_defaults(func=cmd_train_prerouter)
 
@@ -649,7 +670,7 @@ def _add_recall(sub) -> None:
         help="temporal|stale-gate|prerouter|oracle (repeatable; default: all available)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    _add_threads(p)
     p.set_defaults(func=cmd_recall)
 
 

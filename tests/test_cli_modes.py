@@ -329,3 +329,23 @@ def test_every_run_names_its_mode(store, tiny_dir, capsys):
     assert json.loads(capsys.readouterr().out)["mode"]["experts"] == "mmap"
     assert main(["generate", "-m", str(store), "-p", "x", "-n", "2", "--io", "mmap"]) == 0
     assert "[mode: mmap, int8, cpu float32]" in capsys.readouterr().err
+
+
+def test_prompt_from_file_or_stdin_and_short_threads(store, tmp_path, capsys):
+    import json
+
+    f = tmp_path / "prompt.txt"
+    f.write_text("def fibonacci(n):")
+    base = ["generate", "-m", str(store), "-n", "3", "--json", "-t", "1"]
+    assert main([*base, "-f", str(f)]) == 0
+    from_file = json.loads(capsys.readouterr().out)
+    assert main([*base, "-p", "def fibonacci(n):"]) == 0
+    assert json.loads(capsys.readouterr().out)["ids"] == from_file["ids"]
+    cmd = [sys.executable, "-m", "moestream", *base, "-p", "-"]
+    r = subprocess.run(cmd, input="def fibonacci(n):", capture_output=True, text=True)
+    assert r.returncode == 0 and json.loads(r.stdout)["ids"] == from_file["ids"]
+    err = refused(capsys, [*base, "-f", str(tmp_path / "missing.txt")])
+    assert "-f" in err and "cannot read the prompt" in err
+    with pytest.raises(SystemExit) as e:  # neither -p nor -f: argparse's usage error
+        main(base)
+    assert e.value.code == 2
