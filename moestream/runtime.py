@@ -84,16 +84,33 @@ def eos_ids(folder: Path, args: ModelArgs, tokenizer: Tokenizer) -> tuple[int, .
     return () if tid is None else (tid,)
 
 
+def _heads_folders(given: Path, folder: Path) -> tuple[Path, ...]:
+    """Where trained prerouter heads may be: the -m folder, the store opened, and the Hugging
+    Face folder a store was converted from (heads trained there serve its stores too)."""
+    out = [given, folder]
+    if is_store(folder):
+        src = Store(folder).manifest.get("source", {}).get("path")
+        if src:
+            out.append(Path(src))
+    return tuple(out)
+
+
 def _attach_predictor(loaded, cfg: PredictConfig, folders) -> ExpertProvider:
     from moestream.experts.predicting import attach
     from moestream.obs.trace import load_trace
     from moestream.predict.pipeline import make_predictor
-    from moestream.predict.prerouter import PrerouterHeads, find_heads
+    from moestream.predict.prerouter import HEADS_FILE, PrerouterHeads, find_heads
 
     heads = None
     if cfg.predictor == "prerouter":
         found = find_heads(*folders)
-        heads = PrerouterHeads.load(found) if found is not None else None
+        if found is None:
+            raise ConfigError(
+                f"--predictor prerouter needs trained heads ({HEADS_FILE}); looked in "
+                f"{', '.join(str(f) for f in dict.fromkeys(folders))}; make them with "
+                "`moestream train-prerouter -m PATH --traces TRACE`"
+            )
+        heads = PrerouterHeads.load(found)
     tr = load_trace(cfg.trace) if cfg.trace is not None else None
     predictor = make_predictor(cfg.predictor, loaded.model, heads=heads, trace=tr, ahead=cfg.ahead)
     return attach(loaded.model, loaded.provider, predictor, cfg.routing, cfg.min_score)
@@ -154,7 +171,7 @@ def open_model(
     loaded = load_model(folder, experts, dtype=dtype, progress=progress)
     provider = loaded.provider
     if predict.active:
-        provider = _attach_predictor(loaded, predict, (Path(path), folder))
+        provider = _attach_predictor(loaded, predict, _heads_folders(Path(path), folder))
     eos = eos_ids(folder, loaded.args, tokenizer)
     gen = Generator(loaded.model, loaded.args, tokenizer, provider, eos)
     if threads is None and not on_gpu:

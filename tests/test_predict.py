@@ -302,3 +302,25 @@ def test_open_model_passes_prefetch_options_and_rejects_bad_ones(stores):
     for kwargs, flag in bad:
         with pytest.raises(ConfigError, match=flag):
             PredictConfig(**kwargs)
+
+
+def test_prerouter_heads_are_found_from_the_stores_source(tiny_dir, tmp_path):
+    """Heads trained beside the Hugging Face folder serve a store converted from it; without
+    heads the error lists every folder looked in."""
+    import shutil
+
+    from moestream.config import ConfigError
+    from moestream.experts.config import PredictConfig
+    from moestream.runtime import open_model
+
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_dir("qwen3_moe"), src)
+    store = convert(src, tmp_path / "store", make_scheme("int8"), False)
+    predict = PredictConfig(predictor="prerouter")
+    with pytest.raises(ConfigError, match="looked in") as e:
+        open_model(store, predict=predict)
+    assert str(store) in str(e.value) and str(src.resolve()) in str(e.value)
+    model = load_model(store).model
+    untrained_heads(model).save(src / "prerouter.heads")
+    with open_model(store, predict=predict) as rt:
+        assert rt.mode["predictor"] == "prerouter"
