@@ -148,7 +148,7 @@ def main() -> None:
             "mode": name,
             **mode,
             **s,
-            "read_gbps": gbps,
+            "stall_read_gbps": gbps,  # bytes over the time compute waited for them
             "gb_per_token": s["bytes_read"] / a.tokens / 1e9,
             "hit_rate": s["hits"] / looks if looks else 0.0,
         }

@@ -327,7 +327,10 @@ def _expert_stats(s: dict) -> str:
     looked_up = s["hits"] + s["misses"]
     hit = 100 * s["hits"] / looked_up if looked_up else 0.0
     per_tok = s["bytes_read"] / max(s["prompt_tokens"] + s["generated_tokens"], 1) / 2**20
-    return f"experts hit {hit:.0f}%, {per_tok:.2f} MiB read/tok, {s['read_gbps']:.2f} GB/s | "
+    return (
+        f"experts hit {hit:.0f}%, {per_tok:.2f} MiB read/tok, {s['read_gbps']:.2f} GB/s read "
+        f"({s['stall_read_gbps']:.2f} GB/s while stalled) | "
+    )
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -205,7 +205,8 @@ def test_cli_hf_folder_is_converted_on_first_use(tiny_dir, tmp_path):
     assert outs[1].returncode == 2 and "below the minimum" in outs[1].stderr
     a, c = json.loads(outs[0].stdout), json.loads(outs[2].stdout)
     assert a["ids"] == c["ids"]
-    for key in ("bytes_read", "hits", "misses", "evictions", "read_gbps", "io_seconds"):
+    keys = ("bytes_read", "hits", "misses", "evictions", "read_gbps", "stall_read_gbps")
+    for key in (*keys, "io_seconds"):
         assert key in c["stats"]
     assert c["stats"]["bytes_read"] > 0 and len(list((tmp_path / "cache").iterdir())) == 1
     # Without --json the stats line carries the expert cache's numbers.

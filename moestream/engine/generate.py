@@ -46,7 +46,15 @@ class GenerationResult:
             "peak_rss_bytes": peak_rss_bytes(),
             "finish_reason": self.finish_reason,
             **self.provider_stats,
+            **self._read_rate(),
         }
+
+    def _read_rate(self) -> dict:
+        """The achieved read bandwidth: every byte the experts read over the whole generation."""
+        if "bytes_read" not in self.provider_stats:
+            return {}
+        wall = self.prefill_seconds + self.decode_seconds
+        return {"read_gbps": self.provider_stats["bytes_read"] / wall / 1e9 if wall else 0.0}
 
 
 class TextStream:

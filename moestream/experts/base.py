@@ -80,7 +80,8 @@ def stats_delta(before: dict, after: dict) -> dict:
     if d.get("prefetch_reads"):
         d["prefetch_precision"] = d["prefetch_used"] / d["prefetch_reads"]
     io = d.get("io_seconds", 0.0)
-    # Demand reads over the time decode waited for them (prefetched bytes overlap compute).
+    # Demand bytes over the time compute waited for them: a stall rate, not the disk's bandwidth
+    # (reads that land while compute runs cost no wait). GenerationResult adds `read_gbps`.
     demand = d.get("demand_bytes_read", d.get("bytes_read", 0))  # providers without prefetch
-    d["read_gbps"] = demand / io / 1e9 if io else 0.0
+    d["stall_read_gbps"] = demand / io / 1e9 if io else 0.0
     return d
