@@ -750,6 +750,19 @@ def cmd_train_prerouter(a: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_window(a: argparse.Namespace, ids: list[int], context: int) -> int:
+    """--ctx checked against the model and the text: a window scores ctx - 1 next tokens."""
+    from moestream.config import ConfigError
+
+    if a.ctx < 2:
+        raise ConfigError(f"--ctx {a.ctx}: a window needs at least 2 tokens (one to predict)")
+    if a.ctx > context:
+        raise ConfigError(f"--ctx {a.ctx} exceeds the model's context of {context}; lower it")
+    if len(ids) < 2:
+        raise ConfigError(f"{a.text} has {len(ids)} token(s); eval needs at least 2 to score")
+    return a.ctx
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -763,7 +776,7 @@ def cmd_eval(a: argparse.Namespace) -> int:
         if oracle is not None:
             ref = open_model(oracle, dtype="float32", progress=False)
         ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
-        ctx = min(a.ctx, cand.args.max_position_embeddings)
+        ctx = _eval_window(a, ids, cand.args.max_position_embeddings)
         try:
             out = evaluate(cand, ref, ids, ctx, stepwise=a.routing == "predicted")
         finally:

@@ -349,3 +349,16 @@ def test_prompt_from_file_or_stdin_and_short_threads(store, tmp_path, capsys):
     with pytest.raises(SystemExit) as e:  # neither -p nor -f: argparse's usage error
         main(base)
     assert e.value.code == 2
+
+
+def test_eval_window_and_text_are_checked(store, tmp_path, capsys):
+    text = tmp_path / "t.txt"
+    text.write_text("def fibonacci(n):\n    return n\n")
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    base = ["eval", "-m", str(store), "--no-reference", "-t", "1"]
+    assert "at least 2 tokens" in refused(capsys, [*base, "--text", str(text), "--ctx", "1"])
+    assert "exceeds the model's context" in refused(
+        capsys, [*base, "--text", str(text), "--ctx", "100000"]
+    )
+    assert "eval needs at least 2" in refused(capsys, [*base, "--text", str(empty)])
