@@ -145,7 +145,7 @@ def main() -> None:
     ap.add_argument("--quant", default="bf16")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--budgets", default="0.1,0.25,0.5,1.0")
-    ap.add_argument("--out", default="gpu_e2e.jsonl")
+    ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers row")
     ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")

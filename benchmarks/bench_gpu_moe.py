@@ -290,7 +290,7 @@ def to_row(r: dict, commit: str | None) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default="benchmarks/results/gpu_moe.jsonl")
+    ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--quant", nargs="+", default=["int8", "int4", "bf16"])
     ap.add_argument("--tokens", nargs="+", type=int, default=[1, 4, 8])

@@ -151,7 +151,7 @@ def dispatch_floor_us(n: int = 20000) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--out", default="benchmarks/results/overhead.jsonl")
+    p.add_argument("--out", default=None, help="append JSON rows here")
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--big", action=argparse.BooleanOptionalAction, default=True)

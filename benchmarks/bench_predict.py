@@ -198,7 +198,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs per mode; medians reported")
     ap.add_argument("--modes", default=None, help="comma list of mode names (default: all)")
     ap.add_argument("--work", default=".cache/bench_predict")
-    ap.add_argument("--out", default="benchmarks/results/predict.jsonl")
+    ap.add_argument("--out", default=None, help="append JSON rows here")
     a = ap.parse_args()
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -103,7 +103,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=12)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default=".cache/bench_stream")
-    ap.add_argument("--out", default="benchmarks/results/stream.jsonl")
+    ap.add_argument("--out", default=None, help="append JSON rows here")
     a = ap.parse_args()
     store = build_store(Path(a.work), a.layers)
     expert_bytes = sum(p.stat().st_size for p in store.glob("experts-*.bin"))

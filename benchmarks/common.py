@@ -117,9 +117,12 @@ def bench_row(bench: str, config: dict, results: dict, commit: str | None = None
     }
 
 
-def write_rows(path: str | Path, rows: list[dict]) -> None:
-    """Append rows made by bench_row as JSON lines (the folder is created)."""
+def write_rows(path: str | Path | None, rows: list[dict]) -> None:
+    """Append rows made by bench_row as JSON lines (the folder is created). No path: nothing is
+    written (results land only where --out asks, never in tracked files by default)."""
     assert all(r.get("schema") == SCHEMA for r in rows), "rows must come from bench_row"
+    if path is None:
+        return
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as f:

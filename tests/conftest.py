@@ -1,9 +1,13 @@
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 # Sleeping OpenMP threads: spinning ones make tests crawl when another process shares the cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Conversions on first use go to a throwaway cache: the suite never writes into ~/.cache/moestream
+# (subprocesses inherit it).
+os.environ["MOESTREAM_CACHE"] = tempfile.mkdtemp(prefix="moestream-test-cache-")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -40,3 +40,14 @@ def test_provider_is_owned_not_fished_out_or_probed():
         if bad.search(line)
     ]
     assert hits == []
+
+
+def test_the_suite_uses_a_throwaway_conversion_cache():
+    import os
+    import tempfile
+
+    from moestream.convert.cache import cache_root
+
+    assert Path(tempfile.gettempdir()) in cache_root().parents
+    assert cache_root() != Path.home() / ".cache" / "moestream"
+    assert os.environ["MOESTREAM_CACHE"] == str(cache_root())
