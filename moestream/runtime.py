@@ -129,6 +129,27 @@ def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
     return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device)
 
 
+def _check_is_model(folder: Path) -> None:
+    """A folder that is neither a store nor a Hugging Face checkpoint is named for what it is
+    (before the tokenizer would complain about a missing tokenizer.json)."""
+    from moestream.errors import CheckpointError
+    from moestream.store.format import DENSE_FILE, MANIFEST, StoreError
+
+    if is_store(folder):
+        return
+    if (folder / DENSE_FILE).is_file() or any(folder.glob("experts-L*.bin")):
+        raise StoreError(
+            f"{folder} holds a moestream store's files but no {MANIFEST}: the store is damaged "
+            "(an interrupted copy?); convert the model again"
+        )
+    if (folder / "config.json").is_file():
+        return  # a Hugging Face folder: the checkpoint reader names what is missing
+    raise CheckpointError(
+        f"{folder} is not a model folder: neither a Hugging Face checkpoint (config.json + "
+        f"*.safetensors) nor a moestream store ({MANIFEST}); pass -m a checkpoint folder"
+    )
+
+
 def _check_store(folder: Path, quant: str | None) -> None:
     """Open a store's manifest before the tokenizer reads its files (their checksums are there)."""
     if not is_store(folder):
@@ -164,6 +185,7 @@ def open_model(
         raise FileNotFoundError(
             f"model folder {folder} does not exist; pass -m a checkpoint folder"
         )
+    _check_is_model(folder)
     if not is_store(folder) and (experts is not None or quant is not None):
         folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
     _check_store(folder, quant)

@@ -362,3 +362,27 @@ def test_eval_window_and_text_are_checked(store, tmp_path, capsys):
         capsys, [*base, "--text", str(text), "--ctx", "100000"]
     )
     assert "eval needs at least 2" in refused(capsys, [*base, "--text", str(empty)])
+
+
+def test_not_a_model_and_a_store_without_manifest_are_named(store, tmp_path, capsys):
+    other = tmp_path / "docs"
+    other.mkdir()
+    (other / "readme.txt").write_text("hi")
+    err = refused(capsys, ["generate", "-m", str(other), "-p", "x"])
+    assert "is not a model folder" in err and "tokenizer" not in err
+    broken = tmp_path / "broken"
+    shutil.copytree(store, broken)
+    (broken / "manifest.json").unlink()
+    err = refused(capsys, ["generate", "-m", str(broken), "-p", "x"])
+    assert "no manifest.json" in err and "convert the model again" in err
+
+
+def test_recall_of_hidden_state_predictors_needs_a_hidden_trace(store, prompts, tmp_path, capsys):
+    out = tmp_path / "trace"
+    assert (
+        main(["trace", "-m", str(store), "--prompts", str(prompts), "-n", "3", "-o", str(out)]) == 0
+    )
+    err = refused(
+        capsys, ["recall", "-m", str(store), "--trace", str(out), "--predictor", "stale-gate"]
+    )
+    assert "moestream trace --hidden" in err

@@ -51,10 +51,20 @@ def overall(rows: list[dict]) -> float | None:
     return sum(r["correct"] for r in rows) / routed if routed else None
 
 
+HIDDEN_PREDICTORS = ("stale-gate", "prerouter")  # predict from the router input, not from ids
+
+
 def recall_table(model, trace: Trace, names: list[str], heads=None) -> dict[str, list[dict]]:
     """Per predictor, per MoE column recall over the trace's generated tokens."""
+    from moestream.config import ConfigError
     from moestream.predict.pipeline import make_predictor
 
+    need = [n for n in names if n in HIDDEN_PREDICTORS]
+    if need and trace.hidden is None:
+        raise ConfigError(
+            f"--predictor {need[0]} reads the router inputs, which this trace lacks: record it "
+            "with `moestream trace --hidden`"
+        )
     with torch.no_grad():
         return {
             n: replay_recall(make_predictor(n, model, heads=heads, trace=trace), trace)
