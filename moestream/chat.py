@@ -15,7 +15,7 @@ from moestream.config import SamplingConfig
 from moestream.engine.generate import GenerationResult
 from moestream.runtime import Runtime
 
-HELP = "type a message; /reset clears the history, /exit quits"
+HELP = "type a message; /reset clears the history, /help shows this, /exit quits"
 
 
 @dataclass
@@ -72,6 +72,8 @@ def reply(rt: Runtime, conv: Conversation, cfg: SamplingConfig, out: TextIO) -> 
         out.write(" [stopped]")
     out.write("\n")
     out.flush()
+    if res.finish_reason == "length" and budget < cfg.max_new_tokens:
+        print("[reply cut: the context is full; /reset to start over]", file=sys.stderr)
     conv.turns.append({"role": "assistant", "content": "".join(text)})
     return res
 
@@ -98,6 +100,12 @@ def read_message(interactive: bool, inp: TextIO) -> str | None:
                 return None
         if line.strip():
             return line.rstrip("\n")
+
+
+def _unknown_command(line: str) -> bool:
+    """A '/word' line that is no command: not sent to the model by mistake."""
+    word = line.strip().split(maxsplit=1)[0] if line.strip() else ""
+    return word.startswith("/") and word[1:].isalpha()
 
 
 def run_chat(
@@ -127,6 +135,12 @@ def run_chat(
             if line.strip() == "/reset":
                 conv.reset()
                 print("[history cleared]", file=sys.stderr)
+                continue
+            if line.strip() == "/help" or _unknown_command(line):
+                print(
+                    HELP if line.strip() == "/help" else f"[unknown command; {HELP}]",
+                    file=sys.stderr,
+                )
                 continue
             conv.turns.append({"role": "user", "content": line})
             res = reply(rt, conv, cfg, out)

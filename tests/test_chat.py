@@ -104,3 +104,34 @@ def test_old_turns_dropped_when_context_is_full(rt):
     assert conv.turns[-1] == {"role": "user", "content": "last"}
     assert conv.messages()[0] == {"role": "system", "content": "sys"}  # the system message stays
     assert len(conv.turns) % 2 == 1 and len(conv.turns) < 13  # whole exchanges were dropped
+
+
+def test_help_and_unknown_commands_stay_out_of_the_conversation(rt, capsys):
+    import io
+
+    from moestream.chat import HELP, run_chat
+
+    inp = io.StringIO("/help\n/frobnicate\n")
+    out = io.StringIO()
+    assert run_chat(rt, SamplingConfig(max_new_tokens=N), inp=inp, out=out) == 0
+    err = capsys.readouterr().err
+    assert HELP in err and "unknown command" in err and out.getvalue() == ""
+
+
+def test_a_reply_cut_by_the_context_says_so(rt, capsys):
+    from moestream.chat import Conversation, reply
+
+    ctx = rt.args.max_position_embeddings
+    conv = Conversation(turns=[{"role": "user", "content": "fibonacci " * (ctx // 3)}])
+    ids = rt.tokenizer.encode_chat(conv.messages())
+    assert ctx - len(ids) < 500  # the reply budget is the context's rest, below what was asked
+    res = reply(rt, conv, SamplingConfig(max_new_tokens=500, ignore_eos=True), io_out())
+    assert res.finish_reason == "length" and len(ids) + len(res.ids) == ctx
+    assert "reply cut: the context is full" in capsys.readouterr().err
+    assert res.stats()["decode_seconds"] > 0
+
+
+def io_out():
+    import io
+
+    return io.StringIO()

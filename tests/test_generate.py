@@ -183,3 +183,15 @@ def test_small_models_decode_on_one_thread_and_restore_the_setting(rt):
 
 def test_explicit_threads_switch_the_policy_off(tiny_dir):
     assert open_model(tiny_dir("qwen3_moe"), threads=2).generator.decode_threads is None
+
+
+def test_decode_time_is_kept_when_the_consumer_stops_early(rt):
+    from moestream.engine.generate import GenerationResult
+
+    ids = rt.encode_prompt("def fib")
+    res = GenerationResult(ids)
+    stream = rt.generator.stream(ids, SamplingConfig(max_new_tokens=32, ignore_eos=True), res)
+    for _ in zip(range(3), stream):
+        pass
+    stream.close()  # as chat does on Ctrl-C
+    assert 0 < len(res.ids) < 32 and res.decode_seconds > 0 and res.stats()["decode_tok_s"] > 0

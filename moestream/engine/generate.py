@@ -180,6 +180,12 @@ class Generator:
 
     def _decode(self, logits, cache, pos: int, cfg, gen, text, res, graph=None) -> Iterator[str]:
         t1 = time.perf_counter()
+        try:
+            yield from self._steps(logits, cache, pos, cfg, gen, text, res, graph)
+        finally:  # also when the consumer stops early (Ctrl-C in chat): honest timings
+            res.decode_seconds = time.perf_counter() - t1
+
+    def _steps(self, logits, cache, pos: int, cfg, gen, text, res, graph) -> Iterator[str]:
         while True:
             token, logprob = choose(logits, cfg, gen)
             res.ids.append(token)
@@ -201,7 +207,6 @@ class Generator:
                 nxt = torch.tensor([token], device=self.device)
                 logits = self.model(nxt, cache, pos, last_only=True)[-1]
             pos += 1
-        res.decode_seconds = time.perf_counter() - t1
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:
         res = GenerationResult(list(prompt_ids))
