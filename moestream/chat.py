@@ -42,7 +42,7 @@ class Conversation:
 
 def fit_prompt(rt: Runtime, conv: Conversation, max_new: int) -> tuple[list[int], int]:
     """Prompt ids of the conversation and the reply budget, dropping old turns to make room."""
-    ctx = rt.args.max_position_embeddings
+    ctx = rt.generator.context
     while True:
         ids = rt.tokenizer.encode_chat(conv.messages())
         # Keep at least a short reply's worth of room before giving up on old turns.

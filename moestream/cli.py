@@ -39,6 +39,16 @@ def _sampling(a: argparse.Namespace) -> SamplingConfig:
     )
 
 
+def _add_ctx_size(p) -> None:
+    p.add_argument(
+        "-c",
+        "--ctx-size",
+        type=int,
+        default=None,
+        help="positions a sequence may use, prompt + reply (default: the model's context)",
+    )
+
+
 def _add_threads(p) -> None:
     p.add_argument(
         "-t", "--threads", type=int, default=None, help="torch threads (default: all cores)"
@@ -48,6 +58,7 @@ def _add_threads(p) -> None:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt")
     _add_model_args(p)
+    _add_ctx_size(p)
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("-p", "--prompt", help="prompt text, used raw unless --chat; '-' reads stdin")
     src.add_argument("-f", "--file", help="read the prompt from this UTF-8 file")
@@ -167,6 +178,8 @@ def _store_kwargs(a: argparse.Namespace) -> dict:
     a flag that the others would leave unused is refused, prediction without a cache noted."""
     _check_device_flags(a)
     kw = {"quant": a.quant, "threads": a.threads, "predict": _predict_config(a)}
+    if getattr(a, "ctx_size", None) is not None:
+        kw["context"] = a.ctx_size
     experts = _gpu_config(a) if a.device == "cuda" else _stream_config(a)
     _check_policy(a, experts)
     _note_prediction(kw["predict"], experts)
@@ -421,6 +434,7 @@ def _open_runtime(a: argparse.Namespace, progress: bool = True):
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (requests served FIFO)")
     _add_model_args(p)
+    _add_ctx_size(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     p.add_argument(
@@ -477,6 +491,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
 def _add_chat(sub) -> None:
     p = sub.add_parser("chat", help="interactive terminal chat with history and streamed replies")
     _add_model_args(p)
+    _add_ctx_size(p)
     p.add_argument("--system", default=None, help="system message that starts the conversation")
     p.add_argument(
         "-n", "--max-tokens", type=int, default=512, help="most tokens per reply (default 512)"

@@ -129,6 +129,14 @@ def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
     return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device)
 
 
+def _context(asked: int | None, model: int) -> int:
+    if asked is None:
+        return model
+    if not 2 <= asked <= model:
+        raise ConfigError(f"--ctx-size {asked} must be in [2, {model}] (the model's context)")
+    return asked
+
+
 def _check_is_model(folder: Path) -> None:
     """A folder that is neither a store nor a Hugging Face checkpoint is named for what it is
     (before the tokenizer would complain about a missing tokenizer.json)."""
@@ -170,12 +178,14 @@ def open_model(
     quant: str | None = None,
     predict: PredictConfig | None = None,
     threads: int | None = None,
+    context: int | None = None,
 ) -> Runtime:
     """Open a folder. A store opens with `experts` (a StreamConfig for the CPU, a GpuConfig for a
     GPU; default: every expert resident in RAM). A Hugging Face folder loads directly, unless
     `experts` or `quant` is given: then it is converted once into the cache.
     `predict`: routing prediction and prefetch (moestream/predict/). `threads`: the torch threads
-    the caller set; None lets a small model decode on one thread (small_decode_threads)."""
+    the caller set; None lets a small model decode on one thread (small_decode_threads).
+    `context`: positions a sequence may use (default: the model's whole context)."""
     predict = predict or PredictConfig()
     on_gpu = isinstance(experts, GpuConfig)
     if on_gpu and predict.active:
@@ -196,6 +206,7 @@ def open_model(
         provider = _attach_predictor(loaded, predict, _heads_folders(Path(path), folder))
     eos = eos_ids(folder, loaded.args, tokenizer)
     gen = Generator(loaded.model, loaded.args, tokenizer, provider, eos)
+    gen.context = _context(context, loaded.args.max_position_embeddings)
     if threads is None and not on_gpu:
         gen.decode_threads = small_decode_threads(loaded.args)
     if on_gpu and experts.cuda_graph:

@@ -386,3 +386,19 @@ def test_recall_of_hidden_state_predictors_needs_a_hidden_trace(store, prompts, 
         capsys, ["recall", "-m", str(store), "--trace", str(out), "--predictor", "stale-gate"]
     )
     assert "moestream trace --hidden" in err
+
+
+def test_ctx_size_bounds_a_sequence(store, capsys):
+    import json
+
+    from moestream.runtime import open_model
+
+    with open_model(store, context=16) as rt:
+        assert rt.generator.context == 16
+    base = ["generate", "-m", str(store), "-p", "def fibonacci(n):", "--json"]
+    assert main([*base, "-n", "4", "-c", "64"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["ids"]) == 4
+    err = refused(capsys, [*base, "-n", "40", "-c", "16"])
+    assert "context of 16" in err
+    err = refused(capsys, [*base, "-n", "4", "--ctx-size", "100000"])
+    assert "--ctx-size 100000 must be in [2," in err

@@ -127,6 +127,8 @@ class Generator:
     def __init__(self, model, args: ModelArgs, tokenizer, provider: ExpertProvider, eos_ids=()):
         self.model, self.args, self.tok, self.provider = model, args, tokenizer, provider
         self.graphs = None  # engine.graph.DecodeGraphs: decode steps replayed as CUDA graphs
+        # Positions one sequence may use: the model's context, or less (--ctx-size).
+        self.context = args.max_position_embeddings
         self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)
         self.dtype = model.model.embed_tokens.weight.dtype
@@ -146,10 +148,10 @@ class Generator:
                 f"({self.args.vocab_size}); the tokenizer does not belong to this model"
             )
         total = len(prompt_ids) + cfg.max_new_tokens
-        if total > self.args.max_position_embeddings:
+        if total > self.context:
             raise ConfigError(
                 f"prompt ({len(prompt_ids)} tokens) + max new tokens ({cfg.max_new_tokens}) exceeds the "
-                f"model's context of {self.args.max_position_embeddings}; shorten the prompt or lower -n"
+                f"context of {self.context}; shorten the prompt or lower -n"
             )
         if cfg.max_new_tokens == 0:
             return

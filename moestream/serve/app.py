@@ -308,7 +308,7 @@ def model_card(server: Server) -> ModelCard:
     return ModelCard(
         id=server.model_id,
         created=int(server.worker.started),
-        max_model_len=server.rt.args.max_position_embeddings,
+        max_model_len=server.rt.generator.context,
     )
 
 
@@ -366,6 +366,6 @@ def create_app(
     app.add_middleware(BodyLimit, limit=max_body_bytes)
     install_error_handlers(app)
     add_routes(app, server)
-    context = runtime.args.max_position_embeddings
+    context = runtime.generator.context
     app.openapi = lambda: openapi_schema(app, model_id, context)
     return app

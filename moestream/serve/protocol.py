@@ -86,7 +86,7 @@ def chat_prompt_ids(rt: Runtime, req: ChatCompletionRequest) -> list[int]:
 def sampling_config(
     rt: Runtime, req: CompletionRequest | ChatCompletionRequest, n_prompt: int
 ) -> SamplingConfig:
-    ctx = rt.args.max_position_embeddings
+    ctx = rt.generator.context
     if n_prompt == 0:
         raise ApiError(400, "the prompt is empty after tokenisation; send some text", "prompt")
     if n_prompt > ctx:
