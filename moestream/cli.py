@@ -411,9 +411,14 @@ def _generate(rt, a: argparse.Namespace, cfg) -> int:
     return 0
 
 
-def _add_model_args(p) -> None:
-    """The model-opening flags serve and chat share with generate (-m, dtype, threads, store)."""
-    p.add_argument("-m", "--model", required=True, help="Hugging Face checkpoint folder")
+def _add_model_args(p, positional: bool = False) -> None:
+    """The model-opening flags serve and chat share with generate (-m, dtype, threads, store).
+    `positional`: the folder may also come as the first argument (`serve MODEL`, as vllm)."""
+    if positional:
+        p.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as -m")
+    p.add_argument(
+        "-m", "--model", required=not positional, help="Hugging Face checkpoint or store folder"
+    )
     p.add_argument(
         "--dtype",
         default="float32",
@@ -433,7 +438,7 @@ def _open_runtime(a: argparse.Namespace, progress: bool = True):
 
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (requests served FIFO)")
-    _add_model_args(p)
+    _add_model_args(p, positional=True)
     _add_ctx_size(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
@@ -462,7 +467,19 @@ def _positive_size(text: str) -> int:
     return n
 
 
+def _model_folder(a: argparse.Namespace) -> str:
+    """MODEL or -m MODEL, one of them."""
+    from moestream.config import ConfigError
+
+    if a.model and a.model_arg and a.model != a.model_arg:
+        raise ConfigError(f"two models given ({a.model_arg} and -m {a.model}); give one")
+    if not (a.model or a.model_arg):
+        raise ConfigError("give the model folder: moestream serve MODEL (or -m MODEL)")
+    return a.model or a.model_arg
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
+    a.model = _model_folder(a)
     try:
         import uvicorn
 

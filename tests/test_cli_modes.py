@@ -402,3 +402,12 @@ def test_ctx_size_bounds_a_sequence(store, capsys):
     assert "context of 16" in err
     err = refused(capsys, [*base, "-n", "4", "--ctx-size", "100000"])
     assert "--ctx-size 100000 must be in [2," in err
+
+
+def test_serve_takes_the_model_as_its_first_argument(capsys):
+    from moestream.cli import _model_folder
+
+    assert _model_folder(build_parser().parse_args(["serve", "some/dir"])) == "some/dir"
+    assert _model_folder(build_parser().parse_args(["serve", "-m", "some/dir"])) == "some/dir"
+    assert "give the model folder" in refused(capsys, ["serve"])
+    assert "two models given" in refused(capsys, ["serve", "a", "-m", "b"])
