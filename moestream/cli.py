@@ -24,6 +24,12 @@ def _add_sampling_args(p) -> None:
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument(
+        "--repeat-penalty", type=float, default=1.0, help="llama.cpp's, e.g. 1.1 (1 = off)"
+    )
+    p.add_argument("--repeat-last-n", type=int, default=64, help="tokens penalized (0 = all)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="per occurrence, -2..2")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="once per token, -2..2")
 
 
 def _sampling(a: argparse.Namespace) -> SamplingConfig:
@@ -36,6 +42,10 @@ def _sampling(a: argparse.Namespace) -> SamplingConfig:
         max_new_tokens=a.max_tokens,
         stop=tuple(a.stop),
         ignore_eos=getattr(a, "ignore_eos", False),
+        repeat_penalty=a.repeat_penalty,
+        repeat_last_n=a.repeat_last_n,
+        frequency_penalty=a.frequency_penalty,
+        presence_penalty=a.presence_penalty,
     )
 
 

@@ -346,8 +346,22 @@ class SamplingConfig:
     max_new_tokens: int = 64
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Penalties over the last `repeat_last_n` tokens (prompt included; 0 = all): llama.cpp's
+    # repeat penalty (positive logits divided, negative multiplied) and OpenAI's frequency /
+    # presence penalties (subtracted per occurrence / once). Defaults change nothing.
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self):
+        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
+            raise ConfigError(f"repeat penalty must be > 0 (1 = off), got {self.repeat_penalty}")
+        if self.repeat_last_n < 0:
+            raise ConfigError(f"repeat-last-n must be >= 0 (0 = all), got {self.repeat_last_n}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise ConfigError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.temperature < 0:
             raise ConfigError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:

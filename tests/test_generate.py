@@ -195,3 +195,31 @@ def test_decode_time_is_kept_when_the_consumer_stops_early(rt):
         pass
     stream.close()  # as chat does on Ctrl-C
     assert 0 < len(res.ids) < 32 and res.decode_seconds > 0 and res.stats()["decode_tok_s"] > 0
+
+
+def test_penalties():
+    from moestream.engine.sampling import penalized
+
+    logits = torch.tensor([2.0, -1.0, 0.5, 3.0])
+    off = SamplingConfig()
+    assert penalized(logits, [0, 1, 1], off) is logits  # defaults: untouched
+    rp = penalized(logits, [0, 1, 1], SamplingConfig(repeat_penalty=2.0))
+    assert rp.tolist() == [1.0, -2.0, 0.5, 3.0]  # positive divided, negative multiplied
+    fp = penalized(logits, [0, 1, 1], SamplingConfig(frequency_penalty=0.5, presence_penalty=0.25))
+    assert fp.tolist() == [2.0 - 0.5 - 0.25, -1.0 - 1.0 - 0.25, 0.5, 3.0]
+    last = penalized(logits, [3, 0, 1], SamplingConfig(repeat_penalty=2.0, repeat_last_n=2))
+    assert last.tolist() == [1.0, -2.0, 0.5, 3.0]  # token 3 is outside the window
+    for bad in ({"repeat_penalty": 0.0}, {"frequency_penalty": 3.0}, {"repeat_last_n": -1}):
+        with pytest.raises(ConfigError):
+            SamplingConfig(**bad)
+
+
+def test_repeat_penalty_changes_a_looping_greedy_run(rt):
+    ids = rt.encode_prompt("def fib")
+    plain = rt.generator.generate(ids, SamplingConfig(max_new_tokens=24, ignore_eos=True))
+    again = rt.generator.generate(ids, SamplingConfig(max_new_tokens=24, ignore_eos=True))
+    pen = rt.generator.generate(
+        ids, SamplingConfig(max_new_tokens=24, ignore_eos=True, repeat_penalty=1.5)
+    )
+    assert plain.ids == again.ids and pen.ids != plain.ids
+    assert len(set(pen.ids)) >= len(set(plain.ids))

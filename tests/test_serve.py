@@ -438,3 +438,16 @@ def test_schemathesis_finds_no_5xx(server, tmp_path):
     env = {**os.environ, "NO_COLOR": "1"}
     out = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, env=env, timeout=240)
     assert out.returncode == 0, out.stdout[-6000:]
+
+
+def test_penalties_are_served_as_generate_runs_them(client, model_dir):
+    """frequency/presence/repetition penalties reach the sampler (not silently dropped)."""
+    flags = ("--frequency-penalty", "0.8", "--presence-penalty", "0.4", "--repeat-penalty", "1.3")
+    exp = cli_generate(model_dir, PROMPT, N, False, *flags)
+    plain = cli_generate(model_dir, PROMPT, N)
+    assert exp["ids"] != plain["ids"]
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=N, temperature=0, frequency_penalty=0.8,
+        presence_penalty=0.4, extra_body={"repetition_penalty": 1.3},
+    )  # fmt: skip
+    assert r.choices[0].text == exp["text"]

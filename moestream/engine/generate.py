@@ -189,7 +189,7 @@ class Generator:
 
     def _steps(self, logits, cache, pos: int, cfg, gen, text, res, graph) -> Iterator[str]:
         while True:
-            token, logprob = choose(logits, cfg, gen)
+            token, logprob = choose(logits, cfg, gen, res.prompt_ids + res.ids)
             res.ids.append(token)
             res.logprobs.append(logprob)
             if token in self.eos_ids and not cfg.ignore_eos:

@@ -119,6 +119,9 @@ def sampling_config(
             max_new_tokens=max_new,
             stop=stop,
             ignore_eos=req.ignore_eos,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            presence_penalty=req.presence_penalty or 0.0,
+            repeat_penalty=req.repetition_penalty or 1.0,
         )
     except ConfigError as e:
         raise ApiError(400, str(e)) from e

@@ -72,6 +72,15 @@ class _Sampling(BaseModel):
     stream: bool = Field(False, description="send server-sent events as text is produced")
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="extension: keep generating past end-of-sequence")
+    frequency_penalty: float | None = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="subtracted per occurrence so far"
+    )
+    presence_penalty: float | None = Field(
+        None, ge=-2, le=2, allow_inf_nan=False, description="subtracted once per token seen"
+    )
+    repetition_penalty: float | None = Field(
+        None, gt=0, le=10, allow_inf_nan=False, description="extension (vLLM/llama.cpp): 1 = off"
+    )
 
 
 class CompletionRequest(_Sampling):
