@@ -8,10 +8,16 @@ fields (`config_fields`) and `moestream.models` picks the file by `model_type`.
 from __future__ import annotations
 
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """Converted stores and built native kernels (the one place that reads MOESTREAM_CACHE)."""
+    return Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
 
 
 class ConfigError(ValueError):

@@ -1,0 +1,310 @@
+// Native CPU kernels for moestream's int4 / int8 expert records, read in place (no repack).
+// Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
+//   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
+//   q = round_half_even(x * (1 / d)) clamped to [-127, 127]; each block's integer dot with the
+//   weights is exact (int32); blocks are combined in fp32 in ascending block order with the same
+//   rounding steps as the reference, so every ISA variant gives the reference's bits for one linear.
+// Build flags include -ffp-contract=off: no fused multiply-add may change those roundings.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int G = 32;   // weight group = activation block
+constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm layout)
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
+
+// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i].
+struct QAct {
+  int rows = 0, K = 0;
+  std::vector<int8_t> q;   // [rows, K]
+  std::vector<float> d;    // [rows, K/32]
+  std::vector<int32_t> s;  // [rows, K/32] sum of q (the int4 zero-point term)
+  QAct(int r, int k) : rows(r), K(k), q((size_t)r * k), d((size_t)r * k / G), s((size_t)r * k / G) {}
+  const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
+  const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
+  const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
+};
+
+void quantize_row(const float* x, QAct& a, int r) {
+  int8_t* q = a.q.data() + (size_t)r * a.K;
+  for (int b = 0; b < a.K / G; ++b) {
+    const float* xb = x + b * G;
+    float amax = 0.f;
+    for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / 127.f;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < G; ++i) {
+      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * id)));
+      q[b * G + i] = (int8_t)v;
+      sum += (int32_t)v;
+    }
+    a.d[(size_t)r * a.K / G + b] = d;
+    a.s[(size_t)r * a.K / G + b] = sum;
+  }
+}
+
+// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], or int8 q [N, K] + s fp32 [N, K/32].
+struct Weight {
+  const uint8_t* q;
+  const void* s;
+  int N, K;
+  bool int4;
+};
+
+float bf16(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- scalar (portable; the order every variant keeps) ------------------------------------------
+void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int b = std::min(BN, w.N - r0), h = b / 2;
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;  // r0 is a block start
+  const uint16_t* sz = (const uint16_t*)w.s;
+  const int8_t* xq = a.qr(t);
+  for (int r = 0; r < n; ++r) {
+    const int col = r % h, shift = r < h ? 0 : 4;
+    float acc = 0.f;
+    for (int j = 0; j < w.K / G; ++j) {
+      int32_t dot = 0;
+      for (int k = j * G; k < (j + 1) * G; ++k) dot += ((blk[(size_t)k * h + col] >> shift) & 15) * xq[k];
+      const size_t o = ((size_t)j * w.N + r0 + r) * 2;
+      const float sq = (float)a.sr(t)[j];
+      const float tt = bf16(sz[o]) * (float)(dot - 8 * a.sr(t)[j]) + bf16(sz[o + 1]) * sq;
+      acc = acc + a.dr(t)[j] * tt;
+    }
+    y[r] = acc;
+  }
+}
+
+void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const float* s = (const float*)w.s;
+  const int8_t* xq = a.qr(t);
+  for (int r = r0; r < r0 + n; ++r) {
+    const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+    float acc = 0.f;
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot = 0;
+      for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+      acc = acc + (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot;
+    }
+    y[r - r0] = acc;
+  }
+}
+
+// ---- AVX2 + FMA ----------------------------------------------------------------------------------
+// int4, one full block of 64 rows: per k pair, the two k's nibbles of a row are interleaved into
+// adjacent bytes so one maddubs gives that row's two products (u8 0..15 x s8: no saturation); 8
+// pairs fit in int16 (<= 30480), then widen. Rows land permuted: acc32[i] holds rows kBase[i]..+7.
+__attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0, const QAct& a, int t,
+                                                          float* y) {
+  static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
+  const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
+  const int8_t* xq = a.qr(t);
+  const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
+  __m256 yacc[8];
+  for (auto& v : yacc) v = _mm256_setzero_ps();
+  for (int j = 0; j < w.K / G; ++j) {
+    const uint8_t* p = blk + (size_t)j * G * 32;
+    const int8_t* xj = xq + j * G;
+    __m256i acc32[8];
+    for (auto& v : acc32) v = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      __m256i acc16[4];
+      for (auto& v : acc16) v = _mm256_setzero_si256();
+      for (int k = half * 16; k < half * 16 + 16; k += 2) {
+        const __m256i A = _mm256_loadu_si256((const __m256i*)(p + k * 32));
+        const __m256i B = _mm256_loadu_si256((const __m256i*)(p + (k + 1) * 32));
+        const __m256i al = _mm256_and_si256(A, m4), ah = _mm256_and_si256(_mm256_srli_epi16(A, 4), m4);
+        const __m256i bl = _mm256_and_si256(B, m4), bh = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4);
+        const __m256i xp = _mm256_set1_epi16((int16_t)((uint8_t)xj[k] | ((uint16_t)(uint8_t)xj[k + 1] << 8)));
+        acc16[0] = _mm256_add_epi16(acc16[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
+        acc16[1] = _mm256_add_epi16(acc16[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
+        acc16[2] = _mm256_add_epi16(acc16[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
+        acc16[3] = _mm256_add_epi16(acc16[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ah, bh), xp));
+      }
+      for (int i = 0; i < 4; ++i) {
+        acc32[2 * i] = _mm256_add_epi32(acc32[2 * i], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[i])));
+        acc32[2 * i + 1] =
+            _mm256_add_epi32(acc32[2 * i + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[i], 1)));
+      }
+    }
+    const int32_t sq = a.sr(t)[j];
+    const __m256i off = _mm256_set1_epi32(8 * sq);
+    const __m256 sqf = _mm256_set1_ps((float)sq), dv = _mm256_set1_ps(a.dr(t)[j]);
+    for (int i = 0; i < 8; ++i) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + (size_t)j * w.N + r0 + kBase[i]));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, zmask));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc32[i], off));
+      const __m256 tt = _mm256_add_ps(_mm256_mul_ps(s, dot), _mm256_mul_ps(z, sqf));
+      yacc[i] = _mm256_add_ps(yacc[i], _mm256_mul_ps(dv, tt));
+    }
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(y + kBase[i], yacc[i]);
+}
+
+// Eight int32 vectors -> one vector of their eight lane sums, in order.
+__attribute__((target("avx2,fma"))) __m256i hsum8(const __m256i* p) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// int8, eight rows at a time: |w| x sign(x, w) in maddubs (<= 2 * 127 * 127, no saturation), the
+// block's dot reduced exactly to int32 per row before the fp32 combine.
+__attribute__((target("avx2,fma"))) void int8_rows8_avx2(const Weight& w, int r0, const QAct& a, int t,
+                                                          float* y) {
+  const int nb = w.K / G;
+  const float* s = (const float*)w.s + (size_t)r0 * nb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i sidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(nb));
+  __m256 acc = _mm256_setzero_ps();
+  for (int j = 0; j < nb; ++j) {
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(a.qr(t) + j * G));
+    __m256i p[8];
+    for (int r = 0; r < 8; ++r) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)((const int8_t*)w.q + (size_t)(r0 + r) * w.K + j * G));
+      const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+      p[r] = _mm256_madd_epi16(prod, ones);
+    }
+    const __m256 dot = _mm256_cvtepi32_ps(hsum8(p));
+    const __m256 c = _mm256_mul_ps(_mm256_i32gather_ps(s + j, sidx, 4), _mm256_set1_ps(a.dr(t)[j]));
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(c, dot));
+  }
+  _mm256_storeu_ps(y, acc);
+}
+
+bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64) for activation row t -> y[0, n).
+void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
+  if (w.int4) {
+    if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
+    return int4_rows_scalar(w, r0, n, a, t, y);
+  }
+  int done = 0;
+  if (isa >= kAvx2)
+    for (; done + 8 <= n; done += 8) int8_rows8_avx2(w, r0 + done, a, t, y + done);
+  if (done < n) int8_rows_scalar(w, r0 + done, n - done, a, t, y + done);
+}
+
+Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
+  TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
+  const bool int4 = q.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(int4 || q.scalar_type() == torch::kInt8, "weights must be int4 (uint8) or int8");
+  TORCH_CHECK(s.scalar_type() == (int4 ? torch::kBFloat16 : torch::kFloat32), "unexpected scale dtype");
+  const int N = (int)q.size(0), K = (int)q.size(1) * (int4 ? 2 : 1);
+  TORCH_CHECK(K % G == 0 && (!int4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
+  TORCH_CHECK(s.numel() == (int64_t)N * K / G * (int4 ? 2 : 1), "scale section has the wrong size");
+  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, int4};
+}
+
+int64_t resolve(int64_t isa) {
+  const int64_t best = cpu_has_avx2() ? kAvx2 : kScalar;
+  return isa < 0 ? best : std::min(isa, best);
+}
+
+QAct quantize(const torch::Tensor& x) {
+  QAct a((int)x.size(0), (int)x.size(1));
+  TORCH_CHECK(a.K % G == 0, "activation width must be a multiple of 32");
+  for (int r = 0; r < a.rows; ++r) quantize_row(x.data_ptr<float>() + (size_t)r * a.K, a, r);
+  return a;
+}
+
+// x [T, K] float -> [T, N] fp32 through one quantized weight (tests and single projections).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t isa) {
+  const Weight w = weight(q, s);
+  const auto xf = x.to(torch::kFloat).contiguous();
+  TORCH_CHECK(xf.dim() == 2 && xf.size(1) == w.K, "x must be [T, K]");
+  const QAct a = quantize(xf);
+  isa = resolve(isa);
+  auto y = torch::empty({a.rows, w.N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const int nblk = (w.N + BN - 1) / BN;
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int t = 0; t < a.rows; ++t)
+        rows(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, t, yp + (size_t)t * w.N + b * BN, isa);
+  });
+  return y;
+}
+
+// silu(gate) * up of h [rows, 2I] quantized per row.
+void act_quantize(const float* h, int I, QAct& act, int r) {
+  std::vector<float> v(I);
+  const float* g = h + (size_t)r * 2 * I;
+  for (int i = 0; i < I; ++i) v[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+  quantize_row(v.data(), act, r);
+}
+
+// x [T, D], per expert (q13, s13, q2, s2) in the order they are to be summed, weights [T, E] ->
+// sum_e weights[:, e] * down_e(silu(gate_e(x)) * up_e(x)) in fp32, added in list order.
+torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& weights,
+                  int64_t isa) {
+  TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty(), "4 sections per expert");
+  const int E = (int)secs.size() / 4;
+  std::vector<Weight> w13, w2;
+  for (int e = 0; e < E; ++e) {
+    w13.push_back(weight(secs[4 * e], secs[4 * e + 1]));
+    w2.push_back(weight(secs[4 * e + 2], secs[4 * e + 3]));
+  }
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const auto wt = weights.to(torch::kFloat).contiguous();
+  const int T = (int)xf.size(0), D = (int)xf.size(1), N13 = w13[0].N, I = N13 / 2;
+  TORCH_CHECK(w13[0].K == D && w2[0].N == D && w2[0].K == I, "record shapes do not match x");
+  TORCH_CHECK(wt.size(0) == T && wt.size(1) == E, "weights must be [T, E]");
+  isa = resolve(isa);
+  const QAct ax = quantize(xf);
+  std::vector<float> h((size_t)E * T * N13);
+  const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
+  at::parallel_for(0, (int64_t)E * nb13, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
+      for (int t = 0; t < T; ++t)
+        rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
+    }
+  });
+  QAct act(E * T, I);  // row e * T + t
+  at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) act_quantize(h.data(), I, act, (int)r);
+  });
+  auto out = torch::zeros({T, D}, xf.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  at::parallel_for(0, nbd, 1, [&](int64_t b0, int64_t b1) {
+    float tmp[BN];
+    for (int64_t b = b0; b < b1; ++b) {
+      const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+      for (int t = 0; t < T; ++t)
+        for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
+          rows(w2[e], r0, n, act, e * T + t, tmp, isa);
+          float* o = op + (size_t)t * D + r0;
+          for (int i = 0; i < n; ++i) o[i] = o[i] + wp[t * E + e] * tmp[i];
+        }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x [T, K] through one int4/int8 weight -> [T, N] fp32");
+  m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32");
+  m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
+}
