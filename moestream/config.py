@@ -20,6 +20,12 @@ def cache_root() -> Path:
     return Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
 
 
+def ext_cache_root() -> Path:
+    """Built native kernels (MOESTREAM_EXT_CACHE; default ~/.cache/moestream/ext): apart from
+    cache_root so a test's private store cache does not rebuild them."""
+    return Path(os.environ.get("MOESTREAM_EXT_CACHE", Path.home() / ".cache" / "moestream" / "ext"))
+
+
 class ConfigError(ValueError):
     """A config.json or a command-line setting that cannot work; the message says how to fix it."""
 

@@ -1,5 +1,5 @@
 """The native CPU expert kernels (csrc/moe_cpu.cpp): built on first use by torch's cpp_extension,
-cached under cache_root()/ext keyed by source hash, torch version and CPU flags.
+cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
 
 Numerics (the spec is `kernels/ref.py: qlinear_q8 / moe_q8_ref`): the activation entering each
 projection is quantized to int8 per block of 32 (llama.cpp's Q8_0: d = amax / 127, q = round(x / d));
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from moestream.config import cache_root
+from moestream.config import ext_cache_root
 
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
 ISAS = {"scalar": 0, "avx2": 1}
@@ -66,7 +66,7 @@ def module():
 
         _ensure_ninja()
         key = _key()
-        build = cache_root() / "ext" / f"moe_cpu-{key}"
+        build = ext_cache_root() / f"moe_cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
             name=f"moestream_moe_cpu_{key}",
