@@ -89,6 +89,13 @@ def _add_store_args(p) -> None:
     g.add_argument("--io-threads", type=int, default=4, help="parallel reads (default 4)")
     g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
     g.add_argument(
+        "--kernel",
+        default="native",
+        choices=["native", "cpu", "ref"],
+        help="CPU expert kernels: native (C++, int8 activations per block of 32; built on first "
+        "use, torch kernels where it cannot build), cpu (torch kernels), ref (pure-torch spec)",
+    )
+    g.add_argument(
         "--policy",
         default="lrfu",
         choices=["lru", "lfu", "lrfu", "sticky"],
@@ -154,11 +161,14 @@ def _store_kwargs(a: argparse.Namespace) -> dict:
     kw = {"quant": a.quant, "threads": a.threads, "predict": _predict_config(a)}
     if a.device == "cuda":
         return {**kw, "experts": _gpu_config(a)}
-    if a.memory_budget is None and not a.resident and a.io is None:
+    kernel = getattr(a, "kernel", "native")
+    if a.memory_budget is None and not a.resident and a.io is None and kernel == "native":
         return kw
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
     budget = None if a.memory_budget is None else parse_size(a.memory_budget)
-    stream = StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=a.policy)
+    stream = StreamConfig(
+        memory_budget=budget, resident=a.resident, io=io, policy=a.policy, kernel=kernel
+    )
     return {**kw, "experts": stream}
 
 

@@ -2,8 +2,10 @@
 cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
 
 Numerics (the spec is `kernels/ref.py: qlinear_q8 / moe_q8_ref`): the activation entering each
-projection is quantized to int8 per block of 32 (llama.cpp's Q8_0: d = amax / 127, q = round(x / d));
-this is lossy (relative error per element <= 1/254 of its block's max). Integer block dots are exact
+projection is quantized per block of 32, to int8 (llama.cpp's Q8_0: d = amax / 127,
+q = round(x / d)), lossy: error per element <= 1/254 of its block's max; the int8 scheme's down
+projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-tailed, and in int8
+it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
 and blocks are combined in fp32 in ascending order, so one projection gives the reference's bits on
 every ISA; a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
 activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
@@ -111,9 +113,12 @@ def _pair(sec: dict, name: str) -> list[torch.Tensor]:
     return [q, sec[f"{name}.sz" if q.dtype == torch.uint8 else f"{name}.s"]]
 
 
-def linear(x: torch.Tensor, sec: dict, name: str, isa: str | None = None) -> torch.Tensor:
-    """x [T, K] through weight `name` of a record -> [T, N] fp32."""
-    return module().linear(x, *_pair(sec, name), _isa(isa))
+def linear(
+    x: torch.Tensor, sec: dict, name: str, isa: str | None = None, wide: bool = False
+) -> torch.Tensor:
+    """x [T, K] through weight `name` of a record -> [T, N] fp32 (wide: int16 activations, int8
+    weights only)."""
+    return module().linear(x, *_pair(sec, name), wide, _isa(isa))
 
 
 def moe(

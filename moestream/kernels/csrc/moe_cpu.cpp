@@ -1,7 +1,8 @@
 // Native CPU kernels for moestream's int4 / int8 expert records, read in place (no repack).
 // Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
 //   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
-//   q = round_half_even(x * (1 / d)) clamped to [-127, 127]; each block's integer dot with the
+//   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
+//   d = amax / 32767); each block's integer dot with the
 //   weights is exact (int32); blocks are combined in fp32 in ascending block order with the same
 //   rounding steps as the reference, so every ISA variant gives the reference's bits for one linear.
 // Build flags include -ffp-contract=off: no fused multiply-add may change those roundings.
@@ -22,35 +23,50 @@ constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm 
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
 
-// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i].
+// Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
+// bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
+int64_t g_prefetch = 2048;
+
+// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
+// or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.
 struct QAct {
   int rows = 0, K = 0;
-  std::vector<int8_t> q;   // [rows, K]
-  std::vector<float> d;    // [rows, K/32]
-  std::vector<int32_t> s;  // [rows, K/32] sum of q (the int4 zero-point term)
-  QAct(int r, int k) : rows(r), K(k), q((size_t)r * k), d((size_t)r * k / G), s((size_t)r * k / G) {}
+  bool wide = false;
+  std::vector<int8_t> q;    // [rows, K]
+  std::vector<int16_t> q16; // [rows, K] when wide
+  std::vector<float> d;     // [rows, K/32]
+  std::vector<int32_t> s;   // [rows, K/32] sum of q (the int4 zero-point term)
+  QAct(int r, int k, bool w = false)
+      : rows(r), K(k), wide(w), q(w ? 0 : (size_t)r * k), q16(w ? (size_t)r * k : 0), d((size_t)r * k / G),
+        s((size_t)r * k / G) {}
   const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
+  const int16_t* q16r(int r) const { return q16.data() + (size_t)r * K; }
   const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
   const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
 };
 
-void quantize_row(const float* x, QAct& a, int r) {
-  int8_t* q = a.q.data() + (size_t)r * a.K;
+template <typename Q>
+void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax) {
   for (int b = 0; b < a.K / G; ++b) {
     const float* xb = x + b * G;
     float amax = 0.f;
     for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xb[i]));
-    const float d = amax / 127.f;
+    const float d = amax / qmax;
     const float id = d > 0.f ? 1.f / d : 0.f;
     int32_t sum = 0;
     for (int i = 0; i < G; ++i) {
-      const float v = std::min(127.f, std::max(-127.f, std::nearbyint(xb[i] * id)));
-      q[b * G + i] = (int8_t)v;
+      const float v = std::min(qmax, std::max(-qmax, std::nearbyint(xb[i] * id)));
+      q[b * G + i] = (Q)v;
       sum += (int32_t)v;
     }
     a.d[(size_t)r * a.K / G + b] = d;
     a.s[(size_t)r * a.K / G + b] = sum;
   }
+}
+
+void quantize_row(const float* x, QAct& a, int r) {
+  if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f);
+  quantize_blocks(x, a, r, a.q.data() + (size_t)r * a.K, 127.f);
 }
 
 // One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], or int8 q [N, K] + s fp32 [N, K/32].
@@ -89,10 +105,10 @@ void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   }
 }
 
-void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+template <typename Q>
+void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y, const Q* xq) {
   const int nb = w.K / G;
   const float* s = (const float*)w.s;
-  const int8_t* xq = a.qr(t);
   for (int r = r0; r < r0 + n; ++r) {
     const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
     float acc = 0.f;
@@ -121,6 +137,11 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
     const int8_t* xj = xq + j * G;
+    if (g_prefetch) {  // this group + distance: 1 KiB of nibbles; two groups on: 256 B of (s, z)
+      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      if (j + 2 < w.K / G)
+        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)(j + 2) * w.N + r0 + c * 16), _MM_HINT_T0);
+    }
     __m256i acc32[8];
     for (auto& v : acc32) v = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {
@@ -165,28 +186,66 @@ __attribute__((target("avx2,fma"))) __m256i hsum8(const __m256i* p) {
   return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
 }
 
-// int8, eight rows at a time: |w| x sign(x, w) in maddubs (<= 2 * 127 * 127, no saturation), the
-// block's dot reduced exactly to int32 per row before the fp32 combine.
-__attribute__((target("avx2,fma"))) void int8_rows8_avx2(const Weight& w, int r0, const QAct& a, int t,
-                                                          float* y) {
+// int8, one row read front to back (one stream for the prefetchers): |w| x sign(x, w) in maddubs
+// (<= 2 * 127 * 127, no saturation); eight blocks' dots reduced exactly to int32 at once, their
+// fp32 terms then added one by one in block order (the reference's order).
+__attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
-  const float* s = (const float*)w.s + (size_t)r0 * nb;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  const float* s = (const float*)w.s + (size_t)r * nb;
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i sidx = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(nb));
-  __m256 acc = _mm256_setzero_ps();
-  for (int j = 0; j < nb; ++j) {
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(a.qr(t) + j * G));
+  float acc = 0.f, terms[8];
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
     __m256i p[8];
-    for (int r = 0; r < 8; ++r) {
-      const __m256i wv = _mm256_loadu_si256((const __m256i*)((const int8_t*)w.q + (size_t)(r0 + r) * w.K + j * G));
-      const __m256i prod = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
-      p[r] = _mm256_madd_epi16(prod, ones);
+    for (int b = 0; b < 8; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
     }
-    const __m256 dot = _mm256_cvtepi32_ps(hsum8(p));
-    const __m256 c = _mm256_mul_ps(_mm256_i32gather_ps(s + j, sidx, 4), _mm256_set1_ps(a.dr(t)[j]));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(c, dot));
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
+    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
   }
-  _mm256_storeu_ps(y, acc);
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+    acc = acc + (s[j] * d[j]) * (float)dot;
+  }
+  *y = acc;
+}
+
+// int8 weights x int16 activations: sign-extended weights in madd_epi16 (exact in int32).
+__attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  const float* s = (const float*)w.s + (size_t)r * nb;
+  const int16_t* xq = a.q16r(t);
+  const float* d = a.dr(t);
+  float acc = 0.f, terms[8];
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i p[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1));
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G + 16));
+      p[b] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    }
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
+    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+  }
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+    acc = acc + (s[j] * d[j]) * (float)dot;
+  }
+  *y = acc;
 }
 
 bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
@@ -197,10 +256,13 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
   }
-  int done = 0;
+  TORCH_CHECK(!w.int4 || !a.wide, "int16 activations are for int8 weights");
   if (isa >= kAvx2)
-    for (; done + 8 <= n; done += 8) int8_rows8_avx2(w, r0 + done, a, t, y + done);
-  if (done < n) int8_rows_scalar(w, r0 + done, n - done, a, t, y + done);
+    for (int i = 0; i < n; ++i) (a.wide ? int8_row16_avx2 : int8_row_avx2)(w, r0 + i, a, t, y + i);
+  else if (a.wide)
+    int8_rows_scalar(w, r0, n, a, t, y, a.q16r(t));
+  else
+    int8_rows_scalar(w, r0, n, a, t, y, a.qr(t));
 }
 
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
@@ -219,19 +281,20 @@ int64_t resolve(int64_t isa) {
   return isa < 0 ? best : std::min(isa, best);
 }
 
-QAct quantize(const torch::Tensor& x) {
-  QAct a((int)x.size(0), (int)x.size(1));
+QAct quantize(const torch::Tensor& x, bool wide) {
+  QAct a((int)x.size(0), (int)x.size(1), wide);
   TORCH_CHECK(a.K % G == 0, "activation width must be a multiple of 32");
   for (int r = 0; r < a.rows; ++r) quantize_row(x.data_ptr<float>() + (size_t)r * a.K, a, r);
   return a;
 }
 
 // x [T, K] float -> [T, N] fp32 through one quantized weight (tests and single projections).
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, int64_t isa) {
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, bool wide,
+                     int64_t isa) {
   const Weight w = weight(q, s);
   const auto xf = x.to(torch::kFloat).contiguous();
   TORCH_CHECK(xf.dim() == 2 && xf.size(1) == w.K, "x must be [T, K]");
-  const QAct a = quantize(xf);
+  const QAct a = quantize(xf, wide);
   isa = resolve(isa);
   auto y = torch::empty({a.rows, w.N}, xf.options());
   float* yp = y.data_ptr<float>();
@@ -269,7 +332,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   TORCH_CHECK(w13[0].K == D && w2[0].N == D && w2[0].K == I, "record shapes do not match x");
   TORCH_CHECK(wt.size(0) == T && wt.size(1) == E, "weights must be [T, E]");
   isa = resolve(isa);
-  const QAct ax = quantize(xf);
+  const QAct ax = quantize(xf, false);
   std::vector<float> h((size_t)E * T * N13);
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
   at::parallel_for(0, (int64_t)E * nb13, 1, [&](int64_t i0, int64_t i1) {
@@ -279,7 +342,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
         rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
     }
   });
-  QAct act(E * T, I);  // row e * T + t
+  QAct act(E * T, I, !w2[0].int4);  // row e * T + t
   at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) act_quantize(h.data(), I, act, (int)r);
   });
@@ -306,5 +369,6 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [T, K] through one int4/int8 weight -> [T, N] fp32");
   m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32");
+  m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
 }
