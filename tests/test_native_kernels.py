@@ -112,3 +112,14 @@ def test_store_providers_default_to_native(tiny_dir, tmp_path):
     folder = convert(tiny_dir("olmoe", "fused"), tmp_path / "s", make_scheme("int8"), False)
     assert load_model(folder, StreamConfig(resident=True)).provider.native
     assert not load_model(folder, StreamConfig(resident=True, kernel="cpu")).provider.native
+
+
+def test_a_failed_build_falls_back_and_says_so_once(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(native, "SOURCE", tmp_path / "missing.cpp")
+    monkeypatch.setenv("MOESTREAM_EXT_CACHE", str(tmp_path / "ext"))
+    native.module.cache_clear()
+    try:
+        assert native.module() is None and not native.available()
+        assert capsys.readouterr().err.count("native CPU kernels unavailable") == 1
+    finally:
+        native.module.cache_clear()

@@ -11,6 +11,7 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -26,6 +27,15 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
 // Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
 // bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
 int64_t g_prefetch = 2048;
+// f(i) for i in [0, n) over torch's threads, items handed out one at a time: on a shared machine a
+// thread that loses its core holds up one item, not a static half. No result depends on who ran it.
+template <typename F>
+void parallel_items(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) f(i);
+  });
+}
 
 // Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
 // or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.
@@ -335,12 +345,10 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const QAct ax = quantize(xf, false);
   std::vector<float> h((size_t)E * T * N13);
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
-  at::parallel_for(0, (int64_t)E * nb13, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
-      for (int t = 0; t < T; ++t)
-        rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
-    }
+  parallel_items((int64_t)E * nb13, [&](int64_t i) {
+    const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
+    for (int t = 0; t < T; ++t)
+      rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
   });
   QAct act(E * T, I, !w2[0].int4);  // row e * T + t
   at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
@@ -349,17 +357,15 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   auto out = torch::zeros({T, D}, xf.options());
   float* op = out.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
-  at::parallel_for(0, nbd, 1, [&](int64_t b0, int64_t b1) {
+  parallel_items(nbd, [&](int64_t b) {
     float tmp[BN];
-    for (int64_t b = b0; b < b1; ++b) {
-      const int r0 = (int)b * BN, n = std::min(BN, D - r0);
-      for (int t = 0; t < T; ++t)
-        for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
-          rows(w2[e], r0, n, act, e * T + t, tmp, isa);
-          float* o = op + (size_t)t * D + r0;
-          for (int i = 0; i < n; ++i) o[i] = o[i] + wp[t * E + e] * tmp[i];
-        }
-    }
+    const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+    for (int t = 0; t < T; ++t)
+      for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
+        rows(w2[e], r0, n, act, e * T + t, tmp, isa);
+        float* o = op + (size_t)t * D + r0;
+        for (int i = 0; i < n; ++i) o[i] = o[i] + wp[t * E + e] * tmp[i];
+      }
   });
   return out;
 }
