@@ -30,7 +30,10 @@ from moestream.config import ext_cache_root
 SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
 ISAS = {"scalar": 0, "avx2": 1}
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
-CFLAGS = ["-O3", "-ffp-contract=off"]  # no FMA contraction: the reference's roundings hold
+# No FMA contraction: the reference's roundings hold. -fopenmp: at::parallel_for is a header
+# template that runs serially unless the extension itself is built with OpenMP (it then shares
+# torch's libgomp.so.1, loaded first, so torch.set_num_threads applies).
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 
 
 def _cpu_flags() -> str:
@@ -75,6 +78,7 @@ def module():
             sources=[str(SOURCE)],
             build_directory=str(build),
             extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
             verbose=False,
         )
     except Exception as e:  # noqa: BLE001 - any build failure means: run on the torch kernels
