@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
@@ -63,18 +64,35 @@ def _ensure_ninja() -> None:
         pass
 
 
+def _import_built(name: str, so: Path):
+    """The cached build, imported directly: load() re-checks it through setuptools and ninja
+    (~2 s per process). The key names source, flags and torch, so a present file is current."""
+    if not so.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except ImportError:  # e.g. a build still being linked: load() waits for it
+        return None
+
+
 @functools.cache
 def module():
     """The built extension, or None (said once on stderr) when it cannot be built here."""
     try:
-        from torch.utils.cpp_extension import load
+        key = _key()
+        name, build = f"moestream_moe_cpu_{key}", ext_cache_root() / f"moe_cpu-{key}"
+        built = _import_built(name, build / f"{name}.so")
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import load  # imports setuptools: only to build
 
         _ensure_ninja()
-        key = _key()
-        build = ext_cache_root() / f"moe_cpu-{key}"
         build.mkdir(parents=True, exist_ok=True)
         return load(
-            name=f"moestream_moe_cpu_{key}",
+            name=name,
             sources=[str(SOURCE)],
             build_directory=str(build),
             extra_cflags=CFLAGS,
