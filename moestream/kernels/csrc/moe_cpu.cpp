@@ -46,13 +46,15 @@ struct QAct {
   std::vector<int16_t> q16; // [rows, K] when wide
   std::vector<float> d;     // [rows, K/32]
   std::vector<int32_t> s;   // [rows, K/32] sum of q (the int4 zero-point term)
+  std::vector<int32_t> pr;  // [rows, K/2] int8 (q[2i], q[2i+1]) twice per u32: int4's broadcast
   QAct(int r, int k, bool w = false)
       : rows(r), K(k), wide(w), q(w ? 0 : (size_t)r * k), q16(w ? (size_t)r * k : 0), d((size_t)r * k / G),
-        s((size_t)r * k / G) {}
+        s((size_t)r * k / G), pr(w ? 0 : (size_t)r * k / 2) {}
   const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
   const int16_t* q16r(int r) const { return q16.data() + (size_t)r * K; }
   const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
   const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
+  const int32_t* prr(int r) const { return pr.data() + (size_t)r * K / 2; }
 };
 
 template <typename Q>
@@ -76,7 +78,12 @@ void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax) {
 
 void quantize_row(const float* x, QAct& a, int r) {
   if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f);
-  quantize_blocks(x, a, r, a.q.data() + (size_t)r * a.K, 127.f);
+  int8_t* q = a.q.data() + (size_t)r * a.K;
+  quantize_blocks(x, a, r, q, 127.f);
+  for (int i = 0; i < a.K / 2; ++i) {
+    const uint32_t p = (uint8_t)q[2 * i] | ((uint32_t)(uint8_t)q[2 * i + 1] << 8);
+    a.pr[(size_t)r * a.K / 2 + i] = (int32_t)(p | (p << 16));
+  }
 }
 
 // One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], or int8 q [N, K] + s fp32 [N, K/32].
@@ -140,13 +147,12 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
   static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
   const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
-  const int8_t* xq = a.qr(t);
   const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 yacc[8];
   for (auto& v : yacc) v = _mm256_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    const int8_t* xj = xq + j * G;
+    const int32_t* pj = a.prr(t) + j * G / 2;
     if (g_prefetch) {  // distance on: 1 KiB of nibbles, and the (s, z) of the group that far on
       for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
       const int ja = j + (int)(g_prefetch / (G * 32));
@@ -163,7 +169,7 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
         const __m256i B = _mm256_loadu_si256((const __m256i*)(p + (k + 1) * 32));
         const __m256i al = _mm256_and_si256(A, m4), ah = _mm256_and_si256(_mm256_srli_epi16(A, 4), m4);
         const __m256i bl = _mm256_and_si256(B, m4), bh = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4);
-        const __m256i xp = _mm256_set1_epi16((int16_t)((uint8_t)xj[k] | ((uint16_t)(uint8_t)xj[k + 1] << 8)));
+        const __m256i xp = _mm256_set1_epi32(pj[k / 2]);
         acc16[0] = _mm256_add_epi16(acc16[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
         acc16[1] = _mm256_add_epi16(acc16[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
         acc16[2] = _mm256_add_epi16(acc16[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
