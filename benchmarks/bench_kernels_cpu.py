@@ -1,17 +1,22 @@
-"""Per-expert CPU kernel cost at Qwen3-30B-A3B expert shapes (D=2048, I=768), one decode token.
+"""CPU expert kernel cost at Qwen3-30B-A3B / Qwen3.5-35B-A3B expert shapes (D 2048, I 768 / 512),
+one decode token: the torch kernels (kernels/cpu.py, what StreamConfig(kernel="cpu") runs) vs the
+native ones (kernels/native.py), interleaved, medians, against a DRAM read ceiling measured in the
+same run (torch sum over a 1 GiB fp32 tensor).
 
-For each scheme: time of one expert (gate+up, SiLU*up, down) through the dispatcher the engine
-uses, the record bytes it reads, and the implied GB/s against the DRAM ceiling (~26 GB/s with 2
-threads, ~13 with 1 on the dev box). int8 has no torch kernel with per-block scales, so it
-dequantizes to fp32 and calls F.linear on every use: this measures what that costs.
+- expert: one record (gate|up, SiLU*up, down) per call;
+- layer: K=8 records of 128 distinct ones per call, weighted and summed (the decode step's MoE);
+  records rotate through all 128, so the weights come from DRAM, not cache.
+Bytes read = whole padded records (what a store read moves). int8's torch path dequantizes to fp32
+and calls F.linear (no torch kernel takes per-block scales).
 
-    python benchmarks/bench_kernels_cpu.py [--threads 2]
+    python benchmarks/bench_kernels_cpu.py [--threads 2] [--reps 15]
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -23,54 +28,99 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import bench_row, write_rows  # noqa: E402
 
+from moestream.kernels import native  # noqa: E402
 from moestream.kernels.dispatch import qlinear  # noqa: E402
 from moestream.kernels.ref import expert_ffn_q  # noqa: E402
-from moestream.quant import RecordLayout, make_scheme, quantize_expert  # noqa: E402
+from moestream.quant import RecordLayout, make_scheme, quantize_expert, record_bytes  # noqa: E402
+
+N_RECORDS, K = 128, 8
 
 
-def time_expert(scheme: str, D: int, I: int, n_experts: int, reps: int) -> dict:
+def make_records(scheme: str, D: int, I: int) -> tuple[RecordLayout, list[dict]]:
+    """128 record buffers (8 distinct quantized experts, each copied 16 times: distinct memory)."""
     layout = RecordLayout.build(make_scheme(scheme), D, I)
     g = torch.Generator().manual_seed(0)
-    # Several distinct experts so the weights come from DRAM, not cache.
-    secs = [
-        quantize_expert(
-            layout,
-            torch.randn(2 * I, D, generator=g) / D**0.5,
-            torch.randn(D, I, generator=g) / I**0.5,
-        )
-        for _ in range(n_experts)
-    ]
-    x = torch.randn(1, D, generator=g)
-    lin = qlinear("cpu")
+    bases = [
+        record_bytes(layout, quantize_expert(layout, torch.randn(2 * I, D, generator=g) / D**0.5,
+                                             torch.randn(D, I, generator=g) / I**0.5))
+        for _ in range(K)
+    ]  # fmt: skip
+    bufs = [torch.frombuffer(bytearray(bases[i % K]), dtype=torch.uint8) for i in range(N_RECORDS)]
+    return layout, [layout.views(b) for b in bufs]
+
+
+def torch_layer(x, secs, w):
+    """The torch path of StoreExperts' decode: one expert at a time, added in order."""
+    lin, out = qlinear("cpu"), torch.zeros_like(x)
+    for e, sec in enumerate(secs):
+        out += expert_ffn_q(x, sec, 32, lin) * w[:, e : e + 1]
+    return out
+
+
+VARIANTS = {"torch": torch_layer, "native": native.moe}
+
+
+def ceiling_gbps(big: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    big.sum()
+    return big.numel() * 4 / (time.perf_counter() - t0) / 1e9
+
+
+def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor) -> list[dict]:
+    layout, recs = make_records(scheme, D, I)
+    x, w = torch.randn(1, D), torch.rand(1, K)
+    times = {(v, n): [] for v in VARIANTS for n in (1, K)}
+    ceil, nxt = [], 0
     with torch.inference_mode():
-        for s in secs:
-            expert_ffn_q(x, s, 32, lin)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            for s in secs:
-                expert_ffn_q(x, s, 32, lin)
-        dt = (time.perf_counter() - t0) / (reps * n_experts)
-    return {
-        "scheme": scheme,
-        "record_bytes": layout.size,
-        "us_per_expert": round(dt * 1e6, 1),
-        "record_gbps": round(layout.size / dt / 1e9, 2),
-    }
+        for rep in range(reps + 1):  # rep 0 warms up
+            for n in (1, K):
+                for v, fn in VARIANTS.items():  # interleaved: both see the same machine state
+                    secs = [recs[(nxt + i) % N_RECORDS] for i in range(n)]
+                    nxt += n
+                    t0 = time.perf_counter()
+                    fn(x, secs, w[:, :n])
+                    if rep:
+                        times[v, n].append(time.perf_counter() - t0)
+            if rep:
+                ceil.append(ceiling_gbps(big))
+    c = statistics.median(ceil)
+    rows = []
+    for (v, n), ts in times.items():
+        dt, nbytes = statistics.median(ts), n * layout.size
+        rows.append({
+            "op": "cpu_expert_kernel" if n == 1 else "cpu_moe_layer",
+            "D": D, "I": I, "K": n, "scheme": scheme, "variant": v,
+            "us": round(dt * 1e6, 1), "record_bytes": nbytes,
+            "gbps": round(nbytes / dt / 1e9, 2), "dram_ceiling_gbps": round(c, 2),
+            "of_ceiling": round(nbytes / dt / 1e9 / c, 3),
+        })  # fmt: skip
+    for n in (1, K):  # native vs torch, same run
+        t, nat = (r for r in rows if r["K"] == n)
+        nat["speedup_vs_torch"] = round(t["us"] / nat["us"], 2)
+    return rows
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--out", default="benchmarks/results/kernels_cpu.jsonl")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--schemes", default="int4,int8")
+    p.add_argument("--out", default=None, help="append JSON rows here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
+    if not native.available():
+        sys.exit("native kernels did not build: nothing to compare")
+    big = torch.ones(2**28)  # 1 GiB fp32: the DRAM read ceiling
     rows = []
-    for scheme in ("bf16", "int8", "int4"):
-        config = {"D": 2048, "I": 768, "threads": a.threads, "experts": 16, "reps": 5}
-        row = bench_row("cpu_expert_kernel", config, time_expert(scheme, 2048, 768, 16, 5))
-        print(row)
-        rows.append(row)
-    write_rows(a.out, rows)
+    for scheme in a.schemes.split(","):
+        for I in (768, 512):
+            for row in bench_shape(scheme, 2048, I, a.reps, big):
+                row.update(threads=a.threads, isa=native.best_isa())
+                print({k: row[k] for k in ("op", "scheme", "I", "variant", "us", "gbps",
+                                           "dram_ceiling_gbps", "of_ceiling")})  # fmt: skip
+                rows.append(row)
+    config = {"threads": a.threads, "reps": a.reps, "D": 2048, "I": [768, 512]}
+    write_rows(a.out, [bench_row("cpu_kernels", config, r) for r in rows])
 
 
 if __name__ == "__main__":

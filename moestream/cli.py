@@ -127,6 +127,13 @@ def _add_store_args(p) -> None:
     g.add_argument("--io-threads", type=int, default=4, help="parallel reads (default 4)")
     g.add_argument("--io-split", type=int, default=1, help="parallel parts per record")
     g.add_argument(
+        "--kernel",
+        default="native",
+        choices=["native", "cpu", "ref"],
+        help="CPU expert kernels: native (C++, int8 activations per block of 32; built on first "
+        "use, torch kernels where it cannot build), cpu (torch kernels), ref (pure-torch spec)",
+    )
+    g.add_argument(
         "--policy",
         default=None,
         choices=["lru", "lfu", "lrfu", "sticky"],
@@ -201,12 +208,17 @@ def _stream_config(a: argparse.Namespace):
     from moestream.experts.config import StreamConfig
     from moestream.store.io import IOConfig
 
-    if a.memory_budget is None and not a.resident and a.io is None:
+    kernel = getattr(a, "kernel", "native")
+    if a.memory_budget is None and not a.resident and a.io is None and kernel == "native":
         return None
     io = IOConfig(mode=a.io or "direct", threads=a.io_threads, split=a.io_split)
     budget = None if a.memory_budget is None else parse_budget(a.memory_budget, "--memory-budget")
     policy = a.policy or "lrfu"
-    return StreamConfig(memory_budget=budget, resident=a.resident, io=io, policy=policy)
+    # --kernel alone: every expert resident, on those kernels.
+    resident = a.resident or (budget is None and a.io is None)
+    return StreamConfig(
+        memory_budget=budget, resident=resident, io=io, policy=policy, kernel=kernel
+    )
 
 
 def _gpu_config(a: argparse.Namespace):

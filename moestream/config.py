@@ -9,10 +9,22 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+
+def cache_root() -> Path:
+    """Converted stores and built native kernels (the one place that reads MOESTREAM_CACHE)."""
+    return Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
+
+
+def ext_cache_root() -> Path:
+    """Built native kernels (MOESTREAM_EXT_CACHE; default ~/.cache/moestream/ext): apart from
+    cache_root so a test's private store cache does not rebuild them."""
+    return Path(os.environ.get("MOESTREAM_EXT_CACHE", Path.home() / ".cache" / "moestream" / "ext"))
 
 
 class ConfigError(ValueError):

@@ -114,7 +114,8 @@ def test_cpu_streaming_equals_resident_and_bookkeeping(stores, mirror, dtype):
     assert s["syncs"] >= args.num_hidden_layers * N
     check_pool(p)
     # Same slot table as the CPU streaming provider at the same slot count: same counters.
-    cpu = load_model(store, StreamConfig(memory_budget=16 * size, io=IO))
+    # the torch kernels: the reference's math, so equal tokens mean equal routing
+    cpu = load_model(store, StreamConfig(memory_budget=16 * size, io=IO, kernel="cpu"))
     cpu_toks, _ = run(cpu.model, cpu.args, ids, N)
     cs = cpu.provider.stats()
     if cpu_toks == got:
@@ -131,7 +132,7 @@ def test_cpu_gpu_provider_matches_cpu_provider(stores):
     (fp32, int8) up to the margin rule."""
     store = stores("int8")
     ids = prompt_ids(store)
-    cpu = load_model(store, StreamConfig(resident=True))
+    cpu = load_model(store, StreamConfig(resident=True, kernel="cpu"))  # torch kernels: ref math
     want, want_logits = run(cpu.model, cpu.args, ids, N)
     model, args, _ = gpu_model(store, GpuConfig(resident=True, kernel="ref"), "cpu")
     _, got_logits = run(model, args, ids, N, forced=want)

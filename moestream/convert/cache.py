@@ -1,17 +1,12 @@
-"""Where Hugging Face folders given to -m are converted on first use (the one place that reads
-MOESTREAM_CACHE; default ~/.cache/moestream)."""
+"""Where Hugging Face folders given to -m are converted on first use (under config.cache_root)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
+from moestream.config import cache_root
 from moestream.convert.writer import convert, source_fingerprint
 from moestream.quant import QuantScheme
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MOESTREAM_CACHE", Path.home() / ".cache" / "moestream"))
 
 
 def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:

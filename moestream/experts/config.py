@@ -13,6 +13,7 @@ from moestream.store.format import Store
 from moestream.store.io import IOConfig
 
 ROUTINGS = ("exact", "predicted")
+CPU_KERNELS = ("native", "cpu", "ref")
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,12 +25,16 @@ class StreamConfig:
     resident: bool = False  # every expert in RAM (ignores the budget)
     io: IOConfig = field(default_factory=IOConfig)
     policy: str = "lrfu"
-    kernel: str = "cpu"
+    # "native": C++ kernels (kernels/native.py) where they built, else the torch ones; "cpu": the
+    # torch kernels (kernels/cpu.py); "ref": the pure-torch spec.
+    kernel: str = "native"
     # A layer's resident experts run while its misses are read (decode and prefill chunks);
     # False = read, then compute (the plain schedule, for ablations: bench_predict.py).
     overlap: bool = True
 
     def __post_init__(self):
+        if self.kernel not in CPU_KERNELS:
+            raise ConfigError(f"unknown CPU kernel {self.kernel!r}; use {', '.join(CPU_KERNELS)}")
         if self.slot_cache and self.memory_budget is None:
             raise ConfigError("streaming needs --memory-budget (or use --resident / --io mmap)")
         _check_bytes(self.memory_budget, "--memory-budget")

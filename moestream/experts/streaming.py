@@ -17,6 +17,7 @@ import torch
 
 from moestream.experts.base import ExpertProvider, Prefetcher
 from moestream.experts.config import StreamConfig, slot_count
+from moestream.kernels import native
 from moestream.kernels.dispatch import qlinear
 from moestream.kernels.ref import ExpertActivation, expert_ffn_q, group_by_expert
 from moestream.store.format import Store
@@ -33,7 +34,17 @@ class StoreExperts(ExpertProvider):
         self.store, self.cfg = store, cfg
         self.g = store.scheme.group_size
         self.act = ExpertActivation.from_args(store.args)
-        self.linear = qlinear(cfg.kernel)
+        # kernel "native": the C++ layer op where it reads this store's records (int4/int8, plain
+        # SwiGLU, no biases) and it built; otherwise, and for "cpu"/"ref", the torch kernels.
+        bias = any(sec.name.startswith("b") for sec in store.layout.sections)
+        self.native = (
+            cfg.kernel == "native"
+            and native.supports(store.scheme)
+            and self.act is None
+            and not bias
+            and native.available()
+        )
+        self.linear = qlinear("ref" if cfg.kernel == "ref" else "cpu")
         self.compute_seconds = 0.0
 
     @abstractmethod
@@ -44,6 +55,10 @@ class StoreExperts(ExpertProvider):
     def _capacity(self) -> int:
         """Experts of one layer that can be resident at once (prefill chunks)."""
 
+    # One native call per layer and token (all records first); False where compute must overlap
+    # the reads (slot cache): per-expert calls then, added with the same fp32 arithmetic.
+    layer_op = True
+
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
@@ -51,15 +66,34 @@ class StoreExperts(ExpertProvider):
         if x.shape[0] > 1:
             return self._grouped(layer, x, ids, weights)
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
-        ys = self._resident_run(layer, [e for e, _ in order], lambda i, sec: self._ffn(x, sec))
+        experts = [e for e, _ in order]
+        if self.native and self.layer_op:  # the token's experts added inside in ascending id
+            secs = self._resident_run(layer, experts, lambda i, sec: sec)
+            return self._native_moe(x, secs, weights[:, [k for _, k in order]]).to(x.dtype)
+        ys = self._resident_run(layer, experts, lambda i, sec: self._ffn(x, sec))
+        if self.native:  # the layer op's combine: out + w * y in fp32, one cast at the end
+            out = torch.zeros(x.shape)
+            for (_, k), y in zip(order, ys):
+                out = out + weights[:, k : k + 1].float() * y
+            return out.to(x.dtype)
         out = torch.zeros_like(x)  # summed in ascending expert id, whatever order ran
         for (_, k), y in zip(order, ys):
             out += (y * weights[:, k : k + 1]).to(x.dtype)
         return out
 
     def _ffn(self, x: torch.Tensor, sec: dict) -> torch.Tensor:
+        """One expert over x [T, D] -> [T, D] (native: fp32, exactly the layer op's expert term)."""
+        if self.native:
+            return self._native_moe(x, [sec], torch.ones(x.shape[0], 1))
         t0 = time.perf_counter()
         y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
+        self.compute_seconds += time.perf_counter() - t0
+        return y
+
+    def _native_moe(self, x: torch.Tensor, secs: list[dict], w: torch.Tensor) -> torch.Tensor:
+        """sum_e w[:, e] * expert_e(x) over records secs, x [T, D], w [T, E] -> [T, D] fp32."""
+        t0 = time.perf_counter()
+        y = native.moe(x, secs, w)
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -91,6 +125,7 @@ class StreamingExperts(StoreExperts, Prefetcher):
 
     def __init__(self, store: Store, cfg: StreamConfig):
         super().__init__(store, cfg)
+        self.layer_op = cfg.resident  # a slot cache computes while its misses are read
         self.n_slots = slot_count(store, cfg)
         self.res = SlotResidency(store, self.n_slots, cfg.policy, cfg.io)
         if cfg.resident:

@@ -125,3 +125,63 @@ def expert_ffn_q(
     gate, up = h.chunk(2, dim=-1)
     y = linear(F.silu(gate) * up if act is None else act(gate, up), sec, "w2", group_size)
     return y if b2 is None else y + b2.to(x.dtype)
+
+
+# ---- the native kernels' numerics (kernels/native.py): int8 activations per block of 32 ------
+def quantize_act(
+    x: torch.Tensor, block: int = 32, qmax: int = 127
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, K] -> (q [T, K/b, b] integer-valued fp32 in [-qmax, qmax], d [T, K/b]), x ~= d * q
+    (llama.cpp's Q8_0 for qmax 127: d = amax / qmax, q = round-half-even(x * (1 / d)))."""
+    T, K = x.shape
+    xb = x.float().view(T, K // block, block)
+    d = xb.abs().amax(-1) / float(qmax)
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return torch.round(xb * inv[..., None]).clamp(-qmax, qmax), d
+
+
+def qlinear_q8(
+    x: torch.Tensor, sec: dict, name: str, group_size: int = 32, wide: bool = False
+) -> torch.Tensor:
+    """x [T, K] -> [T, N] fp32 as the native kernels compute it: x quantized per block (int8, or
+    int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
+    < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
+    per block int8: (s * d) * dot; int4: d * (s * (dot - 8 * sum q) + z * sum q); added in block
+    order."""
+    from moestream.quant import unpack_int4
+
+    q8, d = quantize_act(x, group_size, 32767 if wide else 127)  # [T, nb, g], [T, nb]
+    wq = sec[f"{name}.q"]
+    if wq.dtype == torch.int8:
+        n, k = wq.shape
+        wb = wq.view(n, k // group_size, group_size)
+        if wide:
+            dots = torch.einsum("tbg,nbg->tnb", q8.double(), wb.double()).float()
+        else:
+            dots = torch.einsum("tbg,nbg->tnb", q8, wb.float())
+        terms = (sec[f"{name}.s"][None] * d[:, None, :]) * dots  # [T, N, nb]
+    else:
+        w = unpack_int4(wq).float()
+        n, k = w.shape
+        dots = torch.einsum("tbg,nbg->tnb", q8, w.view(n, k // group_size, group_size))
+        sq = q8.sum(-1)[:, None, :]  # [T, 1, nb]
+        sz = sec[f"{name}.sz"].float()  # [nb, N, 2]
+        s, z = sz[..., 0].t()[None], sz[..., 1].t()[None]  # [1, N, nb]
+        terms = d[:, None, :] * (s * (dots - 8 * sq) + z * sq)
+    y = torch.zeros(terms.shape[:2])
+    for b in range(terms.shape[2]):  # sequential, as every native variant adds blocks
+        y = y + terms[..., b]
+    return y
+
+
+def moe_q8_ref(x: torch.Tensor, secs: list[dict], weights: torch.Tensor) -> torch.Tensor:
+    """The native layer op's spec: x [T, D], E records, weights [T, E] -> [T, D] fp32, experts
+    silu(gate) * up through qlinear_q8 (int8 weights' down projection with int16 activations),
+    weighted and added in list order."""
+    out = torch.zeros(x.shape)
+    for e, sec in enumerate(secs):
+        gate, up = qlinear_q8(x, sec, "w13").chunk(2, dim=-1)
+        wide = sec["w2.q"].dtype == torch.int8
+        y = qlinear_q8(F.silu(gate) * up, sec, "w2", wide=wide)
+        out = out + weights[:, e : e + 1].float() * y
+    return out

@@ -1,0 +1,387 @@
+// Native CPU kernels for moestream's int4 / int8 expert records, read in place (no repack).
+// Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
+//   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
+//   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
+//   d = amax / 32767); each block's integer dot with the
+//   weights is exact (int32); blocks are combined in fp32 in ascending block order with the same
+//   rounding steps as the reference, so every ISA variant gives the reference's bits for one linear.
+// Build flags include -ffp-contract=off: no fused multiply-add may change those roundings.
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int G = 32;   // weight group = activation block
+constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm layout)
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
+
+// Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
+// bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
+int64_t g_prefetch = 4096;  // bench A/B at 2 threads: 0 -> 2048 +15%, 4096 ~ 8192 ~ 2048
+// f(i) for i in [0, n) over torch's threads, items handed out one at a time: on a shared machine a
+// thread that loses its core holds up one item, not a static half. No result depends on who ran it.
+template <typename F>
+void parallel_items(int64_t n, const F& f) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t i = next++; i < n; i = next++) f(i);
+  });
+}
+
+// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
+// or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.
+struct QAct {
+  int rows = 0, K = 0;
+  bool wide = false;
+  std::vector<int8_t> q;    // [rows, K]
+  std::vector<int16_t> q16; // [rows, K] when wide
+  std::vector<float> d;     // [rows, K/32]
+  std::vector<int32_t> s;   // [rows, K/32] sum of q (the int4 zero-point term)
+  std::vector<int32_t> pr;  // [rows, K/2] int8 (q[2i], q[2i+1]) twice per u32: int4's broadcast
+  QAct(int r, int k, bool w = false)
+      : rows(r), K(k), wide(w), q(w ? 0 : (size_t)r * k), q16(w ? (size_t)r * k : 0), d((size_t)r * k / G),
+        s((size_t)r * k / G), pr(w ? 0 : (size_t)r * k / 2) {}
+  const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
+  const int16_t* q16r(int r) const { return q16.data() + (size_t)r * K; }
+  const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
+  const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
+  const int32_t* prr(int r) const { return pr.data() + (size_t)r * K / 2; }
+};
+
+template <typename Q>
+void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax) {
+  for (int b = 0; b < a.K / G; ++b) {
+    const float* xb = x + b * G;
+    float amax = 0.f;
+    for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xb[i]));
+    const float d = amax / qmax;
+    const float id = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int i = 0; i < G; ++i) {
+      const float v = std::min(qmax, std::max(-qmax, std::nearbyint(xb[i] * id)));
+      q[b * G + i] = (Q)v;
+      sum += (int32_t)v;
+    }
+    a.d[(size_t)r * a.K / G + b] = d;
+    a.s[(size_t)r * a.K / G + b] = sum;
+  }
+}
+
+void quantize_row(const float* x, QAct& a, int r) {
+  if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f);
+  int8_t* q = a.q.data() + (size_t)r * a.K;
+  quantize_blocks(x, a, r, q, 127.f);
+  for (int i = 0; i < a.K / 2; ++i) {
+    const uint32_t p = (uint8_t)q[2 * i] | ((uint32_t)(uint8_t)q[2 * i + 1] << 8);
+    a.pr[(size_t)r * a.K / 2 + i] = (int32_t)(p | (p << 16));
+  }
+}
+
+// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], or int8 q [N, K] + s fp32 [N, K/32].
+struct Weight {
+  const uint8_t* q;
+  const void* s;
+  int N, K;
+  bool int4;
+};
+
+float bf16(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// ---- scalar (portable; the order every variant keeps) ------------------------------------------
+void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int b = std::min(BN, w.N - r0), h = b / 2;
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;  // r0 is a block start
+  const uint16_t* sz = (const uint16_t*)w.s;
+  const int8_t* xq = a.qr(t);
+  for (int r = 0; r < n; ++r) {
+    const int col = r % h, shift = r < h ? 0 : 4;
+    float acc = 0.f;
+    for (int j = 0; j < w.K / G; ++j) {
+      int32_t dot = 0;
+      for (int k = j * G; k < (j + 1) * G; ++k) dot += ((blk[(size_t)k * h + col] >> shift) & 15) * xq[k];
+      const size_t o = ((size_t)j * w.N + r0 + r) * 2;
+      const float sq = (float)a.sr(t)[j];
+      const float tt = bf16(sz[o]) * (float)(dot - 8 * a.sr(t)[j]) + bf16(sz[o + 1]) * sq;
+      acc = acc + a.dr(t)[j] * tt;
+    }
+    y[r] = acc;
+  }
+}
+
+template <typename Q>
+void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y, const Q* xq) {
+  const int nb = w.K / G;
+  const float* s = (const float*)w.s;
+  for (int r = r0; r < r0 + n; ++r) {
+    const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+    float acc = 0.f;
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot = 0;
+      for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+      acc = acc + (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot;
+    }
+    y[r - r0] = acc;
+  }
+}
+
+// ---- AVX2 + FMA ----------------------------------------------------------------------------------
+// int4, one full block of 64 rows: per k pair, the two k's nibbles of a row are interleaved into
+// adjacent bytes so one maddubs gives that row's two products (u8 0..15 x s8: no saturation); 8
+// pairs fit in int16 (<= 30480), then widen. Rows land permuted: acc32[i] holds rows kBase[i]..+7.
+__attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0, const QAct& a, int t,
+                                                          float* y) {
+  static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
+  const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
+  const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
+  __m256 yacc[8];
+  for (auto& v : yacc) v = _mm256_setzero_ps();
+  for (int j = 0; j < w.K / G; ++j) {
+    const uint8_t* p = blk + (size_t)j * G * 32;
+    const int32_t* pj = a.prr(t) + j * G / 2;
+    if (g_prefetch) {  // distance on: 1 KiB of nibbles, and the (s, z) of the group that far on
+      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      const int ja = j + (int)(g_prefetch / (G * 32));
+      if (ja < w.K / G)
+        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+    }
+    __m256i acc32[8];
+    for (auto& v : acc32) v = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      __m256i acc16[4];
+      for (auto& v : acc16) v = _mm256_setzero_si256();
+      for (int k = half * 16; k < half * 16 + 16; k += 2) {
+        const __m256i A = _mm256_loadu_si256((const __m256i*)(p + k * 32));
+        const __m256i B = _mm256_loadu_si256((const __m256i*)(p + (k + 1) * 32));
+        const __m256i al = _mm256_and_si256(A, m4), ah = _mm256_and_si256(_mm256_srli_epi16(A, 4), m4);
+        const __m256i bl = _mm256_and_si256(B, m4), bh = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4);
+        const __m256i xp = _mm256_set1_epi32(pj[k / 2]);
+        acc16[0] = _mm256_add_epi16(acc16[0], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(al, bl), xp));
+        acc16[1] = _mm256_add_epi16(acc16[1], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(al, bl), xp));
+        acc16[2] = _mm256_add_epi16(acc16[2], _mm256_maddubs_epi16(_mm256_unpacklo_epi8(ah, bh), xp));
+        acc16[3] = _mm256_add_epi16(acc16[3], _mm256_maddubs_epi16(_mm256_unpackhi_epi8(ah, bh), xp));
+      }
+      for (int i = 0; i < 4; ++i) {
+        acc32[2 * i] = _mm256_add_epi32(acc32[2 * i], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[i])));
+        acc32[2 * i + 1] =
+            _mm256_add_epi32(acc32[2 * i + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[i], 1)));
+      }
+    }
+    const int32_t sq = a.sr(t)[j];
+    const __m256i off = _mm256_set1_epi32(8 * sq);
+    const __m256 sqf = _mm256_set1_ps((float)sq), dv = _mm256_set1_ps(a.dr(t)[j]);
+    for (int i = 0; i < 8; ++i) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + (size_t)j * w.N + r0 + kBase[i]));
+      const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, zmask));
+      const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc32[i], off));
+      const __m256 tt = _mm256_add_ps(_mm256_mul_ps(s, dot), _mm256_mul_ps(z, sqf));
+      yacc[i] = _mm256_add_ps(yacc[i], _mm256_mul_ps(dv, tt));
+    }
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(y + kBase[i], yacc[i]);
+}
+
+// Eight int32 vectors -> one vector of their eight lane sums, in order.
+__attribute__((target("avx2,fma"))) __m256i hsum8(const __m256i* p) {
+  const __m256i u0 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[0], p[1]), _mm256_hadd_epi32(p[2], p[3]));
+  const __m256i u1 = _mm256_hadd_epi32(_mm256_hadd_epi32(p[4], p[5]), _mm256_hadd_epi32(p[6], p[7]));
+  return _mm256_add_epi32(_mm256_permute2x128_si256(u0, u1, 0x20), _mm256_permute2x128_si256(u0, u1, 0x31));
+}
+
+// int8, one row read front to back (one stream for the prefetchers): |w| x sign(x, w) in maddubs
+// (<= 2 * 127 * 127, no saturation); eight blocks' dots reduced exactly to int32 at once, their
+// fp32 terms then added one by one in block order (the reference's order).
+__attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  const float* s = (const float*)w.s + (size_t)r * nb;
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  float acc = 0.f, terms[8];
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i p[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
+    }
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
+    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+  }
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+    acc = acc + (s[j] * d[j]) * (float)dot;
+  }
+  *y = acc;
+}
+
+// int8 weights x int16 activations: sign-extended weights in madd_epi16 (exact in int32).
+__attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  const float* s = (const float*)w.s + (size_t)r * nb;
+  const int16_t* xq = a.q16r(t);
+  const float* d = a.dr(t);
+  float acc = 0.f, terms[8];
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i p[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
+      const __m256i w0 = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv));
+      const __m256i w1 = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1));
+      const __m256i x0 = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      const __m256i x1 = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G + 16));
+      p[b] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
+    }
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
+    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+  }
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+    acc = acc + (s[j] * d[j]) * (float)dot;
+  }
+  *y = acc;
+}
+
+bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+
+// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64) for activation row t -> y[0, n).
+void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
+  if (w.int4) {
+    if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
+    return int4_rows_scalar(w, r0, n, a, t, y);
+  }
+  TORCH_CHECK(!w.int4 || !a.wide, "int16 activations are for int8 weights");
+  if (isa >= kAvx2)
+    for (int i = 0; i < n; ++i) (a.wide ? int8_row16_avx2 : int8_row_avx2)(w, r0 + i, a, t, y + i);
+  else if (a.wide)
+    int8_rows_scalar(w, r0, n, a, t, y, a.q16r(t));
+  else
+    int8_rows_scalar(w, r0, n, a, t, y, a.qr(t));
+}
+
+Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
+  TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
+  const bool int4 = q.scalar_type() == torch::kUInt8;
+  TORCH_CHECK(int4 || q.scalar_type() == torch::kInt8, "weights must be int4 (uint8) or int8");
+  TORCH_CHECK(s.scalar_type() == (int4 ? torch::kBFloat16 : torch::kFloat32), "unexpected scale dtype");
+  const int N = (int)q.size(0), K = (int)q.size(1) * (int4 ? 2 : 1);
+  TORCH_CHECK(K % G == 0 && (!int4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
+  TORCH_CHECK(s.numel() == (int64_t)N * K / G * (int4 ? 2 : 1), "scale section has the wrong size");
+  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, int4};
+}
+
+int64_t resolve(int64_t isa) {
+  const int64_t best = cpu_has_avx2() ? kAvx2 : kScalar;
+  return isa < 0 ? best : std::min(isa, best);
+}
+
+QAct quantize(const torch::Tensor& x, bool wide) {
+  QAct a((int)x.size(0), (int)x.size(1), wide);
+  TORCH_CHECK(a.K % G == 0, "activation width must be a multiple of 32");
+  for (int r = 0; r < a.rows; ++r) quantize_row(x.data_ptr<float>() + (size_t)r * a.K, a, r);
+  return a;
+}
+
+// x [T, K] float -> [T, N] fp32 through one quantized weight (tests and single projections).
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, bool wide,
+                     int64_t isa) {
+  const Weight w = weight(q, s);
+  const auto xf = x.to(torch::kFloat).contiguous();
+  TORCH_CHECK(xf.dim() == 2 && xf.size(1) == w.K, "x must be [T, K]");
+  const QAct a = quantize(xf, wide);
+  isa = resolve(isa);
+  auto y = torch::empty({a.rows, w.N}, xf.options());
+  float* yp = y.data_ptr<float>();
+  const int nblk = (w.N + BN - 1) / BN;
+  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int t = 0; t < a.rows; ++t)
+        rows(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, t, yp + (size_t)t * w.N + b * BN, isa);
+  });
+  return y;
+}
+
+// silu(gate) * up of h [rows, 2I] quantized per row.
+void act_quantize(const float* h, int I, QAct& act, int r) {
+  std::vector<float> v(I);
+  const float* g = h + (size_t)r * 2 * I;
+  for (int i = 0; i < I; ++i) v[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+  quantize_row(v.data(), act, r);
+}
+
+// x [T, D], per expert (q13, s13, q2, s2) in the order they are to be summed, weights [T, E] ->
+// sum_e weights[:, e] * down_e(silu(gate_e(x)) * up_e(x)) in fp32, added in list order.
+torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& weights,
+                  int64_t isa) {
+  TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty(), "4 sections per expert");
+  const int E = (int)secs.size() / 4;
+  std::vector<Weight> w13, w2;
+  for (int e = 0; e < E; ++e) {
+    w13.push_back(weight(secs[4 * e], secs[4 * e + 1]));
+    w2.push_back(weight(secs[4 * e + 2], secs[4 * e + 3]));
+  }
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const auto wt = weights.to(torch::kFloat).contiguous();
+  const int T = (int)xf.size(0), D = (int)xf.size(1), N13 = w13[0].N, I = N13 / 2;
+  TORCH_CHECK(w13[0].K == D && w2[0].N == D && w2[0].K == I, "record shapes do not match x");
+  TORCH_CHECK(wt.size(0) == T && wt.size(1) == E, "weights must be [T, E]");
+  isa = resolve(isa);
+  const QAct ax = quantize(xf, false);
+  std::vector<float> h((size_t)E * T * N13);
+  const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
+  parallel_items((int64_t)E * nb13, [&](int64_t i) {
+    const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
+    for (int t = 0; t < T; ++t)
+      rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
+  });
+  QAct act(E * T, I, !w2[0].int4);  // row e * T + t
+  at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) act_quantize(h.data(), I, act, (int)r);
+  });
+  auto out = torch::zeros({T, D}, xf.options());
+  float* op = out.data_ptr<float>();
+  const float* wp = wt.data_ptr<float>();
+  parallel_items(nbd, [&](int64_t b) {
+    float tmp[BN];
+    const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+    for (int t = 0; t < T; ++t)
+      for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
+        rows(w2[e], r0, n, act, e * T + t, tmp, isa);
+        float* o = op + (size_t)t * D + r0;
+        for (int i = 0; i < n; ++i) o[i] = o[i] + wp[t * E + e] * tmp[i];
+      }
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "x [T, K] through one int4/int8 weight -> [T, N] fp32");
+  m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32");
+  m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
+  m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
+}

@@ -1,0 +1,152 @@
+"""The native CPU expert kernels (csrc/moe_cpu.cpp): built on first use by torch's cpp_extension,
+cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
+
+Numerics (the spec is `kernels/ref.py: qlinear_q8 / moe_q8_ref`): the activation entering each
+projection is quantized per block of 32, to int8 (llama.cpp's Q8_0: d = amax / 127,
+q = round(x / d)), lossy: error per element <= 1/254 of its block's max; the int8 scheme's down
+projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-tailed, and in int8
+it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
+and blocks are combined in fp32 in ascending order, so one projection gives the reference's bits on
+every ISA; a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
+activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
+MOESTREAM_NATIVE_ISA=scalar|avx2 caps the choice (tests, benchmarks).
+If the build fails (no compiler, no ninja), `module()` says so once on stderr and returns None:
+callers keep the torch kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from moestream.config import ext_cache_root
+
+SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
+ISAS = {"scalar": 0, "avx2": 1}
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
+# No FMA contraction: the reference's roundings hold. -fopenmp: at::parallel_for is a header
+# template that runs serially unless the extension itself is built with OpenMP (it then shares
+# torch's libgomp.so.1, loaded first, so torch.set_num_threads applies).
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
+
+
+def _cpu_flags() -> str:
+    try:
+        line = next(x for x in open("/proc/cpuinfo") if x.startswith("flags"))
+    except (OSError, StopIteration):
+        return "unknown"
+    have = set(line.split(":", 1)[1].split())
+    return ",".join(f for f in _FLAGS if f in have)
+
+
+def _key() -> str:
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(f"{torch.__version__}|{_cpu_flags()}|{CFLAGS}".encode())
+    return h.hexdigest()[:16]
+
+
+def _ensure_ninja() -> None:
+    """cpp_extension runs `ninja` from PATH; the pip package's binary may sit outside it."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    except ImportError:
+        pass
+
+
+def _import_built(name: str, so: Path):
+    """The cached build, imported directly: load() re-checks it through setuptools and ninja
+    (~2 s per process). The key names source, flags and torch, so a present file is current."""
+    if not so.is_file():
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location(name, so)
+        mod = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mod)
+        return mod
+    except ImportError:  # e.g. a build still being linked: load() waits for it
+        return None
+
+
+@functools.cache
+def module():
+    """The built extension, or None (said once on stderr) when it cannot be built here."""
+    try:
+        key = _key()
+        name, build = f"moestream_moe_cpu_{key}", ext_cache_root() / f"moe_cpu-{key}"
+        built = _import_built(name, build / f"{name}.so")
+        if built is not None:
+            return built
+        from torch.utils.cpp_extension import load  # imports setuptools: only to build
+
+        _ensure_ninja()
+        build.mkdir(parents=True, exist_ok=True)
+        return load(
+            name=name,
+            sources=[str(SOURCE)],
+            build_directory=str(build),
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            verbose=False,
+        )
+    except Exception as e:  # noqa: BLE001 - any build failure means: run on the torch kernels
+        msg = str(e).strip().splitlines()[-1:] or [type(e).__name__]
+        print(
+            f"moestream: native CPU kernels unavailable ({msg[0]}); using torch kernels",
+            file=sys.stderr,
+        )
+        return None
+
+
+def available() -> bool:
+    return module() is not None
+
+
+def supports(scheme) -> bool:
+    """Schemes the native kernels read: int4 / int8 with groups of 32 (the activation block)."""
+    return scheme.name in ("int4", "int8") and scheme.group_size == 32
+
+
+def _isa(isa: str | None) -> int:
+    isa = isa or os.environ.get("MOESTREAM_NATIVE_ISA")
+    if isa is None:
+        return -1  # the best this CPU has
+    if isa not in ISAS:
+        raise ValueError(f"unknown native ISA {isa!r}; use {', '.join(ISAS)}")
+    return ISAS[isa]
+
+
+def best_isa() -> str:
+    return {v: k for k, v in ISAS.items()}[module().best_isa()]
+
+
+def _pair(sec: dict, name: str) -> list[torch.Tensor]:
+    q = sec[f"{name}.q"]
+    return [q, sec[f"{name}.sz" if q.dtype == torch.uint8 else f"{name}.s"]]
+
+
+def linear(
+    x: torch.Tensor, sec: dict, name: str, isa: str | None = None, wide: bool = False
+) -> torch.Tensor:
+    """x [T, K] through weight `name` of a record -> [T, N] fp32 (wide: int16 activations, int8
+    weights only)."""
+    return module().linear(x, *_pair(sec, name), wide, _isa(isa))
+
+
+def moe(
+    x: torch.Tensor, secs: list[dict], weights: torch.Tensor, isa: str | None = None
+) -> torch.Tensor:
+    """x [T, D], E records' sections, weights [T, E] -> sum_e weights[:, e] * expert_e(x) [T, D]
+    fp32, experts added in list order (callers pass ascending expert id)."""
+    flat = [t for sec in secs for name in ("w13", "w2") for t in _pair(sec, name)]
+    return module().moe(x, flat, weights, _isa(isa))
