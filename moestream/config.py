@@ -367,8 +367,10 @@ class SamplingConfig:
     presence_penalty: float = 0.0
 
     def __post_init__(self):
-        if not (self.repeat_penalty > 0 and math.isfinite(self.repeat_penalty)):
-            raise ConfigError(f"repeat penalty must be > 0 (1 = off), got {self.repeat_penalty}")
+        if not 0.01 <= self.repeat_penalty <= 100:  # far outside, logits overflow to inf
+            raise ConfigError(
+                f"repeat penalty must be in [0.01, 100] (1 = off), got {self.repeat_penalty}"
+            )
         if self.repeat_last_n < 0:
             raise ConfigError(f"repeat-last-n must be >= 0 (0 = all), got {self.repeat_last_n}")
         for name in ("frequency_penalty", "presence_penalty"):

@@ -399,7 +399,7 @@ def test_ctx_size_bounds_a_sequence(store, capsys):
     assert main([*base, "-n", "4", "-c", "64"]) == 0
     assert len(json.loads(capsys.readouterr().out)["ids"]) == 4
     err = refused(capsys, [*base, "-n", "40", "-c", "16"])
-    assert "context of 16" in err
+    assert "--ctx-size context of 16" in err
     err = refused(capsys, [*base, "-n", "4", "--ctx-size", "100000"])
     assert "--ctx-size 100000 must be in [2," in err
 

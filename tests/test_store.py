@@ -203,6 +203,9 @@ def test_cli_hf_folder_is_converted_on_first_use(tiny_dir, tmp_path):
         r = subprocess.run(cmd + extra, env=env, capture_output=True, text=True, timeout=120)
         outs.append(r)
     assert outs[1].returncode == 2 and "below the minimum" in outs[1].stderr
+    # The first run says where the copy goes and how big it is; later runs reuse it silently.
+    assert "store in" in outs[0].stderr and "GiB)" in outs[0].stderr
+    assert "converting" not in outs[2].stderr
     a, c = json.loads(outs[0].stdout), json.loads(outs[2].stdout)
     assert a["ids"] == c["ids"]
     keys = ("bytes_read", "hits", "misses", "evictions", "read_gbps", "stall_read_gbps")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from moestream.config import cache_root
@@ -17,5 +18,11 @@ def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) ->
     dst = cache_root() / key
     if not (dst / "manifest.json").is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
+        # Said every time, progress bars or not: a copy of the model is being written to disk.
+        print(
+            f"moestream: converting {src} to a {scheme.name} store in {dst} (once)", file=sys.stderr
+        )
         convert(src, dst, scheme, progress)
+        size = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
+        print(f"moestream: wrote {dst} ({size / 2**30:.2f} GiB)", file=sys.stderr)
     return dst

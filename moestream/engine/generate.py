@@ -149,9 +149,10 @@ class Generator:
             )
         total = len(prompt_ids) + cfg.max_new_tokens
         if total > self.context:
+            whose = "model's" if self.context == self.args.max_position_embeddings else "--ctx-size"
             raise ConfigError(
-                f"prompt ({len(prompt_ids)} tokens) + max new tokens ({cfg.max_new_tokens}) exceeds the "
-                f"context of {self.context}; shorten the prompt or lower -n"
+                f"prompt ({len(prompt_ids)} tokens) + max new tokens ({cfg.max_new_tokens}) exceeds "
+                f"the {whose} context of {self.context}; shorten the prompt or lower -n"
             )
         if cfg.max_new_tokens == 0:
             return

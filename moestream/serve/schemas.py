@@ -79,7 +79,11 @@ class _Sampling(BaseModel):
         None, ge=-2, le=2, allow_inf_nan=False, description="subtracted once per token seen"
     )
     repetition_penalty: float | None = Field(
-        None, gt=0, le=10, allow_inf_nan=False, description="extension (vLLM/llama.cpp): 1 = off"
+        None,
+        ge=0.01,
+        le=100,
+        allow_inf_nan=False,
+        description="extension (vLLM/llama.cpp): 1 = off",
     )
 
 
