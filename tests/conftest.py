@@ -8,6 +8,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Conversions on first use go to a throwaway cache: the suite never writes into ~/.cache/moestream
 # (subprocesses inherit it).
 os.environ["MOESTREAM_CACHE"] = tempfile.mkdtemp(prefix="moestream-test-cache-")
+# The native kernels' build is kept in the checkout's ignored .cache/ (built once, ~1 min).
+os.environ.setdefault(
+    "MOESTREAM_EXT_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "ext")
+)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -51,3 +51,6 @@ def test_the_suite_uses_a_throwaway_conversion_cache():
     assert Path(tempfile.gettempdir()) in cache_root().parents
     assert cache_root() != Path.home() / ".cache" / "moestream"
     assert os.environ["MOESTREAM_CACHE"] == str(cache_root())
+    from moestream.config import ext_cache_root
+
+    assert Path.home() / ".cache" / "moestream" not in ext_cache_root().parents
