@@ -366,6 +366,10 @@ class SamplingConfig:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
 
+    @property
+    def penalizes(self) -> bool:
+        return self.repeat_penalty != 1 or self.frequency_penalty != 0 or self.presence_penalty != 0
+
     def __post_init__(self):
         if not 0.01 <= self.repeat_penalty <= 100:  # far outside, logits overflow to inf
             raise ConfigError(

@@ -190,7 +190,9 @@ class Generator:
 
     def _steps(self, logits, cache, pos: int, cfg, gen, text, res, graph) -> Iterator[str]:
         while True:
-            token, logprob = choose(logits, cfg, gen, res.prompt_ids + res.ids)
+            # The history only when a penalty reads it: no list built per token otherwise.
+            history = res.prompt_ids + res.ids if cfg.penalizes else None
+            token, logprob = choose(logits, cfg, gen, history)
             res.ids.append(token)
             res.logprobs.append(logprob)
             if token in self.eos_ids and not cfg.ignore_eos:

@@ -34,10 +34,10 @@ def sample(logits: torch.Tensor, cfg: SamplingConfig, gen: torch.Generator | Non
 def penalized(logits: torch.Tensor, history: list[int], cfg: SamplingConfig) -> torch.Tensor:
     """logits [V] with the repeat / frequency / presence penalties of the recent tokens applied
     (fp32); the logits themselves when no penalty is set."""
+    if not cfg.penalizes or not history:
+        return logits
     rp, fp, pp = cfg.repeat_penalty, cfg.frequency_penalty, cfg.presence_penalty
     recent = history[-cfg.repeat_last_n :] if cfg.repeat_last_n else history
-    if (rp == 1 and fp == 0 and pp == 0) or not recent:
-        return logits
     ids, counts = torch.unique(torch.tensor(recent, device=logits.device), return_counts=True)
     out = logits.float().clone()
     v = out[ids]
@@ -51,13 +51,14 @@ def choose(
     logits: torch.Tensor,
     cfg: SamplingConfig,
     gen: torch.Generator | None,
-    history: list[int] = (),
+    history: list[int] | None = None,
 ):
     """logits [V] -> (token, its log-probability under the penalized distribution). Greedy on a
     GPU stays there: argmax and log-softmax on the device, two numbers copied back (not V logits,
     then a host softmax); sampling copies the logits and draws on the host from the seeded
     generator. `history`: the sequence so far (prompt + generated), for the penalties."""
-    logits = penalized(logits, list(history), cfg)
+    if history:
+        logits = penalized(logits, history, cfg)
     if cfg.temperature == 0 and logits.device.type != "cpu":
         tok = torch.argmax(logits)  # the first maximum, as on the CPU
         lp = torch.log_softmax(logits.float(), -1)[tok]
