@@ -15,6 +15,14 @@ moestream / llama.cpp.
     python benchmarks/bench_peers.py --hf HF_DIR --llama .cache/peers/llama [--threads 2]
         [--pairs int4:Q4_0,int8:Q8_0] [-p 64] [-n 64] [--reps 3] [--out rows.jsonl]
 
+On the GPU machine (`--device cuda`, llama.cpp built with CUDA): each `--shares` value is the
+fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 99`; moestream
+`GpuConfig(resident=True)`, CUDA-graph decode); s < 1 = llama.cpp computes the experts of
+round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
+of s of the expert bytes from a pinned host mirror. The ceiling is then the HBM read bandwidth
+(a 4 GiB fp32 sum on the device), dense weights count at bf16, and the PCIe H2D rate (a pinned 1
+GiB copy) is reported beside it.
+
 Build llama.cpp first (../shared/peers/README.md: build_llamacpp.sh); nothing of it is committed.
 """
 
@@ -35,19 +43,46 @@ from common import bench_row, write_rows  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def dram_gbps(threads: int, reps: int = 5) -> float:
-    """Read bandwidth of a 1 GiB fp32 sum (2 passes warm), the ceiling for weight streaming."""
+def dram_gbps(threads: int, reps: int = 5, device: str = "cpu") -> float:
+    """Read bandwidth of a 1 GiB (CPU) / 4 GiB (GPU) fp32 sum, warm: the ceiling for weight
+    streaming."""
     import torch
 
     torch.set_num_threads(threads)
-    t = torch.ones(1 << 28)
+    t = torch.ones(1 << (28 if device == "cpu" else 30), device=device)
     t.sum()
     times = []
     for _ in range(reps):
+        _sync(device)
         t0 = time.perf_counter()
         t.sum()
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return t.numel() * 4 / statistics.median(times) / 1e9
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        import torch
+
+        torch.cuda.synchronize()
+
+
+def h2d_gbps(reps: int = 5) -> float:
+    """Pinned host -> device copy rate of 1 GiB: the ceiling for experts streamed over PCIe."""
+    import torch
+
+    src = torch.ones(1 << 28).pin_memory()
+    dst = torch.empty(1 << 28, device="cuda")
+    dst.copy_(src)
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return src.numel() * 4 / statistics.median(times) / 1e9
 
 
 def child_rss(cmd: list[str]) -> tuple[str, int]:
@@ -70,23 +105,45 @@ def child_rss(cmd: list[str]) -> tuple[str, int]:
     return "".join(chunks), usage.ru_maxrss * 1024
 
 
-def moestream_child(store: str, kernel: str, threads: int, P: int, N: int) -> None:
+def child_experts(kernel: str, device: str, share: float):
+    """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool."""
+    from moestream.config import Budget
+    from moestream.experts.config import GpuConfig, StreamConfig
+
+    if device == "cpu":
+        return StreamConfig(resident=True, kernel=kernel)
+    if share >= 1:
+        return GpuConfig(resident=True, device=device)
+    return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device)
+
+
+def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, device: str = "cpu",
+                    share: float = 1.0) -> None:  # fmt: skip
     """In a child process: prefill P random ids, decode N greedy tokens; print one JSON line."""
     import torch
 
     from moestream.config import SamplingConfig
-    from moestream.experts.config import StreamConfig
     from moestream.runtime import open_model
 
     torch.set_num_threads(threads)
-    experts = StreamConfig(resident=True, kernel=kernel)
-    with open_model(store, experts=experts, threads=threads) as rt:
+    experts = child_experts(kernel, device, share)
+    dtype = "float32" if device == "cpu" else "bfloat16"
+    with open_model(store, dtype=dtype, experts=experts, threads=threads) as rt:
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, rt.args.vocab_size, (P,), generator=g).tolist()
         cfg = SamplingConfig(max_new_tokens=N, ignore_eos=True)
-        rt.generator.generate(ids[:8], SamplingConfig(max_new_tokens=4, ignore_eos=True))  # warm
-        s = rt.generator.generate(ids, cfg).stats()
-    print(json.dumps({"prefill_tok_s": s["prefill_tok_s"], "decode_tok_s": s["decode_tok_s"]}))
+        warm = SamplingConfig(max_new_tokens=8, ignore_eos=True)
+        rt.generator.generate(ids, warm)  # compiles, captures graphs, fills the slot pool
+        res = rt.generator.generate(ids, cfg)
+        s = res.stats()
+        row = {"prefill_tok_s": s["prefill_tok_s"], "decode_tok_s": s["decode_tok_s"],
+               "mode": rt.provider.describe()}  # fmt: skip
+        if device != "cpu":
+            row["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+            lookups = s.get("hits", 0) + s.get("misses", 0)
+            row["hit_rate"] = s["hits"] / lookups if lookups else 1.0
+            row["h2d_bytes_per_token"] = s.get("h2d_bytes", 0) / max(len(res.ids), 1)
+    print(json.dumps(row))
 
 
 def ensure_store(hf: Path, work: Path, quant: str) -> Path:
@@ -115,9 +172,9 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
     return out
 
 
-def store_bytes_per_token(store: Path) -> int:
-    """Dense weights read per token as the child holds them (fp32, the embedding: one row) +
-    top-k records per MoE layer."""
+def store_bytes_per_token(store: Path, elem: int = 4) -> int:
+    """Dense weights read per token as the child holds them (`elem` bytes per float: fp32 on the
+    CPU, bf16 on the GPU; the embedding: one row) + top-k records per MoE layer."""
     from moestream.store.format import Store
 
     s = Store(store)
@@ -125,7 +182,7 @@ def store_bytes_per_token(store: Path) -> int:
     dense = 0
     for name in s.dense_names:
         t = s.tensor(name)
-        n = t.numel() * 4
+        n = t.numel() * elem
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()
     return dense + len(s.crc) * a.num_experts_per_tok * s.layout.size
@@ -150,10 +207,14 @@ def gguf_bytes_per_token(gguf: Path, llama: Path, top_k: int, experts: int) -> i
     return total
 
 
-def llama_run(llama: Path, gguf: Path, threads: int, P: int, N: int) -> tuple[dict, int]:
+def llama_run(llama: Path, gguf: Path, threads: int, P: int, N: int, cpu_moe: int | None = None
+              ) -> tuple[dict, int]:  # fmt: skip
+    """llama-bench once; cpu_moe None = CPU build, else `-ngl 99 --n-cpu-moe cpu_moe`."""
     bench = str(llama / "build/bin/llama-bench")
     cmd = [bench, "-m", str(gguf), "-t", str(threads), "-p", str(P), "-n", str(N), "-r", "1",
            "-o", "json"]  # fmt: skip
+    if cpu_moe is not None:
+        cmd += ["-ngl", "99", "--n-cpu-moe", str(cpu_moe)]
     out, rss = child_rss(cmd)
     rows = json.loads(out)
     pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
@@ -161,42 +222,59 @@ def llama_run(llama: Path, gguf: Path, threads: int, P: int, N: int) -> tuple[di
     return {"prefill_tok_s": pp, "decode_tok_s": tg}, rss
 
 
-def ours_run(store: Path, kernel: str, threads: int, P: int, N: int) -> tuple[dict, int]:
+def ours_run(store: Path, kernel: str, a, share: float) -> tuple[dict, int]:
     cmd = [sys.executable, __file__, "--child", str(store), "--kernel", kernel,
-           "--threads", str(threads), "-p", str(P), "-n", str(N)]  # fmt: skip
+           "--threads", str(a.threads), "-p", str(a.prompt_tokens), "-n", str(a.tokens),
+           "--device", a.device, "--shares", str(share)]  # fmt: skip
     out, rss = child_rss(cmd)
     return json.loads(out.strip().splitlines()[-1]), rss
 
 
-def measure(pairs, kernels: list[str], files: dict, llama: Path, a) -> dict:
-    """Interleaved repeats: per repeat and pair, llama.cpp and each moestream kernel, the order
-    reversed every other repeat. Keys: the llama.cpp format, or (moestream format, kernel)."""
+def cpu_moe_layers(layers: int, share: float) -> int:
+    """llama.cpp's --n-cpu-moe for a share of the expert bytes in VRAM."""
+    return round(layers * (1 - share))
+
+
+def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: Path, a,
+            layers: int) -> dict:  # fmt: skip
+    """Interleaved repeats: per repeat, pair and share, llama.cpp and each moestream kernel, the
+    order reversed every other repeat. Keys: (llama.cpp format, share) or (moestream format,
+    kernel, share)."""
     P, N = a.prompt_tokens, a.tokens
+    gpu = a.device != "cpu"
     runs: dict = {}
     for rep in range(a.reps):
         for ours, theirs in pairs:
-            order = [theirs] + [(ours, k) for k in kernels]
-            for key in order if rep % 2 == 0 else order[::-1]:
-                if isinstance(key, tuple):
-                    r = ours_run(files[key[0]], key[1], a.threads, P, N)
-                else:
-                    r = llama_run(llama, files[key], a.threads, P, N)
-                runs.setdefault(key, []).append(r)
-                print(f"rep {rep} {key}: decode {r[0]['decode_tok_s']:.2f} tok/s", file=sys.stderr)
+            for sh in shares:
+                order = [(theirs, sh)] + [(ours, k, sh) for k in kernels]
+                for key in order if rep % 2 == 0 else order[::-1]:
+                    if len(key) == 3:
+                        r = ours_run(files[key[0]], key[1], a, sh)
+                    else:
+                        ncm = cpu_moe_layers(layers, sh) if gpu else None
+                        r = llama_run(llama, files[key[0]], a.threads, P, N, ncm)
+                    runs.setdefault(key, []).append(r)
+                    tps = r[0]["decode_tok_s"]
+                    print(f"rep {rep} {key}: decode {tps:.2f} tok/s", file=sys.stderr)
     return runs
 
 
 def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     dec = statistics.median(r["decode_tok_s"] for r, _ in runs)
-    return {
+    out = {
         "decode_tok_s": dec,
         "prefill_tok_s": statistics.median(r["prefill_tok_s"] for r, _ in runs),
         "decode_tok_s_all": [r["decode_tok_s"] for r, _ in runs],
         "peak_rss_bytes": max(rss for _, rss in runs),
         "bytes_per_token": bpt,
         "decode_gbps": dec * bpt / 1e9,
-        "dram_fraction": dec * bpt / 1e9 / ceiling,
+        "ceiling_fraction": dec * bpt / 1e9 / ceiling,
     }
+    first = runs[0][0]
+    for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token"):
+        if k in first:
+            out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
+    return out
 
 
 def main(argv=None) -> int:
@@ -213,12 +291,24 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--kernels", default="cpu", help="moestream expert kernels to run, e.g. native,cpu"
     )
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (llama.cpp built with CUDA)")
+    ap.add_argument(
+        "--shares", default="1", help="GPU: fractions of expert bytes in VRAM, e.g. 1,0.5"
+    )
+    ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
     ap.add_argument("--kernel", default="cpu", help=argparse.SUPPRESS)  # the child's
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
+    shares = [float(x) for x in a.shares.split(",")]
     if a.child:
-        moestream_child(a.child, a.kernel, a.threads, a.prompt_tokens, a.tokens)
+        moestream_child(a.child, a.kernel, a.threads, a.prompt_tokens, a.tokens, a.device,
+                        shares[0])  # fmt: skip
         return 0
+    gpu = a.device != "cpu"
+    if gpu and a.kernels == "cpu":
+        a.kernels = "triton"
+    if not gpu and shares != [1.0]:
+        ap.error("--shares is a GPU setting: on the CPU every expert is resident")
     hf, work, llama = Path(a.hf), Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
     pairs = [p.split(":") for p in a.pairs.split(",")]
@@ -229,37 +319,45 @@ def main(argv=None) -> int:
     for ours, theirs in pairs:
         files[ours] = ensure_store(hf, work, ours)
         files[theirs] = ensure_gguf(hf, work, llama, theirs)
-    bpt = {q: store_bytes_per_token(files[q]) for q, _ in pairs}
+    bpt = {q: store_bytes_per_token(files[q], 2 if gpu else 4) for q, _ in pairs}
     K, E = args.num_experts_per_tok, args.num_experts
     bpt.update({t: gguf_bytes_per_token(files[t], llama, K, E) for _, t in pairs})
-    ceiling = dram_gbps(a.threads)
+    ceiling = dram_gbps(a.threads, device=a.device)
+    pcie = h2d_gbps() if gpu else None
     kernels = a.kernels.split(",")
-    runs = measure(pairs, kernels, files, llama, a)
+    runs = measure(pairs, kernels, shares, files, llama, a, args.num_hidden_layers)
     rows = []
     for ours, theirs in pairs:
-        base = summarize(runs[theirs], bpt[theirs], ceiling)
-        variants = [("llama.cpp", theirs, base)] + [
-            ("moestream", f"{ours}/{k}", summarize(runs[(ours, k)], bpt[ours], ceiling))
-            for k in kernels
-        ]
-        for engine, fmt, s in variants:
-            rows.append({"engine": engine, "format": fmt, "dram_gbps": ceiling, **s,
-                         "decode_ratio_vs_llama": s["decode_tok_s"] / base["decode_tok_s"],
-                         "prefill_ratio_vs_llama": s["prefill_tok_s"] / base["prefill_tok_s"]})  # fmt: skip
-    print(f"DRAM read ceiling {ceiling:.1f} GB/s ({a.threads} threads)")
-    print(f"{'engine':<10} {'format':<12} {'decode':>8} {'prefill':>8} {'GB/tok':>7} {'GB/s':>6} "
-          f"{'of DRAM':>7} {'RSS GB':>7} {'ratio':>6}")  # fmt: skip
+        for sh in shares:
+            base = summarize(runs[(theirs, sh)], bpt[theirs], ceiling)
+            variants = [("llama.cpp", theirs, base)] + [
+                ("moestream", f"{ours}/{k}", summarize(runs[(ours, k, sh)], bpt[ours], ceiling))
+                for k in kernels
+            ]
+            for engine, fmt, s in variants:
+                rows.append({"engine": engine, "format": fmt, "device": a.device,
+                             "vram_share": sh if gpu else None,
+                             "llama_n_cpu_moe": cpu_moe_layers(args.num_hidden_layers, sh) if gpu else None,
+                             "ceiling_gbps": ceiling, "h2d_gbps": pcie, **s,
+                             "decode_ratio_vs_llama": s["decode_tok_s"] / base["decode_tok_s"],
+                             "prefill_ratio_vs_llama": s["prefill_tok_s"] / base["prefill_tok_s"]})  # fmt: skip
+    what = "HBM" if gpu else "DRAM"
+    print(f"{what} read ceiling {ceiling:.1f} GB/s" + (f", H2D {pcie:.1f} GB/s" if gpu else
+          f" ({a.threads} threads)"))  # fmt: skip
+    print(f"{'engine':<10} {'format':<12} {'share':>5} {'decode':>8} {'prefill':>8} {'GB/tok':>7} "
+          f"{'GB/s':>6} {'of ' + what:>7} {'RSS GB':>7} {'ratio':>6}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['engine']:<10} {r['format']:<12} {r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
-            f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['dram_fraction']:7.2f} "
+            f"{r['engine']:<10} {r['format']:<12} {r['vram_share'] or 1:5.2f} "
+            f"{r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
+            f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['ceiling_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
         )
     if a.out:
         config = {"hf": str(hf), "layers": args.num_hidden_layers, "threads": a.threads,
-                  "kernels": kernels,
+                  "kernels": kernels, "device": a.device, "shares": shares,
                   "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "reps": a.reps}  # fmt: skip
-        write_rows(a.out, [bench_row("peers", config, r) for r in rows])
+        write_rows(a.out, [bench_row("peers", config, r, a.commit) for r in rows])
     return 0
 
 
