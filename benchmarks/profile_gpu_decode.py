@@ -48,10 +48,11 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
     return total, count, rows
 
 
-def profile_one(store: Path, graph: bool, a) -> dict:
+def profile_one(store: Path, variant: str, a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    experts = GpuConfig(resident=True, cuda_graph=graph)
+    graph = variant != "eager"
+    experts = GpuConfig(resident=True, cuda_graph=graph, compile_step=variant == "compiled")
     with open_model(store, dtype="bfloat16", experts=experts) as rt:
         ids = rt.encode_prompt(a.prompt)
         cfg = SamplingConfig(max_new_tokens=a.tokens, ignore_eos=True)
@@ -67,7 +68,7 @@ def profile_one(store: Path, graph: bool, a) -> dict:
     n = a.tokens  # one prefill + n-1 decode steps; the prefill is a small share at n=64
     us, count, rows = kernel_table(prof, n)
     return {
-        "variant": "graph" if graph else "eager",
+        "variant": variant,
         "decode_tok_s": s["decode_tok_s"],
         "ms_per_token": 1e3 / s["decode_tok_s"],
         "wall_s": wall,
@@ -85,7 +86,11 @@ def main(argv=None) -> int:
     ap.add_argument("-p", "--prompt", default="def fibonacci(n):")
     ap.add_argument("-n", "--tokens", type=int, default=64)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--eager", action="store_true", help="also profile without CUDA graphs")
+    ap.add_argument(
+        "--variants",
+        default="graph,compiled",
+        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -94,8 +99,8 @@ def main(argv=None) -> int:
     rows = []
     for q in a.quants.split(","):
         store = convert(hf, tmp / q, make_scheme(q), False)
-        for graph in (True, False) if a.eager else (True,):
-            r = {"quant": q, "layers": a.layers, **profile_one(store, graph, a)}
+        for v in a.variants.split(","):
+            r = {"quant": q, "layers": a.layers, **profile_one(store, v, a)}
             rows.append(r)
             print(
                 f"{q} {r['variant']}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} "

@@ -126,7 +126,8 @@ def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
         print(f"moestream: decode runs eagerly (no CUDA graph): {why}", file=sys.stderr)
         return None
     device = loaded.model.lm_head.weight.device
-    return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device)
+    compiled = provider.cfg.compile_step  # graphable: a GpuExperts
+    return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device, compiled)
 
 
 def _context(asked: int | None, model: int) -> int:

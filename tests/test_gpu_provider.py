@@ -248,6 +248,31 @@ def test_cuda_graph_decode_equals_eager(stores, quant):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("quant", ["bf16", "int4"])
+def test_cuda_compiled_step_equals_eager(stores, quant):
+    """The torch.compile'd captured step (dense ops fused) keeps the eager decode's greedy tokens;
+    its logits differ only by the fused roundings (fp32 kept between ops that eager rounds to
+    bf16)."""
+    from moestream.config import SamplingConfig
+    from moestream.runtime import open_model
+
+    store = stores(quant)
+    cfg = SamplingConfig(max_new_tokens=48, ignore_eos=True)
+    eager = open_model(store, dtype="bfloat16", experts=GpuConfig(resident=True, cuda_graph=False))
+    fused = open_model(store, dtype="bfloat16", experts=GpuConfig(resident=True, compile_step=True))
+    assert fused.generator.graphs.compiled
+    for prompt in (PROMPT, "class Node:"):
+        ids = fused.encode_prompt(prompt)
+        want = eager.generator.generate(ids, cfg)
+        got = fused.generator.generate(ids, cfg)
+        assert got.ids == want.ids, prompt
+        diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
+        assert diff < 1e-1, diff
+    eager.close()
+    fused.close()
+
+
+@pytest.mark.cuda
 def test_cuda_greedy_choice_equals_host():
     from moestream.config import SamplingConfig
     from moestream.engine.sampling import choose

@@ -48,14 +48,21 @@ def bucket(total: int, limit: int) -> int:
 
 
 class DecodeGraph:
-    """One capacity bucket's static cache and captured decode step."""
+    """One capacity bucket's static cache and captured decode step. `compiled`: the step is
+    torch.compile'd (fixed shapes; the expert provider's call stays outside, a graph break) and
+    its first eager call compiles, so the capture records the fused kernels."""
 
-    def __init__(self, model, args, capacity: int, dtype: torch.dtype, device, pool):
+    def __init__(self, model, args, capacity: int, dtype: torch.dtype, device, pool,
+                 compiled: bool = False):  # fmt: skip
         self.model, self.capacity, self.pool = model, capacity, pool
         self.cache = StaticKVCache(args, capacity, dtype, device)
         self.tok = torch.zeros(1, dtype=torch.int64, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
+        self._fn = torch.compile(self._forward, dynamic=False) if compiled else self._forward
+
+    def _forward(self) -> torch.Tensor:
+        return self.model(self.tok, self.cache, self.cache.pos, last_only=True)[-1]
 
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [V] of `token` at position `pos`; the first call runs eagerly and captures,
@@ -63,7 +70,7 @@ class DecodeGraph:
         self.tok.fill_(token)  # fills are kernels with a scalar argument: no host->device copy
         self.cache.pos.fill_(pos)
         if self.graph is None:
-            out = self.model(self.tok, self.cache, self.cache.pos, last_only=True)[-1]
+            out = self._fn()
             self._capture()
             return out
         self.graph.replay()
@@ -73,15 +80,16 @@ class DecodeGraph:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            self.logits = self.model(self.tok, self.cache, self.cache.pos, last_only=True)[-1]
+            self.logits = self._fn()
         self.graph = g
 
 
 class DecodeGraphs:
     """The captured steps of one model, one per KV capacity bucket, sharing one memory pool."""
 
-    def __init__(self, model, args, dtype: torch.dtype, device):
+    def __init__(self, model, args, dtype: torch.dtype, device, compiled: bool = False):
         self.model, self.args, self.dtype, self.device = model, args, dtype, device
+        self.compiled = compiled
         self.pool = torch.cuda.graph_pool_handle()
         self.by_capacity: dict[int, DecodeGraph] = {}
 
@@ -92,6 +100,6 @@ class DecodeGraphs:
         g = self.by_capacity.get(cap)
         if g is None:
             g = self.by_capacity[cap] = DecodeGraph(
-                self.model, self.args, cap, self.dtype, self.device, self.pool
+                self.model, self.args, cap, self.dtype, self.device, self.pool, self.compiled
             )
         return g

@@ -60,10 +60,23 @@ def choose(
     if history:
         logits = penalized(logits, history, cfg)
     if cfg.temperature == 0 and logits.device.type != "cpu":
-        tok = torch.argmax(logits)  # the first maximum, as on the CPU
-        lp = torch.log_softmax(logits.float(), -1)[tok]
-        token, logprob = torch.stack((tok.double(), lp.double())).tolist()
+        token, logprob = _device_greedy(logits).tolist()
         return int(token), logprob
     logits = logits.cpu()
     token = sample(logits, cfg, gen)
     return token, float(torch.log_softmax(logits.float(), -1)[token])
+
+
+def _device_greedy(logits: torch.Tensor) -> torch.Tensor:
+    """(first argmax, its fp32 log-probability) as a float64 [2] on the device: one pass of the
+    Triton kernel on CUDA (kernels/triton/pick.py), else argmax + log_softmax (its spec)."""
+    if logits.device.type == "cuda":
+        try:
+            from moestream.kernels.triton.pick import greedy_pick
+        except ImportError:  # no triton (a CPU torch build never gets here): the spec below
+            pass
+        else:
+            return greedy_pick(logits)
+    tok = torch.argmax(logits)  # the first maximum, as on the CPU
+    lp = torch.log_softmax(logits.float(), -1)[tok]
+    return torch.stack((tok.double(), lp.double()))

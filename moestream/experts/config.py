@@ -78,6 +78,9 @@ class GpuConfig:
     device: str = "cuda"
     # Decode steps captured as CUDA graphs where the model allows it (engine/graph.py).
     cuda_graph: bool = True
+    # The captured step's dense ops (norms, RoPE, casts, router, attention softmax) fused by
+    # torch.compile before capture (engine/graph.py); the expert kernels stay as they are.
+    compile_step: bool = False
 
     def __post_init__(self):
         if not self.resident and self.gpu_budget is None:
@@ -87,6 +90,11 @@ class GpuConfig:
             raise ConfigError(
                 "--resident keeps every expert in VRAM and has no budget: drop --gpu-budget "
                 "(or drop --resident to stream through a VRAM pool of that size)"
+            )
+        if self.compile_step and not self.cuda_graph:
+            raise ConfigError(
+                "compiling the decode step fuses it for the CUDA graph: drop --no-cuda-graph "
+                "or the compile option"
             )
         if self.resident and self.pinned_mirror:
             raise ConfigError(

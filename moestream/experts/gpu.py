@@ -207,6 +207,7 @@ class GpuExperts(ExpertProvider):
             self._load_misses(li, layer, step.misses, step.evicted)
         return self.slot_map[li][ids]
 
+    @torch.compiler.disable  # a compiled decode step (engine/graph.py) calls the kernels as they are
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:

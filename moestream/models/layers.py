@@ -215,7 +215,11 @@ class Attention(nn.Module):
         gradients on, the three modules run as they are (the fused tensor is not a parameter)."""
         if torch.is_grad_enabled():
             return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
-        if self._fused is None or self._fused_key != self._param_key():
+        # Weights cannot change inside a compiled step (engine/graph.py), and dynamo cannot
+        # trace the pointer check: skip it there.
+        if not torch.compiler.is_compiling() and (
+            self._fused is None or self._fused_key != self._param_key()
+        ):
             with torch.inference_mode(False), torch.no_grad():
                 self.fuse_qkv()
         w, b = self._fused
@@ -251,10 +255,11 @@ class Attention(nn.Module):
         one normalisation times the two weights side by side: the same roundings as two
         RMSNorm calls (normalise, cast, then the weight), one op fewer."""
         qw, kw = self.q_norm.weight, self.k_norm.weight
-        key = (qw.data_ptr(), kw.data_ptr(), qw._version, kw._version)
-        if self._qk_key != key:  # weights loaded, replaced or moved since: rebuild
-            self._qk_weight = torch.cat((qw.expand(self.H, -1), kw.expand(self.Hkv, -1)))
-            self._qk_key = key
+        if not torch.compiler.is_compiling():  # (weights are fixed inside a compiled step)
+            key = (qw.data_ptr(), kw.data_ptr(), qw._version, kw._version)
+            if self._qk_key != key:  # weights loaded, replaced or moved since: rebuild
+                self._qk_weight = torch.cat((qw.expand(self.H, -1), kw.expand(self.Hkv, -1)))
+                self._qk_key = key
         eps = self.q_norm.eps
         if qk.dtype == torch.float32:
             return self._qk_weight * F.rms_norm(qk, (self.hd,), None, eps)

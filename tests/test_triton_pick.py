@@ -1,0 +1,36 @@
+"""The one-pass greedy choice (kernels/triton/pick.py) against its spec: the first maximum equals
+torch.argmax's, the log-probability log_softmax's in fp32 within summation-order rounding. Runs
+through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), compiled on CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+try:
+    from moestream.kernels.triton.pick import BLOCK, greedy_pick, greedy_pick_ref
+except ImportError:
+    pytest.skip("triton not installed (gpu extra)", allow_module_level=True)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("V", [7, BLOCK, BLOCK + 1, 3 * BLOCK + 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_pick_matches_argmax_and_log_softmax(V, dtype):
+    g = torch.Generator().manual_seed(V)
+    x = (torch.randn(V, generator=g) * 4).to(DEVICE, dtype)
+    got, want = greedy_pick(x).cpu(), greedy_pick_ref(x).cpu()
+    assert got[0] == want[0]
+    assert abs(got[1] - want[1]) <= 1e-5 * max(1.0, abs(want[1].item()))
+
+
+def test_greedy_pick_takes_the_first_of_tied_maxima_across_blocks():
+    V = 3 * BLOCK
+    x = torch.zeros(V, device=DEVICE)
+    for i in (2 * BLOCK + 5, BLOCK + 9, 2 * BLOCK):  # the max three times, in two later blocks
+        x[i] = 3.0
+    got = greedy_pick(x).cpu()
+    assert int(got[0]) == BLOCK + 9 == int(torch.argmax(x))
+    want = greedy_pick_ref(x).cpu()[1]
+    assert abs(got[1] - want) <= 1e-5 * abs(want)  # fp32 sums of 12,288 terms in two orders
