@@ -170,7 +170,8 @@ def test_cuda_greedy_equals_cpu(stores, quant):
     teacher-forced along the CPU's tokens so one disagreement cannot cascade."""
     store = stores(quant)
     ids = prompt_ids(store)
-    cpu = load_model(store, StreamConfig(resident=True))
+    # the torch kernels: fp32 activations as the Triton ones (the native kernels quantize them)
+    cpu = load_model(store, StreamConfig(resident=True, kernel="cpu"))
     want, want_logits = run(cpu.model, cpu.args, ids, N)
     model, args, _ = gpu_model(store, GpuConfig(resident=True), "cuda")
     got, got_logits = run(model, args, ids, N, forced=want)

@@ -1,7 +1,9 @@
-"""Pick the quantized-linear kernel (CPU kernels by default, the reference when asked) and the
-whole-MoE kernel (reference or Triton on CUDA)."""
+"""Pick the quantized-linear kernel (CPU kernels by default, the reference when asked), the
+whole-MoE kernel (reference or Triton on CUDA) and the router's top-k."""
 
 from __future__ import annotations
+
+import torch
 
 from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import qlinear_ref
@@ -28,3 +30,24 @@ def moe_kernel(kind: str = "ref"):
 
         return moe_experts
     raise ValueError(f"unknown MoE kernel {kind!r}; use ref or triton")
+
+
+TOPK_TRITON_MAX_TOKENS = 8  # decode rows; a prompt's many rows go to torch.topk
+
+
+def topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router top-k: (values [T, k], ids [T, k]) in descending order, as torch.topk. A few fp32
+    rows on CUDA take one Triton launch (kernels/triton/router.py) instead of torch's two."""
+    if (
+        s.is_cuda
+        and s.dtype == torch.float32
+        and s.shape[0] <= TOPK_TRITON_MAX_TOKENS
+        and s.shape[-1] <= 1024
+    ):
+        try:
+            from moestream.kernels.triton.router import topk_rows
+        except ImportError:  # no triton: torch's kernels below
+            pass
+        else:
+            return topk_rows(s, k)
+    return torch.topk(s, k, dim=-1)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelArgs, RopeArgs
+from moestream.kernels.dispatch import topk
 
 
 class RMSNorm(nn.Module):
@@ -414,7 +415,7 @@ class SparseMoe(nn.Module):
 
     def select(self, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """scores [T, E] -> (ids [T, K], the scores of those ids [T, K])."""
-        top, ids = torch.topk(s, self.k, dim=-1)
+        top, ids = topk(s, self.k)
         return ids, top
 
     def weigh(self, picked: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""The one-pass greedy choice (kernels/triton/pick.py) against its spec: the first maximum equals
+"""The small decode kernels against their specs: the router top-k (kernels/triton/router.py) equals
+torch.topk; the one-pass greedy choice (kernels/triton/pick.py): the first maximum equals
 torch.argmax's, the log-probability log_softmax's in fp32 within summation-order rounding. Runs
 through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), compiled on CUDA."""
 
@@ -34,3 +35,22 @@ def test_greedy_pick_takes_the_first_of_tied_maxima_across_blocks():
     assert int(got[0]) == BLOCK + 9 == int(torch.argmax(x))
     want = greedy_pick_ref(x).cpu()[1]
     assert abs(got[1] - want) <= 1e-5 * abs(want)  # fp32 sums of 12,288 terms in two orders
+
+
+@pytest.mark.parametrize("E,k,T", [(128, 8, 1), (60, 4, 3), (256, 8, 8), (8, 2, 2)])
+def test_router_topk_matches_torch(E, k, T):
+    from moestream.kernels.triton.router import topk_rows
+
+    g = torch.Generator().manual_seed(E * k + T)
+    s = torch.softmax(torch.randn(T, E, generator=g), -1).to(DEVICE)
+    top, ids = topk_rows(s, k)
+    want_top, want_ids = torch.topk(s, k, dim=-1)
+    assert torch.equal(ids, want_ids) and torch.equal(top, want_top)
+
+
+def test_router_topk_ties_take_the_lower_id():
+    from moestream.kernels.triton.router import topk_rows
+
+    s = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]], device=DEVICE)
+    top, ids = topk_rows(s, 3)
+    assert ids.tolist() == [[1, 3, 2]] and top[0].tolist() == pytest.approx([0.3, 0.3, 0.2])
