@@ -17,7 +17,8 @@ moestream / llama.cpp.
 
 On the GPU machine (`--device cuda`, llama.cpp built with CUDA): each `--shares` value is the
 fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 99`; moestream
-`GpuConfig(resident=True)`, CUDA-graph decode); s < 1 = llama.cpp computes the experts of
+`GpuConfig(resident=True)`, CUDA-graph decode, kernel `triton` as captured and `compiled` with the
+step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
 of s of the expert bytes from a pinned host mirror. The ceiling is then the HBM read bandwidth
 (a 4 GiB fp32 sum on the device), dense weights count at bf16, and the PCIe H2D rate (a pinned 1
@@ -112,8 +113,8 @@ def child_experts(kernel: str, device: str, share: float):
 
     if device == "cpu":
         return StreamConfig(resident=True, kernel=kernel)
-    if share >= 1:
-        return GpuConfig(resident=True, device=device)
+    if share >= 1:  # kernel "compiled": the captured step torch.compile'd (GpuConfig.compile_step)
+        return GpuConfig(resident=True, device=device, compile_step=kernel == "compiled")
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device)
 
 
@@ -248,7 +249,8 @@ def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: 
     for rep in range(a.reps):
         for ours, theirs in pairs:
             for sh in shares:
-                order = [(theirs, sh)] + [(ours, k, sh) for k in kernels]
+                ks = [k for k in kernels if sh >= 1 or k != "compiled"]  # graphs: resident only
+                order = [(theirs, sh)] + [(ours, k, sh) for k in ks]
                 for key in order if rep % 2 == 0 else order[::-1]:
                     if len(key) == 3:
                         r = ours_run(files[key[0]], key[1], a, sh)
@@ -308,7 +310,7 @@ def main(argv=None) -> int:
         return 0
     gpu = a.device != "cpu"
     if gpu and a.kernels == "cpu":
-        a.kernels = "triton"
+        a.kernels = "triton,compiled"
     if not gpu and shares != [1.0]:
         ap.error("--shares is a GPU setting: on the CPU every expert is resident")
     hf, work, llama = Path(a.hf), Path(a.work), Path(a.llama)
@@ -335,6 +337,7 @@ def main(argv=None) -> int:
             variants = [("llama.cpp", theirs, base)] + [
                 ("moestream", f"{ours}/{k}", summarize(runs[(ours, k, sh)], bpt[ours], ceiling))
                 for k in kernels
+                if (ours, k, sh) in runs
             ]
             for engine, fmt, s in variants:
                 rows.append({"engine": engine, "format": fmt, "device": a.device,
