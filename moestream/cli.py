@@ -144,7 +144,8 @@ def _add_store_args(p) -> None:
         "--quant",
         default=None,
         choices=["bf16", "int8", "int4"],
-        help="expert quantization when converting a Hugging Face folder (default bf16)",
+        help="expert quantization when converting a Hugging Face folder (default bf16) or a "
+        "GGUF file (default int8 for >= 8-bit experts, else int4)",
     )
     g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
     g.add_argument(
@@ -304,25 +305,27 @@ def _note_prediction(predict, experts) -> None:
 
 
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert", help="convert a Hugging Face folder into an expert store")
-    p.add_argument("src", help="Hugging Face checkpoint folder")
+    p = sub.add_parser(
+        "convert", help="convert a Hugging Face folder or a GGUF file into an expert store"
+    )
+    p.add_argument("src", help="Hugging Face checkpoint folder, or a GGUF file (docs/gguf.md)")
     p.add_argument("dst", help="store folder to create (must not exist)")
     p.add_argument(
         "--quant",
-        default="bf16",
+        default=None,
         choices=["bf16", "int8", "int4"],
-        help="expert format (default bf16: lossless for bf16 checkpoints, as -m HF with store "
-        "flags converts; int8/int4 are lossy: measure them with eval)",
+        help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
+        "checkpoints, as -m HF with store flags converts; for a GGUF int8 when its experts have "
+        ">= 8 bits (Q8_0 kept exactly), else int4; int8/int4 are lossy: measure them with eval)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
-    from moestream.convert.writer import convert
-    from moestream.quant import make_scheme
+    from moestream.convert.writer import convert, source_scheme
 
-    out = convert(a.src, a.dst, make_scheme(a.quant, a.group_size), progress=True)
+    out = convert(a.src, a.dst, source_scheme(a.src, a.quant, a.group_size), progress=True)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -439,7 +442,10 @@ def _add_model_args(p, positional: bool = False) -> None:
     if positional:
         p.add_argument("model_arg", nargs="?", metavar="MODEL", help="same as -m")
     p.add_argument(
-        "-m", "--model", required=not positional, help="Hugging Face checkpoint or store folder"
+        "-m",
+        "--model",
+        required=not positional,
+        help="Hugging Face checkpoint or store folder, or a GGUF file (converted once)",
     )
     p.add_argument(
         "--dtype",

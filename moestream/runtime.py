@@ -12,6 +12,8 @@ from pathlib import Path
 
 from moestream.config import ConfigError, ModelArgs
 from moestream.convert.cache import cached_store
+from moestream.convert.gguf import is_gguf
+from moestream.convert.writer import source_scheme
 from moestream.engine.generate import Generator, small_decode_threads
 from moestream.engine.tokenizer import Tokenizer
 from moestream.experts.base import ExpertProvider
@@ -192,9 +194,11 @@ def open_model(
     if on_gpu and predict.active:
         raise ConfigError("routing prediction is not implemented with --device cuda")
     folder = Path(path)
+    if is_gguf(folder):  # always through a store: GGUF weights are converted once
+        folder = cached_store(folder, source_scheme(folder, quant), progress)
     if not folder.is_dir():
         raise FileNotFoundError(
-            f"model folder {folder} does not exist; pass -m a checkpoint folder"
+            f"model folder {folder} does not exist; pass -m a checkpoint folder or GGUF file"
         )
     _check_is_model(folder)
     if not is_store(folder) and (experts is not None or quant is not None):

@@ -1,4 +1,5 @@
-"""Convert a Hugging Face folder into an expert store, tensor by tensor.
+"""Convert a Hugging Face folder (or a GGUF file: convert/gguf.py) into an expert store, tensor
+by tensor.
 
 Peak memory is the dense weights plus one expert being quantized: experts are read one at a time
 through HFCheckpoint.expert and written as they are done. Everything goes into a temporary
@@ -12,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -19,9 +21,10 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from moestream.config import ConfigError
+from moestream.convert.gguf import GGUFCheckpoint, gguf_fingerprint, is_gguf
 from moestream.convert.hf import HFCheckpoint
 from moestream.errors import TokenizerError
-from moestream.quant import QuantScheme, RecordLayout, quantize_expert, record_bytes
+from moestream.quant import QuantScheme, RecordLayout, make_scheme, quantize_expert, record_bytes
 from moestream.store.format import (
     COPIED_FILES,
     DENSE_FILE,
@@ -36,11 +39,25 @@ from moestream.store.format import (
     tensor_crc,
 )
 
+Checkpoint = HFCheckpoint | GGUFCheckpoint
+
+
+def source_scheme(src: str | Path, quant: str | None, group_size: int = 32) -> QuantScheme:
+    """`--quant` if given, else the source's default: bf16 for a Hugging Face folder (lossless
+    for bf16 weights); for a GGUF, int8 when every expert tensor has >= 8 bits, else int4."""
+    if quant is not None:
+        return make_scheme(quant, group_size)
+    if is_gguf(src):
+        return GGUFCheckpoint(src).default_scheme(group_size)
+    return make_scheme("bf16", group_size)
+
 
 def source_fingerprint(folder: str | Path) -> str:
     """sha256 over config.json and each weight file's name, size and mtime: cheap (no weight
     bytes are hashed) and changes whenever a file is replaced or re-downloaded."""
     folder = Path(folder)
+    if is_gguf(folder):
+        return gguf_fingerprint(folder)
     h = hashlib.sha256((folder / "config.json").read_bytes())
     for p in sorted(folder.glob("*.safetensors")) + sorted(folder.glob("*.index.json")):
         st = p.stat()
@@ -54,7 +71,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
     if dst.exists():
         raise ConfigError(f"{dst} already exists; remove it or choose another destination")
     _check_source(src)
-    ckpt = HFCheckpoint(src)
+    ckpt = GGUFCheckpoint(src) if is_gguf(src) else HFCheckpoint(src)
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
     tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
@@ -64,9 +81,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
     try:
         dense, dtypes = _write_dense(ckpt, tmp)
         experts = _write_experts(ckpt, layout, tmp, progress)
-        for name in COPIED_FILES:
-            if (src / name).is_file():
-                shutil.copy2(src / name, tmp / name)
+        _write_files(ckpt, src, tmp)
         manifest = {
             "format": FORMAT,
             "version": VERSION,
@@ -88,6 +103,16 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
     return dst
 
 
+def _write_files(ckpt: Checkpoint, src: Path, out: Path) -> None:
+    """config and tokenizer files: copied from a folder, built from a GGUF's metadata."""
+    if isinstance(ckpt, GGUFCheckpoint):
+        ckpt.write_files(out)
+        return
+    for name in COPIED_FILES:
+        if (src / name).is_file():
+            shutil.copy2(src / name, out / name)
+
+
 def _check_source(src: Path) -> None:
     """Refuse, before anything is written, a folder that would not give a store that runs."""
     if is_store(src):
@@ -103,7 +128,7 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _write_dense(ckpt: HFCheckpoint, out: Path) -> tuple[dict[str, int], dict[str, str]]:
+def _write_dense(ckpt: Checkpoint, out: Path) -> tuple[dict[str, int], dict[str, str]]:
     """Non-expert tensors as stored in the source (dtype kept) -> crc32 and dtype per tensor
     (the crc covers bytes only, and a relabelled dtype keeps them)."""
     tensors = {name: ckpt.tensor(name).contiguous() for name in ckpt.dense_names}
@@ -113,11 +138,15 @@ def _write_dense(ckpt: HFCheckpoint, out: Path) -> tuple[dict[str, int], dict[st
 
 
 def _write_experts(
-    ckpt: HFCheckpoint, layout: RecordLayout, out: Path, progress: bool
+    ckpt: Checkpoint, layout: RecordLayout, out: Path, progress: bool
 ) -> dict[int, list[int]]:
     a = ckpt.args
     total = len(a.moe_layer_ids) * a.num_experts
     desc = f"converting experts ({layout.scheme.name})"
+    if isinstance(ckpt, GGUFCheckpoint):
+        # Said every time: what happens to each GGUF type (kept exactly or requantized).
+        for line in ckpt.conversion_notes(layout.scheme):
+            print(f"moestream: {line}", file=sys.stderr)
     crcs: dict[int, list[int]] = {}
     # `with`: a failing expert closes the bar before the error line is printed.
     with tqdm(total=total, desc=desc, disable=not progress) as bar:
@@ -134,7 +163,9 @@ def _write_experts(
     return crcs
 
 
-def _expert_record(ckpt: HFCheckpoint, layout: RecordLayout, layer: int, e: int) -> bytes:
+def _expert_record(ckpt: Checkpoint, layout: RecordLayout, layer: int, e: int) -> bytes:
+    if isinstance(ckpt, GGUFCheckpoint):  # Q8_0 blocks go in as they are (no requantization)
+        return record_bytes(layout, ckpt.expert_sections(layout, layer, e))
     gate, up, down = ckpt.expert(layer, e)  # [I, D], [I, D], [D, I]
     w13 = torch.cat([gate.float(), up.float()])  # [2I, D]
     b13 = b2 = None

@@ -1,0 +1,502 @@
+"""GGUF files (llama.cpp's format, as downloaded) as a checkpoint the store writer reads.
+
+`GGUFCheckpoint` gives the writer what `HFCheckpoint` gives it: `args`, `dense_names` (in Hugging
+Face naming), `tensor(name)`, `expert(layer, e)`, plus the files a store needs (config.json,
+tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's architecture and
+metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
+it. Dense tensors of any type are dequantized (F32/F16/BF16 kept as they are); Q8_0 experts go
+into the int8 scheme byte for byte (`expert_sections`); other expert types are dequantized and
+requantized, and `conversion_notes` says so per type.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from moestream.config import ConfigError, ModelArgs
+from moestream.errors import CheckpointError
+from moestream.models import model_args_from_dict
+from moestream.quant import QuantScheme, RecordLayout, make_scheme, quantize
+
+MAGIC = b"GGUF"
+_SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
+
+
+@dataclass(frozen=True, slots=True)
+class GgufArch:
+    """How one llama.cpp architecture maps onto a moestream model file."""
+
+    model_type: str
+    norm_topk_prob: bool  # llama.cpp's default when `{arch}.expert_weights_norm` is absent
+    permuted_qk: bool = False  # llama.cpp's HF converter permutes Q/K rows (`llama` arch)
+
+
+# The llama.cpp architectures read so far; `llama` runs as mixtral when it has experts.
+ARCHS = {
+    "qwen3moe": GgufArch("qwen3_moe", norm_topk_prob=True),
+    "qwen2moe": GgufArch("qwen2_moe", norm_topk_prob=False),
+    "olmoe": GgufArch("olmoe", norm_topk_prob=False),
+    "llama": GgufArch("mixtral", norm_topk_prob=True, permuted_qk=True),
+}
+
+_GLOBAL = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_BLOCK = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
+}
+for _g, _h in (
+    ("attn_q", "q_proj"),
+    ("attn_k", "k_proj"),
+    ("attn_v", "v_proj"),
+    ("attn_output", "o_proj"),
+):
+    for _p in ("weight", "bias"):
+        _BLOCK[f"{_g}.{_p}"] = f"self_attn.{_h}.{_p}"
+_EXPERTS = {
+    "ffn_gate_exps.weight": "gate",
+    "ffn_up_exps.weight": "up",
+    "ffn_down_exps.weight": "down",
+}
+_BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+# Types kept as they are in the dense file; every other weight type is dequantized to fp32.
+_FLOAT_TYPES = ("F32", "F16", "BF16")
+_INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
+# Sources of at least 8 bits per weight default to int8 experts, lower ones to int4.
+_INT8_BITS = 8.0
+
+
+def _f32(v: float) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-06, not 9.99999997e-07)."""
+    return float(str(np.float32(v)))
+
+
+def is_gguf(path: str | Path) -> bool:
+    """A file that starts with the GGUF magic (the content decides, not the name)."""
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with open(p, "rb") as f:
+        return f.read(4) == MAGIC
+
+
+def split_files(path: Path) -> list[Path]:
+    """The files of a (possibly split) GGUF: `x-00001-of-00003.gguf` names all three."""
+    m = _SPLIT.match(path.name)
+    if m is None:
+        return [path]
+    n = int(m["n"])
+    files = [path.with_name(f"{m['stem']}-{i:05d}-of-{n:05d}.gguf") for i in range(1, n + 1)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointError(
+            f"{path}: split GGUF part(s) missing: {', '.join(missing)}; download every part "
+            "into the same folder"
+        )
+    return files
+
+
+def gguf_fingerprint(path: str | Path) -> str:
+    """sha256 over each part's name, size and mtime (no weight bytes hashed)."""
+    h = hashlib.sha256(b"gguf\n")
+    for p in split_files(Path(path)):
+        st = p.stat()
+        h.update(f"{p.name}:{st.st_size}:{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _reader_class():
+    import gguf
+
+    class _Reader(gguf.GGUFReader):
+        """GGUFReader that names the first tensor a truncated file cuts off (the library would
+        fail reshaping an anonymous short array)."""
+
+        def _build_tensors(self, start_offs, fields):
+            size = len(self.data)
+            for field in fields:
+                _, name, _, dims, raw_type, offset = field.parts
+                qtype = gguf.GGMLQuantizationType(int(raw_type[0]))
+                block, type_size = gguf.GGML_QUANT_SIZES[qtype]
+                end = start_offs + int(offset[0]) + int(np.prod(dims)) * type_size // block
+                if end > size:
+                    raise CheckpointError(
+                        f"{self.path}: file is truncated: tensor {bytes(name).decode()!r} needs "
+                        f"{end} bytes, the file has {size}; download it again"
+                    )
+            super()._build_tensors(start_offs, fields)
+
+    return _Reader
+
+
+def _open_reader(path: Path):
+    cls = _reader_class()
+    cls.path = path
+    try:
+        return cls(str(path), "r")
+    except CheckpointError:
+        raise
+    except (ValueError, IndexError, KeyError, OSError) as e:
+        raise CheckpointError(
+            f"{path}: not a readable GGUF file ({e}); the file is truncated or damaged, "
+            "download it again"
+        ) from e
+
+
+class GGUFCheckpoint:
+    """A GGUF file (or split set): `args`, `config`, dense names, expert tensors on demand."""
+
+    def __init__(self, path: str | Path):
+        import gguf
+
+        self._gguf = gguf
+        self.folder = Path(path)  # named `folder` as HFCheckpoint's, for the writer's messages
+        self.files = split_files(self.folder)
+        readers = [_open_reader(p) for p in self.files]
+        self.meta = {k: f.contents() for k, f in readers[0].fields.items()}
+        self._check_split(readers)
+        self._tensors = {t.name: t for r in readers for t in r.tensors}
+        arch_name = self._key("general.architecture")
+        if arch_name not in ARCHS:
+            raise CheckpointError(
+                f"{self.folder}: general.architecture {arch_name!r} is not supported; "
+                f"supported: {', '.join(ARCHS)}"
+            )
+        self.arch = ARCHS[arch_name]
+        self.arch_name = arch_name
+        self.dense_names: list[str] = []
+        self._dense_src: dict[str, str] = {}  # HF name -> GGUF name
+        self._experts: dict[int, dict[str, str]] = {}  # layer -> gate/up/down -> GGUF name
+        self._classify()
+        self._check_types()
+        self.config = self._hf_config()
+        try:
+            self.args: ModelArgs = model_args_from_dict(self.config, str(self.folder))
+        except ConfigError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from e
+        self._check_experts()
+        from moestream.convert.gguf_vocab import build_tokenizer
+
+        self.tokenizer_json, self.tokenizer_config = build_tokenizer(
+            self.meta, self.args.vocab_size, str(self.folder)
+        )
+
+    # ---- metadata -----------------------------------------------------------------------------
+    def _key(self, key: str, default: Any = ...) -> Any:
+        if key in self.meta:
+            return self.meta[key]
+        if default is ...:
+            raise CheckpointError(f"{self.folder}: metadata key {key!r} is missing")
+        return default
+
+    def _arch_key(self, key: str, default: Any = ...) -> Any:
+        return self._key(f"{self.arch_name}.{key}", default)
+
+    def _check_split(self, readers) -> None:
+        count = int(self.meta.get("split.count", 1))
+        if count != len(readers):
+            raise CheckpointError(
+                f"{self.folder}: split.count is {count} but {len(readers)} file(s) were found; "
+                "open the first part (-00001-of-N.gguf) with every part beside it"
+            )
+        for i, r in enumerate(readers):
+            no = r.fields.get("split.no")
+            if count > 1 and (no is None or int(no.contents()) != i):
+                raise CheckpointError(f"{self.files[i]}: split.no is not {i}; the parts are mixed")
+
+    def _hf_config(self) -> dict[str, Any]:
+        """The metadata as a Hugging Face config dict of the arch's model_type."""
+        heads = int(self._arch_key("attention.head_count"))
+        hidden = int(self._arch_key("embedding_length"))
+        kv = self._arch_key("attention.head_count_kv", heads)
+        if isinstance(kv, list):  # per-layer counts: one value is all our models support
+            if len(set(kv)) != 1:
+                raise CheckpointError(
+                    f"{self.folder}: {self.arch_name}.attention.head_count_kv differs per layer"
+                )
+            kv = kv[0]
+        n_layers = int(self._arch_key("block_count"))
+        gate = self._tensors[self._experts[min(self._experts)]["gate"]]
+        _, inter, n_exp = (int(x) for x in gate.shape)  # ne [D, I, E]
+        vocab = int(self._tensors["token_embd.weight"].shape[1])
+        cfg: dict[str, Any] = {
+            "model_type": self.arch.model_type,
+            "vocab_size": vocab,
+            "hidden_size": hidden,
+            "num_hidden_layers": n_layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(kv),
+            "head_dim": int(self._arch_key("attention.key_length", hidden // heads)),
+            "rms_norm_eps": _f32(self._arch_key("attention.layer_norm_rms_epsilon")),
+            "max_position_embeddings": int(self._arch_key("context_length", 4096)),
+            "rope_parameters": self._rope(),
+            "num_experts_per_tok": int(self._arch_key("expert_used_count")),
+            "norm_topk_prob": bool(self._arch_key("expert_weights_norm", self.arch.norm_topk_prob)),
+            "tie_word_embeddings": "output.weight" not in self._tensors,
+            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "hidden_act": "silu",
+            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "eos_token_id": self._eos_ids(),
+        }
+        if int(self._arch_key("expert_count", n_exp)) != n_exp:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.expert_count is "
+                f"{self._arch_key('expert_count')}, tensor {gate.name!r} holds {n_exp} experts"
+            )
+        dense_layers = [i for i in range(n_layers) if i not in self._experts]
+        mt = self.arch.model_type
+        if mt == "mixtral":
+            cfg.update(num_local_experts=n_exp, intermediate_size=inter, sliding_window=None)
+            if dense_layers:
+                raise CheckpointError(
+                    f"{self.folder}: llama layer(s) {dense_layers} have no experts"
+                )
+        else:
+            cfg.update(num_experts=n_exp, moe_intermediate_size=inter, mlp_only_layers=dense_layers)
+            cfg["intermediate_size"] = int(self._arch_key("feed_forward_length", inter))
+        if mt == "qwen2_moe":
+            shared = self._tensors.get("blk.0.ffn_gate_shexp.weight")
+            cfg["shared_expert_intermediate_size"] = 0 if shared is None else int(shared.shape[1])
+            cfg.update(qkv_bias=cfg["attention_bias"], use_sliding_window=False)
+        if mt == "olmoe":
+            cfg["clip_qkv"] = self._arch_key("attention.clamp_kqv", None)
+        return cfg
+
+    def _rope(self) -> dict[str, Any]:
+        rope: dict[str, Any] = {"rope_theta": _f32(self._arch_key("rope.freq_base", 10000.0))}
+        kind = self._arch_key("rope.scaling.type", "none")
+        if kind in ("none", ""):
+            return {**rope, "rope_type": "default"}
+        if kind not in ("linear", "yarn"):
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.rope.scaling.type {kind!r} is not supported "
+                "(supported: none, linear, yarn)"
+            )
+        rope.update(rope_type=kind, factor=float(self._arch_key("rope.scaling.factor")))
+        if kind == "yarn":
+            rope["original_max_position_embeddings"] = int(
+                self._arch_key("rope.scaling.original_context_length")
+            )
+        return rope
+
+    def _eos_ids(self) -> list[int] | None:
+        ids = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
+        ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+        return ids or None
+
+    # ---- tensors ------------------------------------------------------------------------------
+    def _classify(self) -> None:
+        for name in self._tensors:
+            if name in _GLOBAL:
+                self._add_dense(_GLOBAL[name], name)
+                continue
+            m = _BLK.match(name)
+            if m and m[2] in _EXPERTS:
+                self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] in _BLOCK:
+                self._add_dense(f"model.layers.{m[1]}.{_BLOCK[m[2]]}", name)
+            else:
+                raise CheckpointError(
+                    f"{self.folder}: tensor {name!r} is not one moestream maps for GGUF "
+                    f"architecture {self._key('general.architecture')!r}"
+                )
+        if "token_embd.weight" not in self._tensors:
+            raise CheckpointError(f"{self.folder}: tensor 'token_embd.weight' is missing")
+        if not self._experts:
+            raise CheckpointError(
+                f"{self.folder}: no expert tensors (blk.N.ffn_gate_exps): not a MoE model"
+            )
+
+    def _add_dense(self, hf: str, src: str) -> None:
+        self.dense_names.append(hf)
+        self._dense_src[hf] = src
+
+    def _check_types(self) -> None:
+        """Refuse, before anything is written, a tensor type numpy cannot dequantize."""
+        seen: dict[str, bool] = {}
+        for t in self._tensors.values():
+            tname = t.tensor_type.name
+            if tname not in seen:
+                seen[tname] = self._dequantizable(t)
+            if not seen[tname]:
+                raise CheckpointError(
+                    f"{self.folder}: tensor {t.name!r} has type {tname}, which moestream cannot "
+                    "read (no dequantizer); requantize the model with llama-quantize to a "
+                    "supported type (Q8_0, Q4_K, Q6_K, ...)"
+                )
+
+    def _dequantizable(self, t) -> bool:
+        if t.tensor_type.name in _FLOAT_TYPES:
+            return True
+        if t.tensor_type.name in _INT_TYPES:
+            return False  # integer tensors are no weights
+        try:
+            self._gguf.quants.dequantize(t.data.reshape(-1, t.data.shape[-1])[:1], t.tensor_type)
+        except NotImplementedError:
+            return False
+        return True
+
+    def _check_experts(self) -> None:
+        a = self.args
+        D, I, E = a.hidden_size, a.moe_intermediate_size, a.num_experts
+        want = {"gate": [D, I, E], "up": [D, I, E], "down": [I, D, E]}
+        for layer in range(a.num_hidden_layers):
+            roles = self._experts.get(layer)
+            if roles is None:
+                continue
+            for role, shape in want.items():
+                name = roles.get(role)
+                if name is None:
+                    raise CheckpointError(
+                        f"{self.folder}: layer {layer}: tensor 'blk.{layer}.ffn_{role}_exps.weight' "
+                        "is missing"
+                    )
+                got = [int(x) for x in self._tensors[name].shape]
+                if got != shape:
+                    raise CheckpointError(
+                        f"{self.folder}: tensor {name!r} has shape {got} (GGUF order), the "
+                        f"metadata implies {shape}"
+                    )
+
+    def _as_torch(self, t, data: np.ndarray) -> torch.Tensor:
+        """A tensor's (or one expert slice's) stored data -> torch, dequantized unless float."""
+        kind = t.tensor_type.name
+        if kind in ("F32", "F16"):
+            return torch.from_numpy(np.array(data))  # a copy: the file is mapped read-only
+        if kind == "BF16":  # stored as bytes [..., 2n]: reinterpret, bit-exact
+            raw = np.array(data).view(np.int16)
+            return torch.from_numpy(raw).view(torch.bfloat16)
+        return torch.from_numpy(self._gguf.quants.dequantize(data, t.tensor_type).copy())
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """A dense tensor by its Hugging Face name, in Hugging Face's shape and row order."""
+        src = self._dense_src.get(name)
+        if src is None:
+            raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
+        t = self._tensors[src]
+        out = self._as_torch(t, t.data)
+        if name.endswith("shared_expert_gate.weight"):
+            out = out.reshape(1, -1)  # stored 1-D by some converters; HF's [1, D]
+        if self.arch.permuted_qk:
+            out = self._unpermute(name, out)
+        return out
+
+    def _unpermute(self, name: str, w: torch.Tensor) -> torch.Tensor:
+        """Undo llama.cpp's HF-converter permutation of Q/K rows (its rotate-adjacent RoPE):
+        per head, rows were reordered from [2, hd/2] to [hd/2, 2]."""
+        a = self.args
+        if name.endswith("q_proj.weight"):
+            n = a.num_attention_heads
+        elif name.endswith("k_proj.weight"):
+            n = a.num_key_value_heads
+        else:
+            return w
+        return w.reshape(n, w.shape[0] // n // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+    def expert_type(self, layer: int, role: str) -> str:
+        return self._tensors[self._experts[layer][role]].tensor_type.name
+
+    def _expert_slice(self, layer: int, role: str, e: int) -> torch.Tensor:
+        t = self._tensors[self._experts[layer][role]]
+        return self._as_torch(t, t.data[e])
+
+    def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(gate [I, D], up [I, D], down [D, I]) of one expert, dequantized."""
+        return tuple(self._expert_slice(layer, r, e) for r in ("gate", "up", "down"))
+
+    def expert_biases(self, layer: int, e: int) -> None:
+        return None  # no supported GGUF architecture has expert biases
+
+    def _q8_0(self, layer: int, role: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One expert's Q8_0 blocks as (q int8 [N, K], s fp32 [N, K/32]): fp16 d is exact in fp32."""
+        raw = np.ascontiguousarray(self._tensors[self._experts[layer][role]].data[e])
+        n = raw.shape[0]
+        blocks = raw.reshape(n, -1, 34)  # per block: fp16 d, then 32 int8
+        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
+        return torch.from_numpy(q), torch.from_numpy(d)
+
+    def _exact(self, scheme: QuantScheme, layer: int, roles: tuple[str, ...]) -> bool:
+        """Q8_0 blocks are our int8 group-32 scheme exactly (symmetric, w = q * d)."""
+        int8_32 = scheme.name == "int8" and scheme.group_size == 32 and scheme.symmetric
+        return int8_32 and all(self.expert_type(layer, r) == "Q8_0" for r in roles)
+
+    def expert_sections(self, layout: RecordLayout, layer: int, e: int) -> dict[str, torch.Tensor]:
+        """Section tensors of one expert record: Q8_0 weights copied, others requantized."""
+        scheme, out = layout.scheme, {}
+        for name, roles in (("w13", ("gate", "up")), ("w2", ("down",))):
+            if self._exact(scheme, layer, roles):
+                blocks = [self._q8_0(layer, r, e) for r in roles]
+                out[f"{name}.q"] = torch.cat([q for q, _ in blocks])
+                out[f"{name}.s"] = torch.cat([s for _, s in blocks])
+                continue
+            w = torch.cat([self._expert_slice(layer, r, e).float() for r in roles])  # [N, K]
+            for suffix, t in quantize(scheme, w).items():
+                out[f"{name}.{suffix}"] = t
+        return out
+
+    # ---- what convert does to the experts -----------------------------------------------------
+    def expert_type_counts(self) -> Counter:
+        return Counter(
+            self._tensors[n].tensor_type.name
+            for roles in self._experts.values()
+            for n in roles.values()
+        )
+
+    def default_scheme(self, group_size: int = 32) -> QuantScheme:
+        """int8 experts when every expert tensor has >= 8 bits per weight, else int4."""
+        sizes = self._gguf.GGML_QUANT_SIZES
+        bits = [
+            sizes[t.tensor_type][1] * 8 / sizes[t.tensor_type][0]
+            for roles in self._experts.values()
+            for t in (self._tensors[n] for n in roles.values())
+        ]
+        return make_scheme("int8" if min(bits) >= _INT8_BITS else "int4", group_size)
+
+    def conversion_notes(self, scheme: QuantScheme) -> list[str]:
+        """One line per expert tensor type: kept exactly, or dequantized and requantized."""
+        lines = []
+        for kind, n in sorted(self.expert_type_counts().items()):
+            exact = kind == "Q8_0" and scheme.name == "int8" and scheme.group_size == 32
+            what = (
+                f"kept exactly as {scheme.name} (same values)"
+                if exact
+                else f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
+                "a second rounding; measure with `moestream eval`)"
+            )
+            lines.append(f"{n} {kind} expert tensor(s): {what}")
+        dense = Counter(self._tensors[s].tensor_type.name for s in self._dense_src.values())
+        quantized = {k: n for k, n in dense.items() if k not in _FLOAT_TYPES}
+        if quantized:
+            kinds = ", ".join(f"{n} {k}" for k, n in sorted(quantized.items()))
+            lines.append(f"dense tensors dequantized once to float32: {kinds}")
+        return lines
+
+    def write_files(self, out: Path) -> None:
+        """config.json and the tokenizer files the store needs, from the metadata."""
+        (out / "config.json").write_text(json.dumps(self.config, indent=1))
+        (out / "tokenizer.json").write_text(self.tokenizer_json)
+        (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=1))

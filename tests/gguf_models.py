@@ -1,0 +1,159 @@
+"""GGUF files of the tiny random checkpoints, written in-test with the `gguf` package the way
+llama.cpp's convert_hf_to_gguf.py writes them (its tensor name map, experts stacked [E, ...], Q/K
+rows permuted for the `llama` arch, the vocabulary as tokens + merges + token types), so CI
+covers the GGUF reader without llama.cpp. `write_gguf` also returns the values it stored, as
+Hugging Face tensors, so a test can run transformers on exactly the (dequantized) weights."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+
+GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+_EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
+_MIXTRAL_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}
+
+
+def expert_name(model_type: str, layer: int, e: int, role: str) -> str:
+    """The per-expert Hugging Face name of one expert weight (role: gate, up, down)."""
+    if model_type == "mixtral":
+        w = {"gate": "w1", "up": "w3", "down": "w2"}[role]
+        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+    return f"model.layers.{layer}.mlp.experts.{e}.{role}_proj.weight"
+
+
+def _permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's LlamaModel.permute (HF rotate-half rows -> GGML's adjacent pairs)."""
+    return (
+        w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(w.shape)
+    )
+
+
+def _store(writer, name: str, w: np.ndarray, qtype) -> np.ndarray:
+    """Add one tensor in qtype; returns the values a reader dequantizes back."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if qtype == T.F32 or w.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
+        writer.add_tensor(name, w.astype(np.float32))
+        return w.astype(np.float32)
+    q = gguf.quants.quantize(w.astype(np.float32), qtype)
+    writer.add_tensor(name, q, raw_dtype=qtype)
+    return gguf.quants.dequantize(q, qtype)
+
+
+def _vocab(writer, folder: Path, pre: str, vocab_size: int) -> None:
+    import gguf
+
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    # Rows past the tokenizer are padded as llama.cpp's get_vocab_base does.
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [gguf.TokenType.UNUSED] * vocab_size
+    for t, i in vocab.items():
+        tokens[i], types[i] = t, gguf.TokenType.NORMAL
+    for a in tok["added_tokens"]:
+        types[a["id"]] = gguf.TokenType.CONTROL if a["special"] else gguf.TokenType.USER_DEFINED
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(pre)
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(merges)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    writer.add_eos_token_id(vocab[cfg["eos_token"]])
+    if "chat_template" in cfg:
+        writer.add_chat_template(cfg["chat_template"])
+
+
+def write_gguf(
+    folder: Path,
+    path: Path,
+    expert_types=None,
+    dense_type: str = "F32",
+    pre: str = "gpt-2",
+    skip_key: str | None = None,
+) -> dict[str, torch.Tensor]:
+    """A GGUF of the per-expert HF checkpoint in folder. expert_types: layer -> (gate, up, down)
+    type names (default F32). Returns HF name -> the values stored (dequantized)."""
+    import gguf
+    from safetensors.numpy import load_file
+
+    T = gguf.GGMLQuantizationType
+    cfg = json.loads((folder / "config.json").read_text())
+    mt, n = cfg["model_type"], cfg["num_hidden_layers"]
+    arch = GGUF_ARCH[mt]
+    state = load_file(str(folder / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch)
+    _metadata(writer, cfg, skip_key)
+    _vocab(writer, folder, pre, cfg["vocab_size"])
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    stored: dict[str, torch.Tensor] = {}
+    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    for hf, w in state.items():
+        parts = hf.split(".")
+        if ".experts." in hf:
+            layer, e, role = int(parts[2]), int(parts[5]), parts[6]
+            role = (_MIXTRAL_ROLES if mt == "mixtral" else _EXPERT_ROLES)[role]
+            experts.setdefault((layer, role), {})[e] = w
+            continue
+        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        assert name is not None, hf
+        out = w
+        if mt == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg["num_attention_heads" if "q_proj" in hf else "num_key_value_heads"]
+            out = _permute(w, heads)
+        if hf.endswith("shared_expert_gate.weight"):
+            out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
+        vals = _store(writer, name, out, T[dense_type])
+        if out is not w:  # the values in HF's order and shape
+            vals = w.astype(np.float32) if dense_type == "F32" or out.ndim == 1 else None
+            assert vals is not None, "permuted tensors are tested in F32"
+        stored[hf] = torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))
+    types = expert_types or {}
+    for (layer, role), by_e in sorted(experts.items()):
+        w = np.stack([by_e[e] for e in range(len(by_e))])  # [E, N, K]
+        kind = dict(zip(("gate", "up", "down"), types.get(layer, ("F32",) * 3)))[role]
+        vals = _store(writer, f"blk.{layer}.ffn_{role}_exps.weight", w, T[kind])
+        for e in range(len(by_e)):
+            stored[expert_name(mt, layer, e, role)] = torch.from_numpy(
+                np.ascontiguousarray(vals[e])
+            )
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return stored
+
+
+def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
+    heads = cfg["num_attention_heads"]
+    n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    adds = {
+        "block_count": cfg["num_hidden_layers"],
+        "context_length": cfg["max_position_embeddings"],
+        "embedding_length": cfg["hidden_size"],
+        "feed_forward_length": cfg["intermediate_size"],
+        "head_count": heads,
+        "head_count_kv": cfg["num_key_value_heads"],
+        "key_length": head_dim,
+        "rope_freq_base": cfg.get("rope_parameters", {}).get("rope_theta", 10000.0),
+        "layer_norm_rms_eps": cfg["rms_norm_eps"],
+        "expert_count": n_exp,
+        "expert_used_count": cfg["num_experts_per_tok"],
+    }
+    if "moe_intermediate_size" in cfg:
+        adds["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if cfg.get("shared_expert_intermediate_size"):
+        adds["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
+    if cfg["model_type"] == "olmoe" and cfg.get("clip_qkv"):
+        adds["clamp_kqv"] = cfg["clip_qkv"]
+    for key, value in adds.items():
+        if key != skip_key:
+            getattr(writer, f"add_{key}")(value)

@@ -1,0 +1,304 @@
+"""GGUF files: metadata and tensor names -> native models, Q8_0 experts kept exactly, other types
+requantized and said so, the vocabulary -> tokenizer.json, the CLI, bad input; transformers on
+the same (dequantized) weights is the oracle. GGUF files are written in-test (tests/gguf_models);
+test_gguf_llama_cpp.py runs llama.cpp's own converter where its source is present."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from gguf_models import expert_name, write_gguf
+from tiny_models import perturbed_model, save
+
+from moestream.cli import main
+from moestream.convert.gguf import GGUFCheckpoint
+from moestream.convert.writer import convert, source_scheme
+from moestream.engine.kv_cache import KVCache
+from moestream.engine.tokenizer import Tokenizer
+from moestream.experts.config import StreamConfig, min_budget
+from moestream.kernels.ref import dequantize
+from moestream.loader import load_model
+from moestream.store.format import Store
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
+Q8 = ("Q8_0",) * 3
+FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
+
+
+def hf_checkpoint(arch: str, folder):
+    # llama.cpp's qwen3moe has no dense-MLP layers: the tiny qwen3_moe's mlp_only_layers go.
+    over = {"mlp_only_layers": []} if arch == "qwen3_moe" else {}
+    return save(perturbed_model(arch, seed=2, **over), folder, "per_expert")
+
+
+@pytest.fixture(scope="module")
+def q8(tmp_path_factory):
+    """arch -> (HF folder, Q8_0-expert GGUF, values stored, its int8 store), built once."""
+    root = tmp_path_factory.mktemp("gguf")
+    cache = {}
+
+    def get(arch: str):
+        if arch not in cache:
+            hf = hf_checkpoint(arch, root / f"{arch}-hf")
+            path = root / f"{arch}.gguf"
+            stored = write_gguf(hf, path, {layer: Q8 for layer in range(3)})
+            store = convert(path, root / f"{arch}-store", source_scheme(path, None), False)
+            cache[arch] = (hf, path, stored, store)
+        return cache[arch]
+
+    return get
+
+
+def hf_logits(hf_folder, stored: dict[str, torch.Tensor], tmp) -> torch.Tensor:
+    """transformers' logits with the GGUF's values (dequantized) as its weights."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from test_parity import hf_load
+
+    folder = tmp / "dequantized"
+    shutil.copytree(hf_folder, folder)
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    with torch.no_grad():
+        return hf_load(folder)(PROMPT[None]).logits[0]
+
+
+def our_logits(store, cfg: StreamConfig | None = None) -> torch.Tensor:
+    loaded = load_model(store, cfg or StreamConfig(resident=True, kernel="ref"))
+    with torch.no_grad():
+        out = loaded.model(PROMPT, KVCache(loaded.args, 64, torch.float32), 0)
+    loaded.provider.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_q8_0_gguf_matches_transformers_on_its_weights(q8, arch, tmp_path):
+    hf, path, stored, store = q8(arch)
+    assert Store(store).scheme.name == "int8"  # default for 8-bit experts
+    want = hf_logits(hf, stored, tmp_path)
+    got = our_logits(store)
+    assert (want - got).abs().max().item() < FP32_TOL
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_q8_0_experts_are_bit_identical(q8, arch):
+    """The store's int8 records dequantize to exactly the GGUF's Q8_0 values (no requantization)."""
+    _, _, stored, store = q8(arch)
+    s = Store(store)
+    I = s.args.moe_intermediate_size
+    for layer in s.args.moe_layer_ids:
+        for e in range(s.args.num_experts):
+            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            sec = s.layout.views(buf)
+            w13 = dequantize(sec, "w13", 32, torch.float32)
+            w2 = dequantize(sec, "w2", 32, torch.float32)
+            mt = s.args.model_type
+            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
+            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
+            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+
+
+def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
+    """Per-tensor types in one file (Q8_0, Q4_0, F16, a Q8_0 dense embedding): below 8 bits the
+    default is int4; convert prints, per type, how many tensors were requantized."""
+    hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "mixed.gguf"
+    types = {0: Q8, 1: ("Q4_0", "Q4_0", "Q8_0"), 2: ("F16", "F16", "Q4_1")}
+    stored = write_gguf(hf, path, types, dense_type="Q8_0")
+    scheme = source_scheme(path, None)
+    assert scheme.name == "int4"
+    store = convert(path, tmp_path / "store", scheme, False)
+    err = capsys.readouterr().err
+    assert "4 Q8_0 expert tensor(s): dequantized and requantized to int4" in err
+    assert "2 Q4_0 expert tensor(s)" in err and "2 F16 expert tensor(s)" in err
+    assert "1 Q4_1 expert tensor(s)" in err
+    assert "dense tensors dequantized once to float32" in err
+    # Dense Q8_0 values are kept exactly (fp32); experts within int4's rounding of the source.
+    s = Store(store)
+    assert torch.equal(s.tensor("model.embed_tokens.weight"), stored["model.embed_tokens.weight"])
+    buf = torch.frombuffer(bytearray(s.read_record(1, 3)), dtype=torch.uint8)
+    w2 = dequantize(s.layout.views(buf), "w2", 32, torch.float32)
+    src = stored[expert_name("qwen3_moe", 1, 3, "down")]
+    step = (src.view(-1, 32).amax(-1) - src.view(-1, 32).amin(-1)) / 15
+    assert ((w2 - src).view(-1, 32).abs().amax(-1) <= step * 0.51 + 1e-2).all()
+    # With --quant int8 the Q8_0 tensors are exact again and the rest requantized to int8.
+    capsys.readouterr()
+    convert(path, tmp_path / "store8", source_scheme(path, "int8"), False)
+    err = capsys.readouterr().err
+    assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
+
+
+def _qwen2_style_tokenizer(folder) -> None:
+    """The tiny tokenizer with Qwen2's pre-tokenizer (regex split, then bytes) and NFC."""
+    from tokenizers import Regex, Tokenizer, normalizers
+    from tokenizers import pre_tokenizers as pre
+
+    from moestream.convert.gguf_vocab import _QWEN2
+
+    tk = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre.Sequence(
+        [
+            pre.Split(Regex(_QWEN2), behavior="isolated", invert=False),
+            pre.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
+        ]
+    )
+    tk.save(str(folder / "tokenizer.json"))
+
+
+TEXTS = [
+    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
+    "<|user|>hi there<|end|><|assistant|>",
+    "  spaces   and\ttabs\n\n\nnewlines 12345 3.14 don't WE'LL",
+    "unicode: café naïve 東京 🙂 e\u0301",
+]
+
+
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2"])
+def test_tokenizer_encodes_like_the_hf_tokenizer(tmp_path, pre):
+    hf = hf_checkpoint("olmoe", tmp_path / "hf")
+    if pre == "qwen2":
+        _qwen2_style_tokenizer(hf)
+    write_gguf(hf, tmp_path / "m.gguf", pre=pre)
+    out = tmp_path / "files"
+    out.mkdir()
+    GGUFCheckpoint(tmp_path / "m.gguf").write_files(out)
+    ours, theirs = Tokenizer(out), Tokenizer(hf)
+    for text in TEXTS:
+        ids = theirs.encode(text)
+        assert ours.encode(text) == ids, text
+        assert ours.decode(ids) == theirs.decode(ids)
+    assert ours.eos_token == "<|end|>"
+    msgs = [{"role": "user", "content": "hi"}]
+    assert ours.encode_chat(msgs) == theirs.encode_chat(msgs)
+
+
+def test_generate_and_convert_gguf_cli(q8, tmp_path, capsys):
+    """`generate -m x.gguf` converts once into the cache and gives the store's greedy tokens."""
+    _, path, _, store = q8("qwen2_moe")
+    args = ["generate", "-p", "def fib", "-n", "6", "--ignore-eos", "--kernel", "ref"]
+    assert main([*args, "-m", str(store)]) == 0
+    want = capsys.readouterr().out
+    assert main([*args, "-m", str(path)]) == 0
+    first = capsys.readouterr()
+    assert first.out == want and "converting" in first.err and "int8 store" in first.err
+    assert main([*args, "-m", str(path)]) == 0
+    again = capsys.readouterr()
+    assert again.out == want and "converting" not in again.err  # cached
+    assert main(["convert", str(path), str(tmp_path / "s")]) == 0
+    assert Store(tmp_path / "s").scheme.name == "int8"
+
+
+def test_split_gguf_reads_every_part(tmp_path):
+    import gguf
+
+    hf = hf_checkpoint("olmoe", tmp_path / "hf")
+    whole = tmp_path / "whole.gguf"
+    write_gguf(hf, whole, {layer: Q8 for layer in range(3)})
+    # Re-write the same tensors and metadata as three parts with the gguf package's splitter.
+    r = gguf.GGUFReader(str(whole))
+    w = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "olmoe", split_max_tensors=20)
+    for k, f in r.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
+    assert len(parts) > 1
+    a = convert(whole, tmp_path / "a", source_scheme(whole, None), False)
+    b = convert(parts[0], tmp_path / "b", source_scheme(parts[0], None), False)
+    assert torch.equal(our_logits(a), our_logits(b))
+    parts[-1].unlink()
+    assert main(["convert", str(parts[0]), str(tmp_path / "c")]) == 2
+
+
+def test_streaming_a_gguf_store_gives_the_resident_bits(q8):
+    _, _, _, store = q8("qwen3_moe")
+    want = our_logits(store, StreamConfig(resident=True))
+    got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
+    assert torch.equal(want, got)
+
+
+# ---- bad input: one line naming the tensor or key, exit code 2 --------------------------------
+def _convert_error(capsys, src, dst) -> str:
+    capsys.readouterr()
+    assert main(["convert", str(src), str(dst)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moestream: error:") and "Traceback" not in err
+    return err
+
+
+def test_truncated_gguf_names_the_tensor(q8, tmp_path, capsys):
+    _, path, _, _ = q8("olmoe")
+    cut = tmp_path / "cut.gguf"
+    data = path.read_bytes()
+    cut.write_bytes(data[: len(data) - 5000])
+    err = _convert_error(capsys, cut, tmp_path / "s")
+    assert "truncated" in err and "blk.2." in err
+    cut.write_bytes(data[:100])  # inside the metadata
+    assert "truncated or damaged" in _convert_error(capsys, cut, tmp_path / "s")
+
+
+def test_unknown_architecture_names_it(tmp_path, capsys):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt2")
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    err = _convert_error(capsys, tmp_path / "x.gguf", tmp_path / "s")
+    assert "general.architecture 'gpt2' is not supported" in err and "qwen3moe" in err
+
+
+def test_unsupported_tensor_type_names_the_tensor(q8, tmp_path, capsys):
+    import gguf
+
+    _, path, _, _ = q8("olmoe")
+    r = gguf.GGUFReader(str(path))
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "olmoe")
+    for k, f in r.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        if t.name == "blk.1.ffn_up_exps.weight":  # Q8_1: no dequantizer anywhere
+            n_bytes = t.data.shape[-1] * 40 // 34  # 40-byte blocks of 32
+            w.add_tensor(
+                t.name,
+                np.zeros((*t.data.shape[:-1], n_bytes), np.uint8),
+                raw_dtype=gguf.GGMLQuantizationType.Q8_1,
+            )
+        else:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    err = _convert_error(capsys, tmp_path / "x.gguf", tmp_path / "s")
+    assert "'blk.1.ffn_up_exps.weight' has type Q8_1" in err
+
+
+def test_vocabulary_that_does_not_match_the_embedding(tmp_path, capsys):
+    hf = hf_checkpoint("olmoe", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["vocab_size"] = 300  # the GGUF's token list is padded to this, the embedding has 320
+    (hf / "config.json").write_text(json.dumps(cfg))
+    write_gguf(hf, tmp_path / "m.gguf")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "tokenizer.ggml.tokens has 300 tokens but token_embd.weight has 320 rows" in err
+
+
+def test_missing_metadata_key_is_named(tmp_path, capsys):
+    hf = hf_checkpoint("olmoe", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", skip_key="expert_used_count")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "'olmoe.expert_used_count' is missing" in err
