@@ -116,7 +116,8 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
 
 
 def store_bytes_per_token(store: Path) -> int:
-    """Dense weights read per token as the child holds them (fp32, the embedding: one row) +
+    """Dense weights read per token as the child holds them (float ones fp32, quantized ones as
+    stored; the embedding: one row) +
     top-k records per MoE layer."""
     from moestream.store.format import Store
 
@@ -124,8 +125,10 @@ def store_bytes_per_token(store: Path) -> int:
     a = s.args
     dense = 0
     for name in s.dense_names:
-        t = s.tensor(name)
-        n = t.numel() * 4
+        if s.dense_scheme(name) is None:
+            n = s.tensor(name).numel() * 4
+        else:  # quantized: its sections as stored
+            n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()
     return dense + len(s.crc) * a.num_experts_per_tok * s.layout.size
