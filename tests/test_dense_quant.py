@@ -243,3 +243,21 @@ def test_cli_convert_dense_flag(tiny_dir, tmp_path):
         base + [str(tmp_path / "g"), "--dense", "int2"], capture_output=True, text=True
     )
     assert r.returncode == 2 and "--dense" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["int4", "int8"])
+def test_quantized_dense_on_cuda_is_the_dequantized_linear(scheme):
+    """On the GPU QuantLinear dequantizes into the activation dtype and multiplies: the bits of
+    F.linear with the dequantized weight there; the embedding gathers the same rows."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(5)
+    s = make_scheme(scheme)
+    qw = QuantWeight(s, (320, 128), quantize(s, torch.randn(320, 128, generator=g))).cuda()
+    x = torch.randn(3, 128, generator=g).cuda().bfloat16()
+    want = torch.nn.functional.linear(x, dequantize(qw.sections(), "w", 32, torch.bfloat16))
+    assert torch.equal(QuantLinear(qw, None, "native")(x), want)  # native: CPU only, ref here
+    ids = torch.tensor([0, 319, 64, 5]).cuda()
+    rows = QuantEmbedding(qw, torch.bfloat16)(ids)
+    assert torch.equal(rows, dequantize(qw.sections(), "w", 32, torch.bfloat16)[ids])
