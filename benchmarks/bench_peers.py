@@ -90,7 +90,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int) -> No
 
 
 def ensure_store(hf: Path, work: Path, quant: str) -> Path:
-    dst = work / f"moestream-{quant}"
+    from moestream.store.format import VERSION
+
+    dst = work / f"moestream-{quant}-v{VERSION}"  # a store of an older version would be refused
     if not (dst / "manifest.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
