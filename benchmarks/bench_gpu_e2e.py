@@ -48,8 +48,8 @@ def sync():
 
 @torch.inference_mode()
 def ours(model, args, ids: list[int], n: int, provider=None) -> dict:
-    dev = model.model.embed_tokens.weight.device
-    cache = KVCache(args, len(ids) + n, model.model.embed_tokens.weight.dtype, dev)
+    dev = model.device
+    cache = KVCache(args, len(ids) + n, model.dtype, dev)
     sync()
     t0 = time.perf_counter()
     logits = model(torch.tensor(ids, device=dev), cache, 0, last_only=True)[-1]

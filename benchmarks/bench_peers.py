@@ -150,7 +150,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
 
 
 def ensure_store(hf: Path, work: Path, quant: str) -> Path:
-    dst = work / f"moestream-{quant}"
+    from moestream.store.format import VERSION
+
+    dst = work / f"moestream-{quant}-v{VERSION}"  # a store of an older version would be refused
     if not (dst / "manifest.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
@@ -176,16 +178,19 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
 
 
 def store_bytes_per_token(store: Path, elem: int = 4) -> int:
-    """Dense weights read per token as the child holds them (`elem` bytes per float: fp32 on the
-    CPU, bf16 on the GPU; the embedding: one row) + top-k records per MoE layer."""
+    """Dense weights read per token as the child holds them (float ones at `elem` bytes: fp32 on
+    the CPU, bf16 on the GPU; quantized ones as stored; the embedding: one row) + top-k records
+    per MoE layer."""
     from moestream.store.format import Store
 
     s = Store(store)
     a = s.args
     dense = 0
     for name in s.dense_names:
-        t = s.tensor(name)
-        n = t.numel() * elem
+        if s.dense_scheme(name) is None:
+            n = s.tensor(name).numel() * elem
+        else:  # quantized: its sections as stored
+            n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()
     return dense + len(s.crc) * a.num_experts_per_tok * s.layout.size

@@ -79,7 +79,7 @@ def prewarm(model, experts: dict[int, list[int]]) -> float:
     """Run every listed expert once on a zero token through its layer's provider; seconds."""
     t0 = time.perf_counter()
     D = model.args.hidden_size
-    dtype = model.model.embed_tokens.weight.dtype
+    dtype = model.dtype
     x = torch.zeros(1, D, dtype=dtype)
     w = torch.ones(1, 1, dtype=torch.float32)
     with torch.inference_mode():

@@ -319,13 +319,23 @@ def _add_convert(sub) -> None:
         ">= 8 bits (Q8_0 kept exactly), else int4; int8/int4 are lossy: measure them with eval)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
+    p.add_argument(
+        "--dense",
+        default="auto",
+        choices=["auto", "float", "int8", "int4"],
+        help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
+        "--quant format (int4: output layer int8; bf16: float), float = as in the checkpoint, "
+        "int8 / int4; norms, routers, biases and small tensors stay float",
+    )
     p.set_defaults(func=cmd_convert)
 
 
 def cmd_convert(a: argparse.Namespace) -> int:
     from moestream.convert.writer import convert, source_scheme
+    from moestream.quant import make_dense
 
-    out = convert(a.src, a.dst, source_scheme(a.src, a.quant, a.group_size), progress=True)
+    scheme = source_scheme(a.src, a.quant, a.group_size)
+    out = convert(a.src, a.dst, scheme, progress=True, dense=make_dense(a.dense, scheme))
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

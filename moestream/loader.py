@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from moestream.config import ConfigError, ModelArgs
@@ -21,8 +22,9 @@ from moestream.errors import CheckpointError
 from moestream.experts.base import ExpertProvider
 from moestream.experts.config import ExpertsConfig, GpuConfig, StreamConfig, slot_count
 from moestream.experts.resident import ResidentExperts
+from moestream.kernels.dense import QuantEmbedding, QuantLinear, QuantWeight
 from moestream.kernels.ref import ExpertActivation
-from moestream.models import model_module
+from moestream.models import checkpoint_renamer, model_module
 from moestream.models.base import MoeCausalLM
 from moestream.store.format import Store, is_store
 
@@ -61,17 +63,15 @@ def build_model(args: ModelArgs, dtype: torch.dtype) -> MoeCausalLM:
 
 
 def load_dense(
-    ckpt: HFCheckpoint, model: MoeCausalLM, dtype: torch.dtype, progress: bool = False
+    ckpt: HFCheckpoint | Store,
+    model: MoeCausalLM,
+    dtype: torch.dtype,
+    progress: bool = False,
+    kernel: str = "native",
 ) -> None:
-    """Copy every non-expert tensor into the model; strict both ways."""
-    module = model_module(ckpt.args.model_type)
-    renames = getattr(module, "RENAMES", ())
-
-    def ours(name: str) -> str:
-        for theirs_part, ours_part in renames:
-            name = name.replace(theirs_part, ours_part)
-        return name
-
+    """Copy every non-expert tensor into the model; strict both ways. A store's quantized dense
+    weights replace their nn.Linear / nn.Embedding with kernels/dense.py modules on `kernel`."""
+    ours = checkpoint_renamer(ckpt.args.model_type)
     params = dict(model.named_parameters())
     by_ours = {ours(n): n for n in ckpt.dense_names}
     optional = set()
@@ -92,20 +92,56 @@ def load_dense(
         raise CheckpointError(
             f"tensor(s) missing from {ckpt.folder}: {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}"
         )
+    quantized = {}
     with torch.no_grad():
         for name in tqdm(sorted(expected), desc="dense weights", disable=not progress, leave=False):
+            theirs = by_ours[name]
+            scheme = ckpt.dense_scheme(theirs)
+            if scheme is not None:  # only a store's
+                shape = ckpt.dense_formats[theirs][1]
+                w = QuantWeight(scheme, shape, ckpt.dense_sections(theirs))
+                _check_shape(theirs, list(w.shape), params[name])
+                quantized[name] = w
+                continue
             t = ckpt.tensor(by_ours[name])
             _check_tensor(ckpt, by_ours[name], t, params[name])
             params[name].copy_(t.to(params[name].dtype))
-        if ckpt.args.tie_word_embeddings:
+        if ckpt.args.tie_word_embeddings and "model.embed_tokens.weight" not in quantized:
             model.lm_head.weight = model.model.embed_tokens.weight
+    if quantized:
+        _place_quantized(model, quantized, dtype, kernel)
+
+
+def _place_quantized(
+    model: MoeCausalLM, weights: dict[str, QuantWeight], dtype: torch.dtype, kernel: str
+) -> None:
+    """Swap each quantized weight's module for its quantized twin, then fuse q/k/v again."""
+    modules = dict(model.named_modules())
+    for name, w in weights.items():
+        path = name.removesuffix(".weight")
+        parent, _, child = path.rpartition(".")
+        old = modules[path]
+        if isinstance(old, nn.Embedding):
+            new: nn.Module = QuantEmbedding(w, dtype)
+            if model.args.tie_word_embeddings:  # one quantized table for both ends
+                model.lm_head = QuantLinear(w, None, kernel)
+        else:
+            bias = None if old.bias is None else old.bias.detach()
+            # int16 activations for an int8 SwiGLU down projection, as the experts' (native.py)
+            new = QuantLinear(w, bias, kernel, wide=child == "down_proj")
+        setattr(modules[parent], child, new)
+    for m in list(model.modules()):
+        if hasattr(m, "fuse_qkv"):
+            m.fuse_qkv()
+
+
+def _check_shape(name: str, shape: list[int], param: torch.Tensor) -> None:
+    if shape != list(param.shape):
+        raise CheckpointError(f"tensor {name!r} has shape {shape}, expected {list(param.shape)}")
 
 
 def _check_tensor(ckpt, name: str, t: torch.Tensor, param: torch.Tensor) -> None:
-    if t.shape != param.shape:
-        raise CheckpointError(
-            f"tensor {name!r} has shape {list(t.shape)}, expected {list(param.shape)}"
-        )
+    _check_shape(name, list(t.shape), param)
     # .to() would turn a header relabelled BF16 -> I16 into large integers without a word.
     if param.is_floating_point() and not t.is_floating_point():
         raise CheckpointError(
@@ -179,7 +215,7 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
     store = Store(folder)
     slot_count(store, cfg)  # a budget too small fails here, from the manifest alone
     model = build_model(store.args, dtype)
-    load_dense(store, model, dtype, progress)
+    load_dense(store, model, dtype, progress, "ref" if isinstance(cfg, GpuConfig) else cfg.kernel)
     store.release_dense()
     if isinstance(cfg, GpuConfig):
         from moestream.experts.gpu import GpuExperts

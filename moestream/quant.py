@@ -1,4 +1,4 @@
-"""Quantization schemes for expert weights and the byte layout of one expert record.
+"""Quantization schemes for expert (and dense) weights and the byte layout of one expert record.
 
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
 "sym8" of seed 001) and `int4` (per group of 32, asymmetric by default: see INT4_CHOICE). Every
@@ -13,6 +13,8 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
 An expert record holds w13 [2I, D] then w2 [D, I] (then, for experts with biases (gpt_oss),
 `b13` fp32 [2I] and `b2` fp32 [D], never quantized), each section 64-byte aligned, and is padded
 to a 4 KiB multiple so O_DIRECT can read it in place.
+Dense 2-D weights quantized under `DenseQuant` use the same sections ("{name}.q", ".s" / ".sz")
+in the store's dense file.
 """
 
 from __future__ import annotations
@@ -52,6 +54,76 @@ class QuantScheme:
 def make_scheme(name: str, group_size: int = 32) -> QuantScheme:
     """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric)."""
     return QuantScheme(name, group_size, symmetric=name != "int4" or INT4_CHOICE == "symmetric")
+
+
+# Dense (non-expert) weights under --quant: llama.cpp keeps the output layer at Q6_K in Q4_0
+# files, the one weight whose error every logit sees; here it is int8 when the rest is int4.
+DENSE_MODES = ("auto", "float", "int8", "int4")
+DENSE_ROLES = ("linear", "embedding", "output")  # output: lm_head, or the tied embedding
+# Below this many weights a tensor stays float: it saves nothing worth a rounding (norms, biases
+# and routers stay float by role, whatever their size).
+MIN_DENSE_PARAMS = 1 << 18
+
+
+@dataclass(frozen=True, slots=True)
+class DenseQuant:
+    """How convert stores the dense 2-D weights (attention, dense / shared-expert MLPs, embedding,
+    output layer): `weights` for the rest, `output` for lm_head (and a tied embedding); None keeps
+    a tensor as in the checkpoint. Routers, norms, biases and sinks are never given a role."""
+
+    weights: QuantScheme | None = None
+    output: QuantScheme | None = None
+    min_params: int = MIN_DENSE_PARAMS
+
+    def __post_init__(self):
+        for s in (self.weights, self.output):
+            if s is not None and s.name == "bf16":
+                raise ConfigError("dense weights are int8, int4 or float (as in the checkpoint)")
+        if self.min_params < 0:
+            raise ConfigError(f"min_params must be >= 0, got {self.min_params}")
+
+    def scheme_for(self, role: str | None, shape: tuple[int, ...]) -> QuantScheme | None:
+        """The scheme a tensor of `role` and `shape` is stored in (None: float as in the source).
+        Shapes a scheme cannot hold (K not a multiple of the group, odd N for int4) stay float."""
+        if role is None or len(shape) != 2 or shape[0] * shape[1] < self.min_params:
+            return None
+        scheme = self.output if role == "output" else self.weights
+        if scheme is None:
+            return None
+        n, k = shape
+        if k % scheme.group_size or (scheme.name == "int4" and n % 2):
+            return None
+        return scheme
+
+    def to_json(self) -> dict:
+        return {
+            "weights": None if self.weights is None else self.weights.to_json(),
+            "output": None if self.output is None else self.output.to_json(),
+            "min_params": self.min_params,
+        }
+
+    @property
+    def tag(self) -> str:
+        """Short name for cache keys and the mode line: e.g. 'int4+int8out', 'float'."""
+        if self.weights is None and self.output is None:
+            return "float"
+        w = self.weights.name if self.weights else "float"
+        o = self.output.name if self.output else "float"
+        return w if o == w else f"{w}+{o}out"
+
+
+def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
+    """The dense rule a `--dense` mode means next to the experts' scheme. auto: the experts'
+    format (bf16 experts: float dense), the output layer int8 under int4; float: as in the
+    checkpoint; int8 / int4: that format, the output layer as auto would put it."""
+    if mode not in DENSE_MODES:
+        raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
+    name = experts.name if mode == "auto" else mode
+    if name in ("float", "bf16"):
+        return DenseQuant()
+    weights = make_scheme(name, experts.group_size)
+    output = make_scheme("int8", experts.group_size) if name == "int4" else weights
+    return DenseQuant(weights, output)
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,28 +245,44 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
     """q [N, K] values 0..15 -> [N, K/2] uint8 in the CPU tinygemm layout: per block of 64 rows
     (the last block may be shorter), byte [k, d] = row d (low nibble) | row d + b/2 (high nibble)."""
     n, k = q.shape
-    out = []
-    for r in range(0, n, INT4_BLOCK_N):
-        v = q[r : r + INT4_BLOCK_N].to(torch.uint8)
+    full = n - n % INT4_BLOCK_N
+    v = q[:full].to(torch.uint8).view(-1, 2, INT4_BLOCK_N // 2, k)  # [blocks, lo|hi, 32, K]
+    out = [(v[:, 0] | (v[:, 1] << 4)).transpose(1, 2).reshape(-1)]  # each block [K, 32]
+    if full < n:
+        v = q[full:].to(torch.uint8)
         b = v.shape[0]
         out.append((v[: b // 2] | (v[b // 2 :] << 4)).t().contiguous().view(-1))  # [K, b/2]
     return torch.cat(out).view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
-    """Inverse of pack_int4: [N, K/2] uint8 -> [N, K] uint8 values 0..15."""
+    """Inverse of pack_int4: [N, K/2] uint8 -> [N, K] uint8 values 0..15 (whole blocks at once:
+    an output layer has thousands of them)."""
     n, k2 = packed.shape
+    full = n - n % INT4_BLOCK_N
     flat = packed.reshape(-1)
-    rows, start = [], 0
-    for r in range(0, n, INT4_BLOCK_N):
-        b = min(INT4_BLOCK_N, n - r)
-        blk = flat[start : start + b * k2].view(2 * k2, b // 2).t()  # [b/2, K]
-        start += b * k2
-        rows += [blk & 0xF, blk >> 4]
-    lo_hi = []
-    for i in range(0, len(rows), 2):
-        lo_hi.append(torch.cat([rows[i], rows[i + 1]]))
-    return torch.cat(lo_hi)
+    blk = flat[: full * k2].view(-1, 2 * k2, INT4_BLOCK_N // 2).transpose(1, 2)  # [blocks, 32, K]
+    parts = [torch.stack([blk & 0xF, blk >> 4], 1).reshape(full, 2 * k2)]
+    if full < n:
+        b = n - full
+        tail = flat[full * k2 :].view(2 * k2, b // 2).t()  # [b/2, K]
+        parts.append(torch.cat([tail & 0xF, tail >> 4]))
+    return torch.cat(parts)
+
+
+def unpack_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` [T] of unpack_int4(packed) -> [T, K] uint8, reading only those rows' bytes (an
+    embedding lookup). Row r sits in block r // 64 (of b rows), column (r % 64) % (b / 2), in the
+    low nibble for the block's first half, else the high one."""
+    n, k2 = packed.shape
+    start = rows - rows % INT4_BLOCK_N
+    b = torch.clamp(n - start, max=INT4_BLOCK_N)
+    half = b // 2
+    col, hi = (rows - start) % half, (rows - start) >= half
+    k = torch.arange(2 * k2, device=packed.device)
+    idx = start[:, None] * k2 + k[None, :] * half[:, None] + col[:, None]  # [T, K] byte offsets
+    byte = packed.reshape(-1)[idx]
+    return torch.where(hi[:, None], byte >> 4, byte & 0xF)
 
 
 def quantize_expert(

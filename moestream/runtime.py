@@ -42,10 +42,9 @@ class Runtime:
     def mode(self) -> dict:
         """What runs: device, compute dtype, the provider's description (experts, quant, cache
         size and policy, predictor, routing) and whether decode replays CUDA graphs."""
-        p = self.model.lm_head.weight
         return {
-            "device": p.device.type,
-            "dtype": str(p.dtype).removeprefix("torch."),
+            "device": self.model.device.type,
+            "dtype": str(self.model.dtype).removeprefix("torch."),
             **self.provider.describe(),
             "cuda_graph": self.generator.graphs is not None,
         }
@@ -127,7 +126,7 @@ def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
     if why is not None:
         print(f"moestream: decode runs eagerly (no CUDA graph): {why}", file=sys.stderr)
         return None
-    device = loaded.model.lm_head.weight.device
+    device = loaded.model.device
     compiled = provider.cfg.compile_step  # graphable: a GpuExperts
     return DecodeGraphs(loaded.model, loaded.args, resolve_dtype(dtype), device, compiled)
 

@@ -55,8 +55,7 @@ def prompt_ids(store: Path) -> list[int]:
 def run(model, args, ids: list[int], n: int, forced: list[int] | None = None):
     """Greedy decode of n tokens (or teacher-forced along `forced`) -> (tokens, fp32 logits [n, V]
     on the CPU)."""
-    dev = model.model.embed_tokens.weight.device
-    dtype = model.model.embed_tokens.weight.dtype
+    dev, dtype = model.device, model.dtype
     cache = KVCache(args, len(ids) + n, dtype, dev)
     logits = model(torch.tensor(ids, device=dev), cache, 0, last_only=True)[-1]
     toks, seen = [], []
@@ -216,7 +215,7 @@ def test_cuda_generate_cli_path(stores):
         rt.encode_prompt(PROMPT), SamplingConfig(max_new_tokens=16, ignore_eos=True)
     )
     assert len(res.ids) == 16 and res.text
-    assert rt.model.lm_head.weight.is_cuda
+    assert rt.model.device.type == "cuda"
 
 
 @pytest.mark.cuda

@@ -7,14 +7,18 @@ from pathlib import Path
 
 from moestream.config import cache_root
 from moestream.convert.writer import convert, source_fingerprint
-from moestream.quant import QuantScheme
+from moestream.quant import QuantScheme, make_dense
+from moestream.store.format import VERSION
 
 
 def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:
     """The store for (src, scheme), converting it first if the cache lacks it. The key holds the
-    source fingerprint, so a replaced checkpoint is converted again."""
+    source fingerprint, so a replaced checkpoint is converted again, and the store version and
+    dense format (the --quant default), so an older store in the cache is not reused."""
     src = Path(src)
+    dense = make_dense("auto", scheme)
     key = f"{src.resolve().name}-{source_fingerprint(src)[:16]}-{scheme.name}-g{scheme.group_size}"
+    key += f"-d{dense.tag}-v{VERSION}"
     dst = cache_root() / key
     if not (dst / "manifest.json").is_file():
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -22,7 +26,7 @@ def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) ->
         print(
             f"moestream: converting {src} to a {scheme.name} store in {dst} (once)", file=sys.stderr
         )
-        convert(src, dst, scheme, progress)
+        convert(src, dst, scheme, progress, dense)
         size = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
         print(f"moestream: wrote {dst} ({size / 2**30:.2f} GiB)", file=sys.stderr)
     return dst

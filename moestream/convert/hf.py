@@ -162,6 +162,10 @@ class HFCheckpoint:
             h = self._handles[path] = safe_open(str(path), framework="pt")
         return h
 
+    def dense_scheme(self, name: str) -> None:
+        """A checkpoint's dense weights are float (only a store holds quantized ones)."""
+        return None
+
     def tensor(self, name: str) -> torch.Tensor:
         """A tensor as stored, except FP8 weights, which come back dequantized to fp32."""
         if name not in self._shard_of:

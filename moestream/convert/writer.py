@@ -24,7 +24,17 @@ from moestream.config import ConfigError
 from moestream.convert.gguf import GGUFCheckpoint, gguf_fingerprint, is_gguf
 from moestream.convert.hf import HFCheckpoint
 from moestream.errors import TokenizerError
-from moestream.quant import QuantScheme, RecordLayout, make_scheme, quantize_expert, record_bytes
+from moestream.models import checkpoint_renamer, model_module
+from moestream.quant import (
+    DenseQuant,
+    QuantScheme,
+    RecordLayout,
+    make_dense,
+    make_scheme,
+    quantize,
+    quantize_expert,
+    record_bytes,
+)
 from moestream.store.format import (
     COPIED_FILES,
     DENSE_FILE,
@@ -65,8 +75,16 @@ def source_fingerprint(folder: str | Path) -> str:
     return h.hexdigest()
 
 
-def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:
-    """Write the store for src into dst (which must not exist). Returns dst."""
+def convert(
+    src: str | Path,
+    dst: str | Path,
+    scheme: QuantScheme,
+    progress: bool = True,
+    dense: DenseQuant | None = None,
+) -> Path:
+    """Write the store for src into dst (which must not exist). Returns dst. `dense`: how the
+    non-expert weights are stored (default: `make_dense("auto", scheme)`, the --quant format)."""
+    dense = make_dense("auto", scheme) if dense is None else dense
     src, dst = Path(src), Path(dst)
     if dst.exists():
         raise ConfigError(f"{dst} already exists; remove it or choose another destination")
@@ -79,7 +97,7 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     try:
-        dense, dtypes = _write_dense(ckpt, tmp)
+        crcs, dtypes, formats = _write_dense(ckpt, tmp, dense)
         experts = _write_experts(ckpt, layout, tmp, progress)
         _write_files(ckpt, src, tmp)
         manifest = {
@@ -89,7 +107,9 @@ def convert(src: str | Path, dst: str | Path, scheme: QuantScheme, progress: boo
             "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
             "quant": scheme.to_json(),
             "record": layout.to_json(),
-            "dense": dense,
+            "dense_quant": dense.to_json(),
+            "dense_formats": formats,
+            "dense": crcs,
             "dense_dtypes": dtypes,
             "experts": {str(layer): crcs for layer, crcs in experts.items()},
             "files": file_checksums(tmp),
@@ -128,13 +148,34 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _write_dense(ckpt: Checkpoint, out: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Non-expert tensors as stored in the source (dtype kept) -> crc32 and dtype per tensor
-    (the crc covers bytes only, and a relabelled dtype keeps them)."""
-    tensors = {name: ckpt.tensor(name).contiguous() for name in ckpt.dense_names}
+def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, dict, dict]:
+    """Non-expert tensors -> (crc32 and dtype per stored tensor, the quantized ones' formats).
+    A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz`; the rest
+    as in the source (dtype kept). The crc covers bytes only, a relabelled dtype keeps them."""
+    roles = _dense_roles(ckpt)
+    tensors, formats = {}, {}
+    for name in ckpt.dense_names:
+        t = ckpt.tensor(name).contiguous()
+        scheme = dense.scheme_for(roles.get(name), tuple(t.shape))
+        if scheme is None or not t.is_floating_point():
+            tensors[name] = t
+            continue
+        for suffix, sec in quantize(scheme, t).items():
+            tensors[f"{name}.{suffix}"] = sec.contiguous()
+        formats[name] = {"scheme": scheme.to_json(), "shape": list(t.shape)}
     save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
     crcs = {name: tensor_crc(t) for name, t in tensors.items()}
-    return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}
+    return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}, formats
+
+
+def _dense_roles(ckpt: Checkpoint) -> dict[str, str]:
+    """Checkpoint name -> role of each dense weight the model may take quantized, from the model
+    itself (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        model = model_module(ckpt.args.model_type).build(ckpt.args)
+    roles = model.dense_roles()
+    ours = checkpoint_renamer(ckpt.args.model_type)
+    return {name: roles[ours(name)] for name in ckpt.dense_names if ours(name) in roles}
 
 
 def _write_experts(

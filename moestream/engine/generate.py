@@ -131,8 +131,8 @@ class Generator:
         self.context = args.max_position_embeddings
         self.decode_threads: int | None = None
         self.eos_ids = set(eos_ids)
-        self.dtype = model.model.embed_tokens.weight.dtype
-        self.device = model.model.embed_tokens.weight.device  # KV cache and token ids live there
+        self.dtype = model.dtype
+        self.device = model.device  # KV cache and token ids live there
 
     @torch.inference_mode()
     def stream(

@@ -104,6 +104,28 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
     return w.to(dtype)
 
 
+def dequantize_rows(
+    sec: dict[str, torch.Tensor], name: str, rows: torch.Tensor, group_size: int, dtype
+) -> torch.Tensor:
+    """Rows `rows` [T] of dequantize(sec, name) -> [T, K] in dtype, the same values, reading only
+    those rows (an embedding lookup)."""
+    from moestream.quant import unpack_int4_rows
+
+    q = sec[f"{name}.q"]
+    if q.dtype == torch.bfloat16:
+        return q[rows].to(dtype)
+    if q.dtype == torch.int8:
+        s = sec[f"{name}.s"][rows]  # [T, K/g]
+        t, k = rows.shape[0], q.shape[1]
+        return (q[rows].view(t, k // group_size, group_size) * s[..., None]).view(t, k).to(dtype)
+    sz = sec[f"{name}.sz"][:, rows].float()  # [K/g, T, 2]
+    w = unpack_int4_rows(q, rows).float()  # [T, K]
+    t, k = w.shape
+    s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
+    w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)
+    return w.to(dtype)
+
+
 def qlinear_ref(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch.Tensor:
     """x [T, K] @ dequantize(name).T -> [T, N]."""
     return F.linear(x, dequantize(sec, name, group_size, x.dtype))

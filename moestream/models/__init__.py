@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import importlib
 import pkgutil
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -76,3 +77,15 @@ def model_args_from_dict(cfg: dict[str, Any], path: str = "config.json") -> Mode
 def load_model_args(folder: str | Path) -> ModelArgs:
     """ModelArgs of a checkpoint folder's config.json."""
     return model_args_from_dict(*read_config_json(folder))
+
+
+def checkpoint_renamer(model_type: str) -> Callable[[str], str]:
+    """Checkpoint tensor name -> ours, by the model file's `RENAMES` (substring pairs)."""
+    renames = getattr(model_module(model_type), "RENAMES", ())
+
+    def ours(name: str) -> str:
+        for theirs_part, ours_part in renames:
+            name = name.replace(theirs_part, ours_part)
+        return name
+
+    return ours

@@ -62,6 +62,37 @@ class MoeCausalLM(nn.Module):
     def moe_blocks(self) -> list[SparseMoe]:
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, SparseMoe)]
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The run's activation dtype (the final norm's: embedding and lm_head may be quantized)."""
+        return self.model.norm.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.norm.weight.device
+
+    def dense_roles(self) -> dict[str, str]:
+        """Our parameter name -> role ("linear", "embedding", "output") of each weight that convert
+        may quantize (quant.DenseQuant): nn.Linear and nn.Embedding weights, except routers (their
+        top-k choice is the model's most rounding-sensitive decision) and a tied lm_head (the
+        embedding is the output layer then)."""
+        routers = {
+            id(m)
+            for block in self.moe_blocks
+            for m in (block.gate, getattr(block, "shared_expert_gate", None))
+            if m is not None
+        }
+        tied = self.args.tie_word_embeddings
+        roles = {}
+        for name, m in self.named_modules():
+            if id(m) in routers or (tied and m is self.lm_head):
+                continue
+            if isinstance(m, nn.Embedding):
+                roles[f"{name}.weight"] = "output" if tied else "embedding"
+            elif type(m) is nn.Linear:
+                roles[f"{name}.weight"] = "output" if m is self.lm_head else "linear"
+        return roles
+
     def set_provider(self, provider) -> None:
         for block in self.moe_blocks:
             block.provider = provider

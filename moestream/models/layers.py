@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelArgs, RopeArgs
+from moestream.kernels.dense import QuantLinear, RowsOf
 from moestream.kernels.dispatch import topk
 
 
@@ -181,6 +182,8 @@ class Attention(nn.Module):
             )
         self._qk_key = None  # source of the cached side-by-side q/k norm weight
         self._fused, self._fused_key = None, None  # fused q/k/v weight and bias, see _qkv_proj
+        self._qfused = None  # the fused QuantLinear when q/k/v are quantized (store dense quant)
+        self._three = False  # q/k/v in different formats: three projections
         self.clip_qkv = clip_qkv
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
@@ -213,8 +216,11 @@ class Attention(nn.Module):
         """q, k and v projections as one GEMM. q/k/v_proj's parameters are views of one fused
         weight (and bias): build_model fuses before the weights are loaded, so the fusion costs
         no memory; if the parameters were replaced since (moved, cast) it is remade here. With
-        gradients on, the three modules run as they are (the fused tensor is not a parameter)."""
-        if torch.is_grad_enabled():
+        gradients on, the three modules run as they are (the fused tensor is not a parameter).
+        Quantized q/k/v (loaded from a store) run as one fused QuantLinear."""
+        if self._qfused is not None:
+            return self._qfused(x)
+        if torch.is_grad_enabled() or self._three:
             return torch.cat((self.q_proj(x), self.k_proj(x), self.v_proj(x)), dim=-1)
         # Weights cannot change inside a compiled step (engine/graph.py), and dynamo cannot
         # trace the pointer check: skip it there.
@@ -236,8 +242,11 @@ class Attention(nn.Module):
     def fuse_qkv(self) -> None:
         """Make q/k/v_proj's weight (and bias) views of one tensor each. Copies once; call it
         before loading weights (build_model does) so the unfused copies never coexist with
-        loaded data."""
+        loaded data. Quantized projections (the loader calls this again after placing them)
+        become one QuantLinear, and q/k/v_proj row views of it."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not all(isinstance(p, nn.Linear) for p in projs):
+            return self._fuse_quantized(projs)
         fused = []
         for name in ("weight", "bias"):
             parts = [getattr(p, name) for p in projs]
@@ -250,6 +259,16 @@ class Attention(nn.Module):
             fused.append(whole)
         self._fused = tuple(fused)
         self._fused_key = self._param_key()
+
+    def _fuse_quantized(self, projs: tuple[nn.Module, ...]) -> None:
+        fused = QuantLinear.cat(list(projs))
+        self._three = fused is None  # mixed formats (a shape one scheme cannot hold)
+        if fused is None:
+            return
+        self._qfused, lo = fused, 0
+        for name, p in zip(("q_proj", "k_proj", "v_proj"), projs):
+            setattr(self, name, RowsOf(fused, lo, lo + p.out_features))
+            lo += p.out_features
 
     def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
         """q_norm on the H query heads and k_norm on the Hkv key heads of qk [T, H+Hkv, hd] in

@@ -273,7 +273,7 @@ def expert_bytes(rt, dtype: str) -> int:
     if rt.store is not None:
         return int(rt.store.layout.size)
     a = rt.args
-    itemsize = rt.model.model.embed_tokens.weight.element_size()  # experts load in the model dtype
+    itemsize = rt.model.dtype.itemsize  # experts load in the model dtype
     return 3 * a.hidden_size * a.moe_intermediate_size * itemsize
 
 

@@ -21,7 +21,7 @@ from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
 def window_logits(rt, ids: list[int], stepwise: bool) -> torch.Tensor:
     """logits [T, V] (fp32) of every position of one window of a Runtime's model."""
     model = rt.model
-    cache = KVCache(rt.args, len(ids), model.model.embed_tokens.weight.dtype)
+    cache = KVCache(rt.args, len(ids), model.dtype)
     rt.provider.reset()  # predictions restart with the window's positions
     if not stepwise:
         return model(torch.tensor(ids), cache, 0).float()

@@ -4,6 +4,9 @@ A store folder holds `manifest.json`, `dense.safetensors` (every non-expert weig
 `experts-L{layer:03d}.bin` (one per MoE layer: expert e's record at e * record size, each record
 4 KiB aligned), and the model's config.json / tokenizer files / generation_config.json, whose
 crc32s the manifest's "files" holds (stores written before it have none and open unchecked).
+Version 2: a dense weight that convert quantized (quant.DenseQuant) is stored as its sections
+`{name}.q` and `{name}.s` / `{name}.sz`; the manifest's "dense_formats" names its scheme and shape,
+"dense" / "dense_dtypes" hold the crc32 and dtype of every stored tensor, sections included.
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -18,13 +21,13 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from moestream.config import ModelArgs
+from moestream.config import ConfigError, ModelArgs
 from moestream.errors import CheckpointError
 from moestream.models import model_args_from_dict
-from moestream.quant import QuantScheme, RecordLayout
+from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_sections
 
 FORMAT = "moestream-store"
-VERSION = 1
+VERSION = 2  # 2: quantized dense weights (dense_formats)
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (
@@ -82,6 +85,32 @@ def tensor_crc(t: torch.Tensor) -> int:
     return crc32(t.contiguous().view(torch.uint8).numpy().tobytes()) if t.numel() else 0
 
 
+def _dense_formats(path: Path, m: dict) -> dict[str, tuple[QuantScheme, tuple[int, int]]]:
+    """The manifest's quantized dense tensors -> (scheme, [N, K]); refuses a layout this version
+    does not write (an unknown scheme, sections missing from the dense file)."""
+    out = {}
+    for name, f in m.get("dense_formats", {}).items():
+        try:
+            q, shape = f["scheme"], tuple(f["shape"])
+            scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
+            if scheme.name == "bf16" or len(shape) != 2:
+                raise ConfigError(f"{scheme.name} {list(shape)}")
+            specs = tensor_sections(scheme, name, *shape)
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise StoreError(
+                f"{path}: dense tensor {name!r} has a format this moestream does not read ({e}); "
+                "convert the model again"
+            ) from e
+        for sec, dt, _ in specs:
+            if m.get("dense_dtypes", {}).get(sec) != DTYPE_NAMES[dt] or sec not in m["dense"]:
+                raise StoreError(
+                    f"{path}: dense tensor {name!r} lacks its section {sec!r} "
+                    f"({DTYPE_NAMES[dt]}); convert the model again"
+                )
+        out[name] = (scheme, shape)
+    return out
+
+
 class Store:
     """A converted model: `args`, `layout`, dense tensors (checked), expert record locations.
 
@@ -113,8 +142,10 @@ class Store:
         if self.layout.to_json() != m["record"]:
             raise StoreError(f"{path}: record layout differs from this version's; convert again")
         self.dense_crc: dict[str, int] = m["dense"]
-        self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})  # absent in older stores
-        self.dense_names = sorted(self.dense_crc)
+        self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})
+        self.dense_formats = _dense_formats(path, m)
+        sections = {sec for name in self.dense_formats for sec in self._section_specs(name)}
+        self.dense_names = sorted((set(self.dense_crc) - sections) | set(self.dense_formats))
         self.crc = {int(k): v for k, v in m["experts"].items()}  # layer -> [crc per expert]
         self._dense = None
         self._check_files()
@@ -164,6 +195,30 @@ class Store:
                 "convert the model again"
             )
         return t
+
+    def dense_scheme(self, name: str) -> QuantScheme | None:
+        """The scheme dense tensor `name` is stored in (None: float, as in the checkpoint)."""
+        f = self.dense_formats.get(name)
+        return None if f is None else f[0]
+
+    def _section_specs(self, name: str) -> dict[str, tuple]:
+        scheme, (n, k) = self.dense_formats[name]
+        return {sec: (dt, shape) for sec, dt, shape in tensor_sections(scheme, name, n, k)}
+
+    def dense_sections(self, name: str) -> dict[str, torch.Tensor]:
+        """A quantized dense tensor's sections by suffix ('q', 's' / 'sz'), each checked (crc32,
+        dtype, shape) against what convert wrote."""
+        out = {}
+        for sec, (dt, shape) in self._section_specs(name).items():
+            t = self.tensor(sec)
+            if t.dtype != dt or tuple(t.shape) != shape:
+                raise StoreError(
+                    f"{self.folder / DENSE_FILE}: section {sec!r} is {dtype_name(t.dtype)} "
+                    f"{list(t.shape)}, its format needs {dtype_name(dt)} {list(shape)}; convert the "
+                    "model again"
+                )
+            out[sec.rpartition(".")[2]] = t
+        return out
 
     def release_dense(self) -> None:
         """Drop the dense file's mapping once its tensors are copied (else its pages count twice)."""

@@ -1,0 +1,144 @@
+"""Quantized dense layers: the store's int4 / int8 sections of a dense weight (quant.DenseQuant) in
+place of nn.Linear / nn.Embedding. The loader builds them from the store; models only call them.
+
+Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and device):
+  native: the C++ `linear` (kernels/native.py; Q8_0 activations, spec `ref.qlinear_q8`), where it
+          built and the scheme has groups of 32; else the torch kernels, as the experts fall back;
+  cpu:    `kernels/cpu.qlinear_cpu` (torch's packed int4 kernel, bf16 activations; int8 = ref);
+  ref:    dequantize into the activation dtype + F.linear: the bits of a float model holding the
+          dequantized weight (the GPU path too, until a Triton GEMV replaces it).
+The embedding gathers and dequantizes only the rows it is asked for, on every kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moestream.kernels import native
+from moestream.kernels.cpu import qlinear_cpu
+from moestream.kernels.ref import dequantize, dequantize_rows
+from moestream.quant import QuantScheme, pack_int4, unpack_int4
+
+DENSE_KERNELS = ("native", "cpu", "ref")
+
+
+class QuantWeight(nn.Module):
+    """One quantized [N, K] weight as buffers `q` and `s` (int8) or `sz` (int4), laid out as
+    quant.tensor_sections says. Shared by a tied embedding and lm_head (moved once)."""
+
+    def __init__(
+        self, scheme: QuantScheme, shape: tuple[int, int], sections: dict[str, torch.Tensor]
+    ):
+        super().__init__()
+        self.scheme, self.shape = scheme, tuple(shape)
+        for suffix, t in sections.items():
+            self.register_buffer(suffix, t, persistent=False)
+        self.suffixes = tuple(sections)
+
+    def sections(self, name: str = "w") -> dict[str, torch.Tensor]:
+        """The buffers under section names ('w.q', 'w.s' / 'w.sz'), as kernels/ref.py reads them."""
+        return {f"{name}.{s}": getattr(self, s) for s in self.suffixes}
+
+    @staticmethod
+    def cat(parts: list[QuantWeight]) -> QuantWeight | None:
+        """Rows of several weights of one scheme and K stacked [sum N, K] (exact: quantization
+        runs along K; int4 is unpacked and packed again, its 64-row blocks span the seams).
+        None when their formats differ."""
+        s0, k = parts[0].scheme, parts[0].shape[1]
+        if any(p.scheme != s0 or p.shape[1] != k for p in parts):
+            return None
+        n = sum(p.shape[0] for p in parts)
+        if s0.name == "int8":
+            secs = {"q": torch.cat([p.q for p in parts]), "s": torch.cat([p.s for p in parts])}
+        else:
+            q = pack_int4(torch.cat([unpack_int4(p.q) for p in parts]))
+            secs = {"q": q, "sz": torch.cat([p.sz for p in parts], dim=1).contiguous()}
+        return QuantWeight(s0, (n, k), secs)
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W a QuantWeight; x [T, K] -> [T, N] in x's dtype. `wide`: int16
+    activations on the native kernel for int8 weights (a SwiGLU down projection's heavy-tailed
+    input, as the experts' down projection)."""
+
+    def __init__(
+        self, weight: QuantWeight, bias: torch.Tensor | None, kernel: str, wide: bool = False
+    ):
+        super().__init__()
+        if kernel not in DENSE_KERNELS:
+            raise ValueError(f"unknown dense kernel {kernel!r}; use {', '.join(DENSE_KERNELS)}")
+        self.qweight = weight
+        self.register_buffer("bias", bias, persistent=False)
+        self.out_features, self.in_features = weight.shape
+        self.kernel, self.wide = kernel, wide and weight.scheme.name == "int8"
+
+    def resolved_kernel(self, device: torch.device) -> str:
+        """The kernel that runs on `device`: off the CPU always the dequantizing reference."""
+        if device.type != "cpu":
+            return "ref"
+        if self.kernel == "native" and not (
+            native.supports(self.qweight.scheme) and native.available()
+        ):
+            return "cpu"
+        return self.kernel
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        sec, g = self.qweight.sections(), self.qweight.scheme.group_size
+        kind = self.resolved_kernel(x.device)
+        if kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
+            y = F.linear(x2, dequantize(sec, "w", g, x.dtype), self.bias)
+        else:
+            if kind == "native":
+                y = native.linear(x2, sec, "w", wide=self.wide).to(x.dtype)
+            else:
+                y = qlinear_cpu(x2, sec, "w", g)
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @staticmethod
+    def cat(parts: list[nn.Module]) -> QuantLinear | None:
+        """The fused q/k/v projection: one QuantLinear over the stacked rows (biases stacked
+        too), or None unless every part is a QuantLinear of one format and kernel."""
+        if not all(isinstance(p, QuantLinear) for p in parts):
+            return None
+        if len({(p.kernel, p.wide, p.bias is None) for p in parts}) != 1:
+            return None
+        w = QuantWeight.cat([p.qweight for p in parts])
+        if w is None:
+            return None
+        bias = None if parts[0].bias is None else torch.cat([p.bias for p in parts])
+        return QuantLinear(w, bias, parts[0].kernel, parts[0].wide)
+
+
+class RowsOf(nn.Module):
+    """Rows [lo, hi) of a fused QuantLinear's output: what q/k/v_proj become once fused, so the
+    quantized rows exist once (the decode path calls the fused module; this is for other callers)."""
+
+    def __init__(self, fused: QuantLinear, lo: int, hi: int):
+        super().__init__()
+        self._fused = (fused,)  # not a submodule: the attention owns the fused projection
+        self.lo, self.hi = lo, hi
+        self.out_features, self.in_features = hi - lo, fused.in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0](x)[..., self.lo : self.hi]
+
+
+class QuantEmbedding(nn.Module):
+    """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up."""
+
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+        super().__init__()
+        self.qweight, self.dtype = weight, dtype
+        self.num_embeddings, self.embedding_dim = weight.shape
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1)
+        rows = dequantize_rows(
+            self.qweight.sections(), "w", flat, self.qweight.scheme.group_size, self.dtype
+        )
+        return rows.view(*ids.shape, self.embedding_dim)
