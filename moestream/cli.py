@@ -550,6 +550,39 @@ def cmd_chat(a: argparse.Namespace) -> int:
         return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
 
 
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="prompt and decode tok/s at fixed lengths, memory, bytes per token"
+    )
+    _add_model_args(p)
+    p.add_argument(
+        "-p", "--n-prompt", type=int, default=512, help="synthetic prompt tokens (default 512)"
+    )
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens decoded (default 128)")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--json", action="store_true", help="print the JSON row instead of the table")
+    p.add_argument("-o", "--output", default=None, help="append the JSON row to this file")
+    _add_guard_arg(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from moestream.obs.bench import BenchConfig, format_bench, run_bench
+    from moestream.obs.rows import bench_row, write_rows
+
+    cfg = BenchConfig(a.n_prompt, a.n_gen, a.repetitions, a.warmup)  # checked before loading
+    with _open_runtime(a, progress=sys.stderr.isatty() and not a.json) as rt:
+        _guard(rt, a)
+        results = run_bench(rt, cfg)
+    # every flag, so a row says what was asked (-p/-n/-r/--warmup among them)
+    config = {k: v for k, v in vars(a).items() if k not in ("func", "json", "output", "command")}
+    row = bench_row("moestream bench", config, results)
+    write_rows(a.output, [row])
+    print(json.dumps(row) if a.json else format_bench(row, mode_line(results["mode"])))
+    return 0
+
+
 def _add_obs(sub) -> None:
     """Router observation: trace, stats, plot, simulate (moestream/obs/)."""
     p = sub.add_parser("trace", help="record every MoE layer's routing while generating")
@@ -871,6 +904,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_serve(sub)
     _add_chat(sub)
+    _add_bench(sub)
     _add_obs(sub)
     _add_predict(sub)
     _add_recall(sub)
