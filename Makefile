@@ -10,12 +10,18 @@ DEMO_BUDGET ?= 4MiB
 
 .PHONY: venv test lint demo clean
 
+# pip stays quiet (-q), so each step says what it installs: the whole install takes minutes.
 $(VENV)/.installed: pyproject.toml
+	@echo "creating $(VENV)"
 	python3 -m venv $(VENV)
+	@echo "installing pip (upgrade)"
 	$(PY) -m pip install -q --upgrade pip
+	@echo "installing $(TORCH_PIN) (the largest download: a few minutes)"
 	$(PY) -m pip install -q "$(TORCH_PIN)"
+	@echo "installing moestream and its extras: test (transformers, pytest, ruff...), plot, serve"
 	$(PY) -m pip install -q -e ".[test,plot,serve]"
 	touch $@
+	@echo "installed into $(VENV); the native CPU kernels build on first use (~1 min, said then)"
 
 venv: $(VENV)/.installed
 
@@ -27,6 +33,7 @@ test: venv lint
 	$(PY) -m pytest -q
 
 $(DEMO_STORE)/manifest.json: | venv
+	@echo "converting $(DEMO_MODEL) into $(DEMO_STORE) (int8 experts)"
 	$(PY) -m moestream convert $(DEMO_MODEL) $(DEMO_STORE) --quant int8
 
 # Experts stay on disk; a 4 MiB cache holds ~15% of them and streams the rest.

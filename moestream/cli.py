@@ -59,6 +59,17 @@ def _add_ctx_size(p) -> None:
     )
 
 
+def _add_quiet(p) -> None:
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars")
+
+
+def _progress(a: argparse.Namespace) -> bool:
+    """The one rule for progress bars: on stderr when it is a terminal, never with --quiet or
+    --json (a log file or a pipe gets the results, not bar redraws)."""
+    quiet = getattr(a, "quiet", False) or getattr(a, "json", False)
+    return not quiet and sys.stderr.isatty()
+
+
 def _add_threads(p) -> None:
     p.add_argument(
         "-t", "--threads", type=int, default=None, help="torch threads (default: all cores)"
@@ -84,6 +95,7 @@ def _add_generate(sub) -> None:
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
     _add_guard_arg(p)
+    _add_quiet(p)
     p.set_defaults(func=cmd_generate)
 
 
@@ -327,6 +339,7 @@ def _add_convert(sub) -> None:
         "--quant format (int4: output layer int8; bf16: float), float = as in the checkpoint, "
         "int8 / int4; norms, routers, biases and small tensors stay float",
     )
+    _add_quiet(p)
     p.set_defaults(func=cmd_convert)
 
 
@@ -335,7 +348,8 @@ def cmd_convert(a: argparse.Namespace) -> int:
     from moestream.quant import make_dense
 
     scheme = source_scheme(a.src, a.quant, a.group_size)
-    out = convert(a.src, a.dst, scheme, progress=True, dense=make_dense(a.dense, scheme))
+    dense = make_dense(a.dense, scheme)
+    out = convert(a.src, a.dst, scheme, progress=_progress(a), dense=dense)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -386,7 +400,7 @@ def cmd_generate(a: argparse.Namespace) -> int:
 
     _setup_threads(a.threads)
     cfg = _sampling(a)
-    with open_model(a.model, dtype=a.dtype, progress=not a.json, **_store_kwargs(a)) as rt:
+    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **_store_kwargs(a)) as rt:
         return _generate(rt, a, cfg)
 
 
@@ -467,11 +481,11 @@ def _add_model_args(p, positional: bool = False) -> None:
     _add_store_args(p)
 
 
-def _open_runtime(a: argparse.Namespace, progress: bool = True):
+def _open_runtime(a: argparse.Namespace):
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
-    return open_model(a.model, dtype=a.dtype, progress=progress, **_store_kwargs(a))
+    return open_model(a.model, dtype=a.dtype, progress=_progress(a), **_store_kwargs(a))
 
 
 def _add_serve(sub) -> None:
@@ -493,6 +507,7 @@ def _add_serve(sub) -> None:
         help="largest request body accepted, bytes or e.g. 16MiB (default 4MiB; larger: 413)",
     )
     _add_guard_arg(p)
+    _add_quiet(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -554,6 +569,7 @@ def _add_chat(sub) -> None:
     _add_sampling_args(p)
     p.add_argument("--no-stats", action="store_true", help="no stats line after each reply")
     _add_guard_arg(p)
+    _add_quiet(p)
     p.set_defaults(func=cmd_chat)
 
 
@@ -561,9 +577,43 @@ def cmd_chat(a: argparse.Namespace) -> int:
     from moestream.chat import run_chat
 
     cfg = _sampling(a)
-    with _open_runtime(a, progress=sys.stderr.isatty()) as rt:
+    with _open_runtime(a) as rt:
         _guard(rt, a)
         return run_chat(rt, cfg, system=a.system, show_stats=not a.no_stats)
+
+
+def _add_bench(sub) -> None:
+    p = sub.add_parser(
+        "bench", help="prompt and decode tok/s at fixed lengths, memory, bytes per token"
+    )
+    _add_model_args(p)
+    p.add_argument(
+        "-p", "--n-prompt", type=int, default=512, help="synthetic prompt tokens (default 512)"
+    )
+    p.add_argument("-n", "--n-gen", type=int, default=128, help="tokens decoded (default 128)")
+    p.add_argument("-r", "--repetitions", type=int, default=3, help="timed runs (default 3)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed runs first (default 1)")
+    p.add_argument("--json", action="store_true", help="print the JSON row instead of the table")
+    p.add_argument("-o", "--output", default=None, help="append the JSON row to this file")
+    _add_guard_arg(p)
+    _add_quiet(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from moestream.obs.bench import BenchConfig, format_bench, run_bench
+    from moestream.obs.rows import bench_row, write_rows
+
+    cfg = BenchConfig(a.n_prompt, a.n_gen, a.repetitions, a.warmup)  # checked before loading
+    with _open_runtime(a) as rt:
+        _guard(rt, a)
+        results = run_bench(rt, cfg)
+    # every flag, so a row says what was asked (-p/-n/-r/--warmup among them)
+    config = {k: v for k, v in vars(a).items() if k not in ("func", "json", "output", "command")}
+    row = bench_row("moestream bench", config, results)
+    write_rows(a.output, [row])
+    print(json.dumps(row) if a.json else format_bench(row, mode_line(results["mode"])))
+    return 0
 
 
 def _add_obs(sub) -> None:
@@ -584,6 +634,7 @@ def _add_obs(sub) -> None:
     _add_threads(p)
     p.add_argument("--no-memory-guard", action="store_true", help="do not stop on memory pressure")
     _add_store_args(p)
+    _add_quiet(p)
     p.set_defaults(func=cmd_trace)
 
     p = sub.add_parser("stats", help="routing statistics of a trace")
@@ -633,7 +684,7 @@ def cmd_trace(a: argparse.Namespace) -> int:
     prompts = read_prompts(a.prompts)
     cfg, kw = _sampling(a), _store_kwargs(a)
     prepare_out(a.out, a.force)  # after the flags, before the model loads: refusals cost nothing
-    with open_model(a.model, dtype=a.dtype, progress=True, **kw) as rt:
+    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **kw) as rt:
         if not a.no_memory_guard:
             MemoryGuard().attach(rt.model)
         out = _trace(rt, a, prompts, cfg)
@@ -729,6 +780,7 @@ def _add_predict(sub) -> None:
     )
     p.add_argument("--no-reference", action="store_true", help="perplexity only")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    _add_quiet(p)
     p.set_defaults(func=cmd_eval)
 
 
@@ -833,22 +885,40 @@ def _eval_window(a: argparse.Namespace, ids: list[int], context: int) -> int:
     return a.ctx
 
 
+def _evaluate(a: argparse.Namespace, cand, ref, ids: list[int], ctx: int) -> dict:
+    """evaluate() under a bar of the tokens scored (_progress decides whether it shows)."""
+    from tqdm import tqdm
+
+    from moestream.quality.eval import evaluate, windows
+
+    total = sum(len(w) - 1 for w in windows(ids, ctx))
+    with tqdm(total=total, desc="eval", unit="tok", disable=not _progress(a), leave=False) as bar:
+        return evaluate(
+            cand,
+            ref,
+            ids,
+            ctx,
+            stepwise=a.routing == "predicted",
+            log=lambda w, n: bar.update(n - 1),
+        )
+
+
 def cmd_eval(a: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from moestream.quality.eval import evaluate, oracle_folder
+    from moestream.quality.eval import oracle_folder
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
     oracle, why = (None, None) if a.no_reference else oracle_folder(a.model, a.reference)
-    with open_model(a.model, dtype=a.dtype, progress=False, **_store_kwargs(a)) as cand:
+    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **_store_kwargs(a)) as cand:
         ref = None
         if oracle is not None:
-            ref = open_model(oracle, dtype="float32", progress=False)
+            ref = open_model(oracle, dtype="float32", progress=_progress(a))
         ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
         ctx = _eval_window(a, ids, cand.args.max_position_embeddings)
         try:
-            out = evaluate(cand, ref, ids, ctx, stepwise=a.routing == "predicted")
+            out = _evaluate(a, cand, ref, ids, ctx)
         finally:
             if ref is not None:
                 ref.close()
@@ -887,6 +957,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     _add_serve(sub)
     _add_chat(sub)
+    _add_bench(sub)
     _add_obs(sub)
     _add_predict(sub)
     _add_recall(sub)

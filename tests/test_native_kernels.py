@@ -123,3 +123,22 @@ def test_a_failed_build_falls_back_and_says_so_once(monkeypatch, tmp_path, capsy
         assert capsys.readouterr().err.count("native CPU kernels unavailable") == 1
     finally:
         native.module.cache_clear()
+
+
+def test_the_first_build_says_so_once_and_a_cached_one_says_nothing(monkeypatch, tmp_path, capsys):
+    builds = []
+    monkeypatch.setattr(native, "_build", lambda name, build: builds.append(build) or "built")
+    monkeypatch.setenv("MOESTREAM_EXT_CACHE", str(tmp_path / "ext"))
+    native.module.cache_clear()
+    try:
+        assert native.module() == "built" and native.module() == "built"
+        err = capsys.readouterr().err
+        assert (
+            len(builds) == 1 and err.count("building native CPU kernels (first use, ~1 min)") == 1
+        )
+        assert f"into {builds[0]}" in err and builds[0].parent == tmp_path / "ext"
+        monkeypatch.setattr(native, "_import_built", lambda name, so: "cached")
+        native.module.cache_clear()
+        assert native.module() == "cached" and capsys.readouterr().err == ""
+    finally:
+        native.module.cache_clear()

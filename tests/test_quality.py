@@ -118,3 +118,20 @@ def test_eval_oracle_is_the_stores_source_never_the_store(tiny_dir, tmp_path):
     shutil.rmtree(src)
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 2 and "pass --reference" in r.stderr and "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("tty,flags,bar", [(True, [], True), (True, ["-q"], False),
+                                           (True, ["--json"], False), (False, [], False)])  # fmt: skip
+def test_eval_progress_bar_on_a_terminal_unless_quiet(tiny_dir, tmp_path, capsys, monkeypatch, tty,
+                                                      flags, bar):  # fmt: skip
+    """A bar of the tokens scored on stderr when it is a terminal; --quiet, --json or a pipe: none."""
+    from moestream.cli import main
+
+    text = tmp_path / "t.txt"
+    text.write_text(TEXT)
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: tty)
+    argv = ["eval", "-m", str(tiny_dir("olmoe")), "--text", str(text), "--ctx", "32", "-t", "1"]
+    assert main([*argv, "--no-reference", *flags]) == 0
+    cap = capsys.readouterr()
+    assert ("eval:" in cap.err and "tok" in cap.err) is bar
+    assert "eval:" not in cap.out and ("perplexity" in cap.out)

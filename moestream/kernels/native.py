@@ -87,18 +87,13 @@ def module():
         built = _import_built(name, build / f"{name}.so")
         if built is not None:
             return built
-        from torch.utils.cpp_extension import load  # imports setuptools: only to build
-
-        _ensure_ninja()
-        build.mkdir(parents=True, exist_ok=True)
-        return load(
-            name=name,
-            sources=[str(SOURCE)],
-            build_directory=str(build),
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
+        # The compile takes about a minute: said first, so a first run does not look hung.
+        print(
+            f"moestream: building native CPU kernels (first use, ~1 min) into {build}",
+            file=sys.stderr,
+            flush=True,
         )
+        return _build(name, build)
     except Exception as e:  # noqa: BLE001 - any build failure means: run on the torch kernels
         msg = str(e).strip().splitlines()[-1:] or [type(e).__name__]
         print(
@@ -106,6 +101,21 @@ def module():
             file=sys.stderr,
         )
         return None
+
+
+def _build(name: str, build: Path):
+    from torch.utils.cpp_extension import load  # imports setuptools: only to build
+
+    _ensure_ninja()
+    build.mkdir(parents=True, exist_ok=True)
+    return load(
+        name=name,
+        sources=[str(SOURCE)],
+        build_directory=str(build),
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=False,
+    )
 
 
 def available() -> bool:

@@ -19,7 +19,7 @@ import zlib
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from moestream.config import ConfigError, ModelArgs
 from moestream.errors import CheckpointError
@@ -79,6 +79,18 @@ def check_copied_files(folder: Path, want: dict[str, int]) -> None:
 
 def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _open_dense(path: Path):
+    """safe_open with its errors named: a cut file fails here (header short, or data not covering
+    what the header lists), before any tensor is read."""
+    try:
+        return safe_open(str(path), framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise StoreError(
+            f"{path}: cannot be read ({e}): the file is truncated or damaged; convert the model "
+            "again"
+        ) from e
 
 
 def tensor_crc(t: torch.Tensor) -> int:
@@ -181,7 +193,7 @@ class Store:
 
     def tensor(self, name: str) -> torch.Tensor:
         if self._dense is None:
-            self._dense = safe_open(str(self.folder / DENSE_FILE), framework="pt")
+            self._dense = _open_dense(self.folder / DENSE_FILE)
         t = self._dense.get_tensor(name)
         want = self.dense_dtypes.get(name, dtype_name(t.dtype))
         if dtype_name(t.dtype) != want:

@@ -1,0 +1,129 @@
+"""`moestream bench` (issue 18): fixed-length prompt and decode runs after an untimed warm-up,
+the row schema of benchmarks/common.py on --json and -o, the model flags of generate, and bad
+arguments refused before anything loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moestream.cli import main
+from moestream.convert.writer import convert
+from moestream.engine.generate import Generator
+from moestream.obs.bench import dense_bytes_per_token, synthetic_prompt
+from moestream.obs.rows import SCHEMA
+from moestream.quant import make_scheme
+from moestream.store.format import Store
+
+
+@pytest.fixture(scope="module")
+def store(tiny_dir, tmp_path_factory):
+    return convert(
+        tiny_dir("qwen3_moe"), tmp_path_factory.mktemp("s") / "s", make_scheme("int8"), False
+    )
+
+
+def bench(capsys, *flags) -> dict:
+    capsys.readouterr()
+    assert main(["bench", *flags, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_row_has_the_schema_and_the_figures(store, capsys, monkeypatch):
+    calls = []
+    generate = Generator.generate
+    monkeypatch.setattr(
+        Generator, "generate", lambda self, ids, cfg: calls.append(ids) or generate(self, ids, cfg)
+    )
+    flags = ["-m", str(store), "-p", "8", "-n", "4", "-r", "3", "--warmup", "2", "-t", "1"]
+    row = bench(capsys, *flags, "--memory-budget", "50%", "--io", "pagecache", "--policy", "lru")
+    assert len(calls) == 5 and all(ids == calls[0] and len(ids) == 8 for ids in calls)
+    assert (row["schema"], row["bench"]) == (SCHEMA, "moestream bench")
+    assert set(row["source"]) == {"commit", "dirty"} and row["hardware"]["cores"] >= 1
+    c = row["config"]
+    assert (c["n_prompt"], c["n_gen"], c["repetitions"], c["warmup"]) == (8, 4, 3, 2)
+    assert (c["memory_budget"], c["io"], c["policy"], c["threads"]) == (
+        "50%",
+        "pagecache",
+        "lru",
+        1,
+    )
+    for key in ("prompt_tok_s", "decode_tok_s"):
+        s = row[key]
+        assert len(s["values"]) == 3, "the warm-up runs are not timed"
+        assert 0 < s["min"] <= s["median"] <= s["max"]
+    m = row["mode"]
+    assert (m["experts"], m["quant"], m["policy"], m["device"]) == (
+        "slot cache",
+        "int8",
+        "lru",
+        "cpu",
+    )
+    assert 0 <= row["hit_rate"] <= 1 and row["disk_bytes_per_tok"] >= 0
+    s = Store(store)
+    experts = len(s.crc) * s.args.num_experts_per_tok * s.layout.size
+    assert row["expert_bytes_per_tok"] == experts
+    assert row["bytes_per_tok"] == row["dense_bytes_per_tok"] + experts
+    assert row["peak_rss_bytes"] > 0 and row["peak_vram_bytes"] is None
+    assert row["threads"] == 1 and row["decode_threads"] == 1
+
+
+def test_table_and_output_file(store, tmp_path, capsys):
+    out = tmp_path / "rows" / "bench.jsonl"
+    flags = ["bench", "-m", str(store), "-p", "6", "-n", "3", "-r", "1", "-o", str(out)]
+    for _ in range(2):
+        assert main(flags) == 0
+    table = capsys.readouterr().out
+    assert "[mode: resident, int8, cpu float32]" in table
+    assert "pp6" in table and "tg3" in table and "peak RSS" in table
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 2 and all(r["schema"] == SCHEMA and r["config"]["n_gen"] == 3 for r in rows)
+    assert rows[0]["hit_rate"] == 1 and rows[0]["disk_bytes_per_tok"] == 0  # all resident
+
+
+def test_a_hugging_face_folder_has_no_expert_records(tiny_dir, capsys):
+    row = bench(capsys, "-m", str(tiny_dir("qwen3_moe")), "-p", "4", "-n", "2", "-r", "1")
+    assert row["mode"]["experts"] == "resident" and row["expert_bytes_per_tok"] is None
+    assert row["bytes_per_tok"] == row["dense_bytes_per_tok"]
+
+
+def test_dense_bytes_count_the_head_whole_and_one_embedding_row(tiny_dir):
+    from moestream.runtime import open_model
+
+    with open_model(tiny_dir("qwen3_moe")) as rt:
+        m = rt.model
+        embed, head = m.model.embed_tokens.weight, m.lm_head.weight
+        others = sum(
+            p.numel() * p.element_size()
+            for p in {id(p): p for p in m.parameters()}.values()
+            if p is not embed and p is not head
+        )
+        row = embed.shape[1] * embed.element_size()
+        assert dense_bytes_per_token(m) == others + row + head.numel() * head.element_size()
+
+
+def test_synthetic_prompt_is_fixed():
+    a = synthetic_prompt(16, 100)
+    assert a == synthetic_prompt(16, 100) and len(a) == 16 and all(0 <= t < 100 for t in a)
+
+
+@pytest.mark.parametrize(
+    "flags,msg",
+    [
+        (["-p", "0"], "-p/--n-prompt 0: give a whole number >= 1"),
+        (["-n", "0"], "-n/--n-gen 0: give a whole number >= 1"),
+        (["-r", "0"], "-r/--repetitions 0: give a whole number >= 1"),
+        (["--warmup", "-1"], "--warmup -1: give a whole number >= 0"),
+        (["--io", "mmap", "--memory-budget", "1MiB"], "--io mmap reads experts through the OS"),
+        (["--policy", "lru"], "but every expert is resident"),
+        (["--gpu-budget", "1MiB"], "add --device cuda"),
+        (["-t", "0"], "--threads 0: give a positive number"),
+        (["-p", "100000"], "-p 100000 + -n 128 exceeds the context of"),
+    ],
+)
+def test_bad_arguments_exit_2_with_a_message(store, capsys, flags, msg):
+    capsys.readouterr()
+    assert main(["bench", "-m", str(store), *flags]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("moestream: error: ") and msg in err and "Traceback" not in err
