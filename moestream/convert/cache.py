@@ -12,17 +12,17 @@ from moestream.quant import QuantScheme
 
 def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:
     """The store for (src, scheme), converting it first if the cache lacks it. The key holds the
-    source fingerprint, so a replaced checkpoint is converted again."""
+    source fingerprint, so a replaced checkpoint is converted again. Two processes asking at once:
+    the second waits on the destination's lock and reuses the first's store."""
     src = Path(src)
     key = f"{src.resolve().name}-{source_fingerprint(src)[:16]}-{scheme.name}-g{scheme.group_size}"
     dst = cache_root() / key
     if not (dst / "manifest.json").is_file():
-        dst.parent.mkdir(parents=True, exist_ok=True)
         # Said every time, progress bars or not: a copy of the model is being written to disk.
         print(
             f"moestream: converting {src} to a {scheme.name} store in {dst} (once)", file=sys.stderr
         )
-        convert(src, dst, scheme, progress)
+        convert(src, dst, scheme, progress, reuse=True)
         size = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
         print(f"moestream: wrote {dst} ({size / 2**30:.2f} GiB)", file=sys.stderr)
     return dst
