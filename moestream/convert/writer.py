@@ -112,7 +112,7 @@ def _write_store(src: Path, tmp: Path, scheme: QuantScheme, progress: bool) -> N
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
     tmp.mkdir()
-    dense, dtypes = _write_dense(ckpt, tmp)
+    dense, dtypes, shapes = _write_dense(ckpt, tmp)
     experts = _write_experts(ckpt, layout, tmp, progress)
     for name in COPIED_FILES:
         if (src / name).is_file():
@@ -126,6 +126,7 @@ def _write_store(src: Path, tmp: Path, scheme: QuantScheme, progress: bool) -> N
         "record": layout.to_json(),
         "dense": dense,
         "dense_dtypes": dtypes,
+        "dense_shapes": shapes,
         "experts": {str(layer): crcs for layer, crcs in experts.items()},
         "files": file_checksums(tmp),
     }
@@ -241,13 +242,17 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _write_dense(ckpt: HFCheckpoint, out: Path) -> tuple[dict[str, int], dict[str, str]]:
-    """Non-expert tensors as stored in the source (dtype kept) -> crc32 and dtype per tensor
-    (the crc covers bytes only, and a relabelled dtype keeps them)."""
+def _write_dense(ckpt: HFCheckpoint, out: Path) -> tuple[dict, dict, dict]:
+    """Non-expert tensors as stored in the source (dtype kept) -> crc32, dtype and shape per
+    tensor (the crc covers bytes only: a header relabelling dtype or shape keeps them)."""
     tensors = {name: ckpt.tensor(name).contiguous() for name in ckpt.dense_names}
     save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
     crcs = {name: tensor_crc(t) for name, t in tensors.items()}
-    return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}
+    return (
+        crcs,
+        {name: dtype_name(t.dtype) for name, t in tensors.items()},
+        {name: list(t.shape) for name, t in tensors.items()},
+    )
 
 
 def _write_experts(
