@@ -1,5 +1,7 @@
-"""Chat templates are rendered within a time and size bound (engine/chat_template.py): a bomb is a
-TemplateError that says which bound it hit, an ordinary template renders as jinja renders it."""
+"""Chat templates are rendered in a child process within a time, memory and size bound
+(engine/chat_template.py): a bomb is a TemplateError that says which bound it hit, including the
+ones that allocate gigabytes in one C call; the caller's memory is untouched, the next render
+works, and an ordinary template renders as jinja renders it."""
 
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ def test_ordinary_template_renders_as_jinja_does():
     [
         (
             "{% for i in range(100000) %}{% for j in range(100000) %}x{% endfor %}{% endfor %}",
-            "ran longer than 0.5 s",
+            "ran longer than 0.5 s|output is over 1000000 characters",
         ),
         (
             "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
@@ -51,13 +53,47 @@ def test_bombs_stop_at_a_named_bound(source, message):
     assert time.monotonic() - start < 5
 
 
-def test_trace_function_is_restored():
-    import sys
+DOUBLING = (
+    "{% set ns = namespace(s='x') %}{% for i in range(64) %}{% set ns.s = ns.s ~ ns.s %}"
+    "{% endfor %}{{ ns.s | length }}"
+)
 
-    before = sys.gettrace()
-    with pytest.raises(TemplateError):
+
+@pytest.mark.parametrize(
+    "source, message",
+    [
+        ("{{ ('x' * 999999) * 999999 }}", "needs more than 1024 MiB"),
+        ("{{ ('x' * 999999).replace('x', 'x' * 999999) }}", "needs more than 1024 MiB"),
+        ("{{ ([('x' * 999999)] * 999999) | join }}", "needs more than 1024 MiB"),
+        (DOUBLING, "needs more than 1024 MiB"),
+        ("{{ '%999999999d' % 1 }}", "needs more than 1024 MiB|output is over"),
+    ],
+)
+def test_one_call_memory_bombs_stop_in_the_child(source, message):
+    import resource
+
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.monotonic()
+    with pytest.raises(TemplateError, match=message):
+        render(source, 30, messages=MESSAGES)
+    assert time.monotonic() - start < 30
+    # the caller's peak RSS did not grow by the bomb's gigabytes (KiB on Linux)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 200 * 1024
+    assert render("{{ messages[0]['content'] }}", messages=MESSAGES) == "hi"
+
+
+def test_renders_go_on_after_a_timed_out_child():
+    bomb = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+    with pytest.raises(TemplateError, match="ran longer than 0.5 s"):
+        render(bomb, 0.5, messages=MESSAGES)
+    assert render(TEMPLATE, messages=MESSAGES).startswith("<|user|>hi1")
+
+
+def test_raise_exception_and_template_errors_are_template_errors():
+    with pytest.raises(TemplateError, match="^no$"):
         render("{{ raise_exception('no') }}")
-    assert sys.gettrace() is before
+    with pytest.raises(TemplateError, match="RecursionError"):
+        render("{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}")
 
 
 def test_generate_chat_with_a_bomb_exits_2(tiny_dir, tmp_path, monkeypatch, capsys):

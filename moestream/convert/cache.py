@@ -14,19 +14,25 @@ from moestream.store.format import VERSION
 def cached_store(src: str | Path, scheme: QuantScheme, progress: bool = True) -> Path:
     """The store for (src, scheme), converting it first if the cache lacks it. The key holds the
     source fingerprint, so a replaced checkpoint is converted again, and the store version and
-    dense format (the --quant default), so an older store in the cache is not reused."""
+    dense format (the --quant default), so an older store in the cache is not reused. Two
+    processes asking at once: the second waits on the destination's lock and reuses the first's
+    store."""
     src = Path(src)
     dense = make_dense("auto", scheme)
-    key = f"{src.resolve().name}-{source_fingerprint(src)[:16]}-{scheme.name}-g{scheme.group_size}"
-    key += f"-d{dense.tag}-v{VERSION}"
-    dst = cache_root() / key
+    dst = cache_root() / store_key(src, scheme)
     if not (dst / "manifest.json").is_file():
-        dst.parent.mkdir(parents=True, exist_ok=True)
         # Said every time, progress bars or not: a copy of the model is being written to disk.
         print(
             f"moestream: converting {src} to a {scheme.name} store in {dst} (once)", file=sys.stderr
         )
-        convert(src, dst, scheme, progress, dense)
+        convert(src, dst, scheme, progress, dense, reuse=True)
         size = sum(p.stat().st_size for p in dst.iterdir() if p.is_file())
         print(f"moestream: wrote {dst} ({size / 2**30:.2f} GiB)", file=sys.stderr)
     return dst
+
+
+def store_key(src: Path, scheme: QuantScheme) -> str:
+    """The cache folder name of (src, scheme): source name and fingerprint, expert scheme, dense
+    format and store version."""
+    key = f"{src.resolve().name}-{source_fingerprint(src)[:16]}-{scheme.name}-g{scheme.group_size}"
+    return key + f"-d{make_dense('auto', scheme).tag}-v{VERSION}"

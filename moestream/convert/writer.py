@@ -2,18 +2,31 @@
 by tensor.
 
 Peak memory is the dense weights plus one expert being quantized: experts are read one at a time
-through HFCheckpoint.expert and written as they are done. Everything goes into a temporary
-sibling folder that is renamed at the end, so a convert killed midway leaves nothing that loads
-(a store is only recognised by its manifest, which is written last).
+through HFCheckpoint.expert and written as they are done. Everything goes into a hidden sibling
+folder `.DST.partial-PID` that is renamed at the end, so a convert killed midway leaves nothing
+that loads (a store is only recognised by its manifest, which is written last). Crash-consistency:
+- one conversion per destination at a time: an flock on `.DST.lock` beside it (removed after);
+  a second process waits, then reuses the finished store
+  (`reuse=True`, the conversion cache) or refuses it as existing (explicit `convert`);
+- SIGTERM / SIGHUP while converting remove the partial folder, then exit 128 + signal;
+- SIGKILL cannot be caught: the next conversion into the destination removes partial folders
+  whose process is dead;
+- an OSError writing (a full disk, a read-only or vanished destination) is a ConfigError naming
+  the destination, with the partial folder removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import json
 import os
 import shutil
+import signal
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -81,46 +94,168 @@ def convert(
     scheme: QuantScheme,
     progress: bool = True,
     dense: DenseQuant | None = None,
+    reuse: bool = False,
 ) -> Path:
-    """Write the store for src into dst (which must not exist). Returns dst. `dense`: how the
-    non-expert weights are stored (default: `make_dense("auto", scheme)`, the --quant format)."""
+    """Write the store for src into dst (which must not exist; with `reuse`, a store already there
+    is returned as it is). Returns dst. `dense`: how the non-expert weights are stored (default:
+    `make_dense("auto", scheme)`, the --quant format)."""
     dense = make_dense("auto", scheme) if dense is None else dense
     src, dst = Path(src), Path(dst)
-    if dst.exists():
+    _check_destination(dst)
+    if os.path.lexists(dst) and not reuse:
         raise ConfigError(f"{dst} already exists; remove it or choose another destination")
     _check_source(src)
+    with destination_lock(dst):
+        if reuse and is_store(dst):
+            return dst  # another process converted it while this one waited
+        if os.path.lexists(dst):
+            raise ConfigError(
+                f"{dst} already exists (another convert wrote it while this one waited); "
+                "remove it or choose another destination"
+            )
+        remove_stale_partials(dst)
+        tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
+        try:
+            with _removed_on_signal(tmp):
+                _write_store(src, tmp, scheme, dense, progress)
+                os.rename(tmp, dst)
+        except OSError as e:
+            raise ConfigError(_os_error_text(dst, e)) from e
+    return dst
+
+
+def _os_error_text(dst: Path, e: OSError) -> str:
+    fix = {
+        errno.ENOSPC: "free space there or choose another destination",
+        errno.EDQUOT: "free space there or choose another destination",
+        errno.EROFS: "choose a writable destination",
+        errno.EACCES: "choose a writable destination",
+        errno.ENOENT: "restore the missing file (a dangling symlink?)",
+    }.get(e.errno, "fix it")
+    where = f": {e.filename}" if e.filename else ""
+    return f"converting into {dst} failed: {e.strerror or e}{where}; {fix}, then convert again"
+
+
+def _write_store(
+    src: Path, tmp: Path, scheme: QuantScheme, dense: DenseQuant, progress: bool
+) -> None:
     ckpt = GGUFCheckpoint(src) if is_gguf(src) else HFCheckpoint(src)
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
-    tmp = dst.parent / f".{dst.name}.partial-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
+    tmp.mkdir()
+    crcs, dtypes, shapes, formats = _write_dense(ckpt, tmp, dense)
+    experts = _write_experts(ckpt, layout, tmp, progress)
+    _write_files(ckpt, src, tmp)
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model_type": a.model_type,
+        "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
+        "quant": scheme.to_json(),
+        "record": layout.to_json(),
+        "dense_quant": dense.to_json(),
+        "dense_formats": formats,
+        "dense": crcs,
+        "dense_dtypes": dtypes,
+        "dense_shapes": shapes,
+        "experts": {str(layer): crcs for layer, crcs in experts.items()},
+        "files": file_checksums(tmp),
+    }
+    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+
+
+def _check_destination(dst: Path) -> None:
+    if dst.is_symlink() and not dst.exists():
+        raise ConfigError(
+            f"{dst} is a dangling symlink (to {os.readlink(dst)}); remove it or choose another "
+            "destination"
+        )
     try:
-        crcs, dtypes, formats = _write_dense(ckpt, tmp, dense)
-        experts = _write_experts(ckpt, layout, tmp, progress)
-        _write_files(ckpt, src, tmp)
-        manifest = {
-            "format": FORMAT,
-            "version": VERSION,
-            "model_type": a.model_type,
-            "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
-            "quant": scheme.to_json(),
-            "record": layout.to_json(),
-            "dense_quant": dense.to_json(),
-            "dense_formats": formats,
-            "dense": crcs,
-            "dense_dtypes": dtypes,
-            "experts": {str(layer): crcs for layer, crcs in experts.items()},
-            "files": file_checksums(tmp),
-        }
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
-        os.rename(tmp, dst)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"{dst.parent}: cannot create the destination's folder ({e.strerror})"
+        ) from e
+    if not os.access(dst.parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"{dst.parent} is not writable; choose another destination for {dst.name}"
+        )
+
+
+@contextlib.contextmanager
+def destination_lock(dst: Path):
+    """Hold an exclusive flock on `.DST.lock` (says so when it must wait for another process);
+    the file is removed when done. A waiter that got the lock of a file already removed (its
+    inode is no longer the path's) takes the new one instead."""
+    path = dst.parent / f".{dst.name}.lock"
+    while True:
+        f = open(path, "a")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"moestream: waiting for another conversion into {dst}", file=sys.stderr)
+            fcntl.flock(f, fcntl.LOCK_EX)
+        with contextlib.suppress(FileNotFoundError):
+            if os.stat(path).st_ino == os.fstat(f.fileno()).st_ino:
+                break
+        f.close()
+    try:
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # before the close: a waiter then sees a stale inode
+        f.close()
+
+
+def remove_stale_partials(dst: Path) -> list[Path]:
+    """Remove `.DST.partial-PID` folders whose process is dead (a SIGKILLed convert). Called
+    under the destination's lock, so no live conversion is writing one of them."""
+    removed = []
+    for p in dst.parent.glob(f".{glob_escape(dst.name)}.partial-*"):
+        pid = p.name.rsplit("-", 1)[1]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(p, ignore_errors=True)
+            removed.append(p)
+    return removed
+
+
+def glob_escape(name: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False  # ours from an earlier attempt in this process: not being written now
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process
+    return True
+
+
+@contextlib.contextmanager
+def _removed_on_signal(tmp: Path):
+    """Remove tmp when the body fails, and turn SIGTERM / SIGHUP into an exit that does it too.
+    Handlers can only be set from the main thread; elsewhere (a server's worker) only failures
+    are covered."""
+
+    def on_signal(signum, frame):
+        raise SystemExit(128 + signum)
+
+    main = threading.current_thread() is threading.main_thread()
+    saved = (
+        {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGHUP)} if main else {}
+    )
+    try:
+        yield
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return dst
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
 
 
 def _write_files(ckpt: Checkpoint, src: Path, out: Path) -> None:
@@ -148,10 +283,11 @@ def _check_source(src: Path) -> None:
         )
 
 
-def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, dict, dict]:
-    """Non-expert tensors -> (crc32 and dtype per stored tensor, the quantized ones' formats).
-    A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz`; the rest
-    as in the source (dtype kept). The crc covers bytes only, a relabelled dtype keeps them."""
+def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, dict, dict, dict]:
+    """Non-expert tensors -> (crc32, dtype and shape per stored tensor, the quantized ones'
+    formats). A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz`;
+    the rest as in the source (dtype kept). The crc covers bytes only: a header relabelling dtype
+    or shape keeps them, so both are recorded too."""
     roles = _dense_roles(ckpt)
     tensors, formats = {}, {}
     for name in ckpt.dense_names:
@@ -165,7 +301,8 @@ def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, 
         formats[name] = {"scheme": scheme.to_json(), "shape": list(t.shape)}
     save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
     crcs = {name: tensor_crc(t) for name, t in tensors.items()}
-    return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}, formats
+    dtypes = {name: dtype_name(t.dtype) for name, t in tensors.items()}
+    return crcs, dtypes, {name: list(t.shape) for name, t in tensors.items()}, formats
 
 
 def _dense_roles(ckpt: Checkpoint) -> dict[str, str]:

@@ -123,6 +123,46 @@ def _dense_formats(path: Path, m: dict) -> dict[str, tuple[QuantScheme, tuple[in
     return out
 
 
+def check_manifest(m, path: Path) -> None:
+    """The manifest's structure, key by key, before anything reads it (one rule for every key)."""
+
+    def bad(what: str):
+        raise StoreError(f"{path}: {what}; convert the model again")
+
+    if not isinstance(m, dict):
+        bad(f"a JSON {type(m).__name__}, not an object")
+    if m.get("format") != FORMAT or m.get("version") != VERSION:
+        bad(
+            f"format {m.get('format')!r} version {m.get('version')!r}, this moestream reads "
+            f"{FORMAT!r} version {VERSION}"
+        )
+    is_crc = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32  # noqa: E731
+    rules = {  # key -> (required, check of each value)
+        "quant": (True, None),
+        "record": (True, None),
+        "dense": (True, is_crc),
+        "experts": (True, lambda v: isinstance(v, list) and all(map(is_crc, v))),
+        "files": (False, is_crc),
+        "dense_dtypes": (False, lambda v: isinstance(v, str)),
+        "dense_shapes": (
+            False,
+            lambda v: isinstance(v, list) and all(isinstance(i, int) for i in v),
+        ),
+        "dense_formats": (False, lambda v: isinstance(v, dict)),  # checked by _dense_formats
+    }
+    for key, (required, ok) in rules.items():
+        if key not in m and not required:
+            continue
+        if not isinstance(m.get(key), dict):
+            bad(f"'{key}' is {'missing' if key not in m else 'not an object'}")
+        if ok is not None:
+            wrong = [k for k, v in m[key].items() if not ok(v)]
+            if wrong:
+                bad(f"'{key}' has invalid entries for {', '.join(map(str, wrong[:5]))}")
+    if not all(k.isdigit() for k in m["experts"]):
+        bad(f"'experts' keys must be layer numbers, got {sorted(m['experts'])[:5]}")
+
+
 class Store:
     """A converted model: `args`, `layout`, dense tensors (checked), expert record locations.
 
@@ -134,19 +174,18 @@ class Store:
         path = self.folder / MANIFEST
         try:
             m = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise StoreError(f"{path}: unreadable manifest ({e}); convert the model again") from e
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
-            raise StoreError(
-                f"{path}: format {m.get('format')!r} version {m.get('version')!r}, this moestream "
-                f"reads {FORMAT!r} version {VERSION}; convert the model again"
-            )
+        check_manifest(m, path)
         self.manifest = m
         check_copied_files(self.folder, m.get("files", {}))
         self.config = json.loads((self.folder / "config.json").read_text())
         self.args: ModelArgs = model_args_from_dict(self.config, str(self.folder / "config.json"))
         q = m["quant"]
-        self.scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
+        try:
+            self.scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
+        except (KeyError, ConfigError) as e:
+            raise StoreError(f"{path}: invalid 'quant' {q} ({e}); convert the model again") from e
         a = self.args
         self.layout = RecordLayout.build(
             self.scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias
@@ -155,12 +194,42 @@ class Store:
             raise StoreError(f"{path}: record layout differs from this version's; convert again")
         self.dense_crc: dict[str, int] = m["dense"]
         self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})
+        self.dense_shapes: dict[str, list[int]] = m.get("dense_shapes", {})
         self.dense_formats = _dense_formats(path, m)
         sections = {sec for name in self.dense_formats for sec in self._section_specs(name)}
         self.dense_names = sorted((set(self.dense_crc) - sections) | set(self.dense_formats))
         self.crc = {int(k): v for k, v in m["experts"].items()}  # layer -> [crc per expert]
+        self._check_layers(path)
         self._dense = None
+        self._open_dense()
         self._check_files()
+
+    def _check_layers(self, path: Path) -> None:
+        """The manifest's checksums cover every MoE layer of config.json and every expert."""
+        want = self.args.moe_layer_ids
+        if sorted(self.crc) != sorted(want):
+            raise StoreError(
+                f"{path}: checksums for layers {sorted(self.crc)}, config.json's MoE layers are "
+                f"{want}; convert the model again"
+            )
+        for layer, crcs in self.crc.items():
+            if len(crcs) != self.args.num_experts:
+                raise StoreError(
+                    f"{path}: {len(crcs)} checksums for layer {layer}, config.json has "
+                    f"{self.args.num_experts} experts; convert the model again"
+                )
+
+    def _open_dense(self) -> None:
+        """Open dense.safetensors (its header parsed) and check it holds the manifest's tensors."""
+        path = self.folder / DENSE_FILE
+        self._dense = _open_dense(path)
+        have = set(self._dense.keys())
+        if have != set(self.dense_crc):
+            diff = sorted(have ^ set(self.dense_crc))
+            raise StoreError(
+                f"{path}: its tensors and manifest.json's differ ({', '.join(diff[:5])}); "
+                "convert the model again"
+            )
 
     def _check_files(self) -> None:
         size = self.layout.size
@@ -193,8 +262,20 @@ class Store:
 
     def tensor(self, name: str) -> torch.Tensor:
         if self._dense is None:
-            self._dense = _open_dense(self.folder / DENSE_FILE)
-        t = self._dense.get_tensor(name)
+            self._open_dense()
+        try:
+            t = self._dense.get_tensor(name)
+        except SafetensorError as e:
+            raise StoreError(
+                f"{self.folder / DENSE_FILE}: dense tensor {name!r} unreadable ({e}); "
+                "convert the model again"
+            ) from e
+        shape = self.dense_shapes.get(name, list(t.shape))
+        if list(t.shape) != shape:
+            raise StoreError(
+                f"{self.folder / DENSE_FILE}: dense tensor {name!r} has shape {list(t.shape)}, "
+                f"convert wrote {shape} (its header is damaged); convert the model again"
+            )
         want = self.dense_dtypes.get(name, dtype_name(t.dtype))
         if dtype_name(t.dtype) != want:
             raise StoreError(
