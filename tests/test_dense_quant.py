@@ -257,7 +257,10 @@ def test_quantized_dense_on_cuda_is_the_dequantized_linear(scheme):
     qw = QuantWeight(s, (320, 128), quantize(s, torch.randn(320, 128, generator=g))).cuda()
     x = torch.randn(3, 128, generator=g).cuda().bfloat16()
     want = torch.nn.functional.linear(x, dequantize(qw.sections(), "w", 32, torch.bfloat16))
-    assert torch.equal(QuantLinear(qw, None, "native")(x), want)  # native: CPU only, ref here
+    lin = QuantLinear(qw, None, "native")  # native: CPU only, ref here
+    assert torch.equal(lin(x), want)
+    kept = lin._float[1]  # dequantized once, reused by the next call
+    assert torch.equal(lin(x), want) and lin._float[1] is kept
     ids = torch.tensor([0, 319, 64, 5]).cuda()
     rows = QuantEmbedding(qw, torch.bfloat16)(ids)
     assert torch.equal(rows, dequantize(qw.sections(), "w", 32, torch.bfloat16)[ids])

@@ -6,7 +6,8 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
           built and the scheme has groups of 32; else the torch kernels, as the experts fall back;
   cpu:    `kernels/cpu.qlinear_cpu` (torch's packed int4 kernel, bf16 activations; int8 = ref);
   ref:    dequantize into the activation dtype + F.linear: the bits of a float model holding the
-          dequantized weight (the GPU path too, until a Triton GEMV replaces it).
+          dequantized weight. On a GPU the dequantized weight is kept (made once per device and
+          dtype): VRAM holds it beside the sections until a Triton GEMV replaces this.
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel.
 """
 
@@ -73,6 +74,9 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.out_features, self.in_features = weight.shape
         self.kernel, self.wide = kernel, wide and weight.scheme.name == "int8"
+        # Off the CPU (no quantized GEMV there yet): the weight dequantized once per (device,
+        # dtype), the ref path's very bits without dequantizing it again at every call.
+        self._float: tuple[tuple, torch.Tensor] | None = None
 
     def resolved_kernel(self, device: torch.device) -> str:
         """The kernel that runs on `device`: off the CPU always the dequantizing reference."""
@@ -89,7 +93,7 @@ class QuantLinear(nn.Module):
         sec, g = self.qweight.sections(), self.qweight.scheme.group_size
         kind = self.resolved_kernel(x.device)
         if kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
-            y = F.linear(x2, dequantize(sec, "w", g, x.dtype), self.bias)
+            y = F.linear(x2, self._dequantized(sec, g, x), self.bias)
         else:
             if kind == "native":
                 y = native.linear(x2, sec, "w", wide=self.wide).to(x.dtype)
@@ -98,6 +102,16 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized(self, sec: dict, g: int, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type == "cpu":  # RAM is what quantizing saves here: dequantize per call
+            return dequantize(sec, "w", g, x.dtype)
+        if self._float is not None and torch.compiler.is_compiling():
+            return self._float[1]  # made by the eager step before; dynamo cannot trace data_ptr
+        key = (x.device, x.dtype, sec["w.q"].data_ptr())
+        if self._float is None or self._float[0] != key:
+            self._float = (key, dequantize(sec, "w", g, x.dtype))
+        return self._float[1]
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:
