@@ -179,8 +179,8 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
 
 def store_bytes_per_token(store: Path, elem: int = 4) -> int:
     """Dense weights read per token as the child holds them (float ones at `elem` bytes: fp32 on
-    the CPU, bf16 on the GPU; quantized ones as stored; the embedding: one row) + top-k records
-    per MoE layer."""
+    the CPU, bf16 on the GPU; quantized ones as stored on the CPU, dequantized to bf16 on the GPU;
+    the embedding: one row) + top-k records per MoE layer."""
     from moestream.store.format import Store
 
     s = Store(store)
@@ -189,6 +189,9 @@ def store_bytes_per_token(store: Path, elem: int = 4) -> int:
     for name in s.dense_names:
         if s.dense_scheme(name) is None:
             n = s.tensor(name).numel() * elem
+        elif elem == 2:  # the GPU keeps quantized dense weights dequantized (kernels/dense.py)
+            n_rows, k = s.dense_formats[name][1]
+            n = n_rows * k * elem
         else:  # quantized: its sections as stored
             n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n

@@ -2,29 +2,34 @@
 # The GPU machine's side-by-side run (issue 22), in two steps so each fits one device call:
 #   bash benchmarks/gpu_peers.sh prepare   # llama.cpp CUDA build (background) + checkpoint + conversions
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]
-# Needs .carry/llama (a stripped llama.cpp source, ../shared/peers/README.md) and .carry/gen_model_b.py.
+# Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
+# as llama/ and gen_model_b.py (the repository's tracked files already take ~61 of the 64 MiB a
+# device call carries, so the source travels compressed, ~4.4 MB).
 # Everything is written under $WORK (default /tmp/peers): nothing of llama.cpp is committed.
 set -eu
 WORK=${WORK:-/tmp/peers}
 LAYERS=${LAYERS:-16}
-export PYTHONPATH=$PWD:$PWD/.carry/llama/gguf-py PYTHONUNBUFFERED=1
+SRC=$WORK/src
+export PYTHONPATH=$PWD:$SRC/llama/gguf-py PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
 case ${1:?prepare or bench} in
 prepare)
-  (cmake -S .carry/llama -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+  mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"
+  (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$WORK/cmake.log" 2>&1 &&
    cmake --build "$WORK/llb" -j 12 --target llama-bench llama-quantize >"$WORK/build.log" 2>&1;
    echo "llama.cpp build exit $?" >"$WORK/build.done") &
-  python .carry/gen_model_b.py "$WORK/hf" --layers "$LAYERS" --vocab 151936
-  python -m moestream convert "$WORK/hf" "$WORK/work/moestream-int4" --quant int4 ${DENSE:+--dense $DENSE} &
-  python .carry/llama/convert_hf_to_gguf.py "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
+  python "$SRC/gen_model_b.py" "$WORK/hf" --layers "$LAYERS" --vocab 151936
+  v=$(python -c 'from moestream.store.format import VERSION; print(VERSION)')
+  python -m moestream convert "$WORK/hf" "$WORK/work/moestream-int4-v$v" --quant int4 -q ${DENSE:+--dense $DENSE} &
+  python "$SRC/llama/convert_hf_to_gguf.py" "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
   wait
   cat "$WORK/build.done"
   "$WORK/llb/bin/llama-quantize" --allow-requantize "$WORK/work/llama-Q8_0.gguf" "$WORK/work/llama-Q4_0.gguf" Q4_0 >/dev/null 2>&1
   mkdir -p "$WORK/llama/build/bin" && ln -sf "$WORK/llb/bin/"* "$WORK/llama/build/bin/"
   mkdir -p "$WORK/llama/venv/bin" "$WORK/llama/src" && ln -sf "$(command -v python)" "$WORK/llama/venv/bin/python"
-  ln -sf "$PWD/.carry/llama/convert_hf_to_gguf.py" "$WORK/llama/src/"
+  ln -sf "$SRC/llama/convert_hf_to_gguf.py" "$WORK/llama/src/"
   ls -la "$WORK/work"
   ;;
 bench)
