@@ -205,8 +205,11 @@ def gguf_bytes_per_token(gguf: Path, llama: Path, top_k: int, experts: int) -> i
         "import gguf, json, sys; r = gguf.GGUFReader(sys.argv[1]); "
         "print(json.dumps({t.name: [int(t.n_bytes), [int(d) for d in t.shape]] for t in r.tensors}))"
     )
-    py = str(llama / "venv/bin/python")
-    out = subprocess.run([py, "-c", code, str(gguf)], capture_output=True, text=True, check=True)
+    venv = llama / "venv/bin/python"  # the converter's venv (CPU build); else ours + gguf-py
+    py = str(venv) if (llama / "venv/pyvenv.cfg").is_file() else sys.executable
+    out = subprocess.run([py, "-c", code, str(gguf)], capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(f"reading {gguf}'s tensor index failed: {out.stderr[-400:]}")
     total = 0
     for name, (n, shape) in json.loads(out.stdout).items():
         if "_exps" in name:

@@ -14,13 +14,14 @@ export PYTHONPATH=$PWD:$SRC/llama/gguf-py PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
 case ${1:?prepare or bench} in
 prepare)
-  mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"
-  (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
+  [ -d "$SRC/llama" ] || { mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"; }
+  [ -f "$WORK/build.done" ] || (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$WORK/cmake.log" 2>&1 &&
    cmake --build "$WORK/llb" -j 12 --target llama-bench llama-quantize >"$WORK/build.log" 2>&1;
    echo "llama.cpp build exit $?" >"$WORK/build.done") &
-  python "$SRC/gen_model_b.py" "$WORK/hf" --layers "$LAYERS" --vocab 151936
+  # vocab 32000: gen_model_b.py's corpus trains at most ~56,000 BPE tokens (151936 exits)
+  python "$SRC/gen_model_b.py" "$WORK/hf" --layers "$LAYERS" --vocab 32000
   v=$(python -c 'from moestream.store.format import VERSION; print(VERSION)')
   python -m moestream convert "$WORK/hf" "$WORK/work/moestream-int4-v$v" --quant int4 -q ${DENSE:+--dense $DENSE} &
   python "$SRC/llama/convert_hf_to_gguf.py" "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
