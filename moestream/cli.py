@@ -131,6 +131,13 @@ def _add_store_args(p) -> None:
         help="--device cuda: run each decode step eagerly instead of replaying a captured graph",
     )
     g.add_argument(
+        "--compile",
+        action="store_true",
+        help="--device cuda, every expert in VRAM: torch.compile the captured decode step (norms, "
+        "RoPE, casts, router and softmax fused; 1.3x decode at 16 layers on an H200, ~15 s more "
+        "start-up)",
+    )
+    g.add_argument(
         "--io",
         default=None,
         choices=["direct", "pagecache", "mmap"],
@@ -248,6 +255,7 @@ def _gpu_config(a: argparse.Namespace):
         io=io,
         policy=a.policy or "lrfu",
         cuda_graph=not a.no_cuda_graph,
+        compile_step=a.compile,
     )
 
 
@@ -260,6 +268,7 @@ def _check_device_flags(a: argparse.Namespace) -> None:
             "--gpu-budget": a.gpu_budget is not None,
             "--pin-experts": a.pin_experts,
             "--no-cuda-graph": a.no_cuda_graph,
+            "--compile": a.compile,
         }
         for flag, given in gpu_only.items():
             if given:
@@ -378,7 +387,8 @@ def mode_line(mode: dict) -> str:
     if mode.get("predictor"):
         parts.append(f"predictor {mode['predictor']}, routing {mode['routing']}")
     if mode["device"] == "cuda":
-        parts.append("cuda graph" if mode["cuda_graph"] else "eager")
+        graph = "cuda graph, compiled step" if mode.get("compiled_step") else "cuda graph"
+        parts.append(graph if mode["cuda_graph"] else "eager")
     return "[mode: " + ", ".join(parts) + "]"
 
 

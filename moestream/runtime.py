@@ -47,6 +47,7 @@ class Runtime:
             "dtype": str(self.model.dtype).removeprefix("torch."),
             **self.provider.describe(),
             "cuda_graph": self.generator.graphs is not None,
+            "compiled_step": self.generator.graphs is not None and self.generator.graphs.compiled,
         }
 
     @cached_property

@@ -130,6 +130,7 @@ CONFLICTS = [
     (["--resident", "--memory-budget", "1MiB"], "--resident keeps every expert in RAM"),
     (["--gpu-budget", "1MiB"], "--gpu-budget is for the GPU expert pool: add --device cuda"),
     (["--pin-experts"], "--pin-experts is for the GPU expert pool: add --device cuda"),
+    (["--compile"], "--compile is for the GPU expert pool: add --device cuda"),
     (["--min-score", "0.1"], "--min-score 0.1 filters the prefetches of a --predictor"),
     (["--predictor", "temporal", "--routing", "predicted", "--min-score", "0.1"], "--min-score"),
     (["--oracle-trace", "tr"], "--predictor oracle replays --oracle-trace"),
@@ -148,6 +149,8 @@ GPU_CONFLICTS = [
     (["--pin-experts"], "--pin-experts mirrors records in host RAM for a streaming VRAM pool"),
     (["--policy", "lru"], "but every expert is resident"),
     (["--memory-budget", "1MiB"], "with --device cuda use --gpu-budget"),
+    (["--compile", "--gpu-budget", "1MiB"], "--compile fuses the captured decode step"),
+    (["--compile", "--no-cuda-graph"], "--compile fuses the captured decode step"),
 ]
 
 

@@ -91,10 +91,10 @@ class GpuConfig:
                 "--resident keeps every expert in VRAM and has no budget: drop --gpu-budget "
                 "(or drop --resident to stream through a VRAM pool of that size)"
             )
-        if self.compile_step and not self.cuda_graph:
+        if self.compile_step and not (self.cuda_graph and self.resident):
             raise ConfigError(
-                "compiling the decode step fuses it for the CUDA graph: drop --no-cuda-graph "
-                "or the compile option"
+                "--compile fuses the captured decode step, which needs every expert in VRAM and "
+                "CUDA graphs: drop --compile, or --gpu-budget / --no-cuda-graph"
             )
         if self.resident and self.pinned_mirror:
             raise ConfigError(
