@@ -7,6 +7,8 @@ crc32s the manifest's "files" holds (stores written before it have none and open
 Version 2: a dense weight that convert quantized (quant.DenseQuant) is stored as its sections
 `{name}.q` and `{name}.s` / `{name}.sz`; the manifest's "dense_formats" names its scheme and shape,
 "dense" / "dense_dtypes" hold the crc32 and dtype of every stored tensor, sections included.
+Version 3 adds the q4_0 scheme (GGUF Q4_0 blocks: `q` nibbles + `d` fp16), for experts and dense
+weights; version 2 stores are read as they are.
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -27,7 +29,8 @@ from moestream.models import model_args_from_dict
 from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_sections
 
 FORMAT = "moestream-store"
-VERSION = 2  # 2: quantized dense weights (dense_formats)
+VERSION = 3  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme
+READS = (2, 3)  # a version-2 store is a version-3 one without q4_0: still read
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (
@@ -124,10 +127,10 @@ class Store:
             m = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise StoreError(f"{path}: unreadable manifest ({e}); convert the model again") from e
-        if m.get("format") != FORMAT or m.get("version") != VERSION:
+        if m.get("format") != FORMAT or m.get("version") not in READS:
             raise StoreError(
                 f"{path}: format {m.get('format')!r} version {m.get('version')!r}, this moestream "
-                f"reads {FORMAT!r} version {VERSION}; convert the model again"
+                f"reads {FORMAT!r} version {' or '.join(map(str, READS))}; convert the model again"
             )
         self.manifest = m
         check_copied_files(self.folder, m.get("files", {}))
