@@ -326,7 +326,8 @@ def _add_convert(sub) -> None:
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
         "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 tensors "
-        "kept exactly as int8 / q4_0), float = as in the checkpoint (dequantized), int8 / int4; "
+        "kept exactly as int8 / q4_0, its other quantized types dequantized), float = as in the "
+        "checkpoint (dequantized), int8 / int4; "
         "norms, routers, biases and small tensors stay float",
     )
     p.set_defaults(func=cmd_convert)

@@ -82,8 +82,9 @@ class DenseQuant:
     weights: QuantScheme | None = None
     output: QuantScheme | None = None
     min_params: int = MIN_DENSE_PARAMS
-    # A source weight already quantized in a format the store holds exactly (a GGUF's Q8_0 ->
-    # int8, Q4_0 -> q4_0) is kept in it instead of requantized (--dense auto; needs a role).
+    # A source weight that is already quantized (a GGUF's) is never rounded again: kept in its
+    # blocks where a store scheme holds them exactly (Q8_0 -> int8, Q4_0 -> q4_0), else
+    # dequantized to float (--dense auto); float source weights follow `weights` / `output`.
     keep_source: bool = False
 
     def __post_init__(self):
@@ -126,9 +127,9 @@ class DenseQuant:
 
 def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     """The dense rule a `--dense` mode means next to the experts' scheme. auto: the experts'
-    format (bf16 experts: float dense), the output layer int8 under 4 bits, and a source weight
-    stored exactly in a store format (a GGUF's Q8_0 / Q4_0) kept in it; float: as in the
-    checkpoint (dequantized); int8 / int4: that format, the output layer as auto would put it."""
+    format (bf16 experts: float dense), the output layer int8 under 4 bits, a quantized source
+    weight (a GGUF's) never rounded again (`keep_source`); float: as in the checkpoint
+    (dequantized); int8 / int4: that format, the output layer as auto would put it."""
     if mode not in DENSE_MODES:
         raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
     name = experts.name if mode == "auto" else mode

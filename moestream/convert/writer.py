@@ -153,21 +153,21 @@ def _check_source(src: Path) -> None:
 def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, dict, dict]:
     """Non-expert tensors -> (crc32 and dtype per stored tensor, the quantized ones' formats).
     A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz` / `.d`;
-    under `keep_source`, a GGUF weight whose blocks are a store scheme (Q8_0, Q4_0) goes in as
-    those blocks; the rest as in the source (dtype kept). The crc covers bytes only, a relabelled
-    dtype keeps them."""
+    under `keep_source` a quantized GGUF weight is never rounded again: its blocks go in as they
+    are where a store scheme holds them (Q8_0, Q4_0), else it is dequantized (float32). The rest
+    as in the source (dtype kept). The crc covers bytes only, a relabelled dtype keeps them."""
     roles = _dense_roles(ckpt)
     tensors, formats, done = {}, {}, Counter()
     for name in ckpt.dense_names:
-        exact = None
-        if isinstance(ckpt, GGUFCheckpoint) and dense.keep_source and name in roles:
+        exact, keep = None, dense.keep_source and _quantized_source(ckpt, name)
+        if keep and name in roles:
             exact = ckpt.dense_sections(name)  # no rounding: kept whatever its size
         if exact is not None:
             scheme, secs = exact
             shape = [secs["q"].shape[0], tensor_width(scheme, secs["q"])]
         else:
             t = ckpt.tensor(name).contiguous()
-            scheme = dense.scheme_for(roles.get(name), tuple(t.shape))
+            scheme = None if keep else dense.scheme_for(roles.get(name), tuple(t.shape))
             if scheme is None or not t.is_floating_point():
                 tensors[name] = t
                 done[_dense_note(ckpt, name, None, False)] += 1
@@ -184,9 +184,14 @@ def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, 
     return crcs, {name: dtype_name(t.dtype) for name, t in tensors.items()}, formats
 
 
+def _quantized_source(ckpt: Checkpoint, name: str) -> bool:
+    """A GGUF dense tensor stored in a quantized type (not F32/F16/BF16)."""
+    return isinstance(ckpt, GGUFCheckpoint) and ckpt.dense_type(name) not in GGUF_FLOAT_TYPES
+
+
 def _dense_note(ckpt: Checkpoint, name: str, scheme: QuantScheme | None, exact: bool):
     """(GGUF type, what convert did) for a quantized GGUF dense tensor, else None (not said)."""
-    if not isinstance(ckpt, GGUFCheckpoint) or ckpt.dense_type(name) in GGUF_FLOAT_TYPES:
+    if not _quantized_source(ckpt, name):
         return None
     if exact:
         return ckpt.dense_type(name), f"kept exactly as {scheme.name} (same values)"
