@@ -15,6 +15,13 @@ moestream / llama.cpp.
     python benchmarks/bench_peers.py --hf HF_DIR --llama .cache/peers/llama [--threads 2]
         [--pairs int4:Q4_0,int8:Q8_0] [-p 64] [-n 64] [--reps 3] [--out rows.jsonl]
 
+`--gguf FILE` instead of `--hf`: both engines run that very file (no conversion difference left):
+llama.cpp reads it as it is, moestream runs the store `moestream convert FILE` makes of it (its
+default scheme: Q8_0 / Q4_0 experts and dense weights kept exactly, other types requantized, as
+convert prints). On the CPU, `--shares 1,0.5` adds moestream streaming its experts through a slot
+cache of that fraction of the expert bytes (`--memory-budget 50%`); llama.cpp has no such cap and
+runs once per repeat with everything mapped (its row is the ratios' base).
+
 On the GPU machine (`--device cuda`, llama.cpp built with CUDA): each `--shares` value is the
 fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 99`; moestream
 `GpuConfig(resident=True)`, CUDA-graph decode, kernel `triton` as captured and `compiled` with the
@@ -111,8 +118,10 @@ def child_experts(kernel: str, device: str, share: float):
     from moestream.config import Budget
     from moestream.experts.config import GpuConfig, StreamConfig
 
-    if device == "cpu":
+    if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
+    if device == "cpu":  # a slot cache of that fraction of the expert bytes
+        return StreamConfig(memory_budget=Budget(fraction=share), kernel=kernel)
     if share >= 1:  # kernel "compiled": the captured step torch.compile'd (GpuConfig.compile_step)
         return GpuConfig(resident=True, device=device, compile_step=kernel == "compiled")
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device)
@@ -158,6 +167,18 @@ def ensure_store(hf: Path, work: Path, quant: str) -> Path:
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
             check=True,
         )
+    return dst
+
+
+def ensure_gguf_store(gguf: Path, work: Path) -> Path:
+    """The store moestream's own convert makes of `gguf` (default scheme), once per file version."""
+    from moestream.convert.gguf import gguf_fingerprint
+    from moestream.store.format import VERSION
+
+    dst = work / f"moestream-{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{VERSION}"
+    if not (dst / "manifest.json").is_file():
+        cmd = [sys.executable, "-m", "moestream", "convert", str(gguf), str(dst)]
+        subprocess.run(cmd, check=True)
     return dst
 
 
@@ -261,7 +282,9 @@ def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: 
         for ours, theirs in pairs:
             for sh in shares:
                 ks = [k for k in kernels if sh >= 1 or k != "compiled"]  # graphs: resident only
-                order = [(theirs, sh)] + [(ours, k, sh) for k in ks]
+                # On the CPU llama.cpp has no memory cap: it runs once, at share 1.
+                base = [(theirs, sh)] if gpu or sh == 1 else []
+                order = base + [(ours, k, sh) for k in ks]
                 for key in order if rep % 2 == 0 else order[::-1]:
                     if len(key) == 3:
                         r = ours_run(files[key[0]], key[1], a, sh)
@@ -292,9 +315,33 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     return out
 
 
+def prepare(a, work: Path, llama: Path):
+    """(HF folder or None, label -> file each engine runs, [(moestream label, llama.cpp label)],
+    the model's args): from `--hf` each engine converts with its own tools; from `--gguf` both run
+    that file (moestream through the store its convert makes of it)."""
+    from moestream.store.format import Store
+
+    if a.gguf:
+        gguf = Path(a.gguf)
+        store = ensure_gguf_store(gguf, work)
+        ours = f"{Store(store).scheme.name}<-gguf"
+        return None, {ours: store, gguf.name: gguf}, [(ours, gguf.name)], Store(store).args
+    from moestream.models import load_model_args
+
+    hf = Path(a.hf)
+    pairs = [p.split(":") for p in a.pairs.split(",")]
+    files = {}
+    for ours, theirs in pairs:
+        files[ours] = ensure_store(hf, work, ours)
+        files[theirs] = ensure_gguf(hf, work, llama, theirs)
+    return hf, files, pairs, load_model_args(hf)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--hf", help="Hugging Face checkpoint folder (gen_model_b.py)")
+    src = ap.add_mutually_exclusive_group()
+    src.add_argument("--hf", help="Hugging Face checkpoint folder (gen_model_b.py)")
+    src.add_argument("--gguf", help="a GGUF file both engines run (moestream converts it)")
     ap.add_argument("--llama", default=str(ROOT / ".cache/peers/llama"))
     ap.add_argument("--work", default=str(ROOT / ".cache/peers/work"))
     ap.add_argument("--pairs", default="int4:Q4_0,int8:Q8_0")
@@ -308,7 +355,10 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (llama.cpp built with CUDA)")
     ap.add_argument(
-        "--shares", default="1", help="GPU: fractions of expert bytes in VRAM, e.g. 1,0.5"
+        "--shares",
+        default="1",
+        help="fractions of expert bytes in VRAM (GPU) or in moestream's slot cache (CPU), "
+        "e.g. 1,0.5",
     )
     ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
     ap.add_argument("--kernel", default="cpu", help=argparse.SUPPRESS)  # the child's
@@ -319,21 +369,16 @@ def main(argv=None) -> int:
         moestream_child(a.child, a.kernel, a.threads, a.prompt_tokens, a.tokens, a.device,
                         shares[0])  # fmt: skip
         return 0
+    if not (a.hf or a.gguf):
+        ap.error("give --hf HF_DIR or --gguf FILE")
     gpu = a.device != "cpu"
     if gpu and a.kernels == "cpu":
         a.kernels = "triton,compiled"
-    if not gpu and shares != [1.0]:
-        ap.error("--shares is a GPU setting: on the CPU every expert is resident")
-    hf, work, llama = Path(a.hf), Path(a.work), Path(a.llama)
+    if not gpu and 1.0 not in shares:
+        ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
+    work, llama = Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
-    pairs = [p.split(":") for p in a.pairs.split(",")]
-    from moestream.models import load_model_args
-
-    args = load_model_args(hf)
-    files = {}
-    for ours, theirs in pairs:
-        files[ours] = ensure_store(hf, work, ours)
-        files[theirs] = ensure_gguf(hf, work, llama, theirs)
+    hf, files, pairs, args = prepare(a, work, llama)
     bpt = {q: store_bytes_per_token(files[q], 2 if gpu else 4) for q, _ in pairs}
     K, E = args.num_experts_per_tok, args.num_experts
     bpt.update({t: gguf_bytes_per_token(files[t], llama, K, E) for _, t in pairs})
@@ -344,8 +389,9 @@ def main(argv=None) -> int:
     rows = []
     for ours, theirs in pairs:
         for sh in shares:
-            base = summarize(runs[(theirs, sh)], bpt[theirs], ceiling)
-            variants = [("llama.cpp", theirs, base)] + [
+            base = summarize(runs[(theirs, sh if gpu else 1.0)], bpt[theirs], ceiling)
+            mine = [("llama.cpp", theirs, base)] if gpu or sh == 1 else []
+            variants = mine + [
                 ("moestream", f"{ours}/{k}", summarize(runs[(ours, k, sh)], bpt[ours], ceiling))
                 for k in kernels
                 if (ours, k, sh) in runs
@@ -353,6 +399,7 @@ def main(argv=None) -> int:
             for engine, fmt, s in variants:
                 rows.append({"engine": engine, "format": fmt, "device": a.device,
                              "vram_share": sh if gpu else None,
+                             "memory_share": None if gpu else sh,
                              "llama_n_cpu_moe": cpu_moe_layers(args.num_hidden_layers, sh) if gpu else None,
                              "ceiling_gbps": ceiling, "h2d_gbps": pcie, **s,
                              "decode_ratio_vs_llama": s["decode_tok_s"] / base["decode_tok_s"],
@@ -364,13 +411,14 @@ def main(argv=None) -> int:
           f"{'GB/s':>6} {'of ' + what:>7} {'RSS GB':>7} {'ratio':>6}")  # fmt: skip
     for r in rows:
         print(
-            f"{r['engine']:<10} {r['format']:<12} {r['vram_share'] or 1:5.2f} "
+            f"{r['engine']:<10} {r['format']:<12} {r['vram_share'] or r['memory_share']:5.2f} "
             f"{r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
             f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['ceiling_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
         )
     if a.out:
-        config = {"hf": str(hf), "layers": args.num_hidden_layers, "threads": a.threads,
+        config = {"hf": str(hf) if hf else None, "gguf": a.gguf,
+                  "layers": args.num_hidden_layers, "threads": a.threads,
                   "kernels": kernels, "device": a.device, "shares": shares,
                   "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "reps": a.reps}  # fmt: skip
         write_rows(a.out, [bench_row("peers", config, r, a.commit) for r in rows])

@@ -162,9 +162,9 @@ def _add_store_args(p) -> None:
     g.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4"],
+        choices=["bf16", "int8", "int4", "q4_0"],  # quant.SCHEMES (no torch import here)
         help="expert quantization when converting a Hugging Face folder (default bf16) or a "
-        "GGUF file (default int8 for >= 8-bit experts, else int4)",
+        "GGUF file (default q4_0 for Q4_0 experts, int8 for >= 8-bit ones, else int4)",
     )
     g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
     g.add_argument(
@@ -334,10 +334,11 @@ def _add_convert(sub) -> None:
     p.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4"],
+        choices=["bf16", "int8", "int4", "q4_0"],  # quant.SCHEMES (no torch import here)
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
-        "checkpoints, as -m HF with store flags converts; for a GGUF int8 when its experts have "
-        ">= 8 bits (Q8_0 kept exactly), else int4; int8/int4 are lossy: measure them with eval)",
+        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 when its experts are "
+        "all Q4_0 (kept exactly, CPU only), int8 when they have >= 8 bits (Q8_0 kept exactly), "
+        "else int4; int8/int4/q4_0 from floats are lossy: measure them with eval)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
     p.add_argument(
@@ -345,8 +346,10 @@ def _add_convert(sub) -> None:
         default="auto",
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
-        "--quant format (int4: output layer int8; bf16: float), float = as in the checkpoint, "
-        "int8 / int4; norms, routers, biases and small tensors stay float",
+        "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 tensors "
+        "kept exactly as int8 / q4_0, its other quantized types dequantized), float = as in the "
+        "checkpoint (dequantized), int8 / int4; "
+        "norms, routers, biases and small tensors stay float",
     )
     _add_quiet(p)
     p.set_defaults(func=cmd_convert)

@@ -214,6 +214,10 @@ def load_model(
 def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: bool) -> Loaded:
     store = Store(folder)
     slot_count(store, cfg)  # a budget too small fails here, from the manifest alone
+    if isinstance(cfg, GpuConfig):  # so does a scheme the GPU kernels do not read
+        from moestream.experts.gpu import check_scheme
+
+        check_scheme(store)
     model = build_model(store.args, dtype)
     load_dense(store, model, dtype, progress, "ref" if isinstance(cfg, GpuConfig) else cfg.kernel)
     store.release_dense()

@@ -1,7 +1,8 @@
 """Quantization schemes for expert (and dense) weights and the byte layout of one expert record.
 
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
-"sym8" of seed 001) and `int4` (per group of 32, asymmetric by default: see INT4_CHOICE). Every
+"sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE) and `q4_0`
+(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored). Every
 2-D weight [N, K] (N outputs, K inputs) is quantized along K, so concatenating gate and up rows
 into w13 [2I, D] changes nothing per row.
 
@@ -10,6 +11,9 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   int8: `q` int8 [N, K], `s` fp32 [N, K/g]             w = q * s
   int4: `q` uint8 [N, K/2] packed as torch's CPU tinygemm kernel packs it on AVX-512 (blocks of
         64 rows; see pack_int4), `sz` bf16 [K/g, N, 2] (scale, zero)   w = (q - 8) * s + z
+  q4_0: `q` uint8 [N, K/2], per row and block of 32 the block's 16 GGUF bytes (byte i: element i
+        in the low nibble, element i + 16 in the high one), `d` fp16 [N, K/32]   w = (q - 8) * d
+        (row-major like int8: the native kernel streams each row front to back)
 An expert record holds w13 [2I, D] then w2 [D, I] (then, for experts with biases (gpt_oss),
 `b13` fp32 [2I] and `b2` fp32 [D], never quantized), each section 64-byte aligned, and is padded
 to a 4 KiB multiple so O_DIRECT can read it in place.
@@ -33,26 +37,30 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
+SCHEMES = ("bf16", "int8", "int4", "q4_0")
+Q4_0_BLOCK = 32  # llama.cpp's QK4_0
 
 
 @dataclass(frozen=True, slots=True)
 class QuantScheme:
-    name: str  # bf16 | int8 | int4
+    name: str  # one of SCHEMES
     group_size: int = 32
     symmetric: bool = True
 
     def __post_init__(self):
-        if self.name not in ("bf16", "int8", "int4"):
-            raise ConfigError(f"unknown quantization {self.name!r}; use bf16, int8 or int4")
+        if self.name not in SCHEMES:
+            raise ConfigError(f"unknown quantization {self.name!r}; use {', '.join(SCHEMES)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
+        if self.name == "q4_0" and (self.group_size != Q4_0_BLOCK or not self.symmetric):
+            raise ConfigError(f"q4_0 is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
 
     def to_json(self) -> dict:
         return {"name": self.name, "group_size": self.group_size, "symmetric": self.symmetric}
 
 
 def make_scheme(name: str, group_size: int = 32) -> QuantScheme:
-    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric)."""
+    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric, q4_0 its own blocks)."""
     return QuantScheme(name, group_size, symmetric=name != "int4" or INT4_CHOICE == "symmetric")
 
 
@@ -74,6 +82,10 @@ class DenseQuant:
     weights: QuantScheme | None = None
     output: QuantScheme | None = None
     min_params: int = MIN_DENSE_PARAMS
+    # A source weight that is already quantized (a GGUF's) is never rounded again: kept in its
+    # blocks where a store scheme holds them exactly (Q8_0 -> int8, Q4_0 -> q4_0), else
+    # dequantized to float (--dense auto); float source weights follow `weights` / `output`.
+    keep_source: bool = False
 
     def __post_init__(self):
         for s in (self.weights, self.output):
@@ -100,6 +112,7 @@ class DenseQuant:
             "weights": None if self.weights is None else self.weights.to_json(),
             "output": None if self.output is None else self.output.to_json(),
             "min_params": self.min_params,
+            "keep_source": self.keep_source,
         }
 
     @property
@@ -109,21 +122,22 @@ class DenseQuant:
             return "float"
         w = self.weights.name if self.weights else "float"
         o = self.output.name if self.output else "float"
-        return w if o == w else f"{w}+{o}out"
+        return (w if o == w else f"{w}+{o}out") + ("+src" if self.keep_source else "")
 
 
 def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     """The dense rule a `--dense` mode means next to the experts' scheme. auto: the experts'
-    format (bf16 experts: float dense), the output layer int8 under int4; float: as in the
-    checkpoint; int8 / int4: that format, the output layer as auto would put it."""
+    format (bf16 experts: float dense), the output layer int8 under 4 bits, a quantized source
+    weight (a GGUF's) never rounded again (`keep_source`); float: as in the checkpoint
+    (dequantized); int8 / int4: that format, the output layer as auto would put it."""
     if mode not in DENSE_MODES:
         raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
     name = experts.name if mode == "auto" else mode
     if name in ("float", "bf16"):
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)
-    output = make_scheme("int8", experts.group_size) if name == "int4" else weights
-    return DenseQuant(weights, output)
+    output = make_scheme("int8", experts.group_size) if name in ("int4", "q4_0") else weights
+    return DenseQuant(weights, output, keep_source=mode == "auto")
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +156,7 @@ class Section:
 
 
 DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.int8: "int8", torch.uint8: "uint8"}
-DTYPE_NAMES[torch.float32] = "float32"
+DTYPE_NAMES.update({torch.float32: "float32", torch.float16: "float16"})
 
 
 def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tuple]:
@@ -156,9 +170,16 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         return [(f"{name}.q", torch.bfloat16, (n, k))]
     if scheme.name == "int8":
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.s", torch.float32, (n, k // g))]
+    if scheme.name == "q4_0":
+        return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
         raise ConfigError(f"{name}: int4 packing needs an even number of rows, got {n}")
     return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.sz", torch.bfloat16, (k // g, n, 2))]
+
+
+def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
+    """K of a weight from its `q` section (4-bit schemes pack two values per byte)."""
+    return q.shape[1] * (2 if scheme.name in ("int4", "q4_0") else 1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,7 +242,35 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
         s = torch.where(s == 0, torch.ones_like(s), s)
         q = torch.round(blocks / s[..., None]).clamp(-127, 127).to(torch.int8)
         return {"q": q.view(n, k), "s": s}
+    if scheme.name == "q4_0":
+        return quantize_q4_0(blocks)
     return _quantize_int4(scheme, blocks)
+
+
+def quantize_q4_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, K/32, 32] -> q4_0 sections, as llama.cpp's quantize_row_q4_0_ref: d = (the
+    value of largest magnitude) / -8, q = min(15, trunc(x / d + 8.5)) with the fp32 d, d kept fp16."""
+    n, kg, g = blocks.shape
+    idx = blocks.abs().argmax(-1, keepdim=True)
+    d = torch.gather(blocks, -1, idx)[..., 0] / -8.0  # [N, K/32]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp((blocks * inv[..., None] + 8.5).trunc(), max=15).to(torch.uint8)
+    return {"q": pack_q4_0(q.view(n, kg * g)), "d": d.to(torch.float16)}
+
+
+def pack_q4_0(q: torch.Tensor) -> torch.Tensor:
+    """q [N, K] values 0..15 -> [N, K/2] uint8 in GGUF's Q4_0 order (per block of 32: byte i =
+    element i | element i + 16 << 4)."""
+    n, k = q.shape
+    b = q.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (b[:, :, 0] | (b[:, :, 1] << 4)).reshape(n, k // 2)
+
+
+def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of pack_q4_0: [N, K/2] uint8 -> [N, K] uint8 values 0..15."""
+    n, k2 = packed.shape
+    b = packed.view(n, k2 // 16, 16)
+    return torch.stack([b & 0xF, b >> 4], 2).reshape(n, 2 * k2)
 
 
 def _quantize_int4(scheme: QuantScheme, blocks: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -104,16 +104,15 @@ def write_gguf(
             continue
         name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
         assert name is not None, hf
-        out = w
+        out, heads = w, None
         if mt == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg["num_attention_heads" if "q_proj" in hf else "num_key_value_heads"]
             out = _permute(w, heads)
         if hf.endswith("shared_expert_gate.weight"):
             out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
         vals = _store(writer, name, out, T[dense_type])
-        if out is not w:  # the values in HF's order and shape
-            vals = w.astype(np.float32) if dense_type == "F32" or out.ndim == 1 else None
-            assert vals is not None, "permuted tensors are tested in F32"
+        if heads is not None:  # the values in HF's row order: the permutation undone
+            vals = vals.reshape(heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         stored[hf] = torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))
     types = expert_types or {}
     for (layer, role), by_e in sorted(experts.items()):

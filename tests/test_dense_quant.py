@@ -22,7 +22,7 @@ from moestream.kernels.ref import dequantize, dequantize_rows, qlinear_q8
 from moestream.loader import build_model, load_model
 from moestream.models import checkpoint_renamer
 from moestream.quant import DenseQuant, make_dense, make_scheme, quantize
-from moestream.store.format import MANIFEST, Store, StoreError
+from moestream.store.format import MANIFEST, VERSION, Store, StoreError
 from moestream.store.io import IOConfig
 
 PROMPT = torch.randint(0, 320, (10,), generator=torch.Generator().manual_seed(3))
@@ -94,7 +94,7 @@ def dequantized_float_model(folder, provider):
 
 def test_the_rule_quantizes_projections_embedding_and_output_not_routers(dense_store, tiny_dir):
     m = json.loads((dense_store("qwen3_moe") / MANIFEST).read_text())
-    assert m["version"] == 2
+    assert m["version"] == VERSION
     formats = {n: f["scheme"]["name"] for n, f in m["dense_formats"].items()}
     assert formats["model.embed_tokens.weight"] == "int4"
     assert formats["lm_head.weight"] == "int8"  # the output layer keeps 8 bits under int4
@@ -136,7 +136,7 @@ def test_tied_embedding_is_one_quantized_table(dense_store, quant):
     assert torch.equal(logits(m), logits(dequantized_float_model(folder, loaded.provider)))
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0"])
 @pytest.mark.parametrize("n,k", [(160, 96), (320, 64), (2, 32)])  # 160: a partial int4 block
 def test_native_dense_linear_equals_its_spec(scheme, n, k):
     if not native.available():
@@ -156,7 +156,7 @@ def test_native_dense_linear_equals_its_spec(scheme, n, k):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 activations: close, not equal
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0"])
 def test_embedding_dequantizes_only_the_rows_asked_for(scheme):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(130, 64, generator=g)  # 130 rows: the last int4 block has 2

@@ -1,5 +1,5 @@
-"""GGUF files: metadata and tensor names -> native models, Q8_0 experts kept exactly, other types
-requantized and said so, the vocabulary -> tokenizer.json, the CLI, bad input; transformers on
+"""GGUF files: metadata and tensor names -> native models, Q8_0 / Q4_0 experts and dense weights
+kept exactly, other types requantized and said so, the vocabulary -> tokenizer.json, the CLI, bad input; transformers on
 the same (dequantized) weights is the oracle. GGUF files are written in-test (tests/gguf_models);
 test_gguf_llama_cpp.py runs llama.cpp's own converter where its source is present."""
 
@@ -26,6 +26,7 @@ from moestream.store.format import Store
 ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
+Q4 = ("Q4_0",) * 3
 FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 
 
@@ -116,10 +117,17 @@ def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
     assert "4 Q8_0 expert tensor(s): dequantized and requantized to int4" in err
     assert "2 Q4_0 expert tensor(s)" in err and "2 F16 expert tensor(s)" in err
     assert "1 Q4_1 expert tensor(s)" in err
-    assert "dense tensors dequantized once to float32" in err
-    # Dense Q8_0 values are kept exactly (fp32); experts within int4's rounding of the source.
+    # Dense Q8_0 weights are kept exactly as int8 sections (routers, which have no quantized
+    # form, dequantized); experts within int4's rounding of the source.
+    assert "Q8_0 dense tensor(s): kept exactly as int8" in err
+    assert "3 Q8_0 dense tensor(s): dequantized once to float32" in err
     s = Store(store)
-    assert torch.equal(s.tensor("model.embed_tokens.weight"), stored["model.embed_tokens.weight"])
+    name = "model.embed_tokens.weight"
+    assert s.dense_scheme(name).name == "int8"
+    got = dequantize(
+        {f"w.{k}": v for k, v in s.dense_sections(name).items()}, "w", 32, torch.float32
+    )
+    assert torch.equal(got, stored[name])
     buf = torch.frombuffer(bytearray(s.read_record(1, 3)), dtype=torch.uint8)
     w2 = dequantize(s.layout.views(buf), "w2", 32, torch.float32)
     src = stored[expert_name("qwen3_moe", 1, 3, "down")]
@@ -130,6 +138,69 @@ def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
     convert(path, tmp_path / "store8", source_scheme(path, "int8"), False)
     err = capsys.readouterr().err
     assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
+
+
+@pytest.fixture(scope="module")
+def q4(tmp_path_factory):
+    """arch -> (HF folder, all-Q4_0 GGUF (experts and dense), values stored, its store, convert's
+    stderr), built once."""
+    root = tmp_path_factory.mktemp("gguf-q4")
+    cache = {}
+
+    def get(arch: str, capsys):
+        if arch not in cache:
+            hf = hf_checkpoint(arch, root / f"{arch}-hf")
+            path = root / f"{arch}.gguf"
+            stored = write_gguf(hf, path, {layer: Q4 for layer in range(3)}, dense_type="Q4_0")
+            capsys.readouterr()
+            store = convert(path, root / f"{arch}-store", source_scheme(path, None), False)
+            cache[arch] = (hf, path, stored, store, capsys.readouterr().err)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_q4_0_gguf_is_kept_exactly(q4, arch, tmp_path, capsys):
+    """Q4_0 experts and dense weights go into q4_0 sections byte for byte (no second rounding):
+    every record and dense section dequantizes to the GGUF's values, the logits are
+    transformers' on those values, and convert says so."""
+    hf, _, stored, store, err = q4(arch, capsys)
+    s = Store(store)
+    assert s.scheme.name == "q4_0" and s.manifest["version"] == 3
+    assert "9 Q4_0 expert tensor(s): kept exactly as q4_0 (same values)" in err
+    assert "Q4_0 dense tensor(s): kept exactly as q4_0 (same values)" in err
+    I, mt = s.args.moe_intermediate_size, s.args.model_type
+    for layer in s.args.moe_layer_ids:
+        for e in range(s.args.num_experts):
+            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            sec = s.layout.views(buf)
+            w13 = dequantize(sec, "w13", 32, torch.float32)
+            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
+            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
+            w2 = dequantize(sec, "w2", 32, torch.float32)
+            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+    # q_proj: mixtral's rows were permuted by the converter; the reader undoes it per section.
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        assert s.dense_scheme(name).name == "q4_0"
+        sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
+        assert torch.equal(dequantize(sec, "w", 32, torch.float32), stored[name])
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+def test_q4_0_store_streams_the_resident_bits_and_refuses_the_gpu(q4, capsys):
+    """On the native kernel (q4_0 x Q8_0 activations) streaming at the minimum budget gives the
+    resident bits; the GPU provider, which has no q4_0 kernel, refuses it by name."""
+    from moestream.config import ConfigError
+    from moestream.experts.config import GpuConfig
+
+    store = q4("qwen3_moe", capsys)[3]
+    want = our_logits(store, StreamConfig(resident=True))
+    got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
+    assert torch.equal(want, got)
+    with pytest.raises(ConfigError, match="q4_0 experts, which have no GPU kernel.*--quant int4"):
+        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
 
 
 def _qwen2_style_tokenizer(folder) -> None:

@@ -47,7 +47,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("D,I", SHAPES)
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0"])
 def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
     sec = records(scheme, D, I, 1)[0]
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(dtype)
@@ -62,7 +62,7 @@ def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("D,I", SHAPES)
-@pytest.mark.parametrize("scheme", ["int4", "int8"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0"])
 def test_layer_matches_reference(scheme, D, I, T, dtype):
     secs = records(scheme, D, I, 4)
     g = torch.Generator().manual_seed(2)

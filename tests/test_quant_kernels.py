@@ -1,6 +1,6 @@
 """Quantizers and CPU kernels against kernels/ref.py.
 
-Tolerances: int8 and bf16 CPU kernels are the reference math (exact). int4 uses torch's packed
+Tolerances: int8, bf16 and q4_0 CPU kernels are the reference math (exact). int4 uses torch's packed
 kernel, which accumulates in another order: max abs error <= 1e-4 * sqrt(K) * max|y| relative."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from moestream.config import ConfigError
 from moestream.kernels.cpu import int4_kernel_ok, qlinear_cpu
 from moestream.kernels.ref import dequantize, qlinear_ref
 from moestream.quant import QuantScheme, make_scheme, pack_int4, quantize, unpack_int4
@@ -33,7 +34,7 @@ def test_int4_layout_is_torchs_cpu_layout():
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0"])
 @pytest.mark.parametrize("shape", [(64, 64), (128, 256), (1536, 2048)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cpu_kernel_matches_reference(quant, shape, T):
@@ -54,7 +55,9 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("quant,bound", [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09)])
+@pytest.mark.parametrize(
+    "quant,bound", [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095)]
+)
 def test_quantization_error_is_bounded(quant, bound):
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
     d = dequantize(_sections(make_scheme(quant), w), "w", 32, torch.float32)
@@ -79,3 +82,22 @@ def test_int8_is_symmetric_per_block_of_32():
     t = quantize(make_scheme("int8"), w)
     assert t["s"].shape == (2, 2) and t["q"].dtype == torch.int8
     assert abs(t["s"][0, 0].item() - 1 / 127) < 1e-7
+
+
+def test_q4_0_is_llama_cpps_q4_0():
+    """quantize(q4_0) writes the bytes llama.cpp's Q4_0 quantizer writes (the gguf package's port
+    of quantize_row_q4_0_ref), split into sections, and dequantizes to its values bit for bit."""
+    import gguf
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType.Q4_0
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(4))
+    w[0, :32] = 0.0  # an all-zero block: d = 0, every q = 8
+    sec = quantize(make_scheme("q4_0"), w)
+    theirs = gguf.quants.quantize(w.numpy(), T).reshape(48, -1, 18)  # per block: fp16 d, 16 bytes
+    assert np.array_equal(theirs[..., :2].copy().view(np.float16)[..., 0], sec["d"].numpy())
+    assert np.array_equal(theirs[..., 2:].reshape(48, -1), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs.reshape(48, -1), T))
+    assert torch.equal(dequantize(_sections(make_scheme("q4_0"), w), "w", 32, torch.float32), want)
+    with pytest.raises(ConfigError, match="q4_0 is symmetric blocks of 32"):
+        make_scheme("q4_0", 64)

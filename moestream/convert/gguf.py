@@ -4,9 +4,10 @@
 Face naming), `tensor(name)`, `expert(layer, e)`, plus the files a store needs (config.json,
 tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's architecture and
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
-it. Dense tensors of any type are dequantized (F32/F16/BF16 kept as they are); Q8_0 experts go
-into the int8 scheme byte for byte (`expert_sections`); other expert types are dequantized and
-requantized, and `conversion_notes` says so per type.
+it. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0) are copied byte
+for byte, experts (`expert_sections`) and dense weights (`dense_sections`) alike; other expert
+types are dequantized and requantized, and `conversion_notes` says so per type; other dense
+types are dequantized (F32/F16/BF16 kept as they are).
 """
 
 from __future__ import annotations
@@ -83,10 +84,14 @@ _EXPERTS = {
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
 
 # Types kept as they are in the dense file; every other weight type is dequantized to fp32.
-_FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 _INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
 # Sources of at least 8 bits per weight default to int8 experts, lower ones to int4.
 _INT8_BITS = 8.0
+# GGUF block types that are a store scheme exactly (blocks of 32, fp16 d, w = q * d): the scheme
+# and the block's bytes (d, then the quants).
+EXACT = {"Q8_0": "int8", "Q4_0": "q4_0"}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
 
 
 def _f32(v: float) -> float:
@@ -349,7 +354,7 @@ class GGUFCheckpoint:
                 )
 
     def _dequantizable(self, t) -> bool:
-        if t.tensor_type.name in _FLOAT_TYPES:
+        if t.tensor_type.name in GGUF_FLOAT_TYPES:
             return True
         if t.tensor_type.name in _INT_TYPES:
             return False  # integer tensors are no weights
@@ -430,33 +435,40 @@ class GGUFCheckpoint:
     def expert_biases(self, layer: int, e: int) -> None:
         return None  # no supported GGUF architecture has expert biases
 
-    def _q8_0(self, layer: int, role: str, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One expert's Q8_0 blocks as (q int8 [N, K], s fp32 [N, K/32]): fp16 d is exact in fp32."""
-        raw = np.ascontiguousarray(self._tensors[self._experts[layer][role]].data[e])
-        n = raw.shape[0]
-        blocks = raw.reshape(n, -1, 34)  # per block: fp16 d, then 32 int8
-        d = blocks[..., :2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = blocks[..., 2:].copy().view(np.int8).reshape(n, -1)
-        return torch.from_numpy(q), torch.from_numpy(d)
-
     def _exact(self, scheme: QuantScheme, layer: int, roles: tuple[str, ...]) -> bool:
-        """Q8_0 blocks are our int8 group-32 scheme exactly (symmetric, w = q * d)."""
-        int8_32 = scheme.name == "int8" and scheme.group_size == 32 and scheme.symmetric
-        return int8_32 and all(self.expert_type(layer, r) == "Q8_0" for r in roles)
+        """The experts' blocks are `scheme` exactly (EXACT)."""
+        return all(_is_exact(self.expert_type(layer, r), scheme) for r in roles)
 
     def expert_sections(self, layout: RecordLayout, layer: int, e: int) -> dict[str, torch.Tensor]:
-        """Section tensors of one expert record: Q8_0 weights copied, others requantized."""
+        """Section tensors of one expert record: exact blocks copied, others requantized."""
         scheme, out = layout.scheme, {}
         for name, roles in (("w13", ("gate", "up")), ("w2", ("down",))):
             if self._exact(scheme, layer, roles):
-                blocks = [self._q8_0(layer, r, e) for r in roles]
-                out[f"{name}.q"] = torch.cat([q for q, _ in blocks])
-                out[f"{name}.s"] = torch.cat([s for _, s in blocks])
+                parts = [self._tensors[self._experts[layer][r]] for r in roles]
+                blocks = [_sections(t.tensor_type.name, t.data[e]) for t in parts]
+                for suffix in blocks[0]:
+                    out[f"{name}.{suffix}"] = torch.cat([b[suffix] for b in blocks])
                 continue
             w = torch.cat([self._expert_slice(layer, r, e).float() for r in roles])  # [N, K]
             for suffix, t in quantize(scheme, w).items():
                 out[f"{name}.{suffix}"] = t
         return out
+
+    def dense_type(self, name: str) -> str:
+        """The GGUF type of a dense tensor, by its Hugging Face name."""
+        return self._tensors[self._dense_src[name]].tensor_type.name
+
+    def dense_sections(self, name: str) -> tuple[QuantScheme, dict[str, torch.Tensor]] | None:
+        """A dense 2-D tensor whose blocks are a store scheme exactly (EXACT) as (scheme, its
+        sections by suffix, in Hugging Face's row order), byte for byte; None for other types."""
+        t = self._tensors[self._dense_src[name]]
+        kind = t.tensor_type.name
+        if kind not in EXACT or len(t.shape) != 2:
+            return None
+        secs = _sections(kind, t.data)
+        if self.arch.permuted_qk:  # rows permuted; quantization runs along K, so per section
+            secs = {k: self._unpermute(name, v) for k, v in secs.items()}
+        return make_scheme(EXACT[kind]), {k: v.contiguous() for k, v in secs.items()}
 
     # ---- what convert does to the experts -----------------------------------------------------
     def expert_type_counts(self) -> Counter:
@@ -467,7 +479,10 @@ class GGUFCheckpoint:
         )
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
-        """int8 experts when every expert tensor has >= 8 bits per weight, else int4."""
+        """q4_0 experts when every expert tensor is Q4_0 (kept exactly), int8 when every one has
+        >= 8 bits per weight, else int4."""
+        if set(self.expert_type_counts()) == {"Q4_0"}:
+            return make_scheme("q4_0", group_size)
         sizes = self._gguf.GGML_QUANT_SIZES
         bits = [
             sizes[t.tensor_type][1] * 8 / sizes[t.tensor_type][0]
@@ -477,22 +492,17 @@ class GGUFCheckpoint:
         return make_scheme("int8" if min(bits) >= _INT8_BITS else "int4", group_size)
 
     def conversion_notes(self, scheme: QuantScheme) -> list[str]:
-        """One line per expert tensor type: kept exactly, or dequantized and requantized."""
+        """One line per expert tensor type: kept exactly, or dequantized and requantized (the
+        writer says what it did to the dense tensors)."""
         lines = []
         for kind, n in sorted(self.expert_type_counts().items()):
-            exact = kind == "Q8_0" and scheme.name == "int8" and scheme.group_size == 32
             what = (
                 f"kept exactly as {scheme.name} (same values)"
-                if exact
+                if _is_exact(kind, scheme)
                 else f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
                 "a second rounding; measure with `moestream eval`)"
             )
             lines.append(f"{n} {kind} expert tensor(s): {what}")
-        dense = Counter(self._tensors[s].tensor_type.name for s in self._dense_src.values())
-        quantized = {k: n for k, n in dense.items() if k not in _FLOAT_TYPES}
-        if quantized:
-            kinds = ", ".join(f"{n} {k}" for k, n in sorted(quantized.items()))
-            lines.append(f"dense tensors dequantized once to float32: {kinds}")
         return lines
 
     def write_files(self, out: Path) -> None:
@@ -500,3 +510,22 @@ class GGUFCheckpoint:
         (out / "config.json").write_text(json.dumps(self.config, indent=1))
         (out / "tokenizer.json").write_text(self.tokenizer_json)
         (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=1))
+
+
+def _is_exact(kind: str, scheme: QuantScheme) -> bool:
+    """GGUF type `kind` is `scheme` exactly (its blocks copy into the scheme's sections)."""
+    return EXACT.get(kind) == scheme.name and scheme.group_size == 32 and scheme.symmetric
+
+
+def _sections(kind: str, raw: np.ndarray) -> dict[str, torch.Tensor]:
+    """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
+    Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact); Q4_0 -> q uint8 [N, K/2]
+    (the 16 nibble bytes as stored), d fp16 [N, K/32]."""
+    raw = np.ascontiguousarray(raw)
+    n = raw.shape[0]
+    blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
+    d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
+    qs = blocks[..., 2:].copy().reshape(n, -1)
+    if kind == "Q8_0":
+        return {"q": torch.from_numpy(qs.view(np.int8)), "s": d.float()}
+    return {"q": torch.from_numpy(qs), "d": d}

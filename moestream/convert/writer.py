@@ -27,6 +27,7 @@ import shutil
 import signal
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -34,7 +35,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from moestream.config import ConfigError
-from moestream.convert.gguf import GGUFCheckpoint, gguf_fingerprint, is_gguf
+from moestream.convert.gguf import GGUF_FLOAT_TYPES, GGUFCheckpoint, gguf_fingerprint, is_gguf
 from moestream.convert.hf import HFCheckpoint
 from moestream.errors import TokenizerError
 from moestream.models import checkpoint_renamer, model_module
@@ -47,6 +48,7 @@ from moestream.quant import (
     quantize,
     quantize_expert,
     record_bytes,
+    tensor_width,
 )
 from moestream.store.format import (
     COPIED_FILES,
@@ -285,24 +287,54 @@ def _check_source(src: Path) -> None:
 
 def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, dict, dict, dict]:
     """Non-expert tensors -> (crc32, dtype and shape per stored tensor, the quantized ones'
-    formats). A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz`;
-    the rest as in the source (dtype kept). The crc covers bytes only: a header relabelling dtype
-    or shape keeps them, so both are recorded too."""
+    formats). A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz` /
+    `.d`; under `keep_source` a quantized GGUF weight is never rounded again: its blocks go in as
+    they are where a store scheme holds them (Q8_0, Q4_0), else it is dequantized (float32). The
+    rest as in the source (dtype kept). The crc covers bytes only: a header relabelling dtype or
+    shape keeps them, so both are recorded too."""
     roles = _dense_roles(ckpt)
-    tensors, formats = {}, {}
+    tensors, formats, done = {}, {}, Counter()
     for name in ckpt.dense_names:
-        t = ckpt.tensor(name).contiguous()
-        scheme = dense.scheme_for(roles.get(name), tuple(t.shape))
-        if scheme is None or not t.is_floating_point():
-            tensors[name] = t
-            continue
-        for suffix, sec in quantize(scheme, t).items():
+        exact, keep = None, dense.keep_source and _quantized_source(ckpt, name)
+        if keep and name in roles:
+            exact = ckpt.dense_sections(name)  # no rounding: kept whatever its size
+        if exact is not None:
+            scheme, secs = exact
+            shape = [secs["q"].shape[0], tensor_width(scheme, secs["q"])]
+        else:
+            t = ckpt.tensor(name).contiguous()
+            scheme = None if keep else dense.scheme_for(roles.get(name), tuple(t.shape))
+            if scheme is None or not t.is_floating_point():
+                tensors[name] = t
+                done[_dense_note(ckpt, name, None, False)] += 1
+                continue
+            secs, shape = quantize(scheme, t), list(t.shape)
+        for suffix, sec in secs.items():
             tensors[f"{name}.{suffix}"] = sec.contiguous()
-        formats[name] = {"scheme": scheme.to_json(), "shape": list(t.shape)}
+        formats[name] = {"scheme": scheme.to_json(), "shape": shape}
+        done[_dense_note(ckpt, name, scheme, exact is not None)] += 1
+    for (kind, what), n in sorted((k, n) for k, n in done.items() if k is not None):
+        print(f"moestream: {n} {kind} dense tensor(s): {what}", file=sys.stderr)
     save_file(tensors, str(out / DENSE_FILE), metadata={"format": "pt"})
     crcs = {name: tensor_crc(t) for name, t in tensors.items()}
     dtypes = {name: dtype_name(t.dtype) for name, t in tensors.items()}
     return crcs, dtypes, {name: list(t.shape) for name, t in tensors.items()}, formats
+
+
+def _quantized_source(ckpt: Checkpoint, name: str) -> bool:
+    """A GGUF dense tensor stored in a quantized type (not F32/F16/BF16)."""
+    return isinstance(ckpt, GGUFCheckpoint) and ckpt.dense_type(name) not in GGUF_FLOAT_TYPES
+
+
+def _dense_note(ckpt: Checkpoint, name: str, scheme: QuantScheme | None, exact: bool):
+    """(GGUF type, what convert did) for a quantized GGUF dense tensor, else None (not said)."""
+    if not _quantized_source(ckpt, name):
+        return None
+    if exact:
+        return ckpt.dense_type(name), f"kept exactly as {scheme.name} (same values)"
+    if scheme is None:
+        return ckpt.dense_type(name), "dequantized once to float32"
+    return ckpt.dense_type(name), f"dequantized and requantized to {scheme.name} (lossy)"
 
 
 def _dense_roles(ckpt: Checkpoint) -> dict[str, str]:

@@ -21,10 +21,11 @@ import time
 
 import torch
 
+from moestream.config import ConfigError
 from moestream.experts.base import ExpertProvider
 from moestream.experts.config import GpuConfig, slot_count
 from moestream.kernels.dispatch import moe_kernel
-from moestream.kernels.triton import combine_pairs, moe_pairs, unsupported
+from moestream.kernels.triton import SCHEMES, combine_pairs, moe_pairs, unsupported
 from moestream.kernels.triton.layout import StackedExperts
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
@@ -48,10 +49,21 @@ class PinnedPool:
         return memoryview(self._np[slot * self.size : (slot + 1) * self.size])
 
 
+def check_scheme(store: Store) -> None:
+    """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read."""
+    name = store.scheme.name
+    if name not in SCHEMES:
+        raise ConfigError(
+            f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only); run "
+            "it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
+        )
+
+
 class GpuExperts(ExpertProvider):
     """ExpertProvider with a VRAM (or, for tests, CPU) slot pool. `stats()`: cumulative counters."""
 
     def __init__(self, store: Store, cfg: GpuConfig):
+        check_scheme(store)
         self.store, self.cfg = store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"

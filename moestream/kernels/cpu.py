@@ -7,6 +7,7 @@
   per K-block of 32, so int8 dequantizes (one fused multiply) and calls F.linear; this is the
   reference math, so it is exact.
 - bf16: cast to the activation dtype and F.linear, as the reference.
+- q4_0: dequantize (reference math) and F.linear; its fast path is the native kernel.
 
 `int4_kernel_ok()` checks once that this machine's torch packs int4 the way the store does
 (other vector widths pack differently); when it does not, dispatch falls back to the reference.
@@ -37,7 +38,8 @@ def int4_kernel_ok() -> bool:
 def qlinear_cpu(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch.Tensor:
     """x [T, K] -> [T, N] with the weight `name` of a record, no dequantized copy for int4."""
     q = sec[f"{name}.q"]
-    if q.dtype == torch.uint8 and q.shape[0] % INT4_BLOCK_N == 0 and int4_kernel_ok():
+    int4 = f"{name}.sz" in sec  # q4_0's uint8 nibbles are another layout: the reference
+    if int4 and q.shape[0] % INT4_BLOCK_N == 0 and int4_kernel_ok():
         # bf16 activations: with fp32 ones torch 2.13 takes a slow path (0.21 vs 11.2 GB/s of
         # packed weights measured at D=2048, 2 threads; benchmarks/bench_kernels_cpu.py).
         sz = sec[f"{name}.sz"].to(torch.bfloat16)  # [K/g, N, 2]

@@ -1,4 +1,4 @@
-"""Quantized dense layers: the store's int4 / int8 sections of a dense weight (quant.DenseQuant) in
+"""Quantized dense layers: the store's int4 / int8 / q4_0 sections of a dense weight (quant.DenseQuant) in
 place of nn.Linear / nn.Embedding. The loader builds them from the store; models only call them.
 
 Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and device):
@@ -26,7 +26,7 @@ DENSE_KERNELS = ("native", "cpu", "ref")
 
 
 class QuantWeight(nn.Module):
-    """One quantized [N, K] weight as buffers `q` and `s` (int8) or `sz` (int4), laid out as
+    """One quantized [N, K] weight as buffers `q` and `s` (int8), `sz` (int4) or `d` (q4_0), as
     quant.tensor_sections says. Shared by a tied embedding and lm_head (moved once)."""
 
     def __init__(
@@ -51,8 +51,8 @@ class QuantWeight(nn.Module):
         if any(p.scheme != s0 or p.shape[1] != k for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
-        if s0.name == "int8":
-            secs = {"q": torch.cat([p.q for p in parts]), "s": torch.cat([p.s for p in parts])}
+        if s0.name in ("int8", "q4_0"):  # row-major sections: rows stack as they are
+            secs = {k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].suffixes}
         else:
             q = pack_int4(torch.cat([unpack_int4(p.q) for p in parts]))
             secs = {"q": q, "sz": torch.cat([p.sz for p in parts], dim=1).contiguous()}

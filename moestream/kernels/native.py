@@ -1,4 +1,4 @@
-"""The native CPU expert kernels (csrc/moe_cpu.cpp): built on first use by torch's cpp_extension,
+"""The native CPU expert kernels (csrc/moe_cpu.cpp: int4, int8, q4_0): built on first use by torch's cpp_extension,
 cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
 
 Numerics (the spec is `kernels/ref.py: qlinear_q8 / moe_q8_ref`): the activation entering each
@@ -123,8 +123,9 @@ def available() -> bool:
 
 
 def supports(scheme) -> bool:
-    """Schemes the native kernels read: int4 / int8 with groups of 32 (the activation block)."""
-    return scheme.name in ("int4", "int8") and scheme.group_size == 32
+    """Schemes the native kernels read: int4 / int8 / q4_0 with groups of 32 (the activation
+    block)."""
+    return scheme.name in ("int4", "int8", "q4_0") and scheme.group_size == 32
 
 
 def _isa(isa: str | None) -> int:
@@ -141,8 +142,11 @@ def best_isa() -> str:
 
 
 def _pair(sec: dict, name: str) -> list[torch.Tensor]:
-    q = sec[f"{name}.q"]
-    return [q, sec[f"{name}.sz" if q.dtype == torch.uint8 else f"{name}.s"]]
+    """(q, its scales) of one weight: the C++ side tells the scheme by their dtypes."""
+    for scale in ("s", "sz", "d"):
+        if f"{name}.{scale}" in sec:
+            return [sec[f"{name}.q"], sec[f"{name}.{scale}"]]
+    raise KeyError(f"{name}: no scale section")
 
 
 def linear(

@@ -90,8 +90,8 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:  # bf16 scheme
         return q.to(dtype)
-    if q.dtype == torch.int8:
-        s = sec[f"{name}.s"]  # [N, K/g]
+    if q.dtype == torch.int8 or f"{name}.d" in sec:  # int8, or q4_0 as (q - 8) and its d
+        q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
         return (q.view(n, k // group_size, group_size) * s[..., None]).view(n, k).to(dtype)
     sz = sec[f"{name}.sz"].float()  # [K/g, N, 2]
@@ -114,16 +114,27 @@ def dequantize_rows(
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:
         return q[rows].to(dtype)
-    if q.dtype == torch.int8:
-        s = sec[f"{name}.s"][rows]  # [T, K/g]
-        t, k = rows.shape[0], q.shape[1]
-        return (q[rows].view(t, k // group_size, group_size) * s[..., None]).view(t, k).to(dtype)
+    if q.dtype == torch.int8 or f"{name}.d" in sec:
+        q, s = _symmetric({k: v[rows] for k, v in sec.items() if k.startswith(f"{name}.")}, name)
+        t, k = q.shape
+        return (q.view(t, k // group_size, group_size) * s[..., None]).view(t, k).to(dtype)
     sz = sec[f"{name}.sz"][:, rows].float()  # [K/g, T, 2]
     w = unpack_int4_rows(q, rows).float()  # [T, K]
     t, k = w.shape
     s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
     w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)
     return w.to(dtype)
+
+
+def _symmetric(sec: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A symmetric weight's (q [N, K], scale fp32 [N, K/g]), w = q * scale per group: int8 as
+    stored; q4_0 unpacked to q - 8 (int8) with its fp16 d widened (exact)."""
+    from moestream.quant import unpack_q4_0
+
+    if f"{name}.d" in sec:
+        q = unpack_q4_0(sec[f"{name}.q"]).to(torch.int8) - 8
+        return q, sec[f"{name}.d"].float()
+    return sec[f"{name}.q"], sec[f"{name}.s"]
 
 
 def qlinear_ref(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch.Tensor:
@@ -168,20 +179,21 @@ def qlinear_q8(
     """x [T, K] -> [T, N] fp32 as the native kernels compute it: x quantized per block (int8, or
     int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
     < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
-    per block int8: (s * d) * dot; int4: d * (s * (dot - 8 * sum q) + z * sum q); added in block
-    order."""
+    per block int8 and q4_0 (its weights q - 8, scale d): (s * d) * dot; int4:
+    d * (s * (dot - 8 * sum q) + z * sum q); added in block order."""
     from moestream.quant import unpack_int4
 
     q8, d = quantize_act(x, group_size, 32767 if wide else 127)  # [T, nb, g], [T, nb]
     wq = sec[f"{name}.q"]
-    if wq.dtype == torch.int8:
+    if wq.dtype == torch.int8 or f"{name}.d" in sec:  # q4_0: weights q - 8, scale d
+        wq, ws = _symmetric(sec, name)
         n, k = wq.shape
         wb = wq.view(n, k // group_size, group_size)
         if wide:
             dots = torch.einsum("tbg,nbg->tnb", q8.double(), wb.double()).float()
         else:
             dots = torch.einsum("tbg,nbg->tnb", q8, wb.float())
-        terms = (sec[f"{name}.s"][None] * d[:, None, :]) * dots  # [T, N, nb]
+        terms = (ws[None] * d[:, None, :]) * dots  # [T, N, nb]
     else:
         w = unpack_int4(wq).float()
         n, k = w.shape

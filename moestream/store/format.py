@@ -7,6 +7,8 @@ crc32s the manifest's "files" holds (stores written before it have none and open
 Version 2: a dense weight that convert quantized (quant.DenseQuant) is stored as its sections
 `{name}.q` and `{name}.s` / `{name}.sz`; the manifest's "dense_formats" names its scheme and shape,
 "dense" / "dense_dtypes" hold the crc32 and dtype of every stored tensor, sections included.
+Version 3 adds the q4_0 scheme (GGUF Q4_0 blocks: `q` nibbles + `d` fp16), for experts and dense
+weights; version 2 stores are read as they are.
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -27,7 +29,8 @@ from moestream.models import model_args_from_dict
 from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_sections
 
 FORMAT = "moestream-store"
-VERSION = 2  # 2: quantized dense weights (dense_formats)
+VERSION = 3  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme
+READS = (2, 3)  # a version-2 store is a version-3 one without q4_0: still read
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (
@@ -131,10 +134,10 @@ def check_manifest(m, path: Path) -> None:
 
     if not isinstance(m, dict):
         bad(f"a JSON {type(m).__name__}, not an object")
-    if m.get("format") != FORMAT or m.get("version") != VERSION:
+    if m.get("format") != FORMAT or m.get("version") not in READS:
         bad(
             f"format {m.get('format')!r} version {m.get('version')!r}, this moestream reads "
-            f"{FORMAT!r} version {VERSION}"
+            f"{FORMAT!r} version {' or '.join(map(str, READS))}"
         )
     is_crc = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32  # noqa: E731
     rules = {  # key -> (required, check of each value)

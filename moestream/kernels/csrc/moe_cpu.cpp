@@ -1,4 +1,4 @@
-// Native CPU kernels for moestream's int4 / int8 expert records, read in place (no repack).
+// Native CPU kernels for moestream's int4 / int8 / q4_0 expert records, read in place (no repack).
 // Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
 //   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
 //   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
@@ -86,13 +86,19 @@ void quantize_row(const float* x, QAct& a, int r) {
   }
 }
 
-// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], or int8 q [N, K] + s fp32 [N, K/32].
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2 };
+
+// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], int8 q [N, K] + s fp32
+// [N, K/32], or q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
+// d fp16 [N, K/32].
 struct Weight {
   const uint8_t* q;
   const void* s;
   int N, K;
-  bool int4;
+  Kind kind;
 };
+
+float fp16(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
 
 float bf16(uint16_t v) {
   uint32_t u = (uint32_t)v << 16;
@@ -133,6 +139,26 @@ void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
       int32_t dot = 0;
       for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
       acc = acc + (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot;
+    }
+    y[r - r0] = acc;
+  }
+}
+
+// q4_0: per block (d_w * d_x) * sum((q - 8) * x), as int8 with its weights q - 8.
+void q4_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const uint16_t* d = (const uint16_t*)w.s;
+  const int8_t* xq = a.qr(t);
+  for (int r = r0; r < r0 + n; ++r) {
+    const uint8_t* q = w.q + (size_t)r * w.K / 2;
+    float acc = 0.f;
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot = 0;
+      for (int i = 0; i < G / 2; ++i) {
+        dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
+        dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
+      }
+      acc = acc + (fp16(d[(size_t)r * nb + j]) * a.dr(t)[j]) * (float)dot;
     }
     y[r - r0] = acc;
   }
@@ -265,15 +291,65 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
   *y = acc;
 }
 
-bool cpu_has_avx2() { return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"); }
+// q4_0, one row front to back: a block's 16 bytes -> 32 u8 nibbles in element order, maddubs with
+// the int8 activations (<= 2 * 15 * 127: no saturation), eight blocks' dots reduced to int32 at
+// once, minus 8 * sum x (exactly sum (q - 8) x); the fp32 terms added in block order.
+__attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int r, const QAct& a, int t,
+                                                            float* y) {
+  const int nb = w.K / G;
+  const uint8_t* q = w.q + (size_t)r * w.K / 2;
+  const uint16_t* dw = (const uint16_t*)w.s + (size_t)r * nb;
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
+  const int32_t* sx = a.sr(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i m4 = _mm_set1_epi8(15);
+  float acc = 0.f, terms[8];
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i p[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+      const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+    }
+    const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(sx + j)), 3);
+    const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
+    const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(d + j));
+    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+  }
+  for (; j < nb; ++j) {  // the last blocks: the scalar path's arithmetic
+    int32_t dot = 0;
+    for (int i = 0; i < G / 2; ++i) {
+      dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
+      dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
+    }
+    acc = acc + (fp16(dw[j]) * d[j]) * (float)dot;
+  }
+  *y = acc;
+}
+
+bool cpu_has_avx2() {
+  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
 
 // Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64) for activation row t -> y[0, n).
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
-  if (w.int4) {
+  TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
+  if (w.kind == kInt4) {
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
   }
-  TORCH_CHECK(!w.int4 || !a.wide, "int16 activations are for int8 weights");
+  if (w.kind == kQ4_0) {
+    if (isa >= kAvx2)
+      for (int i = 0; i < n; ++i) q4_0_row_avx2(w, r0 + i, a, t, y + i);
+    else
+      q4_0_rows_scalar(w, r0, n, a, t, y);
+    return;
+  }
   if (isa >= kAvx2)
     for (int i = 0; i < n; ++i) (a.wide ? int8_row16_avx2 : int8_row_avx2)(w, r0 + i, a, t, y + i);
   else if (a.wide)
@@ -282,15 +358,24 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
     int8_rows_scalar(w, r0, n, a, t, y, a.qr(t));
 }
 
+// The scheme is told by the section dtypes: int8 q + fp32 s, uint8 q + bf16 sz (int4), uint8 q +
+// fp16 d (q4_0).
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
-  const bool int4 = q.scalar_type() == torch::kUInt8;
-  TORCH_CHECK(int4 || q.scalar_type() == torch::kInt8, "weights must be int4 (uint8) or int8");
-  TORCH_CHECK(s.scalar_type() == (int4 ? torch::kBFloat16 : torch::kFloat32), "unexpected scale dtype");
-  const int N = (int)q.size(0), K = (int)q.size(1) * (int4 ? 2 : 1);
-  TORCH_CHECK(K % G == 0 && (!int4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
-  TORCH_CHECK(s.numel() == (int64_t)N * K / G * (int4 ? 2 : 1), "scale section has the wrong size");
-  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, int4};
+  const auto qt = q.scalar_type(), st = s.scalar_type();
+  Kind kind;
+  if (qt == torch::kInt8 && st == torch::kFloat32)
+    kind = kInt8;
+  else if (qt == torch::kUInt8 && st == torch::kBFloat16)
+    kind = kInt4;
+  else if (qt == torch::kUInt8 && st == torch::kHalf)
+    kind = kQ4_0;
+  else
+    TORCH_CHECK(false, "weights must be int8 + fp32, int4 (uint8) + bf16, or q4_0 (uint8) + fp16");
+  const int N = (int)q.size(0), K = (int)q.size(1) * (kind == kInt8 ? 1 : 2);
+  TORCH_CHECK(K % G == 0 && (kind != kInt4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
+  TORCH_CHECK(s.numel() == (int64_t)N * K / G * (kind == kInt4 ? 2 : 1), "scale section has the wrong size");
+  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, kind};
 }
 
 int64_t resolve(int64_t isa) {
@@ -357,7 +442,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     for (int t = 0; t < T; ++t)
       rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
   });
-  QAct act(E * T, I, !w2[0].int4);  // row e * T + t
+  QAct act(E * T, I, w2[0].kind == kInt8);  // row e * T + t
   at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) act_quantize(h.data(), I, act, (int)r);
   });
@@ -380,7 +465,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [T, K] through one int4/int8 weight -> [T, N] fp32");
+  m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0 weight -> [T, N] fp32");
   m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
