@@ -4,6 +4,7 @@ arguments refused before anything loads."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -101,6 +102,30 @@ def test_dense_bytes_count_the_head_whole_and_one_embedding_row(tiny_dir):
         )
         row = embed.shape[1] * embed.element_size()
         assert dense_bytes_per_token(m) == others + row + head.numel() * head.element_size()
+
+
+def test_dense_bytes_of_a_quantized_dense_store(tiny_dir, tmp_path):
+    """Quantized dense weights count as their sections; the tied table (int8 under int4) whole,
+    once, as the output layer's read."""
+    from moestream.convert.writer import convert
+    from moestream.quant import make_dense, make_scheme
+    from moestream.runtime import open_model
+
+    scheme = make_scheme("int4")
+    dense = dataclasses.replace(make_dense("auto", scheme), min_params=0)  # tiny: all of them
+    store = convert(tiny_dir("qwen3_moe"), tmp_path / "s", scheme, False, dense)
+    with open_model(store) as rt:
+        m = rt.model
+        want = sum(
+            t.numel() * t.element_size()
+            for t in {t.data_ptr(): t for t in [*m.parameters(), *m.buffers()]}.values()
+        )
+        head = sum(t.numel() * t.element_size() for t in m.lm_head.qweight.buffers())
+        embed = sum(t.numel() * t.element_size() for t in m.model.embed_tokens.qweight.buffers())
+        tied = m.lm_head.qweight is m.model.embed_tokens.qweight
+        row = 0 if tied else embed // m.args.vocab_size
+        assert dense_bytes_per_token(m) == want - (0 if tied else embed) + row
+        assert head > 0
 
 
 def test_synthetic_prompt_is_fixed():

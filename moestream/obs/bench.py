@@ -49,13 +49,42 @@ def spread(values: list[float]) -> dict:
 
 
 def dense_bytes_per_token(model) -> int:
-    """Bytes of the non-expert weights one decode step reads: every weight once, the input
-    embedding one row, the output projection whole (also when tied to the embedding)."""
-    embed = model.model.embed_tokens.weight
-    head = model.lm_head.weight
-    rest = [p for p in model.parameters() if p is not embed and p is not head]  # tied: once
-    total = sum(p.numel() * p.element_size() for p in rest)
-    return total + embed.shape[1] * embed.element_size() + head.numel() * head.element_size()
+    """Bytes of the non-expert weights one decode step reads: every weight once (quantized ones as
+    their sections; on a GPU, where they are kept dequantized, that copy), the input embedding
+    one row, the output projection whole (also when tied to the embedding)."""
+    embed, head = model.model.embed_tokens, model.lm_head
+    head_ts = _read_tensors(head)
+    embed_ts = [t for t in _read_tensors(embed) if t.data_ptr() not in _ptrs(head_ts)]  # tied
+    seen = _ptrs(head_ts) | _ptrs(_read_tensors(embed))
+    rest = [t for t in _read_tensors(model) if t.data_ptr() not in seen]
+    rows = embed.num_embeddings
+    return _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
+
+
+def _read_tensors(module) -> list:
+    """The weights a forward through module reads, each storage once."""
+    from moestream.kernels.dense import QuantLinear
+
+    skip, out = set(), []
+    for m in module.modules():
+        if isinstance(m, QuantLinear) and m._float is not None:
+            out.append(m._float[1])  # dequantized once on the GPU: the copy is what is read
+            skip |= _ptrs(m.qweight.buffers())
+    for t in [*module.parameters(), *module.buffers()]:
+        if t is not None and t.data_ptr() not in skip:
+            out.append(t)
+    unique = {}
+    for t in out:
+        unique.setdefault(t.data_ptr(), t)
+    return list(unique.values())
+
+
+def _ptrs(ts) -> set:
+    return {t.data_ptr() for t in ts}
+
+
+def _nbytes(ts) -> int:
+    return sum(t.numel() * t.element_size() for t in ts)
 
 
 def expert_bytes_per_token(rt) -> int | None:
