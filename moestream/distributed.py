@@ -74,8 +74,12 @@ def launch(devices: Devices, fn: Callable[..., int], *args) -> int:
                 "agree (torchrun --nproc-per-node N ... --devices cpu:N)"
             )
         return _run_rank(rank, world, "env://", fn, args, errors=None)
+    import logging
+
     import torch.multiprocessing as mp
 
+    # join's "Terminating process ... via SIGTERM" would precede the one line said below.
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     init = f"tcp://127.0.0.1:{_free_port()}"
     errors = mp.get_context("spawn").SimpleQueue()
     ctx = mp.start_processes(

@@ -32,10 +32,10 @@ TWO = Devices("cpu", 2)
 RANK_THREADS = max(1, len(os.sched_getaffinity(0)) // 2)  # distributed._run_rank's rule
 
 
-def greedy(folder, cfg: StreamConfig) -> tuple[list[int], torch.Tensor]:
+def greedy(folder, cfg: StreamConfig, dtype=torch.float32) -> tuple[list[int], torch.Tensor]:
     """Prefill (the grouped path) then N one-token steps; tokens and every step's logits."""
-    loaded = load_model(folder, cfg)
-    cache = KVCache(loaded.args, len(PROMPT) + N, torch.float32)
+    loaded = load_model(folder, cfg, dtype=dtype)
+    cache = KVCache(loaded.args, len(PROMPT) + N, dtype)
     out, seen = [], []
     with torch.no_grad():
         logits = loaded.model(PROMPT, cache, 0, last_only=True)[-1]
@@ -45,6 +45,14 @@ def greedy(folder, cfg: StreamConfig) -> tuple[list[int], torch.Tensor]:
             logits = loaded.model(torch.tensor([out[-1]]), cache, pos, last_only=True)[-1]
     loaded.provider.close()
     return out, torch.stack(seen)
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def dtypes(arch: str) -> tuple[str, ...]:
+    """bf16 on one architecture: its native one-token sum runs in fp32, prefill's in bf16."""
+    return ("fp32", "bf16") if arch == "qwen3_moe" else ("fp32",)
 
 
 def configs(folder) -> dict[str, StreamConfig]:
@@ -58,8 +66,8 @@ def configs(folder) -> dict[str, StreamConfig]:
 def _ranks_greedy(rank: int, world: int, jobs: list, out: str) -> int:
     """Every job on this rank's shard; rank 0 saves the results."""
     got = {}
-    for key, folder, cfg in jobs:
-        got[key] = greedy(folder, replace(cfg, shard=Shard(rank, world)))
+    for key, folder, cfg, dtype in jobs:
+        got[key] = greedy(folder, replace(cfg, shard=Shard(rank, world)), dtype)
     if rank == 0:
         torch.save(got, out)
     return 0
@@ -90,7 +98,12 @@ def stores(tiny_dir, tmp_path_factory):
 @pytest.fixture(scope="module")
 def parallel(stores, tmp_path_factory):
     """Every architecture and config through one launch of 2 ranks (spawning costs seconds)."""
-    jobs = [((a, name), stores[a], cfg) for a in ARCHS for name, cfg in configs(stores[a]).items()]
+    jobs = [
+        ((a, name, dtype), stores[a], cfg, DTYPES[dtype])
+        for a in ARCHS
+        for name, cfg in configs(stores[a]).items()
+        for dtype in dtypes(a)
+    ]
     out = tmp_path_factory.mktemp("ep-out") / "got.pt"
     assert launch(TWO, _ranks_greedy, jobs, str(out)) == 0
     return torch.load(out)
@@ -111,11 +124,12 @@ def threads(n: int):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_two_ranks_equal_one_process(stores, parallel, arch):
     for name, cfg in configs(stores[arch]).items():
-        with threads(RANK_THREADS):
-            want, want_logits = greedy(stores[arch], cfg)
-        got, logits = parallel[(arch, name)]
-        assert got == want, name
-        assert torch.equal(logits, want_logits), name
+        for dtype in dtypes(arch):
+            with threads(RANK_THREADS):
+                want, want_logits = greedy(stores[arch], cfg, DTYPES[dtype])
+            got, logits = parallel[(arch, name, dtype)]
+            assert got == want, (name, dtype)
+            assert torch.equal(logits, want_logits), (name, dtype)
 
 
 def test_shard_holds_only_its_experts(stores):
@@ -181,3 +195,27 @@ def test_shard_rules():
     with pytest.raises(ConfigError, match="0 <= rank < world"):
         Shard(2, 2)
     assert [Shard(0, 3).owner(e) for e in range(5)] == [0, 1, 2, 0, 1]
+
+
+def test_torchrun_launch_equals_one_process(stores, tmp_path):
+    """Under torchrun (RANK / WORLD_SIZE set) the process is one rank; rank 0 alone prints."""
+    import subprocess
+    import sys
+
+    argv = ["generate", "-m", str(stores["qwen3_moe"]), "-p", "def f(x):", "-n", "5", "--json"]
+    argv += ["-q", "-t", "1"]
+    run = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    port = str(29000 + os.getpid() % 1000)
+    two = subprocess.run(
+        [*run, port, "-m", "moestream", *argv, "--devices", "cpu:2"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )  # fmt: skip
+    assert two.returncode == 0, two.stderr[-2000:]
+    one = subprocess.run(
+        [sys.executable, "-m", "moestream", *argv], capture_output=True, text=True, env=env
+    )
+    (got,) = [json.loads(line) for line in two.stdout.splitlines() if line.startswith("{")]
+    want = json.loads(one.stdout)
+    assert got["ids"] == want["ids"] and got["logprobs"] == want["logprobs"]
+    assert got["mode"]["ranks"] == 2
