@@ -6,12 +6,15 @@ process group over localhost. A rank that dies or hangs ends the run with one na
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
+import tempfile
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 from moestream.config import ConfigError
 from moestream.errors import RankError
@@ -19,6 +22,7 @@ from moestream.errors import RankError
 # Per-collective limit: a layer's all_gather waits this long for a hung peer (a dead one fails at
 # once: its socket closes). Far above one layer's compute, far below "looks like a hang".
 STEP_TIMEOUT = timedelta(seconds=30)
+GRACE = 5.0  # seconds a failed run's other ranks get to exit before they are stopped
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,32 +85,39 @@ def launch(devices: Devices, fn: Callable[..., int], *args) -> int:
     # join's "Terminating process ... via SIGTERM" would precede the one line said below.
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     init = f"tcp://127.0.0.1:{_free_port()}"
-    errors = mp.get_context("spawn").SimpleQueue()
-    ctx = mp.start_processes(
-        _spawned, (devices.count, init, fn, args, errors), devices.count, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    try:
-        while not ctx.join():
-            pass
-    except mp.ProcessExitedException as e:
-        if e.signal_name:  # killed: no message of its own, the others were stopped by join
-            raise RankError(
-                f"rank {e.error_index} died ({e.signal_name}); the other ranks were stopped"
+    with tempfile.TemporaryDirectory(prefix="moestream-ranks-") as errors:
+        ctx = mp.start_processes(
+            _spawned, (devices.count, init, fn, args, errors), devices.count, join=False,
+            start_method="spawn",
+        )  # fmt: skip
+        try:  # after a failure the others get GRACE to report theirs, then SIGTERM, then SIGKILL
+            while not ctx.join(grace_period=GRACE):
+                pass
+        except mp.ProcessExitedException as e:
+            if e.signal_name:  # killed: no message of its own, the others were stopped by join
+                raise RankError(
+                    f"rank {e.error_index} died ({e.signal_name}); the other ranks were stopped"
+                ) from None
+            raise _first_error(errors) or RankError(
+                f"rank {e.error_index} exited with code {e.exit_code}"
             ) from None
-        if not errors.empty():
-            raise errors.get() from None
-        raise RankError(f"rank {e.error_index} exited with code {e.exit_code}") from None
     return 0
 
 
-def _spawned(rank: int, world: int, init: str, fn, args, errors) -> None:
+def _first_error(folder: str) -> BaseException | None:
+    """The exception the first failing rank left in `folder` (files, not a queue: a rank
+    killed while holding a queue's lock would leak its semaphore)."""
+    files = sorted(Path(folder).glob("*.err"), key=lambda f: f.stat().st_mtime_ns)
+    return pickle.loads(files[0].read_bytes()) if files else None
+
+
+def _spawned(rank: int, world: int, init: str, fn, args, errors: str) -> None:
     code = _run_rank(rank, world, init, fn, args, errors)
     if code:
         sys.exit(code)
 
 
-def _run_rank(rank: int, world: int, init: str, fn, args, errors) -> int:
+def _run_rank(rank: int, world: int, init: str, fn, args, errors: str | None) -> int:
     import torch
     import torch.distributed as dist
 
@@ -128,20 +139,20 @@ def _run_rank(rank: int, world: int, init: str, fn, args, errors) -> int:
     except BaseException as e:
         if errors is None:
             raise
-        errors.put(_portable(rank, e))
+        tmp = Path(errors) / f"{rank}.tmp"
+        tmp.write_bytes(pickle.dumps(_portable(rank, e)))
+        tmp.rename(tmp.with_suffix(".err"))  # whole, or not there
         return 1 if isinstance(e, RankError) or not isinstance(e, Exception) else 2
 
 
 def _portable(rank: int, e: BaseException) -> BaseException:
     """The exception as the launcher can re-raise it: itself when it pickles and is a user
     error; else a RankError naming it (its traceback on this rank's real stderr)."""
-    import pickle
-
     from moestream.errors import USER_ERRORS
 
     if isinstance(e, (RankError, *USER_ERRORS)):
         try:
-            pickle.dumps(e)
+            pickle.loads(pickle.dumps(e))  # the launcher must be able to read it back
             return e
         except Exception:
             pass
