@@ -219,3 +219,12 @@ def test_torchrun_launch_equals_one_process(stores, tmp_path):
     want = json.loads(one.stdout)
     assert got["ids"] == want["ids"] and got["logprobs"] == want["logprobs"]
     assert got["mode"]["ranks"] == 2
+
+
+def test_devices_syntax():
+    assert Devices.parse("cpu:2") == Devices.parse("cpu,cpu") == Devices("cpu", 2)
+    assert Devices.parse("cpu") == Devices("cpu", 1)
+    with pytest.raises(ConfigError, match="at least one rank"):
+        Devices.parse("cpu:0")
+    with pytest.raises(ConfigError, match="give cpu:N"):
+        Devices.parse("cpu:1,cuda:0")
