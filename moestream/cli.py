@@ -94,6 +94,12 @@ def _add_generate(sub) -> None:
     p.add_argument(
         "--json", action="store_true", help="print one JSON object instead of streaming text"
     )
+    p.add_argument(
+        "--devices",
+        default=None,
+        help="expert parallelism: cpu:N spawns N CPU ranks (gloo), each holding experts e %% N "
+        "(its own --memory-budget), dense weights on every rank; also under torchrun",
+    )
     _add_guard_arg(p)
     _add_quiet(p)
     p.set_defaults(func=cmd_generate)
@@ -387,6 +393,8 @@ def mode_line(mode: dict) -> str:
             f"experts, {mode['policy']})"
         )
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
+    if mode.get("ranks"):
+        parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")
     if mode.get("predictor"):
         parts.append(f"predictor {mode['predictor']}, routing {mode['routing']}")
     if mode["device"] == "cuda":
@@ -411,9 +419,42 @@ def _expert_stats(s: dict) -> str:
 def cmd_generate(a: argparse.Namespace) -> int:
     from moestream.runtime import open_model
 
+    if a.devices is not None:
+        return _generate_parallel(a)
     _setup_threads(a.threads)
     cfg = _sampling(a)
     with open_model(a.model, dtype=a.dtype, progress=_progress(a), **_store_kwargs(a)) as rt:
+        return _generate(rt, a, cfg)
+
+
+def _generate_parallel(a: argparse.Namespace) -> int:
+    """--devices: every flag checked here, then the ranks run _generate_rank."""
+    from moestream.config import ConfigError
+    from moestream.distributed import Devices, launch
+
+    devices = Devices.parse(a.devices)
+    if a.device != "cpu":
+        raise ConfigError("--devices names every rank's device: drop --device")
+    if a.predictor != "none":
+        raise ConfigError("routing prediction with --devices is not built yet: drop --predictor")
+    _store_kwargs(a)
+    return launch(devices, _generate_rank, a)
+
+
+def _generate_rank(rank: int, world: int, a: argparse.Namespace) -> int:
+    """One rank of --devices: this rank's shard of the experts, the same sampling seed."""
+    from dataclasses import replace
+
+    from moestream.distributed import shared_seed
+    from moestream.experts.config import Shard, StreamConfig
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    kw = _store_kwargs(a)
+    experts = kw.get("experts") or StreamConfig(resident=True, kernel=a.kernel)
+    kw["experts"] = replace(experts, shard=Shard(rank, world))
+    cfg = replace(_sampling(a), seed=shared_seed(a.seed))
+    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **kw) as rt:
         return _generate(rt, a, cfg)
 
 
@@ -983,7 +1024,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     parser = build_parser()
     a = parser.parse_args(argv)
-    from moestream.errors import USER_ERRORS
+    from moestream.errors import USER_ERRORS, RankError
     from moestream.obs.guard import MemoryPressureError
 
     try:
@@ -991,6 +1032,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as e:
         print(f"moestream: error: {e}", file=sys.stderr)
         return 2
+    except RankError as e:
+        print(f"moestream: error: {e}", file=sys.stderr)
+        return 1
     except MemoryPressureError as e:
         print(f"moestream: stopped: {e}", file=sys.stderr)
         return 3

@@ -15,3 +15,8 @@ class TokenizerError(ValueError):
 
 
 USER_ERRORS = (ConfigError, CheckpointError, TokenizerError, FileNotFoundError)
+
+
+class RankError(RuntimeError):
+    """Expert parallelism: another rank died, hung past the timeout or never joined. Not the
+    user's input (exit code 1), but one line naming what stopped, never a hang."""

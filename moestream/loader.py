@@ -4,6 +4,7 @@ the native model and its expert provider.
     HF folder            -> dense weights + every expert in RAM (ResidentExperts)
     store + StreamConfig -> dense weights + StreamingExperts (resident / slot cache) or MmapExperts
     store + GpuConfig    -> dense weights on the GPU + GpuExperts
+    StreamConfig.shard   -> the above restricted to one rank's experts, in ExpertParallel
 
 A store's budget is checked against its manifest before any dense weight is read."""
 
@@ -234,5 +235,9 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
         from moestream.experts.streaming import StreamingExperts
 
         provider = StreamingExperts(store, cfg)
+    if isinstance(cfg, StreamConfig) and cfg.shard is not None:
+        from moestream.experts.parallel import ExpertParallel
+
+        provider = ExpertParallel(provider, cfg.shard)
     model.set_provider(provider)
     return Loaded(store.args, model, provider, folder)

@@ -17,6 +17,27 @@ CPU_KERNELS = ("native", "cpu", "ref")
 
 
 @dataclass(frozen=True, slots=True)
+class Shard:
+    """The experts of every MoE layer one rank of `world` holds: expert e lives on rank
+    e % world. Strided, not contiguous blocks: group-limited routers (DeepSeek-V3, GLM) pick
+    whole runs of neighbouring ids, which blocks would put on one rank, and a layer's decode
+    waits for its busiest rank. Records are read one by one, so contiguity would buy nothing."""
+
+    rank: int
+    world: int
+
+    def __post_init__(self):
+        if self.world < 1 or not 0 <= self.rank < self.world:
+            raise ConfigError(f"rank {self.rank} of {self.world}: need 0 <= rank < world >= 1")
+
+    def owner(self, expert: int) -> int:
+        return expert % self.world
+
+    def experts(self, num_experts: int) -> range:
+        return range(self.rank, num_experts, self.world)
+
+
+@dataclass(frozen=True, slots=True)
 class StreamConfig:
     """Experts of a store on the CPU: every one in RAM (`resident`), a slot cache of
     `memory_budget` bytes fed by the IO pool, or the OS page cache (`io.mode == "mmap"`)."""
@@ -31,6 +52,8 @@ class StreamConfig:
     # A layer's resident experts run while its misses are read (decode and prefill chunks);
     # False = read, then compute (the plain schedule, for ablations: bench_predict.py).
     overlap: bool = True
+    # Expert parallelism (experts/parallel.py): only this rank's experts are held and computed.
+    shard: Shard | None = None
 
     def __post_init__(self):
         if self.kernel not in CPU_KERNELS:
@@ -172,6 +195,9 @@ def slot_count(store: Store, cfg: ExpertsConfig) -> int:
     """Record slots the config gives (every record when resident; 0 for mmap). Raises before
     anything is loaded when the budget cannot hold one token's experts of a layer."""
     total = len(store.crc) * store.args.num_experts
+    if isinstance(cfg, StreamConfig) and cfg.shard is not None:  # a rank holds its shard only
+        check_shard(store, cfg.shard)
+        total = len(store.crc) * len(cfg.shard.experts(store.args.num_experts))
     if cfg.resident:
         return total
     if isinstance(cfg, StreamConfig) and cfg.mmap:
@@ -192,3 +218,13 @@ def slot_count(store: Store, cfg: ExpertsConfig) -> int:
             f"experts x {store.layout.size} bytes per record); raise the budget"
         )
     return min(budget // store.layout.size, total)
+
+
+def check_shard(store: Store, shard: Shard) -> None:
+    """Every rank must own at least one expert of each layer."""
+    E = store.args.num_experts
+    if shard.world > E:
+        raise ConfigError(
+            f"{shard.world} ranks for {E} experts per layer leave ranks without experts; "
+            f"use at most {E} devices"
+        )

@@ -118,6 +118,44 @@ class StoreExperts(ExpertProvider):
             assert not done, "an expert output was never added"
         return out
 
+    # ---- expert parallelism (experts/parallel.py): the routed pairs' terms, then their sum ------
+    def term_dtype(self, x: torch.Tensor) -> torch.dtype:
+        """The dtype of one (token, slot) term before the sum: fp32 out of the native kernels."""
+        return torch.float32 if self.native else x.dtype
+
+    def terms(self, layer: int, x: torch.Tensor, groups: list, weights: torch.Tensor):
+        """The weighted outputs of `groups` [(expert, tok, slot)] (ascending expert id, as
+        group_by_expert gives them), rows in group order: [n pairs, D] in term_dtype, each row
+        exactly the term experts() adds for that pair (same kernel calls, same shapes)."""
+        rows: list = [None] * len(groups)
+        cap = self._capacity()
+        for c in range(0, len(groups), cap):
+            chunk = groups[c : c + cap]
+
+            def run(i, sec, c=c, chunk=chunk):
+                _, t, s = chunk[i]
+                rows[c + i] = self._ffn(x[t], sec) * weights[t, s, None]
+
+            self._resident_run(layer, [e for e, _, _ in chunk], run)
+        if not rows:
+            return torch.empty(0, x.shape[1], dtype=self.term_dtype(x))
+        return torch.cat(rows)
+
+    def combine(self, x: torch.Tensor, ids: torch.Tensor, terms: torch.Tensor) -> torch.Tensor:
+        """terms [T, K, D] summed as experts() sums them: per token in ascending expert id from
+        zero; a native one-token step in fp32 with one cast at the end, else in x's dtype."""
+        order = torch.argsort(ids, dim=1, stable=True)  # [T, K] slots by ascending expert id
+        ranked = terms.gather(1, order[..., None].expand(-1, -1, terms.shape[2])).unbind(1)
+        if x.shape[0] == 1 and self.native:
+            out = torch.zeros(x.shape)
+            for t in ranked:
+                out = out + t
+            return out.to(x.dtype)
+        out = torch.zeros_like(x)
+        for t in ranked:
+            out += t.to(x.dtype)
+        return out
+
 
 class StreamingExperts(StoreExperts, Prefetcher):
     """Slot cache of `memory_budget` bytes (or every record, `resident`) fed by the IO pool.
@@ -128,16 +166,21 @@ class StreamingExperts(StoreExperts, Prefetcher):
         self.layer_op = cfg.resident  # a slot cache computes while its misses are read
         self.n_slots = slot_count(store, cfg)
         self.res = SlotResidency(store, self.n_slots, cfg.policy, cfg.io)
-        if cfg.resident:
+        if cfg.resident:  # every expert of this rank's shard (all of them without one)
+            E = store.args.num_experts
+            mine = list(range(E) if cfg.shard is None else cfg.shard.experts(E))
             for layer in sorted(store.crc):
-                self.res.settle(self.res.begin(layer, list(range(store.args.num_experts))))
+                self.res.settle(self.res.begin(layer, mine))
 
     @property
     def table(self):
         return self.res.table
 
     def describe(self) -> dict:
-        total = len(self.store.crc) * self.store.args.num_experts
+        E = self.store.args.num_experts  # a shard's fraction is of its own experts
+        total = len(self.store.crc) * (
+            E if self.cfg.shard is None else len(self.cfg.shard.experts(E))
+        )
         d = {"experts": "resident" if self.cfg.resident else "slot cache",
              "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
         if not self.cfg.resident:
