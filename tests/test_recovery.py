@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -179,11 +177,24 @@ def test_training_steps_lower_the_distillation_loss(student, tiny_dir):
     assert eval_loss(tr, wins) < before - 1e-3
 
 
-def _cli(*args, check=False):
-    return subprocess.run(
-        [sys.executable, "-m", "moestream", *map(str, args)], capture_output=True, text=True,
-        check=check,
-    )  # fmt: skip
+class _Run:
+    def __init__(self, code: int, out: str, err: str):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+
+@pytest.fixture
+def cli(capsys):
+    """moestream's main in this process (a subprocess per call would import torch again)."""
+    from moestream.cli import main
+
+    def run(*args, check=False):
+        capsys.readouterr()
+        code = main([str(x) for x in args])
+        out, err = capsys.readouterr()
+        assert not check or code == 0, err
+        return _Run(code, out, err)
+
+    return run
 
 
 @pytest.fixture
@@ -194,7 +205,7 @@ def hf_with_heads(tiny_dir, tmp_path):
     return src
 
 
-def test_adapter_is_found_disabled_and_named_in_the_mode(hf_with_heads):
+def test_adapter_is_found_disabled_and_named_in_the_mode(hf_with_heads, cli):
     src = hf_with_heads
     model = load_model(src).model
     info = add_adapter(model, rank=4, alpha=8.0)
@@ -212,46 +223,48 @@ def test_adapter_is_found_disabled_and_named_in_the_mode(hf_with_heads):
     with open_model(src, **kw) as rt:  # exact routing never loads it
         assert rt.mode["lora"] is None and not adapter_modules(rt.model)
     assert not torch.allclose(with_lora, without, atol=1e-4)
-    r = _cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
-             "--predictor", "prerouter", "--routing", "predicted", "-t", "1", check=True)  # fmt: skip
+    r = cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
+             "--predictor", "prerouter", "--routing", "predicted", check=True)  # fmt: skip
     assert "lora r4 on" in r.stderr and ADAPTER_FILE in r.stderr
 
 
-def test_missing_corrupt_and_mismatched_adapter_files_are_clear_errors(hf_with_heads, tiny_dir):
+def test_missing_corrupt_and_mismatched_adapter_files_are_clear_errors(
+    hf_with_heads, tiny_dir, cli
+):
     src = hf_with_heads
     gen = ["generate", "-m", src, "-p", "def", "-n", "2", "--predictor", "prerouter"]
-    gen += ["--routing", "predicted", "-t", "1"]
+    gen += ["--routing", "predicted"]
     missing = src / "none.lora"
-    r = _cli(*gen, "--lora", missing)
+    r = cli(*gen, "--lora", missing)
     assert r.returncode == 2 and str(missing) in r.stderr and "Traceback" not in r.stderr
     bad = src / ADAPTER_FILE
     bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
-    r = _cli(*gen)
+    r = cli(*gen)
     assert r.returncode == 2 and str(bad) in r.stderr and "not a readable" in r.stderr
     other = load_model(tiny_dir("olmoe")).model  # another model: its routers differ
     save_adapter(other, add_adapter(other, 2, 2.0), bad)
-    r = _cli(*gen)
+    r = cli(*gen)
     assert r.returncode == 2 and "another model" in r.stderr and str(bad) in r.stderr
     model = load_model(src).model
     with pytest.raises(AdapterError, match="another model"):
         load_adapter(model, bad)
     assert not adapter_modules(model)  # nothing attached by a refused file
-    r = _cli("generate", "-m", src, "-p", "x", "--lora", bad)
+    r = cli("generate", "-m", src, "-p", "x", "--lora", bad)
     assert r.returncode == 2 and "--routing predicted" in r.stderr
-    r = _cli(*gen, "--lora", bad, "--no-lora")
+    r = cli(*gen, "--lora", bad, "--no-lora")
     assert r.returncode == 2 and "contradict" in r.stderr
 
 
-def test_train_recovery_is_deterministic_and_eval_compares(hf_with_heads, tmp_path):
+def test_train_recovery_is_deterministic_and_eval_compares(hf_with_heads, tmp_path, cli):
     src = hf_with_heads
     corpus = tmp_path / "corpus.txt"
     corpus.write_text(TEXT)
     outs = []
     for i in range(2):
         out = tmp_path / f"a{i}.lora"
-        r = _cli("train-recovery", "-m", src, "--corpus", corpus, "--quant", "int8", "--rank", 2,
+        r = cli("train-recovery", "-m", src, "--corpus", corpus, "--quant", "int8", "--rank", 2,
                  "--steps", 3, "--batch", 1, "--ctx", 16, "--on-policy-steps", 1,
-                 "--gen-tokens", 4, "--seed", 3, "-o", out, "-t", 1, "--json", check=True)  # fmt: skip
+                 "--gen-tokens", 4, "--seed", 3, "-o", out, "--json", check=True)  # fmt: skip
         rep = json.loads(r.stdout)
         assert [h["stage"] for h in rep["history"]] == [2, 2, 2, 3]
         outs.append(out.read_bytes())
@@ -259,8 +272,8 @@ def test_train_recovery_is_deterministic_and_eval_compares(hf_with_heads, tmp_pa
     shutil.copy(tmp_path / "a0.lora", src / ADAPTER_FILE)
     text = tmp_path / "eval.txt"
     text.write_text(TEXT[:400])
-    r = _cli("eval", "-m", src, "--text", text, "--quant", "int8", "--resident", "--ctx", 24,
-             "--max-tokens", 48, "--compare", "--json", "-t", 1, check=True)  # fmt: skip
+    r = cli("eval", "-m", src, "--text", text, "--quant", "int8", "--resident", "--ctx", 24,
+             "--max-tokens", 48, "--compare", "--json", check=True)  # fmt: skip
     rows = json.loads(r.stdout)["rows"]
     assert [x["name"] for x in rows] == ["exact", "predicted", "predicted + adapter"]
     assert rows[0]["lora"] is None and rows[1]["lora"] is None and rows[2]["lora"]["rank"] == 2
