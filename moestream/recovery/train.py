@@ -4,8 +4,8 @@ routers, the prerouter heads and the experts stay frozen, only the LoRA A/B matr
 Stage 2 (`distill_step`): windows of the reference corpus run through the student path
 (`StudentPath`: routing forced through the prerouter, as decode runs it) and the adapter learns
 the fp32 teacher's (exact routing) next-token distribution at every position: target "teacher"
-= cross-entropy to the teacher's softmax (forward KL plus a constant), or "text" = plain SFT on
-the corpus tokens. Teacher targets on corpus text, rather than sampled teacher text: greedy
+= KL(teacher || student) (cross-entropy to the teacher's softmax less its entropy), or "text" =
+plain SFT on the corpus tokens. Teacher targets on corpus text, rather than sampled teacher text: greedy
 continuations of this model loop (models/pystd-moe-29m/README.md), sampling one token per
 position on the CPU costs a forward per token, and the full distribution is a denser signal
 than one sampled token (it is the expectation of SFT on the teacher's samples).
@@ -93,8 +93,10 @@ def logits_of(model, ids: list[int]) -> torch.Tensor:
 
 
 def distill_loss(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Mean over positions of cross-entropy(teacher softmax, student): KL(teacher||student) + H."""
-    return -(teacher.softmax(-1) * student.log_softmax(-1)).sum(-1).mean()
+    """Mean over positions of KL(teacher || student): the cross-entropy to the teacher's softmax
+    less its entropy (same gradients; the entropy would hide the progress in the loss curve)."""
+    lt = teacher.log_softmax(-1)
+    return (lt.exp() * (lt - student.log_softmax(-1))).sum(-1).mean()
 
 
 def tail_topk_reverse_kl(student: torch.Tensor, teacher: torch.Tensor, k: int) -> torch.Tensor:
