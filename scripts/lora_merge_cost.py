@@ -51,6 +51,24 @@ def quantize_targets(model, scheme) -> int:
     return n
 
 
+def weight_stats(model, scheme) -> dict:
+    """RMS of the weight deltas (alpha/r) B A, of the weights, and of the quantization error."""
+    d2 = w2 = e2 = n = 0.0
+    with torch.no_grad():
+        for name, m in adapter_modules(model).items():
+            owner, proj = lora_sites(model)[name]
+            w = getattr(owner, proj).weight.float()
+            d2 += float((m.scale * (m.B @ m.A)).pow(2).sum())
+            w2 += float(w.pow(2).sum())
+            e2 += float((requantized(w, scheme) - w).pow(2).sum())
+            n += w.numel()
+    return {
+        "delta_w_rms": (d2 / n) ** 0.5,
+        "w_rms": (w2 / n) ** 0.5,
+        "quant_err_rms": (e2 / n) ** 0.5,
+    }
+
+
 def merge(model, scheme) -> None:
     """Fold each adapter into its (quantized) base weight and quantize again; adapters removed."""
     with torch.no_grad():
@@ -80,6 +98,7 @@ def main() -> None:
     with torch.no_grad():
         info = load_adapter(model, a.lora)
         n_targets = len(adapter_modules(model))
+        ws = weight_stats(model, scheme)
         quantized = quantize_targets(model, scheme)  # the base: targets in `scheme`
         unmerged = torch.cat([logits_of(model, w) for w in wins])
         kept = {n: (o, dict(o.lora)) for n, (o, _) in lora_sites(model).items()}
@@ -96,10 +115,11 @@ def main() -> None:
         "quantized_projections": quantized,
         "scheme": a.scheme,
         "rank": info.rank,
-        "delta_rms_unmerged": float(du.pow(2).mean().sqrt()),
+        "logit_delta_rms": float(du.pow(2).mean().sqrt()),
         "kept": float((dm * du).sum() / (du * du).sum()),
         "rel_err": float((dm - du).norm() / du.norm()),
         "positions": base.shape[0],
+        **ws,
     }
     print(json.dumps(out))
 
