@@ -279,3 +279,15 @@ def test_train_recovery_is_deterministic_and_eval_compares(hf_with_heads, tmp_pa
     assert rows[0]["lora"] is None and rows[1]["lora"] is None and rows[2]["lora"]["rank"] == 2
     assert rows[1]["provider"]["predict_forced_layers"] > 0
     assert rows[1]["kl_mean"] != rows[2]["kl_mean"]
+
+
+def test_train_recovery_refuses_bad_input_in_one_line(tiny_dir, tmp_path, cli):
+    corpus = tmp_path / "c.txt"
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus)
+    assert r.returncode == 2 and str(corpus) in r.stderr  # no such file
+    corpus.write_text(TEXT)
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus, "--rank", 0)
+    assert r.returncode == 2 and "--rank 0" in r.stderr
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus, "--quant", "int8")
+    assert r.returncode == 2 and "prerouter.heads" in r.stderr and "train-prerouter" in r.stderr
+    assert "Traceback" not in r.stderr
