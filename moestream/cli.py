@@ -201,6 +201,16 @@ def _add_store_args(p) -> None:
         choices=[1, 2],
         help="stale gate: name the experts of the next 1 or 2 layers (2: earlier, lower recall)",
     )
+    g.add_argument(
+        "--lora",
+        default=None,
+        metavar="PATH",
+        help="recovery adapter for --routing predicted (default: recovery.lora beside the model "
+        "or store, used with --predictor prerouter when present; make it with train-recovery)",
+    )
+    g.add_argument(
+        "--no-lora", action="store_true", help="predicted routing without the recovery adapter"
+    )
 
 
 def _predict_config(a: argparse.Namespace):
@@ -212,6 +222,8 @@ def _predict_config(a: argparse.Namespace):
         trace=getattr(a, "oracle_trace", None),
         min_score=getattr(a, "min_score", 0.0),
         ahead=getattr(a, "predict_ahead", 1),
+        lora=getattr(a, "lora", None),
+        use_lora=not getattr(a, "no_lora", False),
     )
 
 
@@ -397,6 +409,9 @@ def mode_line(mode: dict) -> str:
         parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")
     if mode.get("predictor"):
         parts.append(f"predictor {mode['predictor']}, routing {mode['routing']}")
+    if mode.get("lora"):
+        lo = mode["lora"]
+        parts.append(f"lora r{lo['rank']} on {lo['targets']} projections ({lo['path']})")
     if mode["device"] == "cuda":
         graph = "cuda graph, compiled step" if mode.get("compiled_step") else "cuda graph"
         parts.append(graph if mode["cuda_graph"] else "eager")
@@ -833,9 +848,136 @@ def _add_predict(sub) -> None:
         "was converted from, as its manifest records; for a Hugging Face folder, itself)",
     )
     p.add_argument("--no-reference", action="store_true", help="perplexity only")
+    p.add_argument(
+        "--compare",
+        action="store_true",
+        help="one table: exact, predicted (prerouter) and predicted + recovery adapter",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     _add_quiet(p)
     p.set_defaults(func=cmd_eval)
+
+
+def _add_recovery(sub) -> None:
+    p = sub.add_parser(
+        "train-recovery",
+        help="train the recovery adapter for --routing predicted (Edge0 stages 2 and 3)",
+    )
+    p.add_argument("-m", "--model", required=True, help="Hugging Face folder or store")
+    p.add_argument(
+        "--corpus",
+        required=True,
+        help="UTF-8 training text (the reference corpus: data/corpus/train.txt from "
+        "scripts/build_corpus.py)",
+    )
+    p.add_argument(
+        "--quant",
+        default=None,
+        choices=["bf16", "int8", "int4"],
+        help="expert format of the student (a Hugging Face folder is converted once; default bf16)",
+    )
+    p.add_argument("--rank", type=int, default=8, help="LoRA rank (default 8)")
+    p.add_argument("--alpha", type=float, default=16.0, help="LoRA alpha (default 16)")
+    p.add_argument("--steps", type=int, default=200, help="stage-2 steps (default 200)")
+    p.add_argument("--batch", type=int, default=2, help="windows per step (default 2)")
+    p.add_argument("--ctx", type=int, default=256, help="tokens per window (default 256)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument(
+        "--target",
+        default="teacher",
+        choices=["teacher", "text"],
+        help="stage 2: the fp32 teacher's distribution (default) or the corpus tokens (SFT)",
+    )
+    p.add_argument(
+        "--on-policy-steps", type=int, default=0, help="stage-3 steps after stage 2 (default 0)"
+    )
+    p.add_argument("--gen-tokens", type=int, default=32, help="stage 3: tokens sampled")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("-o", "--out", default=None, help="adapter file (default: beside -m)")
+    p.add_argument("--plot", default=None, help="PNG of the loss curve (needs matplotlib)")
+    _add_threads(p)
+    p.add_argument("--json", action="store_true", help="print the run's report as JSON")
+    p.set_defaults(func=cmd_train_recovery)
+
+
+def cmd_train_recovery(a: argparse.Namespace) -> int:
+    from moestream.config import ConfigError
+    from moestream.experts.config import StreamConfig
+    from moestream.quality.eval import oracle_folder
+    from moestream.recovery.adapter import ADAPTER_FILE, file_sha256, save_adapter
+    from moestream.recovery.train import RecoveryConfig, fit
+    from moestream.runtime import open_model
+
+    _setup_threads(a.threads)
+    cfg = RecoveryConfig(
+        rank=a.rank, alpha=a.alpha, steps=a.steps, batch=a.batch, ctx=a.ctx, lr=a.lr,
+        target=a.target, on_policy_steps=a.on_policy_steps, gen_tokens=a.gen_tokens, seed=a.seed,
+    )  # fmt: skip
+    try:
+        text = Path(a.corpus).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"--corpus {a.corpus}: cannot read it ({e})") from e
+    teacher_dir, _ = oracle_folder(a.model, None)
+    # ref kernels: the dequantizing torch spec, differentiable with respect to the activations
+    experts = StreamConfig(resident=True, kernel="ref")
+    with open_model(a.model, progress=not a.json, experts=experts, quant=a.quant) as rt:
+        heads, heads_path = _recovery_heads(rt)
+        with open_model(teacher_dir, dtype="float32") as teacher:
+            info, history = _fit_with_bar(rt, teacher.model, heads, cfg, text, a.json, fit)
+        out = Path(a.out) if a.out else Path(a.model) / ADAPTER_FILE
+        from dataclasses import replace
+
+        save_adapter(rt.model, replace(info, heads=file_sha256(heads_path)), out)
+    if a.plot:
+        from moestream.obs.plots import plot_loss
+
+        plot_loss(history, a.plot, f"train-recovery: rank {a.rank}, {a.target} target")
+    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
+    report = {"out": str(out), "config": {**vars(a), "func": None}, "heads": str(heads_path),
+              "loss_first10": sum(h["loss"] for h in first) / len(first),
+              "loss_last10": sum(h["loss"] for h in last) / len(last), "history": history}  # fmt: skip
+    if a.json:
+        print(json.dumps(report))
+    else:
+        print(
+            f"loss {report['loss_first10']:.4f} -> {report['loss_last10']:.4f} (mean of the "
+            f"first / last 10 steps); wrote {out}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _recovery_heads(rt):
+    """The prerouter heads the student routes through (found as --predictor prerouter finds them)."""
+    from moestream.config import ConfigError
+    from moestream.predict.pipeline import make_predictor
+    from moestream.predict.prerouter import HEADS_FILE, PrerouterHeads, find_heads
+
+    found = find_heads(*rt.sources)
+    if found is None:
+        raise ConfigError(
+            f"train-recovery routes through the prerouter heads ({HEADS_FILE}); none in "
+            f"{', '.join(str(f) for f in dict.fromkeys(rt.sources))}; make them with "
+            "`moestream train-prerouter -m PATH --traces TRACE`"
+        )
+    heads = PrerouterHeads.load(found)
+    make_predictor("prerouter", rt.model, heads=heads)  # the shape check
+    return heads, found
+
+
+def _fit_with_bar(rt, teacher, heads, cfg, text: str, quiet: bool, fit):
+    from tqdm import tqdm
+
+    bar = tqdm(total=cfg.steps + cfg.on_policy_steps, desc="train-recovery", disable=quiet)
+
+    def step(h):
+        bar.set_postfix(stage=h["stage"], loss=f"{h['loss']:.4f}")
+        bar.update()
+
+    try:
+        return fit(rt, teacher, heads, cfg, text, step)
+    finally:
+        bar.close()
 
 
 def _add_recall(sub) -> None:
@@ -939,7 +1081,7 @@ def _eval_window(a: argparse.Namespace, ids: list[int], context: int) -> int:
     return a.ctx
 
 
-def _evaluate(a: argparse.Namespace, cand, ref, ids: list[int], ctx: int) -> dict:
+def _evaluate(a: argparse.Namespace, cand, ref, ids: list[int], ctx: int, stepwise: bool) -> dict:
     """evaluate() under a bar of the tokens scored (_progress decides whether it shows)."""
     from tqdm import tqdm
 
@@ -952,46 +1094,25 @@ def _evaluate(a: argparse.Namespace, cand, ref, ids: list[int], ctx: int) -> dic
             ref,
             ids,
             ctx,
-            stepwise=a.routing == "predicted",
+            stepwise=stepwise,
             log=lambda w, n: bar.update(n - 1),
         )
 
 
 def cmd_eval(a: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from moestream.quality.eval import oracle_folder
-    from moestream.runtime import open_model
 
     _setup_threads(a.threads)
     oracle, why = (None, None) if a.no_reference else oracle_folder(a.model, a.reference)
-    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **_store_kwargs(a)) as cand:
-        ref = None
-        if oracle is not None:
-            ref = open_model(oracle, dtype="float32", progress=_progress(a))
-        ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
-        ctx = _eval_window(a, ids, cand.args.max_position_embeddings)
-        try:
-            out = _evaluate(a, cand, ref, ids, ctx)
-        finally:
-            if ref is not None:
-                ref.close()
-        out["provider"] = cand.provider.stats()
-    out["config"] = {
-        "model": str(a.model),
-        "dtype": a.dtype,
-        "quant": a.quant,
-        "predictor": a.predictor,
-        "routing": a.routing,
-        "reference": None if oracle is None else str(oracle),
-        "reference_from": why,
-        "ctx": ctx,
-    }
+    if a.compare:
+        return _eval_compare(a, oracle, why)
+    out = _eval_one(a, _store_kwargs(a), oracle)
+    out["config"] = _eval_config(a, oracle, why, out.pop("ctx"), out.pop("lora"))
     if a.json:
         print(json.dumps(out))
         return 0
     print(f"perplexity {out['perplexity']:.4f} +/- {out['stderr']:.4f} ({out['tokens']} tokens)")
-    if ref is not None:
+    if oracle is not None:
         o = out["oracle"]
         print(f"oracle     {o['perplexity']:.4f} +/- {o['stderr']:.4f} (fp32: {oracle}, {why})")
         print(
@@ -999,6 +1120,102 @@ def cmd_eval(a: argparse.Namespace) -> int:
             f"KL mean {out['kl_mean']:.5f} max {out['kl_max']:.4f}"
         )
     return 0
+
+
+def _eval_one(a: argparse.Namespace, kw: dict, oracle) -> dict:
+    """One candidate configuration (open_model keywords) against the oracle over --text."""
+    from pathlib import Path
+
+    from moestream.runtime import open_model
+
+    with open_model(a.model, dtype=a.dtype, progress=_progress(a), **kw) as cand:
+        ref = None
+        if oracle is not None:
+            ref = open_model(oracle, dtype="float32", progress=_progress(a))
+        ids = cand.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: a.max_tokens]
+        ctx = _eval_window(a, ids, cand.args.max_position_embeddings)
+        try:
+            out = _evaluate(a, cand, ref, ids, ctx, kw["predict"].routing == "predicted")
+        finally:
+            if ref is not None:
+                ref.close()
+        out["provider"] = cand.provider.stats()
+        out["lora"] = cand.mode["lora"]
+    out["ctx"] = ctx
+    return out
+
+
+def _eval_config(a, oracle, why, ctx: int, lora) -> dict:
+    return {
+        "model": str(a.model),
+        "dtype": a.dtype,
+        "quant": a.quant,
+        "predictor": a.predictor,
+        "routing": a.routing,
+        "lora": lora,
+        "reference": None if oracle is None else str(oracle),
+        "reference_from": why,
+        "ctx": ctx,
+    }
+
+
+# `eval --compare`: the configurations of the prediction-as-routing quality gate.
+COMPARE = (
+    ("exact", dict(predictor="none", routing="exact")),
+    ("predicted", dict(predictor="prerouter", routing="predicted", use_lora=False)),
+    ("predicted + adapter", dict(predictor="prerouter", routing="predicted")),
+)
+
+
+def _eval_compare(a: argparse.Namespace, oracle, why) -> int:
+    """Exact, predicted (prerouter) and predicted + recovery adapter in one table."""
+    from dataclasses import replace
+
+    from moestream.config import ConfigError
+
+    if a.predictor != "none" or a.routing != "exact" or a.no_lora:
+        raise ConfigError(
+            "--compare runs exact, predicted (--predictor prerouter) and predicted + adapter "
+            "itself: drop --predictor, --routing and --no-lora (--lora PATH picks the adapter)"
+        )
+    lora, a.lora = a.lora, None  # only the adapter row takes --lora
+    kw = _store_kwargs(a)
+    rows = []
+    for name, over in COMPARE:
+        if name == "predicted + adapter":
+            over = {**over, "lora": lora}
+        out = _eval_one(a, {**kw, "predict": replace(kw["predict"], **over)}, oracle)
+        if name == "predicted + adapter" and out["lora"] is None:
+            raise ConfigError(
+                "--compare: no recovery adapter (recovery.lora beside the model or store, or "
+                "--lora PATH); make one with `moestream train-recovery`"
+            )
+        rows.append({"name": name, **out})
+    cfg = _eval_config(a, oracle, why, rows[0]["ctx"], rows[-1]["lora"])
+    if a.json:
+        print(json.dumps({"rows": rows, "config": {**cfg, "predictor": "compare"}}))
+        return 0
+    print(format_compare(rows, oracle is not None))
+    return 0
+
+
+def format_compare(rows: list[dict], with_oracle: bool) -> str:
+    head = "| configuration | PPL +- stderr | flips | ties | KL mean (nats) | prediction recall |"
+    lines = [head, "|---|---|---|---|---|---|"]
+    if with_oracle:
+        o = rows[0]["oracle"]
+        lines.append(f"| fp32 oracle | {o['perplexity']:.3f} +- {o['stderr']:.3f} | | | | |")
+    for r in rows:
+        p = r["provider"]
+        rec = p.get("predict_correct", 0) / p["predict_routed"] if p.get("predict_routed") else None
+        cells = [r["name"], f"{r['perplexity']:.3f} +- {r['stderr']:.3f}"]
+        if with_oracle:
+            cells += [f"{r['flips']}/{r['positions']}", str(r["ties"]), f"{r['kl_mean']:.4f}"]
+        else:
+            cells += ["", "", ""]
+        cells.append("" if rec is None else f"{100 * rec:.1f}%")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1014,6 +1231,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_obs(sub)
     _add_predict(sub)
+    _add_recovery(sub)
     _add_recall(sub)
     return parser
 

@@ -32,6 +32,9 @@ class Runtime:
     tokenizer: Tokenizer
     generator: Generator
     folder: Path  # what was opened: the store (converted if needed) or the HF folder
+    # Where trained files beside a model are looked for (prerouter heads, recovery adapter).
+    sources: tuple[Path, ...] = ()
+    adapter: object = None  # the recovery adapter's AdapterInfo, when one runs
 
     def encode_prompt(self, prompt: str, chat: bool = False) -> list[int]:
         if chat:
@@ -46,6 +49,7 @@ class Runtime:
             "device": self.model.device.type,
             "dtype": str(self.model.dtype).removeprefix("torch."),
             **self.provider.describe(),
+            "lora": None if self.adapter is None else self.adapter.describe(),
             "cuda_graph": self.generator.graphs is not None,
             "compiled_step": self.generator.graphs is not None and self.generator.graphs.compiled,
         }
@@ -116,6 +120,17 @@ def _attach_predictor(loaded, cfg: PredictConfig, folders) -> ExpertProvider:
     tr = load_trace(cfg.trace) if cfg.trace is not None else None
     predictor = make_predictor(cfg.predictor, loaded.model, heads=heads, trace=tr, ahead=cfg.ahead)
     return attach(loaded.model, loaded.provider, predictor, cfg.routing, cfg.min_score)
+
+
+def _attach_lora(model, cfg: PredictConfig, folders):
+    """The recovery adapter for predicted routing: --lora PATH, else recovery.lora beside the
+    model when the prerouter routes (what it is trained for); None with --no-lora or none found."""
+    from moestream.recovery.adapter import find_adapter, load_adapter
+
+    if not cfg.wants_lora:
+        return None
+    path = cfg.lora if cfg.lora is not None else find_adapter(*folders)
+    return None if path is None else load_adapter(model, path)
 
 
 def _decode_graphs(loaded, provider: ExpertProvider, dtype: str):
@@ -206,9 +221,10 @@ def open_model(
     _check_store(folder, quant)
     tokenizer = Tokenizer(folder)
     loaded = load_model(folder, experts, dtype=dtype, progress=progress)
-    provider = loaded.provider
+    provider, sources = loaded.provider, _heads_folders(Path(path), folder)
     if predict.active:
-        provider = _attach_predictor(loaded, predict, _heads_folders(Path(path), folder))
+        provider = _attach_predictor(loaded, predict, sources)
+    adapter = _attach_lora(loaded.model, predict, sources)
     eos = eos_ids(folder, loaded.args, tokenizer)
     gen = Generator(loaded.model, loaded.args, tokenizer, provider, eos)
     gen.context = _context(context, loaded.args.max_position_embeddings)
@@ -216,4 +232,4 @@ def open_model(
         gen.decode_threads = small_decode_threads(loaded.args)
     if on_gpu and experts.cuda_graph:
         gen.graphs = _decode_graphs(loaded, provider, dtype)
-    return Runtime(loaded.args, loaded.model, provider, tokenizer, gen, folder)
+    return Runtime(loaded.args, loaded.model, provider, tokenizer, gen, folder, sources, adapter)

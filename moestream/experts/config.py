@@ -140,6 +140,10 @@ class PredictConfig:
     trace: str | Path | None = None
     min_score: float = 0.0
     ahead: int = 1
+    # The recovery adapter (recovery/adapter.py) under predicted routing: an explicit file, or
+    # (None) recovery.lora beside the model when the prerouter routes; use_lora=False: none.
+    lora: str | Path | None = None
+    use_lora: bool = True
 
     def __post_init__(self):
         from moestream.predict.base import PREDICTORS
@@ -177,6 +181,21 @@ class PredictConfig:
             raise ConfigError(
                 "--predictor oracle replays --oracle-trace FOLDER: give both or neither"
             )
+        if self.lora is not None and not self.use_lora:
+            raise ConfigError("--lora PATH and --no-lora contradict each other: give one")
+        if (self.lora is not None or not self.use_lora) and self.routing != "predicted":
+            flag = "--lora" if self.lora is not None else "--no-lora"
+            raise ConfigError(
+                f"{flag}: the recovery adapter runs only with --routing predicted (exact routing "
+                f"never loads one); add --routing predicted --predictor prerouter or drop {flag}"
+            )
+
+    @property
+    def wants_lora(self) -> bool:
+        """Whether a recovery adapter is loaded: given, or looked for beside the model."""
+        if not self.use_lora or self.routing != "predicted":
+            return False
+        return self.lora is not None or self.predictor == "prerouter"
 
     @property
     def active(self) -> bool:

@@ -144,8 +144,32 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + rot.roll(rd // 2, -1) * sin, x[..., rd:]), dim=-1)
 
 
+class LowRank(nn.Module):
+    """An unmerged LoRA delta beside a frozen (possibly quantized) projection W:
+    y = W x + (alpha / r) B A x, with A [r, in] and B [out, r] in fp32 whatever W's format (merged
+    into an int4 W it would mostly round away: its RMS is below one quantization step)."""
+
+    def __init__(self, n_in: int, n_out: int, rank: int, alpha: float):
+        super().__init__()
+        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
+        self.A = nn.Parameter(torch.zeros(rank, n_in))
+        self.B = nn.Parameter(torch.zeros(n_out, rank))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> the delta [T, out] in x's dtype."""
+        return (F.linear(F.linear(x.float(), self.A), self.B) * self.scale).to(x.dtype)
+
+
+def plus_lora(lora: nn.ModuleDict, name: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """y (projection `name` of x) plus its adapter's delta, if it has one."""
+    return y + lora[name](x) if name in lora else y
+
+
 class Attention(nn.Module):
-    """GQA attention with a KV cache. qk_norm: None, 'head' (Qwen3: per head) or 'full' (OLMoE)."""
+    """GQA attention with a KV cache. qk_norm: None, 'head' (Qwen3: per head) or 'full' (OLMoE).
+    `lora`: unmerged adapters on q/k/v/o_proj by name (recovery/adapter.py fills it)."""
+
+    LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
     def __init__(
         self,
@@ -187,12 +211,15 @@ class Attention(nn.Module):
         self.clip_qkv = clip_qkv
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
+        self.lora = nn.ModuleDict()
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int
     ) -> torch.Tensor:
         T, H, Hkv, hd = x.shape[0], self.H, self.Hkv, self.hd
         qkv = self._qkv_proj(x)  # [T, (H + 2*Hkv) * hd]: q heads, k heads, v heads
+        if self.lora:
+            qkv = self._lora_qkv(x, qkv)
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
             if self.qk_norm == "full":
@@ -210,7 +237,14 @@ class Attention(nn.Module):
         q, k = qk.split((H, Hkv))
         k, v = cache.update(self.layer, k, v.transpose(0, 1), start)
         out = gqa_attention(q, k, v, self.scaling, start, self.window, self.softmax)
-        return self.o_proj(out)
+        return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
+
+    def _lora_qkv(self, x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused q/k/v output plus each projection's adapter delta on its own columns."""
+        sizes = (self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd)
+        parts = qkv.split(sizes, dim=-1)
+        names = ("q_proj", "k_proj", "v_proj")
+        return torch.cat([plus_lora(self.lora, n, p, x) for n, p in zip(names, parts)], dim=-1)
 
     def _qkv_proj(self, x: torch.Tensor) -> torch.Tensor:
         """q, k and v projections as one GEMM. q/k/v_proj's parameters are views of one fused
@@ -342,16 +376,25 @@ def attention_mask(T: int, S: int, start, window: int | None, device) -> torch.T
 
 
 class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
+    """SwiGLU: down(silu(gate(x)) * up(x)). `lora`: unmerged adapters by projection name (only
+    shared experts get them: recovery/adapter.py)."""
+
+    LORA_TARGETS = ("gate_proj", "up_proj", "down_proj")
 
     def __init__(self, dim: int, inter: int):
         super().__init__()
         self.gate_proj = nn.Linear(dim, inter, bias=False)
         self.up_proj = nn.Linear(dim, inter, bias=False)
         self.down_proj = nn.Linear(inter, dim, bias=False)
+        self.lora = nn.ModuleDict()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if not self.lora:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        d = self.lora
+        h = F.silu(plus_lora(d, "gate_proj", self.gate_proj(x), x))
+        h = h * plus_lora(d, "up_proj", self.up_proj(x), x)
+        return plus_lora(d, "down_proj", self.down_proj(h), h)
 
 
 def group_limited_topk(scores: torch.Tensor, bias: torch.Tensor, args: ModelArgs) -> torch.Tensor:

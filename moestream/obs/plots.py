@@ -179,3 +179,27 @@ def plot_simulation(results, total_experts: int, path: str | Path) -> Path:
     ax.set_title("expert cache hit rate vs budget")
     ax.legend()
     return _save(fig, Path(path))
+
+
+def plot_loss(history: list[dict], path: str | Path, title: str) -> Path:
+    """Training loss per step (rows {stage, step, loss}), one line per stage, with a moving
+    average over 10 steps."""
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x0 = 0
+    for stage in sorted({h["stage"] for h in history}):
+        ys = np.array([h["loss"] for h in history if h["stage"] == stage])
+        xs = x0 + np.arange(len(ys))
+        ax.plot(xs, ys, alpha=0.3, label=f"stage {stage}")
+        if len(ys) >= 10:
+            ax.plot(
+                xs[9:],
+                np.convolve(ys, np.ones(10) / 10, "valid"),
+                label=f"stage {stage}, mean of 10",
+            )
+        x0 += len(ys)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title)
+    ax.legend()
+    return _save(fig, Path(path))

@@ -61,6 +61,12 @@ class PrerouterHeads(nn.Module):
         one[has_prev] = one[has_prev].scatter(1, p[has_prev], 1.0)
         return torch.cat((h.float(), one), dim=1)
 
+    def probs(
+        self, col: int, h: torch.Tensor, ids: torch.Tensor, prev: torch.Tensor
+    ) -> torch.Tensor:
+        """Head `col`'s expert probabilities [T, E] for layer col+1 of each row's next token."""
+        return torch.softmax(self.heads[col](self.features(h, ids, prev)), dim=-1)
+
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
 
@@ -112,8 +118,9 @@ class PrerouterPredictor(Predictor):
         self.prev[col] = list(ids)
         if col >= len(self.heads.heads):
             return []
-        feats = self.heads.features(x.reshape(1, -1), torch.tensor([ids]), torch.tensor([prev]))
-        probs = torch.softmax(self.heads.heads[col](feats)[0], dim=-1)
+        probs = self.heads.probs(col, x.reshape(1, -1), torch.tensor([ids]), torch.tensor([prev]))[
+            0
+        ]
         experts = topk_list(probs, self.heads.top_k)
         scores = tuple(probs[list(experts)].tolist())  # confidence, for ranked prefetch
         return [Prediction(col + 1, pos + 1, experts, scores)]

@@ -1,0 +1,293 @@
+"""The recovery adapter (Edge0 stages 2-3): its unmerged math equals a merged fp32 model; the
+student path over a window equals predicted routing token by token; the file is found, disabled,
+and refused when missing, corrupt or made for another model; train-recovery is deterministic."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from moestream.convert.writer import convert
+from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import PredictConfig, StreamConfig
+from moestream.experts.predicting import attach
+from moestream.loader import load_model
+from moestream.models.layers import plus_lora
+from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
+from moestream.quality.eval import window_logits
+from moestream.quant import make_scheme
+from moestream.recovery.adapter import (
+    ADAPTER_FILE,
+    AdapterError,
+    adapter_modules,
+    add_adapter,
+    load_adapter,
+    lora_sites,
+    remove_adapter,
+    save_adapter,
+)
+from moestream.recovery.student import StudentPath
+from moestream.recovery.train import (
+    RecoveryConfig,
+    RecoveryTrainer,
+    eval_loss,
+    tail_topk_reverse_kl,
+)
+from moestream.runtime import open_model
+
+IDS = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(5)).tolist()
+TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40
+
+
+def heads_for(model, seed: int = 0) -> PrerouterHeads:
+    """Warm-started heads with a random fc2, so they predict something other than the router."""
+    torch.manual_seed(seed)
+    a = model.args
+    heads = PrerouterHeads(
+        len(model.moe_blocks), a.hidden_size, a.num_experts, a.num_experts_per_tok, 16
+    )
+    heads.warm_start([b.gate.weight for b in model.moe_blocks])
+    with torch.no_grad():
+        for h in heads.heads:
+            h.fc2.weight.normal_(0, 0.5)
+    return heads.eval()
+
+
+def _randomize(model, seed: int = 1) -> None:
+    """Non-zero B, so every adapter changes its projection."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in adapter_modules(model).values():
+            m.B.copy_(torch.randn(m.B.shape, generator=g) * 0.05)
+
+
+def logits(model, ids=IDS) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(ids), KVCache(model.args, len(ids), model.dtype), 0).float()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])  # qwen2_moe: a shared expert
+def test_unmerged_adapter_equals_merged_fp32_weights(tiny_dir, arch):
+    model = load_model(tiny_dir(arch)).model
+    info = add_adapter(model, rank=4, alpha=8.0, seed=0)
+    _randomize(model)
+    names = set(info.targets)
+    assert any(n.endswith("self_attn.q_proj") for n in names)
+    assert all(".experts." not in n for n in names)  # never the streamed experts
+    if arch == "qwen2_moe":
+        assert any(".shared_expert.down_proj" in n for n in names)
+    got = logits(model)
+    merged = load_model(tiny_dir(arch)).model
+    mods, sites = adapter_modules(model), lora_sites(merged)
+    with torch.no_grad():
+        for n, m in mods.items():
+            owner, proj = sites[n]
+            getattr(owner, proj).weight += m.scale * (m.B @ m.A)
+        for attn in merged.modules():
+            if hasattr(attn, "fuse_qkv"):
+                attn.fuse_qkv()  # the fused q/k/v copy follows the merged weights
+    want = logits(merged)
+    assert not torch.allclose(got, logits(load_model(tiny_dir(arch)).model), atol=1e-3)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    remove_adapter(model)
+    torch.testing.assert_close(logits(model), logits(load_model(tiny_dir(arch)).model))
+
+
+def test_adapter_on_quantized_dense_adds_only_its_delta(tiny_dir, tmp_path):
+    """Beside an int4 QuantLinear base the delta is the same fp32 B A x: the output moves by it."""
+    from moestream.kernels.dense import QuantLinear
+    from moestream.quant import DenseQuant, make_dense
+
+    scheme = make_scheme("int4")
+    d = make_dense("int4", scheme)  # no size floor: the tiny model's tensors are all small
+    dense = DenseQuant(d.weights, d.output, min_params=0)
+    store = convert(tiny_dir("qwen3_moe"), tmp_path / "s", scheme, False, dense)
+    model = load_model(store, StreamConfig(resident=True, kernel="ref")).model
+    attn = model.model.layers[0].self_attn
+    assert isinstance(attn.o_proj, QuantLinear)
+    x = torch.randn(3, attn.o_proj.in_features)
+    base = attn.o_proj(x)
+    add_adapter(model, rank=2, alpha=2.0, targets=["model.layers.0.self_attn.o_proj"])
+    _randomize(model)
+    m = attn.lora["o_proj"]
+    got = plus_lora(attn.lora, "o_proj", attn.o_proj(x), x)
+    torch.testing.assert_close(got - base, m.scale * (x @ m.A.T @ m.B.T))
+
+
+@pytest.fixture
+def student(tiny_dir, tmp_path):
+    """An int8 store of the tiny qwen3_moe on the ref kernels, heads and a random adapter."""
+    store = convert(tiny_dir("qwen3_moe"), tmp_path / "st", make_scheme("int8"), False)
+    loaded = load_model(store, StreamConfig(resident=True, kernel="ref"))
+    heads = heads_for(loaded.model)
+    add_adapter(loaded.model, rank=4, alpha=8.0, seed=0)
+    _randomize(loaded.model)
+    return loaded, heads
+
+
+def test_student_path_equals_predicted_routing_token_by_token(student):
+    loaded, heads = student
+    model = loaded.model
+
+    class Rt:  # what window_logits reads of a Runtime
+        args = loaded.args
+
+    Rt.model = model
+    Rt.provider = attach(model, loaded.provider, PrerouterPredictor(heads), "predicted")
+    stepwise = window_logits(Rt, IDS, stepwise=True)
+    assert Rt.provider.stats()["predict_forced_layers"] > 0
+    path = StudentPath(loaded.provider, heads, model.moe_blocks)
+    model.set_provider(path)
+    parallel = logits(model)
+    torch.testing.assert_close(parallel, stepwise, atol=1e-4, rtol=1e-4)
+    model.set_provider(loaded.provider)  # exact routing differs: the path did force something
+    assert not torch.allclose(logits(model), stepwise, atol=1e-3)
+
+
+def test_tail_topk_reverse_kl_is_zero_on_equal_and_positive_otherwise():
+    a = torch.randn(5, 40)
+    assert float(tail_topk_reverse_kl(a, a, 4)) == pytest.approx(0.0, abs=1e-6)
+    b = a + torch.randn(5, 40)
+    assert float(tail_topk_reverse_kl(a, b, 4)) > 0
+    # all mass in the top-k (k = V): the exact reverse KL
+    full = (a.softmax(-1) * (a.log_softmax(-1) - b.log_softmax(-1))).sum(-1).mean()
+    assert float(tail_topk_reverse_kl(a, b, 40)) == pytest.approx(float(full), rel=1e-4)
+
+
+def test_training_steps_lower_the_distillation_loss(student, tiny_dir):
+    loaded, heads = student
+    model = loaded.model
+    remove_adapter(model)
+    model.requires_grad_(False)
+    add_adapter(model, rank=4, alpha=8.0, seed=0)
+    params = [p for m in adapter_modules(model).values() for p in m.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    model.set_provider(StudentPath(loaded.provider, heads, model.moe_blocks))
+    teacher = load_model(tiny_dir("qwen3_moe")).model
+    cfg = RecoveryConfig(rank=4, steps=12, batch=2, ctx=len(IDS), lr=2e-2)
+    tr = RecoveryTrainer(model, teacher, params, cfg)
+    wins = [IDS, IDS[::-1]]
+    before = eval_loss(tr, wins)
+    for step in range(cfg.steps):
+        tr.distill_step(step, wins)
+    assert eval_loss(tr, wins) < before - 1e-3
+
+
+class _Run:
+    def __init__(self, code: int, out: str, err: str):
+        self.returncode, self.stdout, self.stderr = code, out, err
+
+
+@pytest.fixture
+def cli(capsys):
+    """moestream's main in this process (a subprocess per call would import torch again)."""
+    from moestream.cli import main
+
+    def run(*args, check=False):
+        capsys.readouterr()
+        code = main([str(x) for x in args])
+        out, err = capsys.readouterr()
+        assert not check or code == 0, err
+        return _Run(code, out, err)
+
+    return run
+
+
+@pytest.fixture
+def hf_with_heads(tiny_dir, tmp_path):
+    src = tmp_path / "hf"
+    shutil.copytree(tiny_dir("qwen3_moe"), src)
+    heads_for(load_model(src).model).save(src / "prerouter.heads")
+    return src
+
+
+def test_adapter_is_found_disabled_and_named_in_the_mode(hf_with_heads, cli):
+    src = hf_with_heads
+    model = load_model(src).model
+    info = add_adapter(model, rank=4, alpha=8.0)
+    _randomize(model)
+    save_adapter(model, info, src / ADAPTER_FILE)
+    kw = dict(quant="int8", experts=StreamConfig(resident=True))
+    pred = PredictConfig(predictor="prerouter", routing="predicted")
+    with open_model(src, predict=pred, **kw) as rt:  # a store: found via its source folder
+        assert rt.mode["lora"]["rank"] == 4 and rt.mode["lora"]["path"] == str(src / ADAPTER_FILE)
+        with_lora = window_logits(rt, IDS, True)
+    off = PredictConfig(predictor="prerouter", routing="predicted", use_lora=False)
+    with open_model(src, predict=off, **kw) as rt:
+        assert rt.mode["lora"] is None
+        without = window_logits(rt, IDS, True)
+    with open_model(src, **kw) as rt:  # exact routing never loads it
+        assert rt.mode["lora"] is None and not adapter_modules(rt.model)
+    assert not torch.allclose(with_lora, without, atol=1e-4)
+    r = cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
+             "--predictor", "prerouter", "--routing", "predicted", check=True)  # fmt: skip
+    assert "lora r4 on" in r.stderr and ADAPTER_FILE in r.stderr
+
+
+def test_missing_corrupt_and_mismatched_adapter_files_are_clear_errors(
+    hf_with_heads, tiny_dir, cli
+):
+    src = hf_with_heads
+    gen = ["generate", "-m", src, "-p", "def", "-n", "2", "--predictor", "prerouter"]
+    gen += ["--routing", "predicted"]
+    missing = src / "none.lora"
+    r = cli(*gen, "--lora", missing)
+    assert r.returncode == 2 and str(missing) in r.stderr and "Traceback" not in r.stderr
+    bad = src / ADAPTER_FILE
+    bad.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}")
+    r = cli(*gen)
+    assert r.returncode == 2 and str(bad) in r.stderr and "not a readable" in r.stderr
+    other = load_model(tiny_dir("olmoe")).model  # another model: its routers differ
+    save_adapter(other, add_adapter(other, 2, 2.0), bad)
+    r = cli(*gen)
+    assert r.returncode == 2 and "another model" in r.stderr and str(bad) in r.stderr
+    model = load_model(src).model
+    with pytest.raises(AdapterError, match="another model"):
+        load_adapter(model, bad)
+    assert not adapter_modules(model)  # nothing attached by a refused file
+    r = cli("generate", "-m", src, "-p", "x", "--lora", bad)
+    assert r.returncode == 2 and "--routing predicted" in r.stderr
+    r = cli(*gen, "--lora", bad, "--no-lora")
+    assert r.returncode == 2 and "contradict" in r.stderr
+
+
+def test_train_recovery_is_deterministic_and_eval_compares(hf_with_heads, tmp_path, cli):
+    src = hf_with_heads
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    outs = []
+    for i in range(2):
+        out = tmp_path / f"a{i}.lora"
+        r = cli("train-recovery", "-m", src, "--corpus", corpus, "--quant", "int8", "--rank", 2,
+                 "--steps", 3, "--batch", 1, "--ctx", 16, "--on-policy-steps", 1,
+                 "--gen-tokens", 4, "--seed", 3, "-o", out, "--json", check=True)  # fmt: skip
+        rep = json.loads(r.stdout)
+        assert [h["stage"] for h in rep["history"]] == [2, 2, 2, 3]
+        outs.append(out.read_bytes())
+    assert outs[0] == outs[1]
+    shutil.copy(tmp_path / "a0.lora", src / ADAPTER_FILE)
+    text = tmp_path / "eval.txt"
+    text.write_text(TEXT[:400])
+    r = cli("eval", "-m", src, "--text", text, "--quant", "int8", "--resident", "--ctx", 24,
+             "--max-tokens", 48, "--compare", "--json", check=True)  # fmt: skip
+    rows = json.loads(r.stdout)["rows"]
+    assert [x["name"] for x in rows] == ["exact", "predicted", "predicted + adapter"]
+    assert rows[0]["lora"] is None and rows[1]["lora"] is None and rows[2]["lora"]["rank"] == 2
+    assert rows[1]["provider"]["predict_forced_layers"] > 0
+    assert rows[1]["kl_mean"] != rows[2]["kl_mean"]
+
+
+def test_train_recovery_refuses_bad_input_in_one_line(tiny_dir, tmp_path, cli):
+    corpus = tmp_path / "c.txt"
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus)
+    assert r.returncode == 2 and str(corpus) in r.stderr  # no such file
+    corpus.write_text(TEXT)
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus, "--rank", 0)
+    assert r.returncode == 2 and "--rank 0" in r.stderr
+    r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus, "--quant", "int8")
+    assert r.returncode == 2 and "prerouter.heads" in r.stderr and "train-prerouter" in r.stderr
+    assert "Traceback" not in r.stderr
