@@ -134,6 +134,7 @@ CONFLICTS = [
     (["--min-score", "0.1"], "--min-score 0.1 filters the prefetches of a --predictor"),
     (["--predictor", "temporal", "--routing", "predicted", "--min-score", "0.1"], "--min-score"),
     (["--oracle-trace", "tr"], "--predictor oracle replays --oracle-trace"),
+    (["--predictor", "temporal", "--routing", "predicted", "--no-lora"], "--no-lora: with"),
     (["--predictor", "oracle"], "--predictor oracle replays --oracle-trace"),
     (["--policy", "lru"], "--policy lru picks what a slot cache evicts, but every expert is"),
     (["--policy", "lfu", "--resident"], "but every expert is resident"),

@@ -190,6 +190,12 @@ class PredictConfig:
                 f"never loads one); add --routing predicted --predictor prerouter or drop {flag}"
             )
 
+        if not self.use_lora and self.routing == "predicted" and self.predictor != "prerouter":
+            raise ConfigError(
+                f"--no-lora: with --predictor {self.predictor} no recovery adapter is looked for "
+                "(only the prerouter's routing loads recovery.lora); drop --no-lora"
+            )
+
     @property
     def wants_lora(self) -> bool:
         """Whether a recovery adapter is loaded: given, or looked for beside the model."""
