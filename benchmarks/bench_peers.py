@@ -198,10 +198,11 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
     return out
 
 
-def store_bytes_per_token(store: Path, elem: int = 4) -> int:
-    """Dense weights read per token as the child holds them (float ones at `elem` bytes: fp32 on
-    the CPU, bf16 on the GPU; quantized ones as stored on the CPU, dequantized to bf16 on the GPU;
+def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
+    """Dense weights read per token as the child holds them (float ones fp32 on the CPU, bf16 on
+    the GPU; quantized ones as stored on the CPU, dequantized to bf16 on the GPU: kernels/dense.py;
     the embedding: one row) + top-k records per MoE layer."""
+    elem = 2 if gpu else 4
     from moestream.store.format import Store
 
     s = Store(store)
@@ -210,7 +211,7 @@ def store_bytes_per_token(store: Path, elem: int = 4) -> int:
     for name in s.dense_names:
         if s.dense_scheme(name) is None:
             n = s.tensor(name).numel() * elem
-        elif elem == 2:  # the GPU keeps quantized dense weights dequantized (kernels/dense.py)
+        elif gpu:  # kept dequantized there
             n_rows, k = s.dense_formats[name][1]
             n = n_rows * k * elem
         else:  # quantized: its sections as stored
@@ -379,7 +380,7 @@ def main(argv=None) -> int:
     work, llama = Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
     hf, files, pairs, args = prepare(a, work, llama)
-    bpt = {q: store_bytes_per_token(files[q], 2 if gpu else 4) for q, _ in pairs}
+    bpt = {q: store_bytes_per_token(files[q], gpu) for q, _ in pairs}
     K, E = args.num_experts_per_tok, args.num_experts
     bpt.update({t: gguf_bytes_per_token(files[t], llama, K, E) for _, t in pairs})
     ceiling = dram_gbps(a.threads, device=a.device)

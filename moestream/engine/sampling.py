@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from moestream.config import SamplingConfig
@@ -70,13 +72,19 @@ def choose(
 def _device_greedy(logits: torch.Tensor) -> torch.Tensor:
     """(first argmax, its fp32 log-probability) as a float64 [2] on the device: one pass of the
     Triton kernel on CUDA (kernels/triton/pick.py), else argmax + log_softmax (its spec)."""
-    if logits.device.type == "cuda":
-        try:
-            from moestream.kernels.triton.pick import greedy_pick
-        except ImportError:  # no triton (a CPU torch build never gets here): the spec below
-            pass
-        else:
-            return greedy_pick(logits)
+    pick = _triton_pick() if logits.device.type == "cuda" else None
+    if pick is not None:
+        return pick(logits)
     tok = torch.argmax(logits)  # the first maximum, as on the CPU
     lp = torch.log_softmax(logits.float(), -1)[tok]
     return torch.stack((tok.double(), lp.double()))
+
+
+@functools.cache
+def _triton_pick():
+    """The Triton greedy pick, or None without triton (looked up once, not per token)."""
+    try:
+        from moestream.kernels.triton.pick import greedy_pick
+    except ImportError:
+        return None
+    return greedy_pick
