@@ -222,6 +222,10 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
     model = build_model(store.args, dtype)
     load_dense(store, model, dtype, progress, "ref" if isinstance(cfg, GpuConfig) else cfg.kernel)
     store.release_dense()
+    # The native kernels' run also takes the fused one-token ops for its dense math (fp32 CPU).
+    model.set_fused_decode(
+        isinstance(cfg, StreamConfig) and cfg.kernel == "native" and dtype == torch.float32
+    )
     if isinstance(cfg, GpuConfig):
         from moestream.experts.gpu import GpuExperts
 

@@ -30,12 +30,17 @@ class KVCache:
         self.state: list[dict[str, torch.Tensor]] = [{} for _ in attn]
         self.max_len = max_len
 
+    def buffers(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s whole k/v buffers, once positions up to `end` are known to fit (the
+        fused decode op, kernels/native.py: attend, writes and reads them itself)."""
+        if end > self.max_len:
+            raise ValueError(f"KV cache full: {end} positions > capacity {self.max_len}")
+        return self.k[layer], self.v[layer]
+
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor, start: int):
         """Write k/v [Hkv, T, hd] at positions start.. and return the filled prefix [Hkv, start+T, hd]."""
         end = start + k.shape[1]
-        if end > self.max_len:
-            raise ValueError(f"KV cache full: {end} positions > capacity {self.max_len}")
-        kc, vc = self.k[layer], self.v[layer]
+        kc, vc = self.buffers(layer, end)
         kc.narrow(1, start, end - start).copy_(k)  # narrow: one view op (decode counts ops)
         vc.narrow(1, start, end - start).copy_(v)
         return kc.narrow(1, 0, end), vc.narrow(1, 0, end)

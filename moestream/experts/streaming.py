@@ -69,7 +69,7 @@ class StoreExperts(ExpertProvider):
         experts = [e for e, _ in order]
         if self.native and self.layer_op:  # the token's experts added inside in ascending id
             secs = self._resident_run(layer, experts, lambda i, sec: sec)
-            return self._native_moe(x, secs, weights[:, [k for _, k in order]]).to(x.dtype)
+            return self._native_moe(x, secs, weights, [k for _, k in order]).to(x.dtype)
         ys = self._resident_run(layer, experts, lambda i, sec: self._ffn(x, sec))
         if self.native:  # the layer op's combine: out + w * y in fp32, one cast at the end
             out = torch.zeros(x.shape)
@@ -90,10 +90,13 @@ class StoreExperts(ExpertProvider):
         self.compute_seconds += time.perf_counter() - t0
         return y
 
-    def _native_moe(self, x: torch.Tensor, secs: list[dict], w: torch.Tensor) -> torch.Tensor:
-        """sum_e w[:, e] * expert_e(x) over records secs, x [T, D], w [T, E] -> [T, D] fp32."""
+    def _native_moe(
+        self, x: torch.Tensor, secs: list[dict], w: torch.Tensor, cols: list[int] | None = None
+    ) -> torch.Tensor:
+        """sum_e w[:, e] * expert_e(x) over records secs, x [T, D], w [T, E] -> [T, D] fp32
+        (cols: expert e's weight is w[:, cols[e]])."""
         t0 = time.perf_counter()
-        y = native.moe(x, secs, w)
+        y = native.moe(x, secs, w, cols=cols)
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -166,11 +169,17 @@ class StreamingExperts(StoreExperts, Prefetcher):
         self.layer_op = cfg.resident  # a slot cache computes while its misses are read
         self.n_slots = slot_count(store, cfg)
         self.res = SlotResidency(store, self.n_slots, cfg.policy, cfg.io)
-        if cfg.resident:  # every expert of this rank's shard (all of them without one)
+        # Resident: every record of this rank's shard (all of them without one) gets its slot
+        # for good, so a step looks its slots up instead of asking the slot table (the table's
+        # hit counter still counts each lookup).
+        self._fixed: dict[int, dict[int, dict]] | None = None
+        if cfg.resident:
             E = store.args.num_experts
             mine = list(range(E) if cfg.shard is None else cfg.shard.experts(E))
+            self._fixed = {}
             for layer in sorted(store.crc):
-                self.res.settle(self.res.begin(layer, mine))
+                slots = self.res.settle(self.res.begin(layer, mine))
+                self._fixed[layer] = {e: self.res.views(s) for e, s in zip(mine, slots)}
 
     @property
     def table(self):
@@ -198,6 +207,10 @@ class StreamingExperts(StoreExperts, Prefetcher):
         Callers combine the results in their own fixed order, so the bits do not depend on the
         order things ran in."""
         res = self.res
+        if self._fixed is not None:
+            views = self._fixed[layer]
+            res.table.hits += len(experts)
+            return [run(i, views[e]) for i, e in enumerate(experts)]
         req = res.begin(layer, experts)
         if not self.cfg.overlap:  # read, then compute
             return [run(i, res.views(slot)) for i, slot in enumerate(res.settle(req))]

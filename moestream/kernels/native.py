@@ -158,9 +158,40 @@ def linear(
 
 
 def moe(
-    x: torch.Tensor, secs: list[dict], weights: torch.Tensor, isa: str | None = None
+    x: torch.Tensor,
+    secs: list[dict],
+    weights: torch.Tensor,
+    isa: str | None = None,
+    cols: list[int] | None = None,
 ) -> torch.Tensor:
     """x [T, D], E records' sections, weights [T, E] -> sum_e weights[:, e] * expert_e(x) [T, D]
-    fp32, experts added in list order (callers pass ascending expert id)."""
+    fp32, experts added in list order (callers pass ascending expert id). `cols`: expert e's
+    weight is column cols[e] of weights [T, K] (the router's slot order, no gather op)."""
     flat = [t for sec in secs for name in ("w13", "w2") for t in _pair(sec, name)]
-    return module().moe(x, flat, weights, _isa(isa))
+    return module().moe(x, flat, weights, _isa(isa), cols or [])
+
+
+# ---- fused one-token decode ops: references are the model's torch code (models/layers.py) ------
+# fp32 only, each float sum in one fixed order on every ISA and thread count (csrc/moe_cpu.cpp);
+# they differ from torch's ops by rounding alone (tests/test_fused_decode.py bounds it).
+def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: str | None = None) -> torch.Tensor:
+    """x [T, D] fp32 -> w * (x / sqrt(mean(x^2) + eps))."""
+    return module().rmsnorm(x, w, eps, _isa(isa))
+
+
+def attend(qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window, H, Hkv, isa=None):
+    """One decode token after its q/k/v projection: q/k head norm (qk_w [H + Hkv, hd] or None),
+    RoPE (signed sin table row), k/v written into the caches at `pos`, GQA attention over keys
+    [pos - window + 1 or 0, pos] -> [1, H * hd]."""
+    return module().attend(
+        qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window or 0, H, Hkv, _isa(isa)
+    )
+
+
+def route(
+    x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool, isa: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [1, D], router weight [E, D] -> (weights [1, k], ids [1, k]): fp32 softmax over E,
+    top-k descending (ties: lower id), renormalised when `renorm`."""
+    w, ids = module().route(x, gate, k, renorm, _isa(isa))
+    return w, ids

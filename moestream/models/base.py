@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from moestream.config import ModelArgs
-from moestream.models.layers import RMSNorm, Rope, SparseMoe
+from moestream.kernels import native
+from moestream.models.layers import Attention, RMSNorm, Rope, SparseMoe
 
 
 class DecoderLayer(nn.Module):
@@ -57,6 +58,16 @@ class MoeCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
         self._rope_dev: dict = {}  # (dtype, device) -> cos/sin tables copied once to a GPU
+
+    def set_fused_decode(self, on: bool) -> None:
+        """Run the one-token CPU decode's norms, attention core and softmax router through the
+        fused native ops (kernels/native.py) where each module's rule allows; the loader turns
+        it on for the native kernels in fp32. Off: the torch code, the ops' reference."""
+        if on and not native.available():
+            on = False  # said once by native.module(); the torch code runs
+        for m in self.modules():
+            if isinstance(m, (RMSNorm, Attention, SparseMoe)):
+                m.fused_decode = on
 
     @property
     def moe_blocks(self) -> list[SparseMoe]:

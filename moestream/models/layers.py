@@ -14,11 +14,27 @@ import torch.nn.functional as F
 from torch import nn
 
 from moestream.config import ModelArgs, RopeArgs
+from moestream.kernels import native
 from moestream.kernels.dense import QuantLinear, RowsOf
 from moestream.kernels.dispatch import topk
 
 
+def _cpu_fp32(x: torch.Tensor) -> bool:
+    """Where the fused one-token decode ops (kernels/native.py) run: fp32, contiguous, CPU, and
+    no autograd (they have no backward: recovery training takes the torch code)."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and not torch.is_grad_enabled()
+    )
+
+
 class RMSNorm(nn.Module):
+    # Set by MoeCausalLM.set_fused_decode: fp32 rows on the CPU through native.rmsnorm (one call
+    # instead of torch's six ops; same math, its own summation order).
+    fused_decode = False
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
@@ -28,6 +44,8 @@ class RMSNorm(nn.Module):
         # One fused op in fp32; other dtypes normalise in fp32 and cast back before the weight,
         # as transformers does.
         if x.dtype == torch.float32:
+            if self.fused_decode and x.dim() == 2 and _cpu_fp32(x) and _cpu_fp32(self.weight):
+                return native.rmsnorm(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
@@ -170,6 +188,9 @@ class Attention(nn.Module):
     `lora`: unmerged adapters on q/k/v/o_proj by name (recovery/adapter.py fills it)."""
 
     LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
+    # Set by MoeCausalLM.set_fused_decode: a one-token fp32 CPU step runs everything between the
+    # q/k/v and o projections (q/k head norm, RoPE, cache write, attention) as one native.attend.
+    fused_decode = False
 
     def __init__(
         self,
@@ -220,6 +241,14 @@ class Attention(nn.Module):
         qkv = self._qkv_proj(x)  # [T, (H + 2*Hkv) * hd]: q heads, k heads, v heads
         if self.lora:
             qkv = self._lora_qkv(x, qkv)
+        if self.fused_decode and T == 1 and isinstance(start, int) and self._fusable(qkv, cache):
+            kc, vc = cache.buffers(self.layer, start + 1)
+            qk_w, eps = (None, 0.0)
+            if self.qk_norm == "head":
+                qk_w, eps = self._qk_norm_weight(), self.q_norm.eps
+            out = native.attend(qkv, qk_w, eps, cos[0], sin[0], kc, vc, start, self.scaling,
+                                self.window, H, Hkv)  # fmt: skip
+            return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
             if self.qk_norm == "full":
@@ -304,20 +333,36 @@ class Attention(nn.Module):
             setattr(self, name, RowsOf(fused, lo, lo + p.out_features))
             lo += p.out_features
 
-    def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
-        """q_norm on the H query heads and k_norm on the Hkv key heads of qk [T, H+Hkv, hd] in
-        one normalisation times the two weights side by side: the same roundings as two
-        RMSNorm calls (normalise, cast, then the weight), one op fewer."""
+    def _fusable(self, qkv: torch.Tensor, cache) -> bool:
+        """native.attend's case: this class's own attention rule (no sinks, no clipping, no
+        whole-vector q/k norm), fp32 on the CPU, a plain KVCache of fp32 buffers."""
+        return (
+            self.qk_norm in (None, "head")
+            and self.clip_qkv is None
+            and type(self).softmax is Attention.softmax
+            and _cpu_fp32(qkv)
+            and hasattr(cache, "buffers")  # engine/kv_cache.py: KVCache (int positions)
+            and cache.k[self.layer].dtype == torch.float32
+        )
+
+    def _qk_norm_weight(self) -> torch.Tensor:
+        """q_norm's and k_norm's weights side by side, [H + Hkv, hd], remade when either changes."""
         qw, kw = self.q_norm.weight, self.k_norm.weight
         if not torch.compiler.is_compiling():  # (weights are fixed inside a compiled step)
             key = (qw.data_ptr(), kw.data_ptr(), qw._version, kw._version)
             if self._qk_key != key:  # weights loaded, replaced or moved since: rebuild
                 self._qk_weight = torch.cat((qw.expand(self.H, -1), kw.expand(self.Hkv, -1)))
                 self._qk_key = key
-        eps = self.q_norm.eps
+        return self._qk_weight
+
+    def _head_norm(self, qk: torch.Tensor) -> torch.Tensor:
+        """q_norm on the H query heads and k_norm on the Hkv key heads of qk [T, H+Hkv, hd] in
+        one normalisation times the two weights side by side: the same roundings as two
+        RMSNorm calls (normalise, cast, then the weight), one op fewer."""
+        w, eps = self._qk_norm_weight(), self.q_norm.eps
         if qk.dtype == torch.float32:
-            return self._qk_weight * F.rms_norm(qk, (self.hd,), None, eps)
-        return self._qk_weight * F.rms_norm(qk.float(), (self.hd,), None, eps).to(qk.dtype)
+            return w * F.rms_norm(qk, (self.hd,), None, eps)
+        return w * F.rms_norm(qk.float(), (self.hd,), None, eps).to(qk.dtype)
 
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """Overridden by attention with sinks (gpt_oss)."""
@@ -470,6 +515,9 @@ class SparseMoe(nn.Module):
 
     # Scores are router probabilities (the stale gate ranks its predictions by them).
     scores_are_probs = True
+    # Set by MoeCausalLM.set_fused_decode: one token's softmax top-k routing as one native.route
+    # where the block keeps this class's rule and a bias-free fp32 router.
+    fused_decode = False
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, E]: what selection and weighting read."""
@@ -486,8 +534,21 @@ class SparseMoe(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, K], ids [T, K]), weights in the dtype the rule makes."""
+        if self.fused_decode and x.shape[0] == 1 and self._route_fusable(x):
+            return native.route(x, self.gate.weight, self.k, self.renorm)
         ids, picked = self.select(self.scores(x))
         return self.weigh(picked), ids
+
+    def _route_fusable(self, x: torch.Tensor) -> bool:
+        cls, g = type(self), self.gate
+        return (
+            (cls.scores, cls.select, cls.weigh)
+            == (SparseMoe.scores, SparseMoe.select, SparseMoe.weigh)
+            and type(g) is nn.Linear
+            and g.bias is None
+            and _cpu_fp32(x)
+            and _cpu_fp32(g.weight)
+        )
 
     def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Gate weights [T, K] (in the dtype the experts get) of a given expert set ids [T, K]."""

@@ -417,10 +417,11 @@ void act_quantize(const float* h, int I, QAct& act, int r) {
   quantize_row(v.data(), act, r);
 }
 
-// x [T, D], per expert (q13, s13, q2, s2) in the order they are to be summed, weights [T, E] ->
+// x [T, D], per expert (q13, s13, q2, s2) in the order they are to be summed, weights [T, E] (or
+// [T, K] with `cols` naming each expert's column) ->
 // sum_e weights[:, e] * down_e(silu(gate_e(x)) * up_e(x)) in fp32, added in list order.
 torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& weights,
-                  int64_t isa) {
+                  int64_t isa, const std::vector<int64_t>& cols) {
   TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty(), "4 sections per expert");
   const int E = (int)secs.size() / 4;
   std::vector<Weight> w13, w2;
@@ -432,7 +433,10 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const auto wt = weights.to(torch::kFloat).contiguous();
   const int T = (int)xf.size(0), D = (int)xf.size(1), N13 = w13[0].N, I = N13 / 2;
   TORCH_CHECK(w13[0].K == D && w2[0].N == D && w2[0].K == I, "record shapes do not match x");
-  TORCH_CHECK(wt.size(0) == T && wt.size(1) == E, "weights must be [T, E]");
+  // cols: the weights column of each expert (the router's slot order), else column e.
+  const int Ew = (int)wt.size(1);
+  TORCH_CHECK(wt.size(0) == T && (cols.empty() ? Ew == E : (int)cols.size() == E), "weights must be [T, E]");
+  for (int64_t c : cols) TORCH_CHECK(c >= 0 && c < Ew, "moe: weight column out of range");
   isa = resolve(isa);
   const QAct ax = quantize(xf, false);
   std::vector<float> h((size_t)E * T * N13);
@@ -456,17 +460,184 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
       for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
         rows(w2[e], r0, n, act, e * T + t, tmp, isa);
         float* o = op + (size_t)t * D + r0;
-        for (int i = 0; i < n; ++i) o[i] = o[i] + wp[t * E + e] * tmp[i];
+        const float we = wp[t * Ew + (cols.empty() ? e : (int)cols[e])];
+        for (int i = 0; i < n; ++i) o[i] = o[i] + we * tmp[i];
       }
   });
   return out;
 }
 
+
+// ---- fused one-token decode ops (fp32; the references are the model's torch code) ----------------
+// Every float sum below runs in one fixed order whatever the ISA or thread count: a length-n dot
+// keeps 8 lane partials (lane l takes elements i = l mod 8, multiply then add, no FMA) summed as
+// ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order; so the AVX2 and scalar variants agree bit for
+// bit, and the slot cache, mmap and resident providers (which share these ops) too.
+float lanes_sum(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+float dot_scalar(const float* a, const float* b, int n) {
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) l[j] = l[j] + a[i + j] * b[i + j];
+  float acc = lanes_sum(l);
+  for (; i < n; ++i) acc = acc + a[i] * b[i];
+  return acc;
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
+  __m256 v = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  float l[8];
+  _mm256_storeu_ps(l, v);
+  float acc = lanes_sum(l);
+  for (; i < n; ++i) acc = acc + a[i] * b[i];
+  return acc;
+}
+
+float dot(const float* a, const float* b, int n, int64_t isa) {
+  return isa >= kAvx2 ? dot_avx2(a, b, n) : dot_scalar(a, b, n);
+}
+
+// y = w * (x * (1 / sqrt(mean(x^2) + eps))) over rows of n; w may be null (no weight).
+void rms_row(const float* x, const float* w, float eps, int n, float* y, int64_t isa) {
+  const float r = 1.f / std::sqrt(dot(x, x, n, isa) / (float)n + eps);
+  for (int i = 0; i < n; ++i) y[i] = w ? w[i] * (x[i] * r) : x[i] * r;
+}
+
+// x [T, D] fp32, w [D] -> [T, D]: RMSNorm (normalise in fp32, then the weight).
+torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps, int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && w.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  w.is_contiguous() && x.dim() == 2 && w.numel() == x.size(1),
+              "rmsnorm: x [T, D] and w [D], fp32 and contiguous");
+  isa = resolve(isa);
+  auto y = torch::empty_like(x);
+  const int D = (int)x.size(1);
+  for (int64_t t = 0; t < x.size(0); ++t)
+    rms_row(x.data_ptr<float>() + t * D, w.data_ptr<float>(), (float)eps, D, y.data_ptr<float>() + t * D, isa);
+  return y;
+}
+
+// One decode token's attention after the q/k/v projection (GQA, RoPE with a signed sin table as
+// models/layers.py: apply_rope, optional per-head q/k RMSNorm with weights side by side):
+// qkv [1, (H + 2 Hkv) hd] -> out [1, H hd]; k and v are written into the caches kc, vc [Hkv, M, hd]
+// at `pos` first. Keys [lo, pos] are attended (lo = pos - window + 1 with a sliding window).
+// Scores are dot * scaling, softmax in fp32 (max subtracted), then sum_j p_j v_j in key order.
+torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& qk_w, double eps,
+                     const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc,
+                     int64_t pos, double scaling, int64_t window, int64_t H, int64_t Hkv, int64_t isa) {
+  TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                  kc.scalar_type() == torch::kFloat && vc.scalar_type() == torch::kFloat,
+              "attend: caches must be fp32 [Hkv, M, hd], contiguous");
+  const int hd = (int)kc.size(2), M = (int)kc.size(1), rd = (int)cos.numel();
+  TORCH_CHECK(kc.size(0) == Hkv && H % Hkv == 0 && pos >= 0 && pos < M, "attend: heads or position out of range");
+  TORCH_CHECK(qkv.scalar_type() == torch::kFloat && qkv.is_contiguous() && qkv.numel() == (H + 2 * Hkv) * hd,
+              "attend: qkv must be fp32 [1, (H + 2 Hkv) hd]");
+  TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && sin.numel() == rd && rd % 2 == 0 && rd <= hd,
+              "attend: cos/sin must be fp32 [rd], rd even and <= hd");
+  const float* nw = nullptr;
+  if (qk_w.has_value()) {
+    TORCH_CHECK(qk_w->scalar_type() == torch::kFloat && qk_w->is_contiguous() && qk_w->numel() == (H + Hkv) * hd,
+                "attend: q/k norm weights must be fp32 [H + Hkv, hd]");
+    nw = qk_w->data_ptr<float>();
+  }
+  isa = resolve(isa);
+  const float* src = qkv.data_ptr<float>();
+  const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+  std::vector<float> qk((size_t)(H + Hkv) * hd), tmp(hd);
+  for (int h = 0; h < H + Hkv; ++h) {  // norm, then rope: x cos + roll(x, rd / 2) sin
+    const float* x = src + (size_t)h * hd;
+    float* y = qk.data() + (size_t)h * hd;
+    if (nw)
+      rms_row(x, nw + (size_t)h * hd, (float)eps, hd, tmp.data(), isa);
+    else
+      std::memcpy(tmp.data(), x, hd * sizeof(float));
+    for (int i = 0; i < rd; ++i) y[i] = tmp[i] * cs[i] + tmp[(i + rd / 2) % rd] * sn[i];
+    for (int i = rd; i < hd; ++i) y[i] = tmp[i];
+  }
+  float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
+  for (int h = 0; h < Hkv; ++h) {
+    std::memcpy(kp + ((size_t)h * M + pos) * hd, qk.data() + (size_t)(H + h) * hd, hd * sizeof(float));
+    std::memcpy(vp + ((size_t)h * M + pos) * hd, src + (size_t)(H + Hkv + h) * hd, hd * sizeof(float));
+  }
+  const int lo = window > 0 ? (int)std::max<int64_t>(0, pos - window + 1) : 0, S = (int)pos + 1 - lo;
+  const int G = (int)(H / Hkv);
+  auto out = torch::empty({1, H * hd}, qkv.options());
+  float* op = out.data_ptr<float>();
+  auto head = [&](int h) {
+    const float* q = qk.data() + (size_t)h * hd;
+    const float* K = kp + ((size_t)(h / G) * M + lo) * hd;
+    const float* V = vp + ((size_t)(h / G) * M + lo) * hd;
+    std::vector<float> p(S);
+    float m = -INFINITY;
+    for (int j = 0; j < S; ++j) m = std::max(m, p[j] = dot(q, K + (size_t)j * hd, hd, isa) * (float)scaling);
+    float sum = 0.f;
+    for (int j = 0; j < S; ++j) sum = sum + (p[j] = std::exp(p[j] - m));
+    float* o = op + (size_t)h * hd;
+    std::fill(o, o + hd, 0.f);
+    for (int j = 0; j < S; ++j) {
+      const float pj = p[j] / sum;
+      const float* v = V + (size_t)j * hd;
+      for (int i = 0; i < hd; ++i) o[i] = o[i] + pj * v[i];
+    }
+  };
+  // Threads only where the keys outweigh waking them (~10 us): a head is S * hd * 4 multiply-adds.
+  if ((int64_t)H * S * hd < (1 << 20)) {
+    for (int h = 0; h < H; ++h) head(h);
+  } else {
+    at::parallel_for(0, H, 1, [&](int64_t h0, int64_t h1) {
+      for (int64_t h = h0; h < h1; ++h) head((int)h);
+    });
+  }
+  return out;
+}
+
+// The softmax top-k router for one token: x [1, D], gate [E, D] fp32 -> (weights [1, k] fp32,
+// ids [1, k] int64), probabilities fp32 softmax over all E (max subtracted), the k largest in
+// descending order (ties: lower id first), renormalised to sum 1 when `renorm`.
+std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& gate, int64_t k, bool renorm,
+                                 int64_t isa) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && gate.scalar_type() == torch::kFloat && x.is_contiguous() &&
+                  gate.is_contiguous() && x.numel() == gate.size(1) && gate.dim() == 2,
+              "route: x [1, D] and gate [E, D], fp32 and contiguous");
+  const int E = (int)gate.size(0), D = (int)gate.size(1);
+  TORCH_CHECK(k > 0 && k <= E, "route: k must be in [1, E]");
+  isa = resolve(isa);
+  std::vector<float> s(E);
+  const float *xp = x.data_ptr<float>(), *gp = gate.data_ptr<float>();
+  // Two threads read the 1 MB-class gate from DRAM at twice the rate of one.
+  at::parallel_for(0, E, 16, [&](int64_t e0, int64_t e1) {
+    for (int64_t e = e0; e < e1; ++e) s[e] = dot(xp, gp + (size_t)e * D, D, isa);
+  });
+  float m = -INFINITY, sum = 0.f;
+  for (int e = 0; e < E; ++e) m = std::max(m, s[e]);
+  for (int e = 0; e < E; ++e) sum = sum + (s[e] = std::exp(s[e] - m));
+  for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
+  std::vector<int> idx(E);
+  for (int e = 0; e < E; ++e) idx[e] = e;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  auto w = torch::empty({1, k}, x.options());
+  auto ids = torch::empty({1, k}, x.options().dtype(torch::kLong));
+  float tot = 0.f;
+  for (int i = 0; i < k; ++i) tot = tot + s[idx[i]];
+  for (int i = 0; i < k; ++i) {
+    w.data_ptr<float>()[i] = renorm ? s[idx[i]] / tot : s[idx[i]];
+    ids.data_ptr<int64_t>()[i] = idx[i];
+  }
+  return {w, ids};
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0 weight -> [T, N] fp32");
-  m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32");
+  m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32", py::arg("x"), py::arg("secs"),
+        py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
+  m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
+  m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
+  m.def("route", &route, "softmax top-k router of one token -> (weights, ids)");
   m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
 }
