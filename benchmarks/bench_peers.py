@@ -28,8 +28,9 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
 of s of the expert bytes from a pinned host mirror. The ceiling is then the HBM read bandwidth
-(a 4 GiB fp32 sum on the device), dense weights count at bf16, and the PCIe H2D rate (a pinned 1
-GiB copy) is reported beside it.
+(a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
+sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
+reported beside it.
 
 Build llama.cpp first (../shared/peers/README.md: build_llamacpp.sh); nothing of it is committed.
 """

@@ -168,3 +168,25 @@ def test_cuda_inductor_compiled_module_equals_eager():
     x = torch.randn(1, 2048, device="cuda", dtype=torch.bfloat16)
     compiled = torch.compile(lambda t: lin(t) * 2, fullgraph=True)
     assert torch.equal(compiled(x), lin(x) * 2)
+
+
+def test_the_benchmark_dry_run_writes_its_rows(tmp_path):
+    """benchmarks/bench_gpu_dense.py --dry-run: the script end to end on the CPU (one tiny shape
+    through the interpreter), rows of the schema, the GEMV within fp32 rounding of the ref."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(root / "benchmarks/bench_gpu_dense.py"), "--dry-run"]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run([*cmd, "--quant", "int4", "--out", str(out)], env=env, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["variant"] for row in rows] == ["bf16_linear", "triton_int4"]
+    assert all(row["config"]["dry_run"] and row["us"] > 0 for row in rows)
+    assert rows[1]["max_rel_err_vs_ref"] < 1e-5

@@ -11,12 +11,14 @@ adds them in split order (deterministic); the bias is added in fp32 before the o
 the output dtype. int4 rows come in the store's packed blocks of 64 (a block is [K, 32] bytes:
 row d low nibble, row d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
 
-Numerics: every product of a weight and an activation is exact in fp32 and the sums are fp32
-(dot accumulators, then per group times the fp32 scale), so the result is the exact
-sum(dequantized weight x activation) up to fp32 summation rounding, rounded once to x's dtype.
-The reference (`QuantLinear` kernel "ref": dequantize into x's dtype + F.linear) rounds every
-dequantized weight to bf16 first and sums in cuBLAS's order, so bf16 outputs differ from it by
-about one bf16 ulp (tests/test_triton_dense.py bounds both against a float64 spec).
+Numerics: the dots multiply the raw integers (at most 8 bits) by the activations, products that
+are exact in fp32 for bf16 / fp16 activations (fp32 ones round each product, "ieee" fp32 dots);
+sums are fp32 (the dot accumulators, then per group times the fp32 scale, int4 plus the zero
+term), so the result is sum(dequantized weight x activation) up to fp32 summation rounding,
+rounded once to x's dtype. The reference (`QuantLinear` kernel "ref": dequantize into x's dtype
++ F.linear) rounds every dequantized weight to bf16 first and sums in cuBLAS's order, so bf16
+outputs differ from it in the last bit or so (tests/test_triton_dense.py bounds the GEMV against
+a float64 spec of the stored numbers).
 
 Tiles come from a rule on (N, K) (`gemv_config`), not triton.autotune (it syncs and benchmarks
 at the first call, which a CUDA graph capture cannot take). The rule is untuned: it waits for a
