@@ -28,8 +28,9 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
 of s of the expert bytes from a pinned host mirror. The ceiling is then the HBM read bandwidth
-(a 4 GiB fp32 sum on the device), dense weights count at bf16, and the PCIe H2D rate (a pinned 1
-GiB copy) is reported beside it.
+(a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
+sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
+reported beside it.
 
 Build llama.cpp first (../shared/peers/README.md: build_llamacpp.sh); nothing of it is committed.
 """
@@ -200,8 +201,8 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
 
 def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
     """Dense weights read per token as the child holds them (float ones fp32 on the CPU, bf16 on
-    the GPU; quantized ones as stored on the CPU, dequantized to bf16 on the GPU: kernels/dense.py;
-    the embedding: one row) + top-k records per MoE layer."""
+    the GPU; quantized ones as their stored sections on both: the GPU's GEMV reads them in place,
+    kernels/triton/dense.py; the embedding: one row) + top-k records per MoE layer."""
     elem = 2 if gpu else 4
     from moestream.store.format import Store
 
@@ -211,10 +212,7 @@ def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
     for name in s.dense_names:
         if s.dense_scheme(name) is None:
             n = s.tensor(name).numel() * elem
-        elif gpu:  # kept dequantized there
-            n_rows, k = s.dense_formats[name][1]
-            n = n_rows * k * elem
-        else:  # quantized: its sections as stored
+        else:
             n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()

@@ -220,7 +220,8 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
 
         check_scheme(store)
     model = build_model(store.args, dtype)
-    load_dense(store, model, dtype, progress, "ref" if isinstance(cfg, GpuConfig) else cfg.kernel)
+    # GpuConfig's kernel ("triton" or "ref") is the dense layers' too (kernels/dense.py)
+    load_dense(store, model, dtype, progress, cfg.kernel)
     store.release_dense()
     # The native kernels' run also takes the fused one-token ops for its dense math (fp32 CPU).
     model.set_fused_decode(

@@ -248,8 +248,9 @@ def test_cli_convert_dense_flag(tiny_dir, tmp_path):
 @pytest.mark.cuda
 @pytest.mark.parametrize("scheme", ["int4", "int8"])
 def test_quantized_dense_on_cuda_is_the_dequantized_linear(scheme):
-    """On the GPU QuantLinear dequantizes into the activation dtype and multiplies: the bits of
-    F.linear with the dequantized weight there; the embedding gathers the same rows."""
+    """On the GPU the CPU kernels and ref dequantize into the activation dtype per call and
+    multiply: the bits of F.linear with the dequantized weight there, and no copy is kept; the
+    embedding gathers the same rows."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     g = torch.Generator().manual_seed(5)
@@ -257,10 +258,10 @@ def test_quantized_dense_on_cuda_is_the_dequantized_linear(scheme):
     qw = QuantWeight(s, (320, 128), quantize(s, torch.randn(320, 128, generator=g))).cuda()
     x = torch.randn(3, 128, generator=g).cuda().bfloat16()
     want = torch.nn.functional.linear(x, dequantize(qw.sections(), "w", 32, torch.bfloat16))
-    lin = QuantLinear(qw, None, "native")  # native: CPU only, ref here
-    assert torch.equal(lin(x), want)
-    kept = lin._float[1]  # dequantized once, reused by the next call
-    assert torch.equal(lin(x), want) and lin._float[1] is kept
+    for kernel in ("native", "ref"):  # native: CPU only, ref here
+        lin = QuantLinear(qw, None, kernel)
+        assert torch.equal(lin(x), want) and torch.equal(lin(x), want)
+        assert {n for n, _ in lin.named_buffers()} == {"qweight.q", f"qweight.{qw.suffixes[1]}"}
     ids = torch.tensor([0, 319, 64, 5]).cuda()
     rows = QuantEmbedding(qw, torch.bfloat16)(ids)
     assert torch.equal(rows, dequantize(qw.sections(), "w", 32, torch.bfloat16)[ids])

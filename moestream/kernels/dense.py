@@ -5,9 +5,13 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
   native: the C++ `linear` (kernels/native.py; Q8_0 activations, spec `ref.qlinear_q8`), where it
           built and the scheme has groups of 32; else the torch kernels, as the experts fall back;
   cpu:    `kernels/cpu.qlinear_cpu` (torch's packed int4 kernel, bf16 activations; int8 = ref);
-  ref:    dequantize into the activation dtype + F.linear: the bits of a float model holding the
-          dequantized weight. On a GPU the dequantized weight is kept (made once per device and
-          dtype): VRAM holds it beside the sections until a Triton GEMV replaces this.
+  triton: the GPU's (GpuConfig kernel "triton"): up to 8 tokens the Triton GEMV over the sections
+          (kernels/triton/dense.py; fp32 sums of the exact dequantized products, one rounding),
+          more tokens (a prompt) dequantize + F.linear per call (tensor cores; a transient
+          weight). On CPU tensors the GEMV runs in Triton's interpreter (tests);
+  ref:    dequantize into the activation dtype + F.linear, per call, on every device: the bits of
+          a float model holding the dequantized weight. native / cpu off the CPU run it too.
+No kernel keeps a dequantized copy: memory holds only the sections.
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel.
 """
 
@@ -22,7 +26,7 @@ from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
 from moestream.quant import QuantScheme, pack_int4, unpack_int4
 
-DENSE_KERNELS = ("native", "cpu", "ref")
+DENSE_KERNELS = ("native", "cpu", "triton", "ref")
 
 
 class QuantWeight(nn.Module):
@@ -74,12 +78,26 @@ class QuantLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self.out_features, self.in_features = weight.shape
         self.kernel, self.wide = kernel, wide and weight.scheme.name == "int8"
-        # Off the CPU (no quantized GEMV there yet): the weight dequantized once per (device,
-        # dtype), the ref path's very bits without dequantizing it again at every call.
-        self._float: tuple[tuple, torch.Tensor] | None = None
+        self._triton = None
+        if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
+            from moestream.kernels.triton import dense as triton_dense
 
-    def resolved_kernel(self, device: torch.device) -> str:
-        """The kernel that runs on `device`: off the CPU always the dequantizing reference."""
+            self._triton = triton_dense
+
+    def gemv_unsupported(self, tokens: int) -> str | None:
+        """Why the Triton GEMV does not take `tokens` rows of this weight (None when it does)."""
+        if self._triton is None:
+            return f"the {self.kernel!r} kernel has no GEMV (kernel 'triton' has)"
+        s = self.qweight.scheme
+        return self._triton.unsupported(
+            s.name, self.out_features, self.in_features, s.group_size, tokens
+        )
+
+    def resolved_kernel(self, device: torch.device, tokens: int = 1) -> str:
+        """The kernel that runs `tokens` rows on `device`: triton where the GEMV takes them (else
+        ref); off the CPU the CPU kernels are ref."""
+        if self.kernel == "triton":
+            return "ref" if self.gemv_unsupported(tokens) else "triton"
         if device.type != "cpu":
             return "ref"
         if self.kernel == "native" and not (
@@ -90,28 +108,21 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
-        sec, g = self.qweight.sections(), self.qweight.scheme.group_size
-        kind = self.resolved_kernel(x.device)
-        if kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
-            y = F.linear(x2, self._dequantized(sec, g, x), self.bias)
+        w, g = self.qweight, self.qweight.scheme.group_size
+        kind = self.resolved_kernel(x.device, x2.shape[0])
+        if kind == "triton":  # bias added in fp32 before the one rounding
+            scales = getattr(w, w.suffixes[1])  # s (int8), sz (int4) or d (q4_0)
+            y = self._triton.gemv(x2, w.q, scales, self.bias, w.scheme.name, self.out_features, g)
+        elif kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
+            y = F.linear(x2, dequantize(w.sections(), "w", g, x.dtype), self.bias)
         else:
             if kind == "native":
-                y = native.linear(x2, sec, "w", wide=self.wide).to(x.dtype)
+                y = native.linear(x2, w.sections(), "w", wide=self.wide).to(x.dtype)
             else:
-                y = qlinear_cpu(x2, sec, "w", g)
+                y = qlinear_cpu(x2, w.sections(), "w", g)
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
-
-    def _dequantized(self, sec: dict, g: int, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cpu":  # RAM is what quantizing saves here: dequantize per call
-            return dequantize(sec, "w", g, x.dtype)
-        if self._float is not None and torch.compiler.is_compiling():
-            return self._float[1]  # made by the eager step before; dynamo cannot trace data_ptr
-        key = (x.device, x.dtype, sec["w.q"].data_ptr())
-        if self._float is None or self._float[0] != key:
-            self._float = (key, dequantize(sec, "w", g, x.dtype))
-        return self._float[1]
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:

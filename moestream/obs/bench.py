@@ -50,8 +50,8 @@ def spread(values: list[float]) -> dict:
 
 def dense_bytes_per_token(model) -> int:
     """Bytes of the non-expert weights one decode step reads: every weight once (quantized ones as
-    their sections; on a GPU, where they are kept dequantized, that copy), the input embedding
-    one row, the output projection whole (also when tied to the embedding)."""
+    their sections, on every device: no kernel keeps a dequantized copy, kernels/dense.py), the
+    input embedding one row, the output projection whole (also when tied to the embedding)."""
     embed, head = model.model.embed_tokens, model.lm_head
     head_ts = _read_tensors(head)
     embed_ts = [t for t in _read_tensors(embed) if t.data_ptr() not in _ptrs(head_ts)]  # tied
@@ -63,19 +63,10 @@ def dense_bytes_per_token(model) -> int:
 
 def _read_tensors(module) -> list:
     """The weights a forward through module reads, each storage once."""
-    from moestream.kernels.dense import QuantLinear
-
-    skip, out = set(), []
-    for m in module.modules():
-        if isinstance(m, QuantLinear) and m._float is not None:
-            out.append(m._float[1])  # dequantized once on the GPU: the copy is what is read
-            skip |= _ptrs(m.qweight.buffers())
-    for t in [*module.parameters(), *module.buffers()]:
-        if t is not None and t.data_ptr() not in skip:
-            out.append(t)
     unique = {}
-    for t in out:
-        unique.setdefault(t.data_ptr(), t)
+    for t in [*module.parameters(), *module.buffers()]:
+        if t is not None:
+            unique.setdefault(t.data_ptr(), t)
     return list(unique.values())
 
 

@@ -1,0 +1,208 @@
+"""Quantized dense GEMV (moestream/kernels/triton/dense.py) vs bf16 F.linear at decode, on a GPU.
+
+Shapes of Qwen3-30B-A3B's dense weights: q_proj 4096x2048, q/k/v fused 5120x2048, o_proj
+2048x4096, the output layer 151936x2048 and a 32000-token one. Per shape and token count: bf16
+F.linear on the weight (what the GPU ran before: a dequantized copy) and the GEMV on its int8 /
+int4 (/ q4_0) sections. Each variant is timed as a CUDA graph of `--calls` calls over enough
+weight copies that every call reads from HBM (more than `MIN_CYCLE_BYTES` per cycle, past the
+L2), replayed `--reps` times between CUDA events. Reported: us per call, bytes read (weight
+sections + activations + output), GB/s, and the fraction of the HBM read ceiling measured in the
+same run (bench_peers.dram_gbps: a 4 GiB fp32 sum), plus the GEMV's max error relative to the
+reference (dequantize + F.linear in bf16) as a sanity check. JSON lines through common.bench_row.
+
+    python benchmarks/bench_gpu_dense.py --out gpu_dense.jsonl [--tokens 1 8] [--quant int8 int4]
+    python benchmarks/bench_gpu_dense.py --dry-run   # CPU: one tiny shape through the interpreter
+
+Tiles are gemv_config's untuned rule. `--dry-run` checks the script end to end on the CPU (fp32
+activations, the "bf16_linear" variant then runs in fp32: a row's config says its dtype), times
+nothing that means anything, and writes rows only with --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+SHAPES = {
+    "q_proj": (4096, 2048),
+    "qkv_fused": (5120, 2048),
+    "o_proj": (2048, 4096),
+    "lm_head": (151936, 2048),
+    "lm_head_32k": (32000, 2048),
+}
+DRY_SHAPES = {"tiny": (200, 256)}
+MIN_CYCLE_BYTES = 512 << 20  # per graph cycle of weight copies: well past the H200's 60 MB L2
+
+
+def parse() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=None, help="append JSON rows here")
+    ap.add_argument(
+        "--quant", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "q4_0"]
+    )
+    ap.add_argument("--tokens", nargs="+", type=int, default=[1])
+    ap.add_argument("--calls", type=int, default=16, help="calls per captured graph (at least)")
+    ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
+    ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, one tiny shape")
+    a = ap.parse_args()
+    if any(not 1 <= t <= 8 for t in a.tokens):
+        ap.error("--tokens: the GEMV is for decode, 1 to 8 tokens")
+    return a
+
+
+def weights(n: int, k: int, copies: int, quant: str | None, device: str) -> list:
+    """`copies` random [n, k] weights: bf16 tensors (quant None) or section dicts (suffix ->
+    tensor, quant.quantize)."""
+    import torch
+
+    from moestream.quant import make_scheme, quantize
+
+    out = []
+    for i in range(copies):
+        g = torch.Generator(device=device).manual_seed(i)
+        w = torch.randn(n, k, device=device, generator=g) / k**0.5
+        out.append(w.to(torch.bfloat16) if quant is None else quantize(make_scheme(quant), w))
+        del w
+    return out
+
+
+def time_us(calls: list, reps: int, cuda: bool) -> float:
+    """us per call: a CUDA graph of the calls replayed `reps` times (CUDA events); on the CPU
+    (dry run) one eager pass timed by the clock."""
+    import torch
+
+    if not cuda:
+        t0 = time.perf_counter()
+        for c in calls:
+            c()
+        return (time.perf_counter() - t0) / len(calls) * 1e6
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:  # compile and warm outside the capture
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+
+
+def bench_shape(name: str, n: int, k: int, a, ceiling: float | None, device: str) -> list[dict]:
+    """Rows of one shape: bf16 F.linear and the GEMV per quant, per token count."""
+    import torch
+    import torch.nn.functional as F
+
+    cuda = device == "cuda"
+    copies = max(1, -(-MIN_CYCLE_BYTES // (n * k * 2))) if cuda else 1  # bf16 bytes decide
+    n_calls = max(a.calls, copies) if cuda else 1
+    rows = []
+    for T in a.tokens:
+        x = torch.randn(T, k, device=device).to(torch.bfloat16 if cuda else torch.float32)
+        act = T * (k + n) * x.element_size()  # x in, y out
+        ws = [w.to(x.dtype) for w in weights(n, k, copies, None, device)]
+        us = time_us(
+            [lambda w=ws[i % copies]: F.linear(x, w) for i in range(n_calls)], a.reps, cuda
+        )
+        rows.append(
+            _row(name, n, k, T, x.dtype, n_calls, "bf16_linear", us, n * k * 2 + act, ceiling)
+        )
+        del ws
+        for quant in a.quant:
+            rows.append(_gemv_row(name, n, k, x, quant, copies, n_calls, a.reps, ceiling))
+            if cuda:
+                torch.cuda.empty_cache()
+    return rows
+
+
+def _gemv_row(name, n, k, x, quant, copies, n_calls, reps, ceiling) -> dict:
+    """The GEMV on `copies` quantized weights, with its error against dequantize + F.linear."""
+    import torch.nn.functional as F
+
+    from moestream.kernels.ref import dequantize
+    from moestream.kernels.triton.dense import gemv, gemv_config
+
+    secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))
+            for sec in weights(n, k, copies, quant, x.device.type)]  # fmt: skip
+    calls = [lambda s=secs[i % copies]: gemv(x, *s, None, quant, n, 32) for i in range(n_calls)]
+    us = time_us(calls, reps, x.is_cuda)
+    q, scales = secs[0]
+    suffix = {"int8": "s", "int4": "sz", "q4_0": "d"}[quant]
+    ref = F.linear(x, dequantize({"w.q": q, f"w.{suffix}": scales}, "w", 32, x.dtype)).float()
+    err = (gemv(x, q, scales, None, quant, n, 32).float() - ref).abs().max() / ref.abs().max()
+    cfg = gemv_config(quant, n, k, 32)
+    nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
+    extra = {
+        "max_rel_err_vs_ref": err.item(),
+        "tiles": {"bn": cfg.bn, "gps": cfg.gps, "split": cfg.split},
+    }
+    return _row(
+        name, n, k, x.shape[0], x.dtype, n_calls, f"triton_{quant}", us, nbytes, ceiling, extra
+    )
+
+
+def _row(name, n, k, T, dtype, n_calls, variant, us, nbytes, ceiling, extra=None) -> dict:
+    gbps = nbytes / (us * 1e-6) / 1e9
+    return {
+        "shape": name, "N": n, "K": k, "tokens": T, "calls_in_graph": n_calls, "variant": variant,
+        "dtype": str(dtype).removeprefix("torch."), "us": us, "bytes": nbytes, "gbps": gbps,
+        "hbm_read_gbps": ceiling, "of_ceiling": None if ceiling is None else gbps / ceiling,
+        **(extra or {}),
+    }  # fmt: skip
+
+
+def main() -> None:
+    a = parse()
+    if a.dry_run:  # before triton is imported: it reads the variable when kernels are decorated
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from common import bench_row, write_rows
+
+    device = "cpu" if a.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu_dense.py: no CUDA device; --dry-run checks it on the CPU", file=sys.stderr)
+        sys.exit(2)
+    if a.dry_run:
+        ceiling = None  # the 4 GiB device sum is the ceiling; a dry run measures nothing
+    else:
+        from bench_peers import dram_gbps
+
+        ceiling = dram_gbps(torch.get_num_threads(), device="cuda")
+    results = []
+    for name, (n, k) in (DRY_SHAPES if a.dry_run else SHAPES).items():
+        results += bench_shape(name, n, k, a, ceiling, device)
+    keys = ("shape", "N", "K", "tokens", "dtype", "calls_in_graph")
+    rows = [bench_row("gpu_dense", {"dry_run": a.dry_run} | {key: r.pop(key) for key in keys}, r,
+                      a.commit) for r in results]  # fmt: skip
+    write_rows(a.out, rows)
+    print(
+        "dry run: nothing measured" if ceiling is None else f"HBM read ceiling {ceiling:.0f} GB/s"
+    )
+    print(f"{'shape':12} {'T':>2} {'variant':13} {'us':>8} {'MB':>7} {'GB/s':>6} {'ceil':>5} "
+          f"{'x bf16':>6} {'err':>8}")  # fmt: skip
+    base = {}
+    for r in rows:
+        c = r["config"]
+        key = (c["shape"], c["tokens"])
+        base.setdefault(key, r["us"])  # the bf16 F.linear row comes first
+        print(f"{c['shape']:12} {c['tokens']:>2} {r['variant']:13} {r['us']:8.1f} "
+              f"{r['bytes'] / 1e6:7.1f} {r['gbps']:6.0f} {r['of_ceiling'] or 0:5.2f} "
+              f"{base[key] / r['us']:6.2f} {r.get('max_rel_err_vs_ref', 0):8.1e}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
