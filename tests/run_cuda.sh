@@ -24,6 +24,6 @@ shard() {
 shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
 shard prefill "$kern" "$abl" -k "prefill_cuda or dispatcher_cuda or pair_rows or fused_layer" &
-shard provider -m cuda tests/test_gpu_provider.py &
+shard provider -m cuda tests/test_gpu_provider.py tests/test_triton_dense.py tests/test_dense_quant.py &
 wait
 shard variants -m cuda "$abl" -k variants_cuda
