@@ -250,9 +250,11 @@ def test_cuda_graph_decode_equals_eager(stores, quant):
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", ["bf16", "int4"])
 def test_cuda_compiled_step_equals_eager(stores, quant):
-    """The torch.compile'd captured step (dense ops fused) keeps the eager decode's greedy tokens;
-    its logits differ only by the fused roundings (fp32 kept between ops that eager rounds to
-    bf16: a few bf16 steps of the log-probabilities)."""
+    """The torch.compile'd captured step (dense ops fused) keeps the eager decode's greedy tokens
+    up to a near tie: its logits differ only by the fused roundings (fp32 kept between ops that
+    eager rounds to bf16: a few bf16 steps of the log-probabilities, 0.15-0.22 measured), so where
+    the tokens first part the eager logits' margin between the two choices must be below that
+    rounding (0.3); the sequences diverge after it, so nothing later is compared."""
     from moestream.config import SamplingConfig
     from moestream.runtime import open_model
 
@@ -265,10 +267,16 @@ def test_cuda_compiled_step_equals_eager(stores, quant):
         ids = fused.encode_prompt(prompt)
         want = eager.generator.generate(ids, cfg)
         got = fused.generator.generate(ids, cfg)
-        assert got.ids == want.ids, prompt
-        diff = max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs))
+        n = next((i for i, (a, b) in enumerate(zip(want.ids, got.ids)) if a != b), len(want.ids))
+        diff = max(abs(a - b) for a, b in zip(got.logprobs[:n], want.logprobs[:n]))
         # bf16 logits at magnitudes 8-16 step by 0.03-0.06: measured 0.15-0.22 on the H200
         assert diff < 0.3, diff
+        if n < len(want.ids):  # a near tie, or a real difference: the eager logits tell
+            with torch.inference_mode():
+                _, logits = run(eager.model, eager.args, ids, n + 1, forced=want.ids)
+            gap = logits[n, want.ids[n]] - logits[n, got.ids[n]]
+            print(f"{quant} {prompt!r}: tokens part at step {n}, eager margin {gap:.3f}")
+            assert gap < 0.3, (prompt, n, float(gap))
     eager.close()
     fused.close()
 

@@ -54,7 +54,7 @@ def _exact(w: QuantWeight) -> torch.Tensor:
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: QuantWeight, bias) -> None:
-    W = _exact(w)
+    W = _exact(w).cpu()
     want = x.cpu().double() @ W.t() + (0 if bias is None else bias.cpu().double())
     scale = x.cpu().double().abs() @ W.abs().t() + (0 if bias is None else bias.cpu().abs())
     got = got.cpu().double()
