@@ -156,3 +156,29 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
     for key, value in adds.items():
         if key != skip_key:
             getattr(writer, f"add_{key}")(value)
+
+
+def kquant_blocks(
+    kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01, centred: bool = False
+) -> np.ndarray:
+    """Random GGUF K-quant rows uint8 [n, k/256, block bytes] (kind: q4_k, q5_k, q6_k): every
+    quant, scale and min byte uniform, the fp16 d (and dmin) ~ N(0, scale): any valid block, as
+    the gguf package cannot quantize into K-quants. `centred` (q4_k / q5_k): weights like a real
+    model's, around 0: each sub-block's min equal to its scale and dmin = d * (mid quant)."""
+    from moestream.quant import KQUANT_BYTES
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, KQUANT_BYTES[kind]), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256, 1)) * scale).astype(np.float16)
+    if kind == "q6_k":
+        raw[..., 208:210] = d.view(np.uint8)
+        return raw
+    dmin = rng.standard_normal((n, k // 256, 1)).astype(np.float16)
+    if centred:  # m = sc: bytes 4-7 as 0-3, 8-11 one nibble twice; w = d * sc * (q - mid)
+        raw[..., 4:8] = raw[..., 0:4]
+        raw[..., 8:12] = (raw[..., 8:12] & 15) * 17
+        dmin = (d.astype(np.float32) * (7.5 if kind == "q4_k" else 15.5)).astype(np.float16)
+    else:
+        dmin = (dmin * scale).astype(np.float16)
+    raw[..., 0:2], raw[..., 2:4] = d.view(np.uint8), dmin.view(np.uint8)
+    return raw
