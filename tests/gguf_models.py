@@ -7,6 +7,7 @@ Hugging Face tensors, so a test can run transformers on exactly the (dequantized
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ import torch
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
 _EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _MIXTRAL_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}
+# K-quant blocks written for a weight of std s get d ~ N(0, s / this): about s once scaled by
+# their typical |sc * (q - mid)| (centred blocks).
+_KQUANT_SPREAD = {"Q4_K": 120.0, "Q5_K": 250.0, "Q6_K": 1000.0}
 
 
 def expert_name(model_type: str, layer: int, e: int, role: str) -> str:
@@ -42,7 +46,13 @@ def _store(writer, name: str, w: np.ndarray, qtype) -> np.ndarray:
     if qtype == T.F32 or w.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
         writer.add_tensor(name, w.astype(np.float32))
         return w.astype(np.float32)
-    q = gguf.quants.quantize(w.astype(np.float32), qtype)
+    if qtype.name in _KQUANT_SPREAD:  # no quantizer in the gguf package: random centred blocks
+        n, k = int(np.prod(w.shape[:-1])), w.shape[-1]
+        scale = float(w.std()) / _KQUANT_SPREAD[qtype.name]
+        raw = kquant_blocks(qtype.name.lower(), n, k, zlib.crc32(name.encode()), scale, True)
+        q = raw.reshape(*w.shape[:-1], -1)
+    else:
+        q = gguf.quants.quantize(w.astype(np.float32), qtype)
     writer.add_tensor(name, q, raw_dtype=qtype)
     return gguf.quants.dequantize(q, qtype)
 
@@ -78,9 +88,11 @@ def write_gguf(
     dense_type: str = "F32",
     pre: str = "gpt-2",
     skip_key: str | None = None,
+    dense_types: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A GGUF of the per-expert HF checkpoint in folder. expert_types: layer -> (gate, up, down)
-    type names (default F32). Returns HF name -> the values stored (dequantized)."""
+    type names (default F32); dense_types: HF name -> type, over dense_type. Returns HF name ->
+    the values stored (dequantized)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -110,7 +122,7 @@ def write_gguf(
             out = _permute(w, heads)
         if hf.endswith("shared_expert_gate.weight"):
             out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
-        vals = _store(writer, name, out, T[dense_type])
+        vals = _store(writer, name, out, T[(dense_types or {}).get(hf, dense_type)])
         if heads is not None:  # the values in HF's row order: the permutation undone
             vals = vals.reshape(heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         stored[hf] = torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))

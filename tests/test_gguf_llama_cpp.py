@@ -136,7 +136,7 @@ def test_llama_quantize_q4_0_is_kept_exactly(tmp_path, arch, capsys):
 
 @needs_build
 def test_llama_quantize_q4_k_m_is_our_int4_of_its_values(tmp_path, capsys):
-    """llama-quantize Q4_K_M (Q4_K and Q6_K experts: no native kernel yet): requantized to int4,
+    """llama-quantize Q4_K_M (Q4_K and Q6_K experts: a record holds one scheme): requantized to int4,
     and said so; the store gives the bits of the int4 store of a Hugging Face folder holding the
     GGUF's dequantized values (the requantization is our int4 quantizer on llama.cpp's values).
     Widths of 256: K-quant blocks are 256 wide (narrower tensors fall back to other types)."""
