@@ -168,9 +168,10 @@ def _add_store_args(p) -> None:
     g.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4", "q4_0"],  # quant.SCHEMES (no torch import here)
+        choices=["bf16", "int8", "int4", "q4_0", "q4_k", "q5_k", "q6_k"],  # quant.SCHEMES
         help="expert quantization when converting a Hugging Face folder (default bf16) or a "
-        "GGUF file (default q4_0 for Q4_0 experts, int8 for >= 8-bit ones, else int4)",
+        "GGUF file (default: its experts' type when all are one of Q8_0 / Q4_0 / Q4_K / Q5_K / "
+        "Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
     )
     g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
     g.add_argument(
@@ -352,11 +353,12 @@ def _add_convert(sub) -> None:
     p.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4", "q4_0"],  # quant.SCHEMES (no torch import here)
+        choices=["bf16", "int8", "int4", "q4_0", "q4_k", "q5_k", "q6_k"],  # quant.SCHEMES
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
-        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 when its experts are "
-        "all Q4_0 (kept exactly, CPU only), int8 when they have >= 8 bits (Q8_0 kept exactly), "
-        "else int4; int8/int4/q4_0 from floats are lossy: measure them with eval)",
+        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_k / q5_k / q6_k "
+        "when its experts are all Q4_0 / Q4_K / Q5_K / Q6_K (kept exactly, CPU only), int8 when "
+        "they have >= 8 bits (Q8_0 kept exactly), else int4; int8/int4/q4_0 from floats are "
+        "lossy: measure them with eval; the K-quants only keep a GGUF's blocks)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
     p.add_argument(
@@ -364,8 +366,9 @@ def _add_convert(sub) -> None:
         default="auto",
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
-        "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 tensors "
-        "kept exactly as int8 / q4_0, its other quantized types dequantized), float = as in the "
+        "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 / Q4_K / "
+        "Q5_K / Q6_K tensors kept exactly as int8 / q4_0 / q4_k / q5_k / q6_k, its other "
+        "quantized types dequantized), float = as in the "
         "checkpoint (dequantized), int8 / int4; "
         "norms, routers, biases and small tensors stay float",
     )

@@ -1,8 +1,10 @@
 """Quantization schemes for expert (and dense) weights and the byte layout of one expert record.
 
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
-"sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE) and `q4_0`
-(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored). Every
+"sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE), `q4_0`
+(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored) and
+the K-quants `q4_k`, `q5_k`, `q6_k` (llama.cpp's super-blocks of 256 as a GGUF stores them; GGUF
+only: `quantize` does not write them). Every
 2-D weight [N, K] (N outputs, K inputs) is quantized along K, so concatenating gate and up rows
 into w13 [2I, D] changes nothing per row.
 
@@ -14,6 +16,11 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   q4_0: `q` uint8 [N, K/2], per row and block of 32 the block's 16 GGUF bytes (byte i: element i
         in the low nibble, element i + 16 in the high one), `d` fp16 [N, K/32]   w = (q - 8) * d
         (row-major like int8: the native kernel streams each row front to back)
+  q4_k / q5_k / q6_k: `q` uint8 [N, K/256, B], each row's GGUF blocks byte for byte (B = 144 /
+        176 / 210: block_q4_K {d, dmin fp16, scales[12] (6-bit sc and m of 8 sub-blocks of 32),
+        qs[128]}, block_q5_K {d, dmin, scales[12], qh[32], qs[128]}, block_q6_K {ql[128],
+        qh[64], scales[16] int8 (16 sub-blocks of 16), d fp16}); the blocks carry their scales
+        (`unpack_kquant`), w = (d * sc) * q - (dmin * m), q6_k: (d * sc) * (q - 32)
 An expert record holds w13 [2I, D] then w2 [D, I] (then, for experts with biases (gpt_oss),
 `b13` fp32 [2I] and `b2` fp32 [D], never quantized), each section 64-byte aligned, and is padded
 to a 4 KiB multiple so O_DIRECT can read it in place.
@@ -37,8 +44,11 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
-SCHEMES = ("bf16", "int8", "int4", "q4_0")
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_k", "q5_k", "q6_k")
 Q4_0_BLOCK = 32  # llama.cpp's QK4_0
+QK_K = 256  # llama.cpp's K-quant super-block; a K-quant scheme's group_size
+KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per super-block of 256
+KQUANT_OF_BYTES = {b: name for name, b in KQUANT_BYTES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,14 +64,23 @@ class QuantScheme:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
         if self.name == "q4_0" and (self.group_size != Q4_0_BLOCK or not self.symmetric):
             raise ConfigError(f"q4_0 is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
+        if self.name in KQUANT_BYTES and (self.group_size != QK_K or not self.symmetric):
+            raise ConfigError(f"{self.name} is super-blocks of {QK_K}; drop --group-size")
 
     def to_json(self) -> dict:
         return {"name": self.name, "group_size": self.group_size, "symmetric": self.symmetric}
 
 
 def make_scheme(name: str, group_size: int = 32) -> QuantScheme:
-    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric, q4_0 its own blocks)."""
+    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric, q4_0 its own blocks;
+    a K-quant's group is its super-block: the default 32 means it, another size is refused)."""
+    if name in KQUANT_BYTES and group_size == 32:
+        group_size = QK_K
     return QuantScheme(name, group_size, symmetric=name != "int4" or INT4_CHOICE == "symmetric")
+
+
+def is_kquant(scheme: QuantScheme) -> bool:
+    return scheme.name in KQUANT_BYTES
 
 
 # Dense (non-expert) weights under --quant: llama.cpp keeps the output layer at Q6_K in Q4_0
@@ -133,6 +152,10 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     if mode not in DENSE_MODES:
         raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
     name = experts.name if mode == "auto" else mode
+    if name in KQUANT_BYTES:
+        # K-quant experts come from a GGUF, whose quantized dense weights keep their blocks
+        # (keep_source); `quantize` writes no K-quant, so a float source weight goes int8.
+        name = "int8"
     if name in ("float", "bf16"):
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)
@@ -162,6 +185,13 @@ DTYPE_NAMES.update({torch.float32: "float32", torch.float16: "float16"})
 def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tuple]:
     """(name, dtype, shape) of one weight [n, k] under scheme."""
     g = scheme.group_size
+    if scheme.name in KQUANT_BYTES:
+        if k % QK_K:
+            raise ConfigError(
+                f"{name}: input dim {k} is not a multiple of {QK_K} ({scheme.name} super-blocks); "
+                "convert with --quant int4 (or int8)"
+            )
+        return [(f"{name}.q", torch.uint8, (n, k // QK_K, KQUANT_BYTES[scheme.name]))]
     if scheme.name != "bf16" and k % g:
         raise ConfigError(
             f"{name}: input dim {k} is not a multiple of group size {g}; pick --group-size dividing it"
@@ -179,6 +209,8 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
 
 def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
     """K of a weight from its `q` section (4-bit schemes pack two values per byte)."""
+    if scheme.name in KQUANT_BYTES:
+        return q.shape[1] * QK_K
     return q.shape[1] * (2 if scheme.name in ("int4", "q4_0") else 1)
 
 
@@ -234,6 +266,8 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
     w = w.float()
     if scheme.name == "bf16":
         return {"q": w.to(torch.bfloat16)}
+    if scheme.name in KQUANT_BYTES:
+        raise ConfigError(kquant_source_error(scheme))
     n, k = w.shape
     g = scheme.group_size
     blocks = w.view(n, k // g, g)
@@ -271,6 +305,56 @@ def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
     n, k2 = packed.shape
     b = packed.view(n, k2 // 16, 16)
     return torch.stack([b & 0xF, b >> 4], 2).reshape(n, 2 * k2)
+
+
+def kquant_source_error(scheme: QuantScheme) -> str:
+    """Why a weight cannot be written in a K-quant (llama.cpp's search for its scales and mins is
+    not reimplemented here), and the fix."""
+    t = scheme.name.upper()
+    return (
+        f"--quant {scheme.name} keeps a GGUF's {t} blocks as they are; moestream does not quantize "
+        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t}, or use --quant "
+        "int4, q4_0 or int8"
+    )
+
+
+def unpack_kquant(q: torch.Tensor) -> dict[str, torch.Tensor]:
+    """GGUF K-quant blocks q uint8 [N, nb, B] -> their fields (exact, no arithmetic on values):
+    q4_k / q5_k: q uint8 [N, K] (0..15 / 0..31), sc and m uint8 [N, K/32], d and dmin fp32
+    [N, nb] (fp16 widened); q6_k: q int8 [N, K] (q - 32, -32..31), sc int8 [N, K/16], d fp32
+    [N, nb]. Element order as llama.cpp's dequantize_row_q*_K writes y."""
+    n, nb, nbytes = q.shape
+    kind = KQUANT_OF_BYTES[nbytes]
+    b = q.reshape(n * nb, nbytes)
+    if kind == "q6_k":
+        ql, qh = b[:, :128].view(-1, 2, 64), b[:, 128:192].view(-1, 2, 32)
+        sc = b[:, 192:208].view(torch.int8)
+        d = b[:, 208:210].contiguous().view(torch.float16).float()
+        # half h, quarter j (32 values each): ql nibble (j even: low, odd: high) of byte
+        # 64 h + 32 (j % 2) + l, with bits 2 j..2 j + 1 of qh[32 h + l] on top.
+        lo = torch.stack(
+            [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], 2
+        )
+        hi = torch.stack([(qh >> s) & 3 for s in (0, 2, 4, 6)], 2)
+        vals = (lo | (hi << 4)).view(torch.int8) - 32
+        return {"q": vals.reshape(n, nb * QK_K), "sc": sc.reshape(n, nb * 16), "d": d.view(n, nb)}
+    d = b[:, 0:4].contiguous().view(torch.float16).float().view(n, nb, 2)
+    s = b[:, 4:16].reshape(-1, 3, 4)  # (EEAAAAAA.., eeaaaaaa.., eeeeEEEE..) x 4, as ggml packs
+    sc = torch.cat([s[:, 0] & 63, (s[:, 2] & 15) | ((s[:, 0] >> 2) & 48)], 1)
+    m = torch.cat([s[:, 1] & 63, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 48)], 1)
+    qs = b[:, -128:].reshape(-1, 4, 1, 32)  # chunk j of 64 values: low nibbles, then high
+    vals = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 15  # [., 4, 2, 32]
+    if kind == "q5_k":
+        qh = b[:, 16:48].reshape(-1, 1, 1, 32)  # bit 2 j + i of qh[l]: value 64 j + 32 i + l
+        shifts = torch.arange(8, dtype=torch.uint8).view(1, 4, 2, 1)
+        vals = vals | (((qh >> shifts) & 1) << 4)
+    return {
+        "q": vals.reshape(n, nb * QK_K),
+        "sc": sc.reshape(n, nb * 8),
+        "m": m.reshape(n, nb * 8),
+        "d": d[..., 0],
+        "dmin": d[..., 1],
+    }
 
 
 def _quantize_int4(scheme: QuantScheme, blocks: torch.Tensor) -> dict[str, torch.Tensor]:

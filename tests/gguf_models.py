@@ -7,6 +7,7 @@ Hugging Face tensors, so a test can run transformers on exactly the (dequantized
 from __future__ import annotations
 
 import json
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +16,9 @@ import torch
 GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
 _EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _MIXTRAL_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}
+# K-quant blocks written for a weight of std s get d ~ N(0, s / this): about s once scaled by
+# their typical |sc * (q - mid)| (centred blocks).
+_KQUANT_SPREAD = {"Q4_K": 120.0, "Q5_K": 250.0, "Q6_K": 1000.0}
 
 
 def expert_name(model_type: str, layer: int, e: int, role: str) -> str:
@@ -42,7 +46,13 @@ def _store(writer, name: str, w: np.ndarray, qtype) -> np.ndarray:
     if qtype == T.F32 or w.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
         writer.add_tensor(name, w.astype(np.float32))
         return w.astype(np.float32)
-    q = gguf.quants.quantize(w.astype(np.float32), qtype)
+    if qtype.name in _KQUANT_SPREAD:  # no quantizer in the gguf package: random centred blocks
+        n, k = int(np.prod(w.shape[:-1])), w.shape[-1]
+        scale = float(w.std()) / _KQUANT_SPREAD[qtype.name]
+        raw = kquant_blocks(qtype.name.lower(), n, k, zlib.crc32(name.encode()), scale, True)
+        q = raw.reshape(*w.shape[:-1], -1)
+    else:
+        q = gguf.quants.quantize(w.astype(np.float32), qtype)
     writer.add_tensor(name, q, raw_dtype=qtype)
     return gguf.quants.dequantize(q, qtype)
 
@@ -78,9 +88,11 @@ def write_gguf(
     dense_type: str = "F32",
     pre: str = "gpt-2",
     skip_key: str | None = None,
+    dense_types: dict[str, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """A GGUF of the per-expert HF checkpoint in folder. expert_types: layer -> (gate, up, down)
-    type names (default F32). Returns HF name -> the values stored (dequantized)."""
+    type names (default F32); dense_types: HF name -> type, over dense_type. Returns HF name ->
+    the values stored (dequantized)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -110,7 +122,7 @@ def write_gguf(
             out = _permute(w, heads)
         if hf.endswith("shared_expert_gate.weight"):
             out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
-        vals = _store(writer, name, out, T[dense_type])
+        vals = _store(writer, name, out, T[(dense_types or {}).get(hf, dense_type)])
         if heads is not None:  # the values in HF's row order: the permutation undone
             vals = vals.reshape(heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         stored[hf] = torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))
@@ -156,3 +168,29 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
     for key, value in adds.items():
         if key != skip_key:
             getattr(writer, f"add_{key}")(value)
+
+
+def kquant_blocks(
+    kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01, centred: bool = False
+) -> np.ndarray:
+    """Random GGUF K-quant rows uint8 [n, k/256, block bytes] (kind: q4_k, q5_k, q6_k): every
+    quant, scale and min byte uniform, the fp16 d (and dmin) ~ N(0, scale): any valid block, as
+    the gguf package cannot quantize into K-quants. `centred` (q4_k / q5_k): weights like a real
+    model's, around 0: each sub-block's min equal to its scale and dmin = d * (mid quant)."""
+    from moestream.quant import KQUANT_BYTES
+
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // 256, KQUANT_BYTES[kind]), dtype=np.uint8)
+    d = (rng.standard_normal((n, k // 256, 1)) * scale).astype(np.float16)
+    if kind == "q6_k":
+        raw[..., 208:210] = d.view(np.uint8)
+        return raw
+    dmin = rng.standard_normal((n, k // 256, 1)).astype(np.float16)
+    if centred:  # m = sc: bytes 4-7 as 0-3, 8-11 one nibble twice; w = d * sc * (q - mid)
+        raw[..., 4:8] = raw[..., 0:4]
+        raw[..., 8:12] = (raw[..., 8:12] & 15) * 17
+        dmin = (d.astype(np.float32) * (7.5 if kind == "q4_k" else 15.5)).astype(np.float16)
+    else:
+        dmin = (dmin * scale).astype(np.float16)
+    raw[..., 0:2], raw[..., 2:4] = d.view(np.uint8), dmin.view(np.uint8)
+    return raw

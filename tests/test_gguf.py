@@ -21,7 +21,7 @@ from moestream.engine.tokenizer import Tokenizer
 from moestream.experts.config import StreamConfig, min_budget
 from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
-from moestream.store.format import Store
+from moestream.store.format import VERSION, Store
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
@@ -167,7 +167,7 @@ def test_q4_0_gguf_is_kept_exactly(q4, arch, tmp_path, capsys):
     transformers' on those values, and convert says so."""
     hf, _, stored, store, err = q4(arch, capsys)
     s = Store(store)
-    assert s.scheme.name == "q4_0" and s.manifest["version"] == 3
+    assert s.scheme.name == "q4_0" and s.manifest["version"] == VERSION
     assert "9 Q4_0 expert tensor(s): kept exactly as q4_0 (same values)" in err
     assert "Q4_0 dense tensor(s): kept exactly as q4_0 (same values)" in err
     I, mt = s.args.moe_intermediate_size, s.args.model_type

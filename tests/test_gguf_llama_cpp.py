@@ -135,8 +135,42 @@ def test_llama_quantize_q4_0_is_kept_exactly(tmp_path, arch, capsys):
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", ["Q4_K_S", "Q5_K_S", "Q6_K"])
+def test_llama_quantize_k_quants_are_kept_exactly(tmp_path, qtype, capsys):
+    """llama-quantize Q4_K_S / Q5_K_S / Q6_K at widths of 256 (every expert tensor one K-quant
+    here): the experts' blocks kept exactly in q4_k / q5_k / q6_k, its K-quant dense tensors
+    too; transformers on the GGUF's values is the oracle (kernel ref), and the native kernels
+    give their spec's bits on llama.cpp's blocks."""
+    from moestream.kernels import native
+    from moestream.kernels.ref import qlinear_q8
+
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+    hf = save(perturbed_model("qwen3_moe", seed=2, mlp_only_layers=[], **wide), tmp_path / "hf",
+              "per_expert")  # fmt: skip
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = llama_quantize(f32, tmp_path / f"{qtype}.gguf", qtype)
+    kind = qtype.removesuffix("_S")
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    assert Store(store).scheme == make_scheme(kind.lower())
+    assert f"9 {kind} expert tensor(s): kept exactly as {kind.lower()}" in err
+    assert f"{kind} dense tensor(s): kept exactly as {kind.lower()}" in err
+    want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    # llama.cpp's own blocks through the native kernel: its spec's bits (one record, lm_head)
+    s = Store(store)
+    buf = torch.frombuffer(bytearray(s.read_record(s.args.moe_layer_ids[0], 0)), dtype=torch.uint8)
+    secs = [(s.layout.views(buf), "w13"), (s.layout.views(buf), "w2")]
+    secs.append(({f"w.{k}": v for k, v in s.dense_sections("lm_head.weight").items()}, "w"))
+    for sec, name in secs:
+        x = torch.randn(2, sec[f"{name}.q"].shape[1] * 256)
+        assert torch.equal(native.linear(x, sec, name), qlinear_q8(x, sec, name))
+
+
+@needs_build
 def test_llama_quantize_q4_k_m_is_our_int4_of_its_values(tmp_path, capsys):
-    """llama-quantize Q4_K_M (Q4_K and Q6_K experts: no native kernel yet): requantized to int4,
+    """llama-quantize Q4_K_M (Q4_K and Q6_K experts: a record holds one scheme): requantized to int4,
     and said so; the store gives the bits of the int4 store of a Hugging Face folder holding the
     GGUF's dequantized values (the requantization is our int4 quantizer on llama.cpp's values).
     Widths of 256: K-quant blocks are 256 wide (narrower tensors fall back to other types)."""

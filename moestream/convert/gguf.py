@@ -4,8 +4,8 @@
 Face naming), `tensor(name)`, `expert(layer, e)`, plus the files a store needs (config.json,
 tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's architecture and
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
-it. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0) are copied byte
-for byte, experts (`expert_sections`) and dense weights (`dense_sections`) alike; other expert
+it. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
+Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense weights (`dense_sections`) alike; other expert
 types are dequantized and requantized, and `conversion_notes` says so per type; other dense
 types are dequantized (F32/F16/BF16 kept as they are).
 """
@@ -26,7 +26,7 @@ import torch
 from moestream.config import ConfigError, ModelArgs
 from moestream.errors import CheckpointError
 from moestream.models import model_args_from_dict
-from moestream.quant import QuantScheme, RecordLayout, make_scheme, quantize
+from moestream.quant import KQUANT_BYTES, QuantScheme, RecordLayout, make_scheme, quantize
 
 MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -88,10 +88,10 @@ GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 _INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
 # Sources of at least 8 bits per weight default to int8 experts, lower ones to int4.
 _INT8_BITS = 8.0
-# GGUF block types that are a store scheme exactly (blocks of 32, fp16 d, w = q * d): the scheme
-# and the block's bytes (d, then the quants).
-EXACT = {"Q8_0": "int8", "Q4_0": "q4_0"}
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18}
+# GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 (blocks of 32, fp16 d, then the
+# quants: split into the scheme's sections) and the K-quants (their blocks as they are).
+EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, **{k.upper(): b for k, b in KQUANT_BYTES.items()}}
 
 
 def _f32(v: float) -> float:
@@ -479,10 +479,13 @@ class GGUFCheckpoint:
         )
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
-        """q4_0 experts when every expert tensor is Q4_0 (kept exactly), int8 when every one has
-        >= 8 bits per weight, else int4."""
-        if set(self.expert_type_counts()) == {"Q4_0"}:
-            return make_scheme("q4_0", group_size)
+        """The experts' own scheme when every expert tensor has one type a scheme holds exactly
+        (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
+        per weight, else int4. A record holds one scheme, so mixed types (a Q4_K_M file's Q4_K
+        and Q6_K expert tensors) are requantized."""
+        types = set(self.expert_type_counts())
+        if len(types) == 1 and (kind := types.pop()) in EXACT:
+            return make_scheme(EXACT[kind], group_size)
         sizes = self._gguf.GGML_QUANT_SIZES
         bits = [
             sizes[t.tensor_type][1] * 8 / sizes[t.tensor_type][0]
@@ -514,15 +517,18 @@ class GGUFCheckpoint:
 
 def _is_exact(kind: str, scheme: QuantScheme) -> bool:
     """GGUF type `kind` is `scheme` exactly (its blocks copy into the scheme's sections)."""
-    return EXACT.get(kind) == scheme.name and scheme.group_size == 32 and scheme.symmetric
+    return kind in EXACT and make_scheme(EXACT[kind]) == scheme
 
 
 def _sections(kind: str, raw: np.ndarray) -> dict[str, torch.Tensor]:
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact); Q4_0 -> q uint8 [N, K/2]
-    (the 16 nibble bytes as stored), d fp16 [N, K/32]."""
+    (the 16 nibble bytes as stored), d fp16 [N, K/32]; K-quants -> q uint8 [N, K/256, B], the
+    blocks as stored."""
     raw = np.ascontiguousarray(raw)
     n = raw.shape[0]
+    if kind.lower() in KQUANT_BYTES:
+        return {"q": torch.from_numpy(raw.reshape(n, -1, _BLOCK_BYTES[kind]).copy())}
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
     qs = blocks[..., 2:].copy().reshape(n, -1)

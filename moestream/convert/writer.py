@@ -43,6 +43,8 @@ from moestream.quant import (
     DenseQuant,
     QuantScheme,
     RecordLayout,
+    is_kquant,
+    kquant_source_error,
     make_dense,
     make_scheme,
     quantize,
@@ -142,6 +144,7 @@ def _write_store(
     src: Path, tmp: Path, scheme: QuantScheme, dense: DenseQuant, progress: bool
 ) -> None:
     ckpt = GGUFCheckpoint(src) if is_gguf(src) else HFCheckpoint(src)
+    _check_kquant_source(ckpt, scheme)
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
     tmp.mkdir()
@@ -165,6 +168,16 @@ def _write_store(
     }
     (tmp / MANIFEST).write_text(json.dumps(manifest, indent=1))
     _fsync_dir(tmp)
+
+
+def _check_kquant_source(ckpt: Checkpoint, scheme: QuantScheme) -> None:
+    """A K-quant store holds a GGUF's blocks as they are (nothing quantizes into one): refused,
+    before anything is written, unless every expert tensor of a GGUF is that type."""
+    if not is_kquant(scheme):
+        return
+    if isinstance(ckpt, GGUFCheckpoint) and set(ckpt.expert_type_counts()) == {scheme.name.upper()}:
+        return
+    raise ConfigError(f"{ckpt.folder}: {kquant_source_error(scheme)}")
 
 
 def _check_destination(dst: Path) -> None:
@@ -289,7 +302,7 @@ def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, 
     """Non-expert tensors -> (crc32, dtype and shape per stored tensor, the quantized ones'
     formats). A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz` /
     `.d`; under `keep_source` a quantized GGUF weight is never rounded again: its blocks go in as
-    they are where a store scheme holds them (Q8_0, Q4_0), else it is dequantized (float32). The
+    they are where a store scheme holds them (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), else it is dequantized (float32). The
     rest as in the source (dtype kept). The crc covers bytes only: a header relabelling dtype or
     shape keeps them, so both are recorded too."""
     roles = _dense_roles(ckpt)

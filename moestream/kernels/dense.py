@@ -55,7 +55,7 @@ class QuantWeight(nn.Module):
         if any(p.scheme != s0 or p.shape[1] != k for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
-        if s0.name in ("int8", "q4_0"):  # row-major sections: rows stack as they are
+        if s0.name in ("int8", "q4_0", "q4_k", "q5_k", "q6_k"):  # row-major: rows stack as they are
             secs = {k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].suffixes}
         else:
             q = pack_int4(torch.cat([unpack_int4(p.q) for p in parts]))

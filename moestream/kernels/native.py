@@ -1,4 +1,5 @@
-"""The native CPU expert kernels (csrc/moe_cpu.cpp: int4, int8, q4_0): built on first use by torch's cpp_extension,
+"""The native CPU expert kernels (csrc/moe_cpu.cpp: int4, int8, q4_0; csrc/kquant_cpu.cpp: the GGUF
+K-quants q4_k, q5_k, q6_k): built on first use by torch's cpp_extension,
 cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
 
 Numerics (the spec is `kernels/ref.py: qlinear_q8 / moe_q8_ref`): the activation entering each
@@ -27,8 +28,11 @@ from pathlib import Path
 import torch
 
 from moestream.config import ext_cache_root
+from moestream.quant import is_kquant
 
-SOURCE = Path(__file__).parent / "csrc" / "moe_cpu.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp")  # compiled and linked together
+HASHED = (*SOURCES, _CSRC / "kquant_cpu.h")  # every file the build key covers
 ISAS = {"scalar": 0, "avx2": 1}
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
 # No FMA contraction: the reference's roundings hold. -fopenmp: at::parallel_for is a header
@@ -47,7 +51,9 @@ def _cpu_flags() -> str:
 
 
 def _key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for p in HASHED:
+        h.update(p.read_bytes())
     h.update(f"{torch.__version__}|{_cpu_flags()}|{CFLAGS}".encode())
     return h.hexdigest()[:16]
 
@@ -110,7 +116,7 @@ def _build(name: str, build: Path):
     build.mkdir(parents=True, exist_ok=True)
     return load(
         name=name,
-        sources=[str(SOURCE)],
+        sources=[str(p) for p in SOURCES],
         build_directory=str(build),
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
@@ -124,7 +130,9 @@ def available() -> bool:
 
 def supports(scheme) -> bool:
     """Schemes the native kernels read: int4 / int8 / q4_0 with groups of 32 (the activation
-    block)."""
+    block), and the K-quants (their sub-blocks of 32 / 16 align with the activation block)."""
+    if is_kquant(scheme):
+        return True
     return scheme.name in ("int4", "int8", "q4_0") and scheme.group_size == 32
 
 
@@ -142,7 +150,10 @@ def best_isa() -> str:
 
 
 def _pair(sec: dict, name: str) -> list[torch.Tensor]:
-    """(q, its scales) of one weight: the C++ side tells the scheme by their dtypes."""
+    """(q, its scales) of one weight: the C++ side tells the scheme by their dtypes (K-quant
+    blocks, 3-D, carry their scales: q is passed twice)."""
+    if sec[f"{name}.q"].dim() == 3:
+        return [sec[f"{name}.q"]] * 2
     for scale in ("s", "sz", "d"):
         if f"{name}.{scale}" in sec:
             return [sec[f"{name}.q"], sec[f"{name}.{scale}"]]

@@ -90,6 +90,8 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:  # bf16 scheme
         return q.to(dtype)
+    if q.dim() == 3:  # K-quant blocks [N, K/256, B]
+        return dequantize_kquant(q).to(dtype)
     if q.dtype == torch.int8 or f"{name}.d" in sec:  # int8, or q4_0 as (q - 8) and its d
         q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
@@ -114,6 +116,8 @@ def dequantize_rows(
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:
         return q[rows].to(dtype)
+    if q.dim() == 3:
+        return dequantize_kquant(q[rows]).to(dtype)
     if q.dtype == torch.int8 or f"{name}.d" in sec:
         q, s = _symmetric({k: v[rows] for k, v in sec.items() if k.startswith(f"{name}.")}, name)
         t, k = q.shape
@@ -124,6 +128,23 @@ def dequantize_rows(
     s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
     w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)
     return w.to(dtype)
+
+
+def dequantize_kquant(q: torch.Tensor) -> torch.Tensor:
+    """K-quant blocks q uint8 [N, K/256, B] -> fp32 [N, K] with llama.cpp's roundings
+    (dequantize_row_q*_K): q4_k / q5_k (d * sc) * q - (dmin * m) per sub-block of 32, q6_k
+    (d * sc) * (q - 32) per sub-block of 16, each product rounded to fp32 in that order."""
+    from moestream.quant import unpack_kquant
+
+    f = unpack_kquant(q)
+    n, k = f["q"].shape
+    nb = k // 256
+    if "m" not in f:  # q6_k
+        ds = f["d"][..., None] * f["sc"].view(n, nb, 16).float()  # [N, nb, 16]
+        return (ds[..., None] * f["q"].view(n, nb, 16, 16).float()).view(n, k)
+    ds = f["d"][..., None] * f["sc"].view(n, nb, 8).float()  # [N, nb, 8]
+    dm = f["dmin"][..., None] * f["m"].view(n, nb, 8).float()
+    return (ds[..., None] * f["q"].view(n, nb, 8, 32).float() - dm[..., None]).view(n, k)
 
 
 def _symmetric(sec: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -180,12 +201,19 @@ def qlinear_q8(
     int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
     < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
     per block int8 and q4_0 (its weights q - 8, scale d): (s * d) * dot; int4:
-    d * (s * (dot - 8 * sum q) + z * sum q); added in block order."""
+    d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
+    super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
+    sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *
+    sum q); added in block order."""
     from moestream.quant import unpack_int4
 
+    if sec[f"{name}.q"].dim() == 3:
+        group_size = 32  # the activation block; the super-block is the weights' business
     q8, d = quantize_act(x, group_size, 32767 if wide else 127)  # [T, nb, g], [T, nb]
     wq = sec[f"{name}.q"]
-    if wq.dtype == torch.int8 or f"{name}.d" in sec:  # q4_0: weights q - 8, scale d
+    if wq.dim() == 3:
+        terms = _kquant_terms(q8, d, wq)
+    elif wq.dtype == torch.int8 or f"{name}.d" in sec:  # q4_0: weights q - 8, scale d
         wq, ws = _symmetric(sec, name)
         n, k = wq.shape
         wb = wq.view(n, k // group_size, group_size)
@@ -206,6 +234,25 @@ def qlinear_q8(
     for b in range(terms.shape[2]):  # sequential, as every native variant adds blocks
         y = y + terms[..., b]
     return y
+
+
+def _kquant_terms(q8: torch.Tensor, d: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:
+    """Per activation block of 32 the fp32 terms [T, N, K/32] of K-quant weights (qlinear_q8).
+    Integer dots are exact in fp32: |q6_k sc * (q - 32)| <= 4096, 32 of them times 127 < 2**24."""
+    from moestream.quant import unpack_kquant
+
+    f = unpack_kquant(wq)
+    n, k = f["q"].shape
+    rep = k // 32 // f["d"].shape[1]  # activation blocks per super-block: 8
+    if "m" not in f:  # q6_k: one integer weight per element, the super-block's d per block
+        w = (f["sc"].float().repeat_interleave(16, 1) * f["q"].float()).view(n, k // 32, 32)
+        dots = torch.einsum("tbg,nbg->tnb", q8, w)
+        return (f["d"].repeat_interleave(rep, 1)[None] * d[:, None, :]) * dots
+    dots = torch.einsum("tbg,nbg->tnb", q8, f["q"].float().view(n, k // 32, 32))
+    sq = q8.sum(-1)[:, None, :]  # [T, 1, nb]
+    ds = f["d"].repeat_interleave(rep, 1) * f["sc"].float()  # [N, nb]
+    dm = f["dmin"].repeat_interleave(rep, 1) * f["m"].float()
+    return d[:, None, :] * (ds[None] * dots - dm[None] * sq)
 
 
 def moe_q8_ref(x: torch.Tensor, secs: list[dict], weights: torch.Tensor) -> torch.Tensor:

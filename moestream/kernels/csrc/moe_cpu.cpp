@@ -17,6 +17,8 @@
 #include <cstring>
 #include <vector>
 
+#include "kquant_cpu.h"
+
 namespace {
 
 constexpr int G = 32;   // weight group = activation block
@@ -339,6 +341,8 @@ bool cpu_has_avx2() {
 // Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64) for activation row t -> y[0, n).
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
+  if (moestream_kquant::is_kquant(w.kind))
+    return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), isa >= kAvx2, y);
   if (w.kind == kInt4) {
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
@@ -363,6 +367,12 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
   const auto qt = q.scalar_type(), st = s.scalar_type();
+  if (q.dim() == 3) {  // GGUF K-quant blocks [N, K/256, B]: they carry their scales (s is q)
+    const int kq = moestream_kquant::kind_of_bytes(q.size(2));
+    TORCH_CHECK(qt == torch::kUInt8 && kq > 0, "K-quant blocks must be uint8 [N, K/256, 144|176|210]");
+    return {(const uint8_t*)q.data_ptr(), nullptr, (int)q.size(0), (int)q.size(1) * moestream_kquant::kQK,
+            (Kind)kq};
+  }
   Kind kind;
   if (qt == torch::kInt8 && st == torch::kFloat32)
     kind = kInt8;
