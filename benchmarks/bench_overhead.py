@@ -13,6 +13,7 @@ the whole step is overhead, the dispatch of the GEMM calls included.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import tempfile
@@ -48,6 +49,16 @@ def build(folder: Path, layers: int, experts: int, k: int) -> None:
         max_position_embeddings=4096,
     )
     T.Qwen3MoeForCausalLM(cfg).save_pretrained(folder)
+    # A store needs a tokenizer: a byte-level BPE of the model's 256 tokens.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train_from_iterator([], trainers.BpeTrainer(vocab_size=256, initial_alphabet=alphabet,
+                                                    show_progress=False))  # fmt: skip
+    tok.save(str(folder / "tokenizer.json"))
 
 
 def decode_ms(model, args, steps: int, repeats: int = 3) -> float:
@@ -155,6 +166,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--big", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--paths", default="hf,native", help="hf (torch kernels), native (int8 store)")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
@@ -163,30 +175,85 @@ def main() -> None:
         for layers, experts, k in shapes:
             folder = Path(tmp) / f"m{layers}"
             build(folder, layers, experts, k)
-            loaded = load_model(folder)
-            floor = dispatch_floor_us()
-            ms = decode_ms(loaded.model, loaded.args, a.steps)
-            prof = profile_step(loaded.model, loaded.args)
-            ops = prof["aten_ops_per_token"]
-            gemm = gemm_calls_ms(loaded.args, k, 8 + a.steps // 2)  # mid-run KV length
-            config = {"threads": a.threads, "layers": layers, "experts": experts, "top_k": k,
-                      "steps": a.steps}  # fmt: skip
-            results = {
-                "ms_per_token": round(ms, 3),
-                "us_per_layer": round(ms * 1e3 / layers, 1),
-                "aten_ops_per_token": ops,
-                "aten_ops_incl_nested": prof["aten_ops_incl_nested"],
-                "us_per_op": round(ms * 1e3 / ops, 2),
-                "gemm_calls_ms": round(gemm, 3),
-                "outside_gemm_ms_per_token": round(ms - gemm, 3),
-                **floor,
-                "floor_ms_for_these_ops": round(ops * floor["floor_us_add"] / 1e3, 2),
-                "load_avg_1m": os.getloadavg()[0],
-            }
-            row = bench_row("decode_overhead", config, results)
-            print(row)
-            rows.append(row)
+            for path in a.paths.split(","):
+                rows.append(measure(path, folder, layers, experts, k, a))
     write_rows(a.out, rows)
+
+
+@contextlib.contextmanager
+def native_timer():
+    """Seconds spent inside the native kernels' expert and dense calls while the block runs."""
+    from moestream.kernels import native
+
+    real, acc = native.module(), {"s": 0.0}
+
+    class Timed:
+        def __getattr__(self, name):
+            f = getattr(real, name)
+            if name not in ("moe", "linear"):
+                return f
+
+            def timed(*args, **kw):
+                t0 = time.perf_counter()
+                try:
+                    return f(*args, **kw)
+                finally:
+                    acc["s"] += time.perf_counter() - t0
+
+            return timed
+
+    orig = native.module
+    native.module = lambda: Timed()
+    try:
+        yield acc
+    finally:
+        native.module = orig
+
+
+def measure(path: str, folder: Path, layers: int, experts: int, k: int, a) -> dict:
+    """One path's row: "hf" = the Hugging Face folder loaded directly (torch expert kernels);
+    "native" = its int8 store, resident, the native kernels and the fused one-token ops (the
+    engine's CPU default)."""
+    if path == "hf":
+        loaded = load_model(folder)
+    elif path == "native":
+        from moestream.convert.writer import convert
+        from moestream.experts.config import StreamConfig
+        from moestream.quant import make_scheme
+
+        store = folder.parent / f"{folder.name}-int8"
+        if not store.exists():
+            convert(folder, store, make_scheme("int8"), False)
+        loaded = load_model(store, StreamConfig(resident=True, kernel="native"))
+    else:
+        raise SystemExit(f"unknown path {path!r}: use hf or native")
+    floor = dispatch_floor_us()
+    if path == "native":  # the time inside the native expert and dense kernels, per token
+        with native_timer() as inside:
+            decode_ms(loaded.model, loaded.args, a.steps, repeats=1)
+        gemm = inside["s"] * 1e3 / (a.steps + 8)  # the 8 warm-up steps ran inside too
+    else:  # the same GEMM calls back to back
+        gemm = gemm_calls_ms(loaded.args, k, 8 + a.steps // 2)  # mid-run KV length
+    ms = decode_ms(loaded.model, loaded.args, a.steps)
+    prof = profile_step(loaded.model, loaded.args)
+    ops = prof["aten_ops_per_token"]
+    config = {"threads": a.threads, "layers": layers, "experts": experts, "top_k": k,
+              "steps": a.steps, "path": path}  # fmt: skip
+    results = {
+        "ms_per_token": round(ms, 3),
+        "us_per_layer": round(ms * 1e3 / layers, 1),
+        "aten_ops_per_token": ops,
+        "aten_ops_incl_nested": prof["aten_ops_incl_nested"],
+        "us_per_op": round(ms * 1e3 / ops, 2),
+        "gemm_calls_ms": round(gemm, 3),
+        "outside_gemm_ms_per_token": round(ms - gemm, 3),
+        **floor,
+        "floor_ms_for_these_ops": round(ops * floor["floor_us_add"] / 1e3, 2),
+        "load_avg_1m": os.getloadavg()[0],
+    }
+    row = bench_row("decode_overhead", config, results)
+    print(row)
+    return row
 
 
 if __name__ == "__main__":
