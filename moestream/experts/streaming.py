@@ -58,6 +58,8 @@ class StoreExperts(ExpertProvider):
     # One native call per layer and token (all records first); False where compute must overlap
     # the reads (slot cache): per-expert calls then, added with the same fp32 arithmetic.
     layer_op = True
+    # layer -> expert -> the native layer op's four tensors, where every record stays resident.
+    _flat: dict[int, dict[int, list]] | None = None
 
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -67,6 +69,13 @@ class StoreExperts(ExpertProvider):
             return self._grouped(layer, x, ids, weights)
         order = sorted(zip(ids[0].tolist(), range(ids.shape[1])))
         experts = [e for e, _ in order]
+        if self.native and self._flat is not None:  # resident: the records' tensors kept flat
+            flat, self.res.table.hits = self._flat[layer], self.res.table.hits + len(experts)
+            t0 = time.perf_counter()
+            y = native.moe_flat(x, [t for e in experts for t in flat[e]], weights,
+                                cols=[k for _, k in order])  # fmt: skip
+            self.compute_seconds += time.perf_counter() - t0
+            return y.to(x.dtype)
         if self.native and self.layer_op:  # the token's experts added inside in ascending id
             secs = self._resident_run(layer, experts, lambda i, sec: sec)
             return self._native_moe(x, secs, weights, [k for _, k in order]).to(x.dtype)
@@ -180,6 +189,11 @@ class StreamingExperts(StoreExperts, Prefetcher):
             for layer in sorted(store.crc):
                 slots = self.res.settle(self.res.begin(layer, mine))
                 self._fixed[layer] = {e: self.res.views(s) for e, s in zip(mine, slots)}
+            if self.native and cfg.shard is None:  # (a shard's pairs go through terms())
+                self._flat = {
+                    layer: {e: native.record_tensors(v) for e, v in views.items()}
+                    for layer, views in self._fixed.items()
+                }
 
     @property
     def table(self):

@@ -136,8 +136,13 @@ def supports(scheme) -> bool:
     return scheme.name in ("int4", "int8", "q4_0") and scheme.group_size == 32
 
 
+@functools.cache
+def _env_isa() -> str | None:
+    return os.environ.get("MOESTREAM_NATIVE_ISA")  # read once: it is looked up per kernel call
+
+
 def _isa(isa: str | None) -> int:
-    isa = isa or os.environ.get("MOESTREAM_NATIVE_ISA")
+    isa = isa or _env_isa()
     if isa is None:
         return -1  # the best this CPU has
     if isa not in ISAS:
@@ -178,7 +183,16 @@ def moe(
     """x [T, D], E records' sections, weights [T, E] -> sum_e weights[:, e] * expert_e(x) [T, D]
     fp32, experts added in list order (callers pass ascending expert id). `cols`: expert e's
     weight is column cols[e] of weights [T, K] (the router's slot order, no gather op)."""
-    flat = [t for sec in secs for name in ("w13", "w2") for t in _pair(sec, name)]
+    return moe_flat(x, [t for sec in secs for t in record_tensors(sec)], weights, isa, cols)
+
+
+def record_tensors(sec: dict) -> list[torch.Tensor]:
+    """The four tensors `moe` takes per expert record (w13's pair, then w2's)."""
+    return [t for name in ("w13", "w2") for t in _pair(sec, name)]
+
+
+def moe_flat(x, flat: list[torch.Tensor], weights, isa: str | None = None, cols=None):
+    """`moe` over records already flattened by `record_tensors` (a resident store keeps them)."""
     return module().moe(x, flat, weights, _isa(isa), cols or [])
 
 

@@ -44,7 +44,7 @@ class RMSNorm(nn.Module):
         # One fused op in fp32; other dtypes normalise in fp32 and cast back before the weight,
         # as transformers does.
         if x.dtype == torch.float32:
-            if self.fused_decode and x.dim() == 2 and _cpu_fp32(x) and _cpu_fp32(self.weight):
+            if self.fused_decode and x.dim() == 2 and _cpu_fp32(x) and self.weight.dtype == x.dtype:
                 return native.rmsnorm(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
@@ -547,7 +547,8 @@ class SparseMoe(nn.Module):
             and type(g) is nn.Linear
             and g.bias is None
             and _cpu_fp32(x)
-            and _cpu_fp32(g.weight)
+            and g.weight.dtype == torch.float32
+            and g.weight.is_contiguous()
         )
 
     def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

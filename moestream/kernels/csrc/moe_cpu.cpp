@@ -31,8 +31,15 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
 int64_t g_prefetch = 4096;  // bench A/B at 2 threads: 0 -> 2048 +15%, 4096 ~ 8192 ~ 2048
 // f(i) for i in [0, n) over torch's threads, items handed out one at a time: on a shared machine a
 // thread that loses its core holds up one item, not a static half. No result depends on who ran it.
+// Below kSerialBytes of weights a call runs on the calling thread: waking a sleeping OpenMP thread
+// (OMP_WAIT_POLICY=PASSIVE, as the CLI sets) costs ~10-70 us, more than reading that much.
+constexpr int64_t kSerialBytes = 256 << 10;
 template <typename F>
-void parallel_items(int64_t n, const F& f) {
+void parallel_items(int64_t n, const F& f, int64_t bytes) {
+  if (bytes < kSerialBytes) {
+    for (int64_t i = 0; i < n; ++i) f(i);
+    return;
+  }
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     for (int64_t i = next++; i < n; i = next++) f(i);
@@ -411,11 +418,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   auto y = torch::empty({a.rows, w.N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int nblk = (w.N + BN - 1) / BN;
-  at::parallel_for(0, nblk, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b)
-      for (int t = 0; t < a.rows; ++t)
-        rows(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, t, yp + (size_t)t * w.N + b * BN, isa);
-  });
+  parallel_items(nblk, [&](int64_t b) {
+    for (int t = 0; t < a.rows; ++t)
+      rows(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, t, yp + (size_t)t * w.N + b * BN, isa);
+  }, q.nbytes());
   return y;
 }
 
@@ -451,15 +457,17 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const QAct ax = quantize(xf, false);
   std::vector<float> h((size_t)E * T * N13);
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
+  int64_t b13 = 0, b2 = 0;  // weight bytes read by each half (serial below kSerialBytes)
+  for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
   parallel_items((int64_t)E * nb13, [&](int64_t i) {
     const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
     for (int t = 0; t < T; ++t)
       rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
-  });
+  }, b13);
   QAct act(E * T, I, w2[0].kind == kInt8);  // row e * T + t
-  at::parallel_for(0, (int64_t)E * T, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) act_quantize(h.data(), I, act, (int)r);
-  });
+  // One token's SiLU*up is a few thousand exps: threads only for a prompt's many rows.
+  parallel_items((int64_t)E * T, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r); },
+                 (int64_t)E * T * I * 16);
   auto out = torch::zeros({T, D}, xf.options());
   float* op = out.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
@@ -473,7 +481,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
         const float we = wp[t * Ew + (cols.empty() ? e : (int)cols[e])];
         for (int i = 0; i < n; ++i) o[i] = o[i] + we * tmp[i];
       }
-  });
+  }, b2);
   return out;
 }
 
@@ -617,10 +625,10 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
   isa = resolve(isa);
   std::vector<float> s(E);
   const float *xp = x.data_ptr<float>(), *gp = gate.data_ptr<float>();
-  // Two threads read the 1 MB-class gate from DRAM at twice the rate of one.
-  at::parallel_for(0, E, 16, [&](int64_t e0, int64_t e1) {
-    for (int64_t e = e0; e < e1; ++e) s[e] = dot(xp, gp + (size_t)e * D, D, isa);
-  });
+  // Two threads read a 1 MB-class gate from DRAM at about twice the rate of one.
+  parallel_items((E + 15) / 16, [&](int64_t c) {
+    for (int64_t e = c * 16; e < std::min<int64_t>(E, c * 16 + 16); ++e) s[e] = dot(xp, gp + (size_t)e * D, D, isa);
+  }, gate.nbytes());
   float m = -INFINITY, sum = 0.f;
   for (int e = 0; e < E; ++e) m = std::max(m, s[e]);
   for (int e = 0; e < E; ++e) sum = sum + (s[e] = std::exp(s[e] - m));
