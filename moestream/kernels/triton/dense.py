@@ -3,27 +3,36 @@ int8 / int4 / q4_0 sections of W (quant.py), so VRAM holds only those and a toke
 (at vocab 151936 the output layer is 350 MB per token in int8, 194 MB in int4, instead of a
 bf16 copy's 622 MB).
 
-One program per (block of BN output rows, split of K). Each K step takes GPS groups; per group
-one tensor-core dot of the tokens [16 rows, T used, G] by the group's raw integer weights
-converted exactly to the activation dtype (int8 q, int4 q - 8, q4_0 q - 8: exact in bf16, fp16
-and fp32), then the group's scale is applied in fp32 to the [16, BN] sums (int4 adds
-zero * sum(x over the group)). With SPLIT > 1 each split stores fp32 partials and `_sum_kernel`
-adds them in split order (deterministic); the bias is added in fp32 before the one rounding to
-the output dtype. int4 rows come in the store's packed blocks of 64 (a block is [K, 32] bytes:
-row d low nibble, row d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
+Two kernels, one program per (block of BN output rows, split of K), picked by `gemv_config`:
+  fma (1 token): a memory-bound GEMV on CUDA cores. Each K step loads a [BN, BK] tile of the raw
+     integers (16 bytes a thread: int8 [BN, BK/32, 32], q4_0 [BN, BK/32, 16] bytes, int4 the
+     block's [BK, 32] bytes), converts them exactly to fp32 (byte permutes, decode.py), multiplies
+     by the token in fp32; int8 / q4_0 sum each group of 32 and scale it into [BN, BK/32]
+     accumulators, int4 dequantizes each weight (s (q - 8) + z) into per-element ones; one
+     reduction along K at the end. A small N takes fewer rows per program, then split K, so
+     about FMA_PROGRAMS programs run. Several tokens go through the same code, each token's sums
+     selected into its accumulator row (a sweep candidate, not the rule's pick).
+  mma (2-8 tokens): per group one tensor-core dot of the tokens [16 rows, T used, G] by the
+     group's raw integers converted exactly to the activation dtype, the group's scale applied in
+     fp32 to the [16, BN] sums (int4 adds zero * sum(x over the group)).
+With SPLIT > 1 each split stores fp32 partials and `_sum_kernel` adds them in split order
+(deterministic); the bias is added in fp32 before the one rounding to the output dtype. int4
+rows come in the store's packed blocks of 64 (a block is [K, 32] bytes: row d low nibble, row
+d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
 
-Numerics: the dots multiply the raw integers (at most 8 bits) by the activations, products that
-are exact in fp32 for bf16 / fp16 activations (fp32 ones round each product, "ieee" fp32 dots);
-sums are fp32 (the dot accumulators, then per group times the fp32 scale, int4 plus the zero
-term), so the result is sum(dequantized weight x activation) up to fp32 summation rounding,
-rounded once to x's dtype. The reference (`QuantLinear` kernel "ref": dequantize into x's dtype
+Numerics: fma multiplies exact fp32 weights (int8 q times s, q4_0 (q - 8) times d summed per
+group then scaled; int4 s (q - 8) + z rounded once to fp32) by the fp32 activations; mma
+multiplies the raw integers (at most 8 bits) by the activations, exact in fp32 for bf16 / fp16
+(fp32 ones round each product, "ieee" dots). Sums are fp32 in either kernel, so the result is
+sum(dequantized weight x activation) up to fp32 rounding, rounded once to x's dtype. The
+reference (`QuantLinear` kernel "ref": dequantize into x's dtype
 + F.linear) rounds every dequantized weight to bf16 first and sums in cuBLAS's order, so bf16
 outputs differ from it in the last bit or so (tests/test_triton_dense.py bounds the GEMV against
 a float64 spec of the stored numbers).
 
-Tiles come from a rule on (N, K) (`gemv_config`), not triton.autotune (it syncs and benchmarks
-at the first call, which a CUDA graph capture cannot take). The rule is untuned: it waits for a
-device run of benchmarks/bench_gpu_dense.py. `dense_gemv` is a torch custom op, so a
+Tiles come from a rule on (quant, N, K, T) (`gemv_config`), not triton.autotune (it syncs and
+benchmarks at the first call, which a CUDA graph capture cannot take). The rule is untuned: it
+waits for a device run of benchmarks/bench_gpu_dense.py --sweep, which times `gemv_candidates`. `dense_gemv` is a torch custom op, so a
 torch.compile'd decode step (engine/graph.py) calls it as one opaque node instead of tracing the
 launcher; it allocates only through torch's caching allocator and never syncs (capturable).
 """
@@ -31,7 +40,7 @@ launcher; it allocates only through torch's caching allocator and never syncs (c
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -89,21 +98,30 @@ def _split(programs: int, steps: int) -> int:
 
 @functools.cache
 def gemv_config(quant: str, n: int, k: int, group: int, tokens: int = 1) -> GemvConfig:
-    """Tiles for an [n, k] weight at `tokens` rows, untuned (see the module docstring).
-    tokens <= FMA_TOKENS[quant]: the fma kernel, K steps of up to 512 inputs (int4 64: its
-    per-element accumulators), int8 / q4_0 FMA_ROWS rows (fewer when the row blocks alone leave
-    SMs idle), int4 one 64-row block; K split until about FMA_PROGRAMS programs. More tokens:
-    the tensor-core kernel, 64-row blocks, splits to about TARGET_PROGRAMS keeping >= MIN_SPLIT_GROUPS groups, up to 8
-    groups per K step."""
+    """Tiles for an [n, k] weight at `tokens` rows, untuned (see the module docstring): the fma
+    kernel up to FMA_TOKENS[quant] tokens (`_fma_config`), else the tensor-core one
+    (`_mma_config`)."""
     if tokens <= FMA_TOKENS[quant]:
-        bk = min(64 if quant == "int4" else 512, k & -k)  # largest power of two dividing K
-        bk = max(bk, group if quant != "q4_0" else 32)
-        if quant == "int4":
-            bn = INT4_ROWS
-        else:
-            bn = next((b for b in FMA_ROWS if triton.cdiv(n, b) >= FMA_PROGRAMS), FMA_ROWS[-1])
-        split = _split(triton.cdiv(n, bn), k // bk)
-        return GemvConfig(bn=bn, split=split, fma=True, bk=bk)
+        return _fma_config(quant, n, k, group)
+    return _mma_config(quant, n, k, group)
+
+
+def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
+    """K steps of up to 512 inputs (int4 64: its per-element accumulators), int8 / q4_0 FMA_ROWS
+    rows (fewer when the row blocks alone leave SMs idle), int4 one 64-row block; K split until
+    about FMA_PROGRAMS programs."""
+    bk = min(64 if quant == "int4" else 512, k & -k)  # largest power of two dividing K
+    bk = max(bk, 32 if quant == "q4_0" else group)
+    if quant == "int4":
+        bn = INT4_ROWS
+    else:
+        bn = next((b for b in FMA_ROWS if triton.cdiv(n, b) >= FMA_PROGRAMS), FMA_ROWS[-1])
+    return GemvConfig(bn=bn, split=_split(triton.cdiv(n, bn), k // bk), fma=True, bk=bk)
+
+
+def _mma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
+    """64-row blocks, splits to about TARGET_PROGRAMS programs keeping >= MIN_SPLIT_GROUPS groups,
+    up to 8 groups per K step."""
     bn = INT4_ROWS if quant == "int4" else 64
     blocks, groups, split = triton.cdiv(n, bn), k // group, 1
     while (
@@ -116,6 +134,21 @@ def gemv_config(quant: str, n: int, k: int, group: int, tokens: int = 1) -> Gemv
     while (groups // split) % gps:
         gps //= 2
     return GemvConfig(bn=bn, gps=gps, split=split)
+
+
+def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list[GemvConfig]:
+    """gemv_config's tiles first, then the alternatives a device sweep times against them
+    (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
+    of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice)."""
+    fma = _fma_config(quant, n, k, group)
+    if quant == "int4":
+        bk = 2 * fma.bk if k % (2 * fma.bk) == 0 else fma.bk
+        alt = replace(fma, bk=bk, num_warps=8, split=_split(triton.cdiv(n, INT4_ROWS), k // bk))
+    else:
+        other = FMA_ROWS[1] if fma.bn == FMA_ROWS[0] else FMA_ROWS[0]
+        alt = replace(fma, bn=other, split=_split(triton.cdiv(n, other), k // fma.bk), unroll=2)
+    out = [gemv_config(quant, n, k, group, tokens), fma, alt, _mma_config(quant, n, k, group)]
+    return list(dict.fromkeys(out))
 
 
 # ---- one group of K: [M, BN] sums of raw weights times the tokens, scaled -------------------------
