@@ -20,8 +20,8 @@ With SPLIT > 1 each split stores fp32 partials and `_sum_kernel` adds them in sp
 rows come in the store's packed blocks of 64 (a block is [K, 32] bytes: row d low nibble, row
 d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
 
-Numerics: fma multiplies exact fp32 weights (int8 q times s, q4_0 (q - 8) times d summed per
-group then scaled; int4 s (q - 8) + z rounded once to fp32) by the fp32 activations; mma
+Numerics: fma multiplies the exact fp32 integers (int8 q, q4_0 q - 8) by the fp32 activations,
+sums each group of 32 and scales it; int4 multiplies s (q - 8) + z (rounded once to fp32); mma
 multiplies the raw integers (at most 8 bits) by the activations, exact in fp32 for bf16 / fp16
 (fp32 ones round each product, "ieee" dots). Sums are fp32 in either kernel, so the result is
 sum(dequantized weight x activation) up to fp32 rounding, rounded once to x's dtype. The
