@@ -11,9 +11,11 @@ same run (bench_peers.dram_gbps: a 4 GiB fp32 sum), plus the GEMV's max error re
 reference (dequantize + F.linear in bf16) as a sanity check. JSON lines through common.bench_row.
 
     python benchmarks/bench_gpu_dense.py --out gpu_dense.jsonl [--tokens 1 8] [--quant int8 int4]
+    python benchmarks/bench_gpu_dense.py --sweep --out gpu_dense.jsonl  # + every candidate config
     python benchmarks/bench_gpu_dense.py --dry-run   # CPU: one tiny shape through the interpreter
 
-Tiles are gemv_config's untuned rule. `--dry-run` checks the script end to end on the CPU (fp32
+Tiles are gemv_config's untuned rule; --sweep also times dense.gemv_candidates per shape and token
+count (rows' "tiles"; the rule's pick "rule": true, the fastest "best": true, BEST in the table). `--dry-run` checks the script end to end on the CPU (fp32
 activations, the "bf16_linear" variant then runs in fp32: a row's config says its dtype), times
 nothing that means anything, and writes rows only with --out.
 """
@@ -24,6 +26,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -50,6 +53,8 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
     ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, one tiny shape")
+    ap.add_argument("--sweep", action="store_true",
+                    help="time every dense.gemv_candidates config per shape, mark the fastest")  # fmt: skip
     a = ap.parse_args()
     if any(not 1 <= t <= 8 for t in a.tokens):
         ap.error("--tokens: the GEMV is for decode, 1 to 8 tokens")
@@ -123,36 +128,42 @@ def bench_shape(name: str, n: int, k: int, a, ceiling: float | None, device: str
         )
         del ws
         for quant in a.quant:
-            rows.append(_gemv_row(name, n, k, x, quant, copies, n_calls, a.reps, ceiling))
+            rows += _gemv_rows(name, n, k, x, quant, copies, n_calls, a.reps, ceiling, a.sweep)
             if cuda:
                 torch.cuda.empty_cache()
     return rows
 
 
-def _gemv_row(name, n, k, x, quant, copies, n_calls, reps, ceiling) -> dict:
-    """The GEMV on `copies` quantized weights, with its error against dequantize + F.linear."""
+def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> list[dict]:
+    """The GEMV on `copies` quantized weights, with its error against dequantize + F.linear: with
+    gemv_config's tiles, or (sweep) one row per gemv_candidates config, the fastest marked best."""
     import torch.nn.functional as F
 
     from moestream.kernels.ref import dequantize
-    from moestream.kernels.triton.dense import gemv, gemv_config
+    from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
 
     secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))
             for sec in weights(n, k, copies, quant, x.device.type)]  # fmt: skip
-    calls = [lambda s=secs[i % copies]: gemv(x, *s, None, quant, n, 32) for i in range(n_calls)]
-    us = time_us(calls, reps, x.is_cuda)
     q, scales = secs[0]
     suffix = {"int8": "s", "int4": "sz", "q4_0": "d"}[quant]
     ref = F.linear(x, dequantize({"w.q": q, f"w.{suffix}": scales}, "w", 32, x.dtype)).float()
-    err = (gemv(x, q, scales, None, quant, n, 32).float() - ref).abs().max() / ref.abs().max()
-    cfg = gemv_config(quant, n, k, 32)
     nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
-    extra = {
-        "max_rel_err_vs_ref": err.item(),
-        "tiles": {"bn": cfg.bn, "gps": cfg.gps, "split": cfg.split},
-    }
-    return _row(
-        name, n, k, x.shape[0], x.dtype, n_calls, f"triton_{quant}", us, nbytes, ceiling, extra
-    )
+    configs = gemv_candidates(quant, n, k, 32, x.shape[0])
+    rows = []
+    for i, cfg in enumerate(configs if sweep else configs[:1]):  # the rule's tiles come first
+        calls = [lambda s=secs[j % copies]: gemv_impl(x, *s, None, quant, n, 32, cfg)
+                 for j in range(n_calls)]  # fmt: skip
+        us = time_us(calls, reps, x.is_cuda)
+        err = (gemv_impl(x, q, scales, None, quant, n, 32, cfg).float() - ref).abs().max()
+        extra = {
+            "max_rel_err_vs_ref": (err / ref.abs().max()).item(),
+            "tiles": asdict(cfg) | {"candidate": i, "rule": i == 0},
+        }
+        rows.append(_row(name, n, k, x.shape[0], x.dtype, n_calls, f"triton_{quant}", us, nbytes,
+                         ceiling, extra))  # fmt: skip
+    if sweep:
+        min(rows, key=lambda r: r["us"])["best"] = True
+    return rows
 
 
 def _row(name, n, k, T, dtype, n_calls, variant, us, nbytes, ceiling, extra=None) -> dict:
@@ -193,7 +204,7 @@ def main() -> None:
         "dry run: nothing measured" if ceiling is None else f"HBM read ceiling {ceiling:.0f} GB/s"
     )
     print(f"{'shape':12} {'T':>2} {'variant':13} {'us':>8} {'MB':>7} {'GB/s':>6} {'ceil':>5} "
-          f"{'x bf16':>6} {'err':>8}")  # fmt: skip
+          f"{'x bf16':>6} {'err':>8}  tiles")  # fmt: skip
     base = {}
     for r in rows:
         c = r["config"]
@@ -201,7 +212,19 @@ def main() -> None:
         base.setdefault(key, r["us"])  # the bf16 F.linear row comes first
         print(f"{c['shape']:12} {c['tokens']:>2} {r['variant']:13} {r['us']:8.1f} "
               f"{r['bytes'] / 1e6:7.1f} {r['gbps']:6.0f} {r['of_ceiling'] or 0:5.2f} "
-              f"{base[key] / r['us']:6.2f} {r.get('max_rel_err_vs_ref', 0):8.1e}")  # fmt: skip
+              f"{base[key] / r['us']:6.2f} {r.get('max_rel_err_vs_ref', 0):8.1e}  "
+              f"{_tiles(r)}")  # fmt: skip
+
+
+def _tiles(r: dict) -> str:
+    """A GEMV row's tiles for the table (rule: gemv_config's pick; best: the sweep's fastest)."""
+    t = r.get("tiles")
+    if t is None:
+        return ""
+    keys = ("bn", "bk", "split", "num_warps", "unroll") if t["fma"] else ("bn", "gps", "split")
+    kind = "fma " if t["fma"] else "mma "
+    marks = (" rule" if t["rule"] else "") + (" BEST" if r.get("best") else "")
+    return kind + ",".join(f"{key}={t[key]}" for key in keys) + marks
 
 
 if __name__ == "__main__":

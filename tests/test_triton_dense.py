@@ -79,14 +79,36 @@ def test_gemv_matches_the_float64_spec(quant, T, dtype):
         _check(got, x, w, bias)
 
 
-def test_the_rule_splits_k_for_a_small_n_only():
-    """About TARGET_PROGRAMS programs: a 2048-row projection splits K, an output layer does not;
-    every split holds whole K steps."""
+def test_the_rule_takes_fma_for_one_token_and_splits_k_for_a_small_n_only():
+    """One token: the fma kernel, a 2048-row projection on fewer rows per program and split K,
+    an output layer on the most rows and unsplit; every split holds whole K steps. More tokens:
+    the tensor-core kernel. The sweep's candidates start with the rule's pick."""
     o = tdense.gemv_config("int8", 2048, 4096, 32)
     head = tdense.gemv_config("int4", 151936, 2048, 32)
-    assert o.split > 1 and head.split == 1
+    assert o.fma and head.fma and o.split > 1 and head.split == 1
+    assert o.bn < tdense.gemv_config("int8", 151936, 2048, 32).bn
     for cfg, k in ((o, 4096), (head, 2048)):
-        assert (k // 32 // cfg.split) % cfg.gps == 0
+        assert (k // cfg.split) % cfg.bk == 0
+    assert not tdense.gemv_config("int8", 2048, 4096, 32, 8).fma
+    cands = tdense.gemv_candidates("q4_0", 4096, 2048, 32, 1)
+    assert cands[0] == tdense.gemv_config("q4_0", 4096, 2048, 32) and len(set(cands)) == len(cands)
+    assert {c.fma for c in cands} == {True, False}
+
+
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_every_candidate_config_matches_the_spec(quant, T):
+    """The sweep's configs (both kernels, fma at any token count, split K) and fma tiles the rule
+    takes only at device shapes (16 rows, 128-input steps split 2), on an N off the row blocks."""
+    n, k = 200, 256
+    w = _weight(quant, n, k, seed=11 + T).to(DEVICE)
+    x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)).to(DEVICE, ACT)
+    bias = torch.randn(n).to(DEVICE, ACT)
+    scales = getattr(w, w.suffixes[1])
+    bn = 64 if quant == "int4" else 16
+    forced = tdense.GemvConfig(bn=bn, split=2, fma=True, bk=64 if quant == "int4" else 128)
+    for cfg in [*tdense.gemv_candidates(quant, n, k, 32, T), forced]:
+        _check(tdense.gemv_impl(x, w.q, scales, bias, quant, n, 32, cfg), x, w, bias)
 
 
 def test_the_gemv_says_what_it_does_not_take():

@@ -3,27 +3,36 @@ int8 / int4 / q4_0 sections of W (quant.py), so VRAM holds only those and a toke
 (at vocab 151936 the output layer is 350 MB per token in int8, 194 MB in int4, instead of a
 bf16 copy's 622 MB).
 
-One program per (block of BN output rows, split of K). Each K step takes GPS groups; per group
-one tensor-core dot of the tokens [16 rows, T used, G] by the group's raw integer weights
-converted exactly to the activation dtype (int8 q, int4 q - 8, q4_0 q - 8: exact in bf16, fp16
-and fp32), then the group's scale is applied in fp32 to the [16, BN] sums (int4 adds
-zero * sum(x over the group)). With SPLIT > 1 each split stores fp32 partials and `_sum_kernel`
-adds them in split order (deterministic); the bias is added in fp32 before the one rounding to
-the output dtype. int4 rows come in the store's packed blocks of 64 (a block is [K, 32] bytes:
-row d low nibble, row d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
+Two kernels, one program per (block of BN output rows, split of K), picked by `gemv_config`:
+  fma (1 token): a memory-bound GEMV on CUDA cores. Each K step loads a [BN, BK] tile of the raw
+     integers (16 bytes a thread: int8 [BN, BK/32, 32], q4_0 [BN, BK/32, 16] bytes, int4 the
+     block's [BK, 32] bytes), converts them exactly to fp32 (byte permutes, decode.py), multiplies
+     by the token in fp32; int8 / q4_0 sum each group of 32 and scale it into [BN, BK/32]
+     accumulators, int4 dequantizes each weight (s (q - 8) + z) into per-element ones; one
+     reduction along K at the end. A small N takes fewer rows per program, then split K, so
+     about FMA_PROGRAMS programs run. Several tokens go through the same code, each token's sums
+     selected into its accumulator row (a sweep candidate, not the rule's pick).
+  mma (2-8 tokens): per group one tensor-core dot of the tokens [16 rows, T used, G] by the
+     group's raw integers converted exactly to the activation dtype, the group's scale applied in
+     fp32 to the [16, BN] sums (int4 adds zero * sum(x over the group)).
+With SPLIT > 1 each split stores fp32 partials and `_sum_kernel` adds them in split order
+(deterministic); the bias is added in fp32 before the one rounding to the output dtype. int4
+rows come in the store's packed blocks of 64 (a block is [K, 32] bytes: row d low nibble, row
+d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
 
-Numerics: the dots multiply the raw integers (at most 8 bits) by the activations, products that
-are exact in fp32 for bf16 / fp16 activations (fp32 ones round each product, "ieee" fp32 dots);
-sums are fp32 (the dot accumulators, then per group times the fp32 scale, int4 plus the zero
-term), so the result is sum(dequantized weight x activation) up to fp32 summation rounding,
-rounded once to x's dtype. The reference (`QuantLinear` kernel "ref": dequantize into x's dtype
+Numerics: fma multiplies the exact fp32 integers (int8 q, q4_0 q - 8) by the fp32 activations,
+sums each group of 32 and scales it; int4 multiplies s (q - 8) + z (rounded once to fp32); mma
+multiplies the raw integers (at most 8 bits) by the activations, exact in fp32 for bf16 / fp16
+(fp32 ones round each product, "ieee" dots). Sums are fp32 in either kernel, so the result is
+sum(dequantized weight x activation) up to fp32 rounding, rounded once to x's dtype. The
+reference (`QuantLinear` kernel "ref": dequantize into x's dtype
 + F.linear) rounds every dequantized weight to bf16 first and sums in cuBLAS's order, so bf16
 outputs differ from it in the last bit or so (tests/test_triton_dense.py bounds the GEMV against
 a float64 spec of the stored numbers).
 
-Tiles come from a rule on (N, K) (`gemv_config`), not triton.autotune (it syncs and benchmarks
-at the first call, which a CUDA graph capture cannot take). The rule is untuned: it waits for a
-device run of benchmarks/bench_gpu_dense.py. `dense_gemv` is a torch custom op, so a
+Tiles come from a rule on (quant, N, K, T) (`gemv_config`), not triton.autotune (it syncs and
+benchmarks at the first call, which a CUDA graph capture cannot take). The rule is untuned: it
+waits for a device run of benchmarks/bench_gpu_dense.py --sweep, which times `gemv_candidates`. `dense_gemv` is a torch custom op, so a
 torch.compile'd decode step (engine/graph.py) calls it as one opaque node instead of tracing the
 launcher; it allocates only through torch's caching allocator and never syncs (capturable).
 """
@@ -31,31 +40,39 @@ launcher; it allocates only through torch's caching allocator and never syncs (c
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton.decode import _s8_f32, _u4_dt
+from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
 QUANT_CODE = {"int8": 1, "int4": 2, "q4_0": 3}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 M = 16  # token rows of one dot (tl.dot's minimum; T <= MAX_TOKENS of them are used)
-TARGET_PROGRAMS = 512  # untuned: about 4 programs per SM of an H200 (132 SMs)
+TARGET_PROGRAMS = 512  # mma, untuned: about 4 programs per SM of an H200 (132 SMs)
+FMA_PROGRAMS = 1024  # fma, untuned: about 8 per SM (small programs keep more bytes in flight)
 MIN_SPLIT_GROUPS = 8  # a split keeps at least this many groups of K
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+FMA_TOKENS = {"int8": 1, "q4_0": 1, "int4": 1}  # untuned: T > 1 selects rows per token (sweep)
+FMA_ROWS = (16, 4)  # untuned: int8 / q4_0 rows per fma program, most first, fewest for a small N
 
 
 @dataclass(frozen=True, slots=True)
 class GemvConfig:
     bn: int = 64  # output rows per program (int4: 64, one packed block)
-    gps: int = 8  # groups per K step
+    gps: int = 8  # mma: groups per K step
     split: int = 1  # programs along K (fp32 partials, summed in order by _sum_kernel)
     num_warps: int = 4
-    stages: int = 3  # software pipelining of the K loop
+    stages: int = 3  # mma: software pipelining of the K loop
+    fma: bool = False  # CUDA-core kernel (_gemv_fma_kernel) instead of the tensor-core one
+    bk: int = 512  # fma: inputs per K step
+    unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
 
 
 def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | None:
@@ -71,11 +88,40 @@ def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | No
     return None
 
 
+def _split(programs: int, steps: int) -> int:
+    """fma splits of K (powers of two, each whole K steps) until about FMA_PROGRAMS programs."""
+    split = 1
+    while programs * split < FMA_PROGRAMS and steps % (2 * split) == 0:
+        split *= 2
+    return split
+
+
 @functools.cache
-def gemv_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
-    """Tiles for an [n, k] weight: 64-row blocks; K split until about TARGET_PROGRAMS programs run
-    (a small N alone would leave most SMs idle), each split keeping >= MIN_SPLIT_GROUPS groups;
-    up to 8 groups per K step. Untuned (see the module docstring)."""
+def gemv_config(quant: str, n: int, k: int, group: int, tokens: int = 1) -> GemvConfig:
+    """Tiles for an [n, k] weight at `tokens` rows, untuned (see the module docstring): the fma
+    kernel up to FMA_TOKENS[quant] tokens (`_fma_config`), else the tensor-core one
+    (`_mma_config`)."""
+    if tokens <= FMA_TOKENS[quant]:
+        return _fma_config(quant, n, k, group)
+    return _mma_config(quant, n, k, group)
+
+
+def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
+    """K steps of up to 512 inputs (int4 64: its per-element accumulators), int8 / q4_0 FMA_ROWS
+    rows (fewer when the row blocks alone leave SMs idle), int4 one 64-row block; K split until
+    about FMA_PROGRAMS programs."""
+    bk = min(64 if quant == "int4" else 512, k & -k)  # largest power of two dividing K
+    bk = max(bk, 32 if quant == "q4_0" else group)
+    if quant == "int4":
+        bn = INT4_ROWS
+    else:
+        bn = next((b for b in FMA_ROWS if triton.cdiv(n, b) >= FMA_PROGRAMS), FMA_ROWS[-1])
+    return GemvConfig(bn=bn, split=_split(triton.cdiv(n, bn), k // bk), fma=True, bk=bk)
+
+
+def _mma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
+    """64-row blocks, splits to about TARGET_PROGRAMS programs keeping >= MIN_SPLIT_GROUPS groups,
+    up to 8 groups per K step."""
     bn = INT4_ROWS if quant == "int4" else 64
     blocks, groups, split = triton.cdiv(n, bn), k // group, 1
     while (
@@ -88,6 +134,21 @@ def gemv_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
     while (groups // split) % gps:
         gps //= 2
     return GemvConfig(bn=bn, gps=gps, split=split)
+
+
+def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list[GemvConfig]:
+    """gemv_config's tiles first, then the alternatives a device sweep times against them
+    (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
+    of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice)."""
+    fma = _fma_config(quant, n, k, group)
+    if quant == "int4":
+        bk = 2 * fma.bk if k % (2 * fma.bk) == 0 else fma.bk
+        alt = replace(fma, bk=bk, num_warps=8, split=_split(triton.cdiv(n, INT4_ROWS), k // bk))
+    else:
+        other = FMA_ROWS[1] if fma.bn == FMA_ROWS[0] else FMA_ROWS[0]
+        alt = replace(fma, bn=other, split=_split(triton.cdiv(n, other), k // fma.bk), unroll=2)
+    out = [gemv_config(quant, n, k, group, tokens), fma, alt, _mma_config(quant, n, k, group)]
+    return list(dict.fromkeys(out))
 
 
 # ---- one group of K: [M, BN] sums of raw weights times the tokens, scaled -------------------------
@@ -223,39 +284,206 @@ def _sum_kernel(part_ptr, b_ptr, out_ptr, TN, N: tl.constexpr, SPLIT: tl.constex
     tl.store(out_ptr + o, tot.to(out_ptr.dtype.element_ty), mask=m)
 
 
+# ---- CUDA-core kernel (fma): T <= FMA_TOKENS, raw integers -> fp32 FMAs ---------------------------
+@triton.jit
+def _x_rows(x_ptr, t, koff, K: tl.constexpr):
+    """Token t's inputs at offsets koff (the weight tile's shape, so its register layout: no tile
+    crosses shared memory; repeats are L1 hits)."""
+    return tl.load(x_ptr + t * K + koff).to(tl.float32)
+
+
+@triton.jit
+def _add_token(acc, p, t, T: tl.constexpr, TP: tl.constexpr):
+    """acc[t] += p: one token's sums into its row of the [TP, ...] accumulator by a select (p of
+    rank 2 or 3). T=1 has no token axis: a leading one would give the accumulator the layout of
+    the final store and a layout conversion per K step."""
+    if T == 1:
+        return acc + p
+    elif len(p.shape) == 2:
+        return acc + tl.where(tl.arange(0, TP)[:, None, None] == t, p[None], 0.0)
+    else:
+        return acc + tl.where(tl.arange(0, TP)[:, None, None, None] == t, p[None], 0.0)
+
+
+@triton.jit
+def _acc(shape, T: tl.constexpr):
+    """Zero accumulators [TP, ...] (T=1: without the token axis, see _add_token)."""
+    if T == 1:
+        return tl.zeros(shape[1:], tl.float32)
+    else:
+        return tl.zeros(shape, tl.float32)
+
+
+@triton.jit
+def _tokens_rows(y, T: tl.constexpr):
+    """Row sums as [TP, R] (T=1 puts the token axis back)."""
+    if T == 1:
+        return y[None, :]
+    else:
+        return y
+
+
+@triton.jit
+def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexpr,
+              K: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
+              BK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """int8 / q4_0, one K step of rows rl: per group sum(q x) * scale -> acc [TP, BN, BK/G]."""
+    if QUANT == 1:
+        NG: tl.constexpr = BK // G
+        kk = k0 + tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G]
+        koff = tl.zeros([BN, 1, 1], tl.int32) + kk[None]
+        w = _s8_f32(tl.load(q_ptr + rl.to(tl.int64)[:, None, None] * K + kk[None]), FAST)
+        s = tl.load(s_ptr + rl[:, None] * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
+        for t in tl.static_range(T):
+            acc = _add_token(acc, tl.sum(w * _x_rows(x_ptr, t, koff, K), 2) * s, t, T, TP)
+    else:  # q4_0: a row's block of 32 inputs is 16 bytes, element i low nibble, i + 16 high
+        NB: tl.constexpr = BK // 32
+        kb = k0 // 32 + tl.arange(0, NB)[:, None]  # [NB, 1]
+        i = tl.arange(0, 16)[None, :]
+        koff = tl.zeros([BN, 1, 1], tl.int32) + (kb * 32 + i)[None]
+        b = tl.load(q_ptr + rl.to(tl.int64)[:, None, None] * (K // 2) + (kb * 16 + i)[None])
+        lo, hi = _u4_f32(b, FAST)  # q - 8, [BN, NB, 16]
+        d = tl.load(s_ptr + rl[:, None] * (K // 32) + kb.reshape([1, NB])).to(tl.float32)
+        for t in tl.static_range(T):
+            p = lo * _x_rows(x_ptr, t, koff, K) + hi * _x_rows(x_ptr, t, koff + 16, K)
+            acc = _add_token(acc, tl.sum(p, 2) * d, t, T, TP)
+    return acc
+
+
+@triton.jit
+def _bf16_lo(v):
+    """The bf16 in the low half of int32 words (an int4 scale), exactly as fp32."""
+    return (v << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(v):
+    """The bf16 in the high half (an int4 zero)."""
+    return (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fma_int4(x_ptr, q_ptr, sz_ptr, acc_lo, acc_hi, n0, k0, T: tl.constexpr, TP: tl.constexpr,
+              N: tl.constexpr, K: tl.constexpr, G: tl.constexpr, BK: tl.constexpr,
+              HALF: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
+    """int4, one K step of the packed block at row n0 ([K, HALF] bytes): the weights dequantized
+    (s (q - 8) + z) times the tokens, kept per element ([TP, NG, G, 32] each half: one reduction
+    at the end, no per-step shuffles)."""
+    NG: tl.constexpr = BK // G
+    kk = k0 + tl.arange(0, NG)[:, None, None] * G + tl.arange(0, G)[None, :, None]  # [NG, G, 1]
+    d = tl.arange(0, 32)[None, None, :]
+    blk = q_ptr + n0.to(tl.int64) * (K // 2)  # 64-bit offsets
+    sp = sz_ptr + (k0 // G + tl.arange(0, NG)[:, None, None]) * N + n0 + d  # [NG, 1, 32]
+    if HALF == 32:
+        b = tl.load(blk + kk * 32 + d)
+        v_lo = tl.load(sp)  # (scale, zero) bf16 pairs as one int32 word
+        v_hi = tl.load(sp + 32)
+    else:  # the short last block: [K, HALF] bytes
+        b = tl.load(blk + kk * HALF + d, mask=d < HALF, other=0)
+        v_lo = tl.load(sp, mask=d < HALF, other=0)
+        v_hi = tl.load(sp + HALF, mask=d < HALF, other=0)
+    lo, hi = _u4_f32(b, FAST)
+    w_lo = lo * _bf16_lo(v_lo) + _bf16_hi(v_lo)
+    w_hi = hi * _bf16_lo(v_hi) + _bf16_hi(v_hi)
+    for t in tl.static_range(T):
+        xv = _x_rows(x_ptr, t, kk, K)  # [NG, G, 1]: contiguous along G, not the rows' axis
+        acc_lo = _add_token(acc_lo, w_lo * xv, t, T, TP)
+        acc_hi = _add_token(acc_hi, w_hi * xv, t, T, TP)
+    return acc_lo, acc_hi
+
+
+@triton.jit
+def _fma_store(y, r, rmask, b_ptr, out_ptr, part_ptr, sk, T: tl.constexpr, TP: tl.constexpr,
+               N: tl.constexpr, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Row sums y [TP, R] of rows r: + bias, rounded into out[t, r] (SPLIT 1), else fp32 partials
+    part[sk, t, r]; rows t >= T are not stored."""
+    t = tl.arange(0, TP)[:, None]
+    m = (t < T) & rmask[None, :]
+    if SPLIT == 1:
+        if HAS_BIAS:
+            y += tl.load(b_ptr + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + t * N + r[None, :], y.to(out_ptr.dtype.element_ty), mask=m)
+    else:
+        tl.store(part_ptr + (sk * T + t) * N + r[None, :], y, mask=m)
+
+
+@triton.jit
+def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.constexpr,
+                     TP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ROW0: tl.constexpr,
+                     QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     SPLIT: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     FAST: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+    """Program (row block, split sk): rows ROW0 + program_id(0) * BN ... (int4: one packed block)
+    over K / SPLIT inputs, the K loop unrolled UNROLL times (the loads of those steps issue
+    ahead; a fully unrolled int4 loop spills)."""
+    n0 = ROW0 + tl.program_id(0) * BN
+    sk = tl.program_id(1)
+    KC: tl.constexpr = K // SPLIT
+    if QUANT == 2:
+        acc_lo = _acc([TP, BK // G, G, 32], T)
+        acc_hi = _acc([TP, BK // G, G, 32], T)
+        for kb in tl.range(0, KC, BK, loop_unroll_factor=UNROLL):
+            acc_lo, acc_hi = _fma_int4(x_ptr, q_ptr, s_ptr, acc_lo, acc_hi, n0, sk * KC + kb, T,
+                                       TP, N, K, G, BK, HALF, FAST)  # fmt: skip
+        d = tl.arange(0, 32)
+        dm = d < HALF
+        y_lo = _tokens_rows(tl.sum(tl.sum(acc_lo, -2), -2), T)
+        y_hi = _tokens_rows(tl.sum(tl.sum(acc_hi, -2), -2), T)
+        _fma_store(y_lo, n0 + d, dm, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT, HAS_BIAS)
+        _fma_store(y_hi, n0 + HALF + d, dm, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT,
+                   HAS_BIAS)  # fmt: skip
+    else:
+        r = n0 + tl.arange(0, BN)
+        rl = tl.minimum(r, N - 1)  # rows past N load row N - 1 (unmasked, vector loads; unstored)
+        NG: tl.constexpr = BK // G if QUANT == 1 else BK // 32
+        acc = _acc([TP, BN, NG], T)
+        for kb in tl.range(0, KC, BK, loop_unroll_factor=UNROLL):
+            acc = _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, sk * KC + kb, T, TP, K, QUANT, G, BN,
+                            BK, FAST)  # fmt: skip
+        _fma_store(_tokens_rows(tl.sum(acc, -1), T), r, r < N, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT,
+                   HAS_BIAS)  # fmt: skip
+
+
 # ---- host side ----------------------------------------------------------------------------------
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Tensor | None,
-              quant: str, n: int, group: int) -> torch.Tensor:  # fmt: skip
+              quant: str, n: int, group: int, cfg: GemvConfig | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, K] (T <= MAX_TOKENS) -> [T, n] in x's dtype, from the sections q and s (int8 `s`,
-    int4 `sz`, q4_0 `d`) of an [n, K] weight; bias [n] or None."""
+    int4 `sz`, q4_0 `d`) of an [n, K] weight; bias [n] or None. cfg: tiles other than
+    gemv_config's (the benchmark's sweep, tests)."""
     T, K = x.shape
     why = unsupported(quant, n, K, group, T)
     assert why is None, why
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
-    cfg = gemv_config(quant, n, K, group)
+    cfg = cfg or gemv_config(quant, n, K, group, T)
     x = x.contiguous()
     out = torch.empty(T, n, device=x.device, dtype=x.dtype)
     part = out if cfg.split == 1 else torch.empty(cfg.split, T, n, device=x.device)
     if quant == "int4":
         s = s.view(torch.int32)  # (scale, zero) bf16 pairs as one word: [K/G, N, 1]
     gpu, bf16 = x.device.type == "cuda", x.dtype == torch.bfloat16
-    kw = dict(
-        T=T, N=n, K=K, QUANT=QUANT_CODE[quant], G=32 if quant == "q4_0" else group, BN=cfg.bn,
-        GPS=cfg.gps, SPLIT=cfg.split, HAS_BIAS=bias is not None, DT=_TL[x.dtype],
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
-        FAST=gpu and (bf16 or quant == "int8"),  # the PTX conversions (interpreter: plain casts)
-        STAGES=cfg.stages, num_warps=cfg.num_warps,
-    )  # fmt: skip
+    G = 32 if quant == "q4_0" else group
+    kw = dict(N=n, K=K, QUANT=QUANT_CODE[quant], G=G, BN=cfg.bn, SPLIT=cfg.split,
+              HAS_BIAS=bias is not None, num_warps=cfg.num_warps)  # fmt: skip
+    if cfg.fma:
+        kernel = _gemv_fma_kernel
+        kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll)
+    else:
+        kernel = _gemv_kernel
+        kw |= dict(
+            T=T, GPS=cfg.gps, DT=_TL[x.dtype], PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            FAST=gpu and (bf16 or quant == "int8"),  # PTX conversions (interpreter: plain casts)
+            STAGES=cfg.stages,
+        )  # fmt: skip
     b = out if bias is None else bias
     full = n - n % INT4_ROWS if quant == "int4" else n
     if full:
         grid = (triton.cdiv(full, cfg.bn), cfg.split)
-        _gemv_kernel[grid](x, q, s, b, out, part, ROW0=0, HALF=32, **kw)
+        kernel[grid](x, q, s, b, out, part, ROW0=0, HALF=32, **kw)
     if full < n:  # int4's shorter last block: [K, (n - full) / 2] bytes
-        _gemv_kernel[(1, cfg.split)](x, q, s, b, out, part, ROW0=full, HALF=(n - full) // 2, **kw)
+        kernel[(1, cfg.split)](x, q, s, b, out, part, ROW0=full, HALF=(n - full) // 2, **kw)
     if cfg.split > 1:
         block = 1024
         _sum_kernel[(triton.cdiv(T * n, block),)](
