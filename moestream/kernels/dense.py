@@ -79,10 +79,19 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel, self.wide = kernel, wide and weight.scheme.name == "int8"
         self._triton = None
+        self._float: tuple[tuple, torch.Tensor] | None = None  # ((device, dtype), the copy)
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
             from moestream.kernels.triton import dense as triton_dense
 
             self._triton = triton_dense
+
+    @property
+    def float_copy(self) -> bool:
+        """Kernel triton keeps a dequantized copy of this weight (the measured rule,
+        kernels/triton/dense.py: float_copy) instead of reading its sections."""
+        return self._triton is not None and self._triton.float_copy(
+            self.qweight.scheme.name, self.out_features
+        )
 
     def gemv_unsupported(self, tokens: int) -> str | None:
         """Why the Triton GEMV does not take `tokens` rows of this weight (None when it does)."""
@@ -110,7 +119,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         w, g = self.qweight, self.qweight.scheme.group_size
         kind = self.resolved_kernel(x.device, x2.shape[0])
-        if kind == "triton":  # bias added in fp32 before the one rounding
+        if self.float_copy and x.device.type != "cpu":
+            y = F.linear(x2, self._copy(x), self.bias)
+        elif kind == "triton":  # bias added in fp32 before the one rounding
             scales = getattr(w, w.suffixes[1])  # s (int8), sz (int4) or d (q4_0)
             y = self._triton.gemv(x2, w.q, scales, self.bias, w.scheme.name, self.out_features, g)
         elif kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
@@ -123,6 +134,16 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _copy(self, x: torch.Tensor) -> torch.Tensor:
+        """The weight dequantized into x's dtype on x's device, made once (the ref path's bits)."""
+        if self._float is not None and torch.compiler.is_compiling():
+            return self._float[1]  # made by the eager step before: weights are fixed in a graph
+        key = (x.device, x.dtype)
+        if self._float is None or self._float[0] != key:
+            w = self.qweight
+            self._float = (key, dequantize(w.sections(), "w", w.scheme.group_size, x.dtype))
+        return self._float[1]
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:

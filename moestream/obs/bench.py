@@ -50,7 +50,7 @@ def spread(values: list[float]) -> dict:
 
 def dense_bytes_per_token(model) -> int:
     """Bytes of the non-expert weights one decode step reads: every weight once (quantized ones as
-    their sections, on every device: no kernel keeps a dequantized copy, kernels/dense.py), the
+    their sections, except a GPU's int4 weights that run on a bf16 copy, kernels/dense.py), the
     input embedding one row, the output projection whole (also when tied to the embedding)."""
     embed, head = model.model.embed_tokens, model.lm_head
     head_ts = _read_tensors(head)
@@ -58,7 +58,13 @@ def dense_bytes_per_token(model) -> int:
     seen = _ptrs(head_ts) | _ptrs(_read_tensors(embed))
     rest = [t for t in _read_tensors(model) if t.data_ptr() not in seen]
     rows = embed.num_embeddings
-    return _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
+    total = _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
+    from moestream.kernels.dense import QuantLinear
+
+    for m in model.modules():  # a GPU's int4 weights that run on a bf16 copy read the copy
+        if isinstance(m, QuantLinear) and m.float_copy and model.device.type != "cpu":
+            total += m.out_features * m.in_features * 2 - _nbytes(_read_tensors(m.qweight))
+    return total
 
 
 def _read_tensors(module) -> list:

@@ -75,6 +75,20 @@ class GemvConfig:
     unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
 
 
+# Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs, e8ec9b1): at one token the
+# GEMV beats bf16 F.linear for int8 (1.3-1.6x) and q4_0 (1.5-1.8x) at every Qwen3-30B shape, but
+# int4 only on the 151936-row output layer (1.17x): at the attention shapes it ran at 0.54-0.79x
+# of bf16 (its per-element scale and zero cost more than the bytes it saves), and the 16-layer
+# decode fell from 487 to 447 tok/s. So int4 weights under INT4_GEMV_ROWS rows keep one bf16 copy
+# (dequantized once, VRAM) and run F.linear; everything else reads its sections in place.
+INT4_GEMV_ROWS = 65536
+
+
+def float_copy(quant: str, n: int) -> bool:
+    """Whether an [n, K] weight of this scheme runs on a dequantized bf16 copy on the GPU."""
+    return quant == "int4" and n < INT4_GEMV_ROWS
+
+
 def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | None:
     """Why the GEMV cannot take this weight at this token count (None when it can)."""
     if tokens > MAX_TOKENS:
