@@ -204,7 +204,9 @@ def qlinear_q8(
     d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
     super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
     sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *
-    sum q); added in block order."""
+    sum q); added in block order, except int8 and q4_0 (the row-major schemes, whose AVX2 rows
+    keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b mod 8, the
+    lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order."""
     from moestream.quant import unpack_int4
 
     if sec[f"{name}.q"].dim() == 3:
@@ -222,6 +224,7 @@ def qlinear_q8(
         else:
             dots = torch.einsum("tbg,nbg->tnb", q8, wb.float())
         terms = (ws[None] * d[:, None, :]) * dots  # [T, N, nb]
+        return _lane_sum(terms)
     else:
         w = unpack_int4(wq).float()
         n, k = w.shape
@@ -232,6 +235,20 @@ def qlinear_q8(
         terms = d[:, None, :] * (s * (dots - 8 * sq) + z * sq)
     y = torch.zeros(terms.shape[:2])
     for b in range(terms.shape[2]):  # sequential, as every native variant adds blocks
+        y = y + terms[..., b]
+    return y
+
+
+def _lane_sum(terms: torch.Tensor) -> torch.Tensor:
+    """terms [T, N, nb] summed over blocks in the row-major kernels' order (qlinear_q8)."""
+    nb = terms.shape[2]
+    m = nb - nb % 8
+    lanes = torch.zeros(*terms.shape[:2], 8)
+    for b in range(0, m, 8):
+        lanes = lanes + terms[..., b : b + 8]
+    l = lanes.unbind(-1)  # noqa: E741
+    y = ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+    for b in range(m, nb):
         y = y + terms[..., b]
     return y
 

@@ -116,6 +116,30 @@ float bf16(uint16_t v) {
   return f;
 }
 
+// Eight float partials summed in one fixed order (the row-major schemes' block sums, the fused
+// ops' dots): ((0+1)+(2+3))+((4+5)+(6+7)).
+float lanes_sum(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+// The row-major schemes (int8, q4_0) add a row's per-block fp32 terms in 8 lanes: block j of the
+// first nb - nb % 8 goes to lane j mod 8 (in order), the lanes are summed by lanes_sum, then the
+// last nb % 8 blocks are added in order (ref.qlinear_q8). The AVX2 rows keep the lanes in one
+// vector, so no add waits on the one before it; int4's 64-row kernel adds blocks in plain order.
+struct BlockLanes {
+  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0}, acc = 0.f;
+  int m;
+  bool tail = false;
+  explicit BlockLanes(int nb) : m(nb - nb % 8) {}
+  void add(int j, float term) {
+    if (j < m) {
+      l[j % 8] = l[j % 8] + term;
+      return;
+    }
+    if (!tail) acc = lanes_sum(l), tail = true;
+    acc = acc + term;
+  }
+  float sum() const { return tail ? acc : lanes_sum(l); }
+};
+
 // ---- scalar (portable; the order every variant keeps) ------------------------------------------
 void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
   const int b = std::min(BN, w.N - r0), h = b / 2;
@@ -143,13 +167,13 @@ void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   const float* s = (const float*)w.s;
   for (int r = r0; r < r0 + n; ++r) {
     const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
-    float acc = 0.f;
+    BlockLanes acc(nb);
     for (int j = 0; j < nb; ++j) {
       int32_t dot = 0;
       for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
-      acc = acc + (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot;
+      acc.add(j, (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot);
     }
-    y[r - r0] = acc;
+    y[r - r0] = acc.sum();
   }
 }
 
@@ -160,16 +184,16 @@ void q4_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   const int8_t* xq = a.qr(t);
   for (int r = r0; r < r0 + n; ++r) {
     const uint8_t* q = w.q + (size_t)r * w.K / 2;
-    float acc = 0.f;
+    BlockLanes acc(nb);
     for (int j = 0; j < nb; ++j) {
       int32_t dot = 0;
       for (int i = 0; i < G / 2; ++i) {
         dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
         dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
       }
-      acc = acc + (fp16(d[(size_t)r * nb + j]) * a.dr(t)[j]) * (float)dot;
+      acc.add(j, (fp16(d[(size_t)r * nb + j]) * a.dr(t)[j]) * (float)dot);
     }
-    y[r - r0] = acc;
+    y[r - r0] = acc.sum();
   }
 }
 
@@ -248,9 +272,11 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
   const int8_t* xq = a.qr(t);
   const float* d = a.dr(t);
   const __m256i ones = _mm256_set1_epi16(1);
-  float acc = 0.f, terms[8];
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch)  // rows of a work item are contiguous: one stream, read g_prefetch ahead
+      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
     __m256i p[8];
     for (int b = 0; b < 8; ++b) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
@@ -258,9 +284,11 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
       p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv)), ones);
     }
     const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
-    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
-    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
   }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  float acc = lanes_sum(l);
   for (; j < nb; ++j) {
     int32_t dot = 0;
     for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
@@ -276,7 +304,7 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
   const float* s = (const float*)w.s + (size_t)r * nb;
   const int16_t* xq = a.q16r(t);
   const float* d = a.dr(t);
-  float acc = 0.f, terms[8];
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
     __m256i p[8];
@@ -289,9 +317,11 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
       p[b] = _mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1));
     }
     const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
-    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
-    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
   }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  float acc = lanes_sum(l);
   for (; j < nb; ++j) {
     int32_t dot = 0;
     for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
@@ -313,9 +343,12 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   const int32_t* sx = a.sr(t);
   const __m256i ones = _mm256_set1_epi16(1);
   const __m128i m4 = _mm_set1_epi8(15);
-  float acc = 0.f, terms[8];
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch)  // rows of a work item are contiguous: one stream, read g_prefetch ahead
+      for (int c = 0; c < 8 * G / 2; c += 64)
+        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
     __m256i p[8];
     for (int b = 0; b < 8; ++b) {
       const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
@@ -327,9 +360,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
     const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
     const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(d + j));
-    _mm256_storeu_ps(terms, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
-    for (int b = 0; b < 8; ++b) acc = acc + terms[b];
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
   }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  float acc = lanes_sum(l);
   for (; j < nb; ++j) {  // the last blocks: the scalar path's arithmetic
     int32_t dot = 0;
     for (int i = 0; i < G / 2; ++i) {
@@ -488,28 +523,36 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
 
 // ---- fused one-token decode ops (fp32; the references are the model's torch code) ----------------
 // Every float sum below runs in one fixed order whatever the ISA or thread count: a length-n dot
-// keeps 8 lane partials (lane l takes elements i = l mod 8, multiply then add, no FMA) summed as
-// ((0+1)+(2+3))+((4+5)+(6+7)), then the tail in order; so the AVX2 and scalar variants agree bit for
-// bit, and the slot cache, mmap and resident providers (which share these ops) too.
-float lanes_sum(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+// keeps 32 lane partials (lane l takes elements i = l mod 32 of the first n - n mod 32, multiply
+// then add, no FMA; four independent vector chains on AVX2, so the adds do not wait on each
+// other), folds them as ((p0 + p1) + (p2 + p3)) lane by lane, sums those 8 lanes as
+// ((0+1)+(2+3))+((4+5)+(6+7)), then adds the tail in order; so the AVX2 and scalar variants agree
+// bit for bit, and the slot cache, mmap and resident providers (which share these ops) too.
 
 float dot_scalar(const float* a, const float* b, int n) {
-  float l[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  float l[32] = {};
   int i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) l[j] = l[j] + a[i + j] * b[i + j];
-  float acc = lanes_sum(l);
+  for (; i + 32 <= n; i += 32)
+    for (int j = 0; j < 32; ++j) l[j] = l[j] + a[i + j] * b[i + j];
+  float f[8];
+  for (int j = 0; j < 8; ++j) f[j] = (l[j] + l[8 + j]) + (l[16 + j] + l[24 + j]);
+  float acc = lanes_sum(f);
   for (; i < n; ++i) acc = acc + a[i] * b[i];
   return acc;
 }
 
 __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int n) {
-  __m256 v = _mm256_setzero_ps();
+  __m256 v0 = _mm256_setzero_ps(), v1 = v0, v2 = v0, v3 = v0;
   int i = 0;
-  for (; i + 8 <= n; i += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
-  float l[8];
-  _mm256_storeu_ps(l, v);
-  float acc = lanes_sum(l);
+  for (; i + 32 <= n; i += 32) {
+    v0 = _mm256_add_ps(v0, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+    v1 = _mm256_add_ps(v1, _mm256_mul_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8)));
+    v2 = _mm256_add_ps(v2, _mm256_mul_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16)));
+    v3 = _mm256_add_ps(v3, _mm256_mul_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24)));
+  }
+  float f[8];
+  _mm256_storeu_ps(f, _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)));
+  float acc = lanes_sum(f);
   for (; i < n; ++i) acc = acc + a[i] * b[i];
   return acc;
 }
