@@ -7,7 +7,8 @@ projection is quantized per block of 32, to int8 (llama.cpp's Q8_0: d = amax / 1
 q = round(x / d)), lossy: error per element <= 1/254 of its block's max; the int8 scheme's down
 projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-tailed, and in int8
 it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
-and blocks are combined in fp32 in ascending order, so one projection gives the reference's bits on
+and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 in 8 lanes, see
+ref.qlinear_q8), so one projection gives the reference's bits on
 every ISA; a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
 activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
 MOESTREAM_NATIVE_ISA=scalar|avx2 caps the choice (tests, benchmarks).
