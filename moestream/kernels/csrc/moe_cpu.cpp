@@ -3,7 +3,8 @@
 //   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
 //   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
 //   d = amax / 32767); each block's integer dot with the
-//   weights is exact (int32); blocks are combined in fp32 in ascending block order with the same
+//   weights is exact (int32); blocks are combined in fp32 in a fixed order (int4 ascending; int8 and
+//   q4_0 in 8 lanes, BlockLanes) with the same
 //   rounding steps as the reference, so every ISA variant gives the reference's bits for one linear.
 // Build flags include -ffp-contract=off: no fused multiply-add may change those roundings.
 #include <ATen/Parallel.h>
@@ -264,7 +265,7 @@ __attribute__((target("avx2,fma"))) __m256i hsum8(const __m256i* p) {
 
 // int8, one row read front to back (one stream for the prefetchers): |w| x sign(x, w) in maddubs
 // (<= 2 * 127 * 127, no saturation); eight blocks' dots reduced exactly to int32 at once, their
-// fp32 terms then added one by one in block order (the reference's order).
+// fp32 terms then added into their 8 lanes (BlockLanes' order).
 __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
@@ -332,7 +333,7 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
 
 // q4_0, one row front to back: a block's 16 bytes -> 32 u8 nibbles in element order, maddubs with
 // the int8 activations (<= 2 * 15 * 127: no saturation), eight blocks' dots reduced to int32 at
-// once, minus 8 * sum x (exactly sum (q - 8) x); the fp32 terms added in block order.
+// once, minus 8 * sum x (exactly sum (q - 8) x); the fp32 terms added into their 8 lanes.
 __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int r, const QAct& a, int t,
                                                             float* y) {
   const int nb = w.K / G;
