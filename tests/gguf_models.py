@@ -194,3 +194,20 @@ def kquant_blocks(
         dmin = (dmin * scale).astype(np.float16)
     raw[..., 0:2], raw[..., 2:4] = d.view(np.uint8), dmin.view(np.uint8)
     return raw
+
+
+def assert_records_are(s, stored: dict, group: int) -> None:
+    """Every expert record of store `s` dequantizes (float32) to exactly `stored`'s gate, up and
+    down tensors (HF names, as `expert_name` gives them): nothing was rounded a second time."""
+    from moestream.kernels.ref import dequantize
+
+    I, mt = s.args.moe_intermediate_size, s.args.model_type
+    for layer in s.args.moe_layer_ids:
+        for e in range(s.args.num_experts):
+            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            sec = s.layout.views(buf)
+            w13 = dequantize(sec, "w13", group, torch.float32)
+            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
+            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
+            w2 = dequantize(sec, "w2", group, torch.float32)
+            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])

@@ -27,6 +27,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts the fused ops' calls (so a test sees the fused path really ran)."""
+    n = dict.fromkeys(("rmsnorm", "attend", "route"), 0)
+    for name in n:
+        real = getattr(native, name)
+
+        def spy(*a, _real=real, _name=name, **kw):
+            n[_name] += 1
+            return _real(*a, **kw)
+
+        monkeypatch.setattr(native, name, spy)
+    return n
+
+
 def args(**over) -> ModelArgs:
     import transformers as T
 
@@ -59,7 +74,7 @@ def _attention(a: ModelArgs, qk_norm, seed: int) -> Attention:
 
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("qk_norm", [None, "head"])
-def test_attend_matches_the_torch_attention(qk_norm, window):
+def test_attend_matches_the_torch_attention(qk_norm, window, calls):
     """Twelve decode steps after a 4-token prompt, fused vs the torch path on twin caches: every
     output and every cache entry within rounding (a sliding window masks older keys)."""
     a = args()
@@ -81,6 +96,7 @@ def test_attend_matches_the_torch_attention(qk_norm, window):
                 m.fused_decode = fused
                 outs.append(m(x, cos, sin, c, pos))
             assert rel(outs[1], outs[0]) <= 1e-5, pos
+        assert calls["attend"] == 12  # every fused step took the op
         for t0, t1 in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
             assert rel(t1[:, :16], t0[:, :16]) <= 1e-5
 
@@ -157,7 +173,7 @@ def test_route_keeps_the_torch_rule_where_a_block_has_its_own():
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
-def test_decode_with_fused_ops_matches_the_torch_code(tmp_path, arch):
+def test_decode_with_fused_ops_matches_the_torch_code(tmp_path, arch, calls):
     """Tiny int8 stores (q/k head norm, none, whole-vector norm) decoded with the native kernels,
     fused ops on vs off, the same tokens fed: every step's logits within 1e-4 of the max (the
     expert kernels are the same in both)."""
@@ -173,9 +189,10 @@ def test_decode_with_fused_ops_matches_the_torch_code(tmp_path, arch):
     loaded = load_model(tmp_path / "store", StreamConfig(resident=True, kernel="native"))
     model, a = loaded.model, loaded.args
     assert all(m.fused_decode for m in model.modules() if isinstance(m, Attention))
-    toks, runs = [1, 5, 9], []
+    toks, runs, seen = [1, 5, 9], [], {}
     for on in (False, True):
         model.set_fused_decode(on)
+        seen[on] = dict(calls)
         cache = KVCache(a, 16, torch.float32)
         with torch.inference_mode():
             out = [model(torch.tensor(toks[:3]), cache, 0, last_only=True)]
@@ -184,4 +201,9 @@ def test_decode_with_fused_ops_matches_the_torch_code(tmp_path, arch):
                     toks.append(int(out[-1].argmax()))
                 out.append(model(torch.tensor([toks[pos]]), cache, pos, last_only=True))
         runs.append(torch.cat(out))
+    assert seen[True] == seen[False]  # the torch code's run took no fused op
+    fused = {k: calls[k] - seen[True][k] for k in calls}
+    L, moe = a.num_hidden_layers, len(a.moe_layer_ids)
+    assert fused["route"] == 7 * moe and fused["rmsnorm"] >= 7 * (2 * L + 1)
+    assert fused["attend"] == (0 if arch == "olmoe" else 7 * L)  # olmoe: whole-vector q/k norm
     assert rel(runs[1], runs[0]) <= 1e-4

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from gguf_models import expert_name, write_gguf
+from gguf_models import assert_records_are, expert_name, write_gguf
 from tiny_models import perturbed_model, save
 
 from moestream.cli import main
@@ -89,18 +89,7 @@ def test_q8_0_gguf_matches_transformers_on_its_weights(q8, arch, tmp_path):
 def test_q8_0_experts_are_bit_identical(q8, arch):
     """The store's int8 records dequantize to exactly the GGUF's Q8_0 values (no requantization)."""
     _, _, stored, store = q8(arch)
-    s = Store(store)
-    I = s.args.moe_intermediate_size
-    for layer in s.args.moe_layer_ids:
-        for e in range(s.args.num_experts):
-            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
-            sec = s.layout.views(buf)
-            w13 = dequantize(sec, "w13", 32, torch.float32)
-            w2 = dequantize(sec, "w2", 32, torch.float32)
-            mt = s.args.model_type
-            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
-            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
-            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+    assert_records_are(Store(store), stored, 32)
 
 
 def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
@@ -170,16 +159,7 @@ def test_q4_0_gguf_is_kept_exactly(q4, arch, tmp_path, capsys):
     assert s.scheme.name == "q4_0" and s.manifest["version"] == VERSION
     assert "9 Q4_0 expert tensor(s): kept exactly as q4_0 (same values)" in err
     assert "Q4_0 dense tensor(s): kept exactly as q4_0 (same values)" in err
-    I, mt = s.args.moe_intermediate_size, s.args.model_type
-    for layer in s.args.moe_layer_ids:
-        for e in range(s.args.num_experts):
-            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
-            sec = s.layout.views(buf)
-            w13 = dequantize(sec, "w13", 32, torch.float32)
-            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
-            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
-            w2 = dequantize(sec, "w2", 32, torch.float32)
-            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+    assert_records_are(s, stored, 32)
     # q_proj: mixtral's rows were permuted by the converter; the reader undoes it per section.
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
         assert s.dense_scheme(name).name == "q4_0"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import gguf
 import pytest
 import torch
-from gguf_models import expert_name, kquant_blocks, write_gguf
+from gguf_models import assert_records_are, kquant_blocks, write_gguf
 from test_gguf import FP32_TOL, hf_logits, our_logits
 from tiny_models import perturbed_model, save
 
@@ -107,16 +107,7 @@ def test_kquant_gguf_is_kept_exactly(kq, kind, tmp_path, capsys):
     assert s.scheme == make_scheme(scheme) and s.manifest["version"] == VERSION
     assert f"9 {kind} expert tensor(s): kept exactly as {scheme} (same values)" in err
     assert "1 Q6_K dense tensor(s): kept exactly as q6_k (same values)" in err
-    I, mt = s.args.moe_intermediate_size, s.args.model_type
-    for layer in s.args.moe_layer_ids:
-        for e in range(s.args.num_experts):
-            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
-            sec = s.layout.views(buf)
-            w13 = dequantize(sec, "w13", 256, torch.float32)
-            assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
-            assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
-            w2 = dequantize(sec, "w2", 256, torch.float32)
-            assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+    assert_records_are(s, stored, 256)
     for name, t in DENSE_K.items():
         assert s.dense_scheme(name) == make_scheme(t.lower())
         sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}

@@ -7,6 +7,7 @@ Numerics follow transformers' eager path (fp32 norms/softmax, casts at the same 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -333,13 +334,21 @@ class Attention(nn.Module):
             setattr(self, name, RowsOf(fused, lo, lo + p.out_features))
             lo += p.out_features
 
-    def _fusable(self, qkv: torch.Tensor, cache) -> bool:
-        """native.attend's case: this class's own attention rule (no sinks, no clipping, no
-        whole-vector q/k norm), fp32 on the CPU, a plain KVCache of fp32 buffers."""
+    @functools.cached_property
+    def _attend_rule(self) -> bool:
+        """native.attend computes this module's rule: no sinks, no clipping, no whole-vector
+        q/k norm (fixed at construction: looked up once, not per token)."""
         return (
             self.qk_norm in (None, "head")
             and self.clip_qkv is None
             and type(self).softmax is Attention.softmax
+        )
+
+    def _fusable(self, qkv: torch.Tensor, cache) -> bool:
+        """native.attend's case: this module's rule, fp32 on the CPU, a plain KVCache of fp32
+        buffers."""
+        return (
+            self._attend_rule
             and _cpu_fp32(qkv)
             and hasattr(cache, "buffers")  # engine/kv_cache.py: KVCache (int positions)
             and cache.k[self.layer].dtype == torch.float32
@@ -539,17 +548,20 @@ class SparseMoe(nn.Module):
         ids, picked = self.select(self.scores(x))
         return self.weigh(picked), ids
 
+    @functools.cached_property
+    def _route_rule(self) -> bool:
+        """native.route computes this block's rule: the base softmax top-k and a bias-free
+        nn.Linear router (fixed at construction: looked up once, not per token)."""
+        cls = type(self)
+        return (cls.scores, cls.select, cls.weigh) == (
+            SparseMoe.scores,
+            SparseMoe.select,
+            SparseMoe.weigh,
+        ) and (type(self.gate) is nn.Linear and self.gate.bias is None)
+
     def _route_fusable(self, x: torch.Tensor) -> bool:
-        cls, g = type(self), self.gate
-        return (
-            (cls.scores, cls.select, cls.weigh)
-            == (SparseMoe.scores, SparseMoe.select, SparseMoe.weigh)
-            and type(g) is nn.Linear
-            and g.bias is None
-            and _cpu_fp32(x)
-            and g.weight.dtype == torch.float32
-            and g.weight.is_contiguous()
-        )
+        w = self.gate.weight
+        return self._route_rule and _cpu_fp32(x) and w.dtype == torch.float32 and w.is_contiguous()
 
     def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Gate weights [T, K] (in the dtype the experts get) of a given expert set ids [T, K]."""
