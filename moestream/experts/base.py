@@ -36,6 +36,16 @@ class ExpertProvider(ABC):
         """What runs, for the mode line and --json: `experts` (resident / slot cache / mmap /
         vram ...) and its size, policy, kernel; plain JSON values."""
 
+    def native_tables(self) -> dict[int, dict[int, list[torch.Tensor]]] | None:
+        """layer -> expert -> the four record tensors the native layer op reads, where every record
+        of every layer stays resident for the native kernels (engine/native_step.py then runs a
+        whole decode token in one native call); None (the default) where experts() must run."""
+        return None
+
+    def note_native_step(self, hits: int, seconds: float) -> None:  # noqa: B027
+        """A native decode step used `hits` resident records and spent `seconds` in the experts:
+        the counters experts() would have kept (providers with native_tables override it)."""
+
     def reset(self) -> None:  # noqa: B027 (a declared no-op default, not a forgotten abstract)
         """A new sequence starts at position 0 (the generator calls this before each prefill)."""
 

@@ -199,6 +199,13 @@ class StreamingExperts(StoreExperts, Prefetcher):
     def table(self):
         return self.res.table
 
+    def native_tables(self) -> dict[int, dict[int, list]] | None:
+        return self._flat if self.native else None
+
+    def note_native_step(self, hits: int, seconds: float) -> None:
+        self.res.table.hits += hits
+        self.compute_seconds += seconds
+
     def describe(self) -> dict:
         E = self.store.args.num_experts  # a shard's fraction is of its own experts
         total = len(self.store.crc) * (

@@ -221,3 +221,10 @@ def route(
     top-k descending (ties: lower id), renormalised when `renorm`."""
     w, ids = module().route(x, gate, k, renorm, _isa(isa))
     return w, ids
+
+
+def decode_step():
+    """An empty DecodeStep (csrc/moe_cpu.cpp): `add_layer(...)` per decoder layer, then
+    `run(x, cos, sin, k_caches, v_caches, pos, isa)` runs them all in one call
+    (engine/native_step.py builds it from a model)."""
+    return module().DecodeStep()

@@ -58,6 +58,11 @@ class MoeCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
         self._rope_dev: dict = {}  # (dtype, device) -> cos/sin tables copied once to a GPU
+        # engine/native_step.py: every layer of a one-token CPU step in one native call, built on
+        # first use while the fused ops are on (None: not tried since the last change; False: the
+        # model or provider does not qualify).
+        self.fused_decode = False
+        self._decode_step = None
 
     def set_fused_decode(self, on: bool) -> None:
         """Run the one-token CPU decode's norms, attention core and softmax router through the
@@ -68,6 +73,26 @@ class MoeCausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, (RMSNorm, Attention, SparseMoe)):
                 m.fused_decode = on
+        self.fused_decode = on
+        self.modules_changed()
+
+    def modules_changed(self) -> None:
+        """The provider, observers or adapters changed: the native decode step is rebuilt (or
+        found not to qualify) at the next one-token step."""
+        self._decode_step = None
+
+    def _native_step(self, x: torch.Tensor, cache, start):
+        """The native decode step for this one-token CPU step, or None (the layers run)."""
+        if not (self.fused_decode and x.shape[0] == 1 and isinstance(start, int)):
+            return None
+        if torch.is_grad_enabled():
+            return None
+        if self._decode_step is None:
+            from moestream.engine.native_step import NativeDecodeStep
+
+            self._decode_step = NativeDecodeStep.build(self) or False
+        step = self._decode_step
+        return step if step and step.accepts(x, cache) else None
 
     @property
     def moe_blocks(self) -> list[SparseMoe]:
@@ -107,10 +132,12 @@ class MoeCausalLM(nn.Module):
     def set_provider(self, provider) -> None:
         for block in self.moe_blocks:
             block.provider = provider
+        self.modules_changed()
 
     def set_observer(self, observer) -> None:
         for block in self.moe_blocks:
             block.observer = observer
+        self.modules_changed()
 
     def _rope_on(self, start, end, x: torch.Tensor):
         """cos/sin on x's device: the CPU tables as they are; on a GPU a copy of the whole table made
@@ -141,8 +168,12 @@ class MoeCausalLM(nn.Module):
         `start` is an int, or a device tensor [1] with a StaticKVCache (one captured decode step)."""
         x = self.model.embed_tokens(ids)  # [T, D]
         cos, sin = self._rope_on(start, start + ids.shape[0], x)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin, cache, start)
+        step = self._native_step(x, cache, start)
+        if step is not None:
+            x = step(x, cos, sin, cache, start)
+        else:
+            for layer in self.model.layers:
+                x = layer(x, cos, sin, cache, start)
         if last_only:
             x = x[-1:]
         return self.lm_head(self.model.norm(x))

@@ -102,12 +102,14 @@ def add_adapter(
         with torch.no_grad():
             lr.A.uniform_(-bound, bound, generator=g)
         owner.lora[proj] = lr
+    model.modules_changed()
     return AdapterInfo(None, rank, float(alpha), tuple(names), base_fingerprint(model))
 
 
 def remove_adapter(model) -> None:
     for owner, _ in lora_sites(model).values():
         owner.lora.clear()
+    model.modules_changed()
 
 
 def adapter_modules(model) -> dict[str, LowRank]:
@@ -182,6 +184,7 @@ def load_adapter(model, path: str | Path) -> AdapterInfo:
             lr.B.copy_(tensors[f"{n}.B"])
         lr.requires_grad_(False)
         owner.lora[proj] = lr
+    model.modules_changed()
     return AdapterInfo(path, rank, alpha, tuple(meta["targets"]), meta["base"], meta.get("heads"))
 
 

@@ -11,11 +11,16 @@
 #include <immintrin.h>
 #include <torch/extension.h>
 
+#include <omp.h>
+#include <sched.h>
+
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "kquant_cpu.h"
@@ -23,6 +28,7 @@
 namespace {
 
 constexpr int G = 32;   // weight group = activation block
+constexpr int kG = G;  // (for code where G names a head group)
 constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm layout)
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
@@ -67,9 +73,10 @@ struct QAct {
   const int32_t* prr(int r) const { return pr.data() + (size_t)r * K / 2; }
 };
 
+// Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
 template <typename Q>
-void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax) {
-  for (int b = 0; b < a.K / G; ++b) {
+void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax, int b0, int b1) {
+  for (int b = b0; b < b1; ++b) {
     const float* xb = x + b * G;
     float amax = 0.f;
     for (int i = 0; i < G; ++i) amax = std::max(amax, std::fabs(xb[i]));
@@ -86,11 +93,12 @@ void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax) {
   }
 }
 
-void quantize_row(const float* x, QAct& a, int r) {
-  if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f);
+void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
+  if (b1 < 0) b1 = a.K / G;
+  if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f, b0, b1);
   int8_t* q = a.q.data() + (size_t)r * a.K;
-  quantize_blocks(x, a, r, q, 127.f);
-  for (int i = 0; i < a.K / 2; ++i) {
+  quantize_blocks(x, a, r, q, 127.f, b0, b1);
+  for (int i = b0 * G / 2; i < b1 * G / 2; ++i) {
     const uint32_t p = (uint8_t)q[2 * i] | ((uint32_t)(uint8_t)q[2 * i + 1] << 8);
     a.pr[(size_t)r * a.K / 2 + i] = (int32_t)(p | (p << 16));
   }
@@ -581,6 +589,35 @@ torch::Tensor rmsnorm(const torch::Tensor& x, const torch::Tensor& w, double eps
   return y;
 }
 
+// One q or k head of a decode token: RMSNorm with its weight row (nw null: none), then RoPE as
+// models/layers.py: apply_rope (x cos + roll(x, rd / 2) sin over the first rd dims) -> y [hd].
+void rope_head(const float* x, const float* nw, float eps, const float* cs, const float* sn, int rd, int hd,
+               float* tmp, float* y, int64_t isa) {
+  if (nw)
+    rms_row(x, nw, eps, hd, tmp, isa);
+  else
+    std::memcpy(tmp, x, hd * sizeof(float));
+  for (int i = 0; i < rd; ++i) y[i] = tmp[i] * cs[i] + tmp[(i + rd / 2) % rd] * sn[i];
+  for (int i = rd; i < hd; ++i) y[i] = tmp[i];
+}
+
+// One query head q [hd] over S cached keys K / values V [S, hd]: scores dot * scaling, softmax in
+// fp32 (max subtracted), then sum_j p_j v_j in key order -> o [hd].
+void attend_head(const float* q, const float* K, const float* V, int S, int hd, float scaling, float* o,
+                 int64_t isa) {
+  std::vector<float> p(S);
+  float m = -INFINITY;
+  for (int j = 0; j < S; ++j) m = std::max(m, p[j] = dot(q, K + (size_t)j * hd, hd, isa) * scaling);
+  float sum = 0.f;
+  for (int j = 0; j < S; ++j) sum = sum + (p[j] = std::exp(p[j] - m));
+  std::fill(o, o + hd, 0.f);
+  for (int j = 0; j < S; ++j) {
+    const float pj = p[j] / sum;
+    const float* v = V + (size_t)j * hd;
+    for (int i = 0; i < hd; ++i) o[i] = o[i] + pj * v[i];
+  }
+}
+
 // One decode token's attention after the q/k/v projection (GQA, RoPE with a signed sin table as
 // models/layers.py: apply_rope, optional per-head q/k RMSNorm with weights side by side):
 // qkv [1, (H + 2 Hkv) hd] -> out [1, H hd]; k and v are written into the caches kc, vc [Hkv, M, hd]
@@ -609,16 +646,9 @@ torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor
   const float* src = qkv.data_ptr<float>();
   const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
   std::vector<float> qk((size_t)(H + Hkv) * hd), tmp(hd);
-  for (int h = 0; h < H + Hkv; ++h) {  // norm, then rope: x cos + roll(x, rd / 2) sin
-    const float* x = src + (size_t)h * hd;
-    float* y = qk.data() + (size_t)h * hd;
-    if (nw)
-      rms_row(x, nw + (size_t)h * hd, (float)eps, hd, tmp.data(), isa);
-    else
-      std::memcpy(tmp.data(), x, hd * sizeof(float));
-    for (int i = 0; i < rd; ++i) y[i] = tmp[i] * cs[i] + tmp[(i + rd / 2) % rd] * sn[i];
-    for (int i = rd; i < hd; ++i) y[i] = tmp[i];
-  }
+  for (int h = 0; h < H + Hkv; ++h)
+    rope_head(src + (size_t)h * hd, nw ? nw + (size_t)h * hd : nullptr, (float)eps, cs, sn, rd, hd, tmp.data(),
+              qk.data() + (size_t)h * hd, isa);
   float *kp = kc.data_ptr<float>(), *vp = vc.data_ptr<float>();
   for (int h = 0; h < Hkv; ++h) {
     std::memcpy(kp + ((size_t)h * M + pos) * hd, qk.data() + (size_t)(H + h) * hd, hd * sizeof(float));
@@ -629,21 +659,8 @@ torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor
   auto out = torch::empty({1, H * hd}, qkv.options());
   float* op = out.data_ptr<float>();
   auto head = [&](int h) {
-    const float* q = qk.data() + (size_t)h * hd;
-    const float* K = kp + ((size_t)(h / G) * M + lo) * hd;
-    const float* V = vp + ((size_t)(h / G) * M + lo) * hd;
-    std::vector<float> p(S);
-    float m = -INFINITY;
-    for (int j = 0; j < S; ++j) m = std::max(m, p[j] = dot(q, K + (size_t)j * hd, hd, isa) * (float)scaling);
-    float sum = 0.f;
-    for (int j = 0; j < S; ++j) sum = sum + (p[j] = std::exp(p[j] - m));
-    float* o = op + (size_t)h * hd;
-    std::fill(o, o + hd, 0.f);
-    for (int j = 0; j < S; ++j) {
-      const float pj = p[j] / sum;
-      const float* v = V + (size_t)j * hd;
-      for (int i = 0; i < hd; ++i) o[i] = o[i] + pj * v[i];
-    }
+    const size_t kv = ((size_t)(h / G) * M + lo) * hd;
+    attend_head(qk.data() + (size_t)h * hd, kp + kv, vp + kv, S, hd, (float)scaling, op + (size_t)h * hd, isa);
   };
   // Threads only where the keys outweigh waking them (~10 us): a head is S * hd * 4 multiply-adds.
   if ((int64_t)H * S * hd < (1 << 20)) {
@@ -654,6 +671,25 @@ torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor
     });
   }
   return out;
+}
+
+// Router scores s [E] (dots, overwritten) -> softmax in fp32 (max subtracted), the k largest in
+// descending order (ties: lower id first) -> w [k] (renormalised to sum 1 when `renorm`), ids [k].
+void route_pick(float* s, int E, int k, bool renorm, float* w, int64_t* ids) {
+  float m = -INFINITY, sum = 0.f;
+  for (int e = 0; e < E; ++e) m = std::max(m, s[e]);
+  for (int e = 0; e < E; ++e) sum = sum + (s[e] = std::exp(s[e] - m));
+  for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
+  std::vector<int> idx(E);
+  for (int e = 0; e < E; ++e) idx[e] = e;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  float tot = 0.f;
+  for (int i = 0; i < k; ++i) tot = tot + s[idx[i]];
+  for (int i = 0; i < k; ++i) {
+    w[i] = renorm ? s[idx[i]] / tot : s[idx[i]];
+    ids[i] = idx[i];
+  }
 }
 
 // The softmax top-k router for one token: x [1, D], gate [E, D] fp32 -> (weights [1, k] fp32,
@@ -673,24 +709,278 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
   parallel_items((E + 15) / 16, [&](int64_t c) {
     for (int64_t e = c * 16; e < std::min<int64_t>(E, c * 16 + 16); ++e) s[e] = dot(xp, gp + (size_t)e * D, D, isa);
   }, gate.nbytes());
-  float m = -INFINITY, sum = 0.f;
-  for (int e = 0; e < E; ++e) m = std::max(m, s[e]);
-  for (int e = 0; e < E; ++e) sum = sum + (s[e] = std::exp(s[e] - m));
-  for (int e = 0; e < E; ++e) s[e] = s[e] / sum;
-  std::vector<int> idx(E);
-  for (int e = 0; e < E; ++e) idx[e] = e;
-  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
-                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
   auto w = torch::empty({1, k}, x.options());
   auto ids = torch::empty({1, k}, x.options().dtype(torch::kLong));
-  float tot = 0.f;
-  for (int i = 0; i < k; ++i) tot = tot + s[idx[i]];
-  for (int i = 0; i < k; ++i) {
-    w.data_ptr<float>()[i] = renorm ? s[idx[i]] / tot : s[idx[i]];
-    ids.data_ptr<int64_t>()[i] = idx[i];
-  }
+  route_pick(s.data(), E, (int)k, renorm, w.data_ptr<float>(), ids.data_ptr<int64_t>());
   return {w, ids};
 }
+// ---- the whole one-token decode step: every decoder layer in one native call ----------------------
+// The per-module fused path (models/layers.py with fused_decode on) calls rmsnorm, linear, attend,
+// linear, rmsnorm, route and moe once each per layer from Python: ~200 us of dispatch and wake-ups
+// per layer. DecodeStep runs the same functions in the same order on the same data for every layer
+// inside one OpenMP region: the threads stay awake between phases (Worker). Every output
+// element is computed by exactly the code the per-module path runs, so the bits are that path's
+// (tests/test_native_step.py), whatever the thread count.
+
+// The threads of one parallel region go through the same phases. A phase is n items handed out
+// through a counter; the next phase starts once every item is done (its done counter reaches n),
+// not once every thread has arrived: a thread that lost its core to another process holds up only
+// the item it took, and catches up through phases already done. What a thread needs for its items
+// it computes itself when it takes its first one (`prep`: a norm, the router's pick, a quantized
+// activation), from data the finished phases wrote and no open phase writes yet; a thread that
+// takes no item of a phase skips that work.
+struct Phases {
+  std::unique_ptr<std::atomic<int64_t>[]> taken, done;
+  int64_t n;
+  explicit Phases(int64_t count)
+      : taken(new std::atomic<int64_t>[count]), done(new std::atomic<int64_t>[count]), n(count) {
+    for (int64_t i = 0; i < count; ++i) taken[i].store(0), done[i].store(0);
+  }
+};
+
+struct Worker {
+  Phases& ph;
+  int tid, phase = 0;
+  template <typename P, typename F>
+  void items(int64_t n, const P& prep, const F& f) {
+    TORCH_CHECK(phase < ph.n, "decode step: phase count");  // (sized by the caller: cannot fire)
+    std::atomic<int64_t>&t = ph.taken[phase], &d = ph.done[phase];
+    bool first = true;
+    for (int64_t i = t++; i < n; i = t++) {
+      if (first) prep(), first = false;
+      f(i);
+      d.fetch_add(1, std::memory_order_release);
+    }
+    for (int spin = 0; d.load(std::memory_order_acquire) < n; ++spin) {
+      if (spin < (1 << 12))
+        _mm_pause();
+      else
+        sched_yield();  // an item is microseconds: longer means its thread lost the core
+    }
+    ++phase;
+  }
+  template <typename F>
+  void items(int64_t n, const F& f) {
+    items(n, [] {}, f);
+  }
+};
+
+// One decoder layer's weights (views of the model's tensors, kept alive by `keep`).
+struct StepLayer {
+  std::vector<torch::Tensor> keep;
+  const float *in_w = nullptr, *post_w = nullptr, *qk_w = nullptr, *qkv_b = nullptr, *o_b = nullptr;
+  const float* gate = nullptr;
+  float in_eps = 0, post_eps = 0, qk_eps = 0, scaling = 1;
+  Weight qkv{}, o{};
+  bool qkv_wide = false, o_wide = false, renorm = false;
+  int window = 0;
+  std::vector<Weight> w13, w2;  // by expert id
+};
+
+const float* opt_f32(const c10::optional<torch::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == torch::kFloat && t->is_contiguous() && t->numel() == n,
+              "decode step: ", what, " must be fp32, contiguous, ", n, " values");
+  return t->data_ptr<float>();
+}
+
+class DecodeStep {
+ public:
+  int D = 0, H = 0, Hkv = 0, hd = 0, E = 0, k = 0, I = 0;
+  double expert_seconds = 0;  // time in the routed experts' phases (the providers' compute_seconds)
+
+  int64_t layers() const { return (int64_t)L.size(); }
+
+  void add_layer(const torch::Tensor& in_w, double in_eps, const torch::Tensor& qkv_q, const torch::Tensor& qkv_s,
+                 const c10::optional<torch::Tensor>& qkv_b, bool qkv_wide, const c10::optional<torch::Tensor>& qk_w,
+                 double qk_eps, const torch::Tensor& o_q, const torch::Tensor& o_s,
+                 const c10::optional<torch::Tensor>& o_b, bool o_wide, const torch::Tensor& post_w, double post_eps,
+                 int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
+                 const torch::Tensor& gate, int64_t top_k, bool renorm, const std::vector<torch::Tensor>& experts) {
+    StepLayer l;
+    l.qkv = weight(qkv_q, qkv_s);
+    l.o = weight(o_q, o_s);
+    const int d = l.qkv.K;
+    TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == torch::kFloat && gate.is_contiguous() && gate.size(1) == d,
+                "decode step: the router must be fp32 [E, D]");
+    TORCH_CHECK(!experts.empty() && experts.size() == 4 * (size_t)gate.size(0), "decode step: 4 tensors per expert");
+    const int e_n = (int)gate.size(0);
+    if (L.empty()) {
+      D = d, H = (int)heads, Hkv = (int)kv_heads, hd = (int)head_dim, E = e_n, k = (int)top_k;
+    }
+    TORCH_CHECK(d == D && heads == H && kv_heads == Hkv && head_dim == hd && e_n == E && top_k == k,
+                "decode step: every layer must have the same shapes");
+    TORCH_CHECK(H % Hkv == 0 && k > 0 && k <= E, "decode step: heads or top-k out of range");
+    TORCH_CHECK(l.qkv.N == (H + 2 * Hkv) * hd && l.o.K == H * hd && l.o.N == D,
+                "decode step: q/k/v and o projection shapes do not match the heads");
+    for (int e = 0; e < E; ++e) {
+      l.w13.push_back(weight(experts[4 * e], experts[4 * e + 1]));
+      l.w2.push_back(weight(experts[4 * e + 2], experts[4 * e + 3]));
+      const Weight &a = l.w13.back(), &b = l.w2.back();
+      if (I == 0) I = b.K;
+      TORCH_CHECK(a.K == D && a.N == 2 * I && b.N == D && b.K == I && a.kind == l.w13[0].kind &&
+                      b.kind == l.w2[0].kind && b.kind == (L.empty() ? b.kind : L[0].w2[0].kind),
+                  "decode step: expert records must share one shape and scheme");
+    }
+    TORCH_CHECK(!qkv_wide || l.qkv.kind == kInt8, "int16 activations are for int8 weights");
+    TORCH_CHECK(!o_wide || l.o.kind == kInt8, "int16 activations are for int8 weights");
+    TORCH_CHECK(L.empty() || (qkv_wide == L[0].qkv_wide && o_wide == L[0].o_wide),
+                "decode step: every layer must take the same activation widths");
+    l.in_w = opt_f32(in_w, D, "the input norm weight");
+    l.post_w = opt_f32(post_w, D, "the post-attention norm weight");
+    l.qk_w = opt_f32(qk_w, (int64_t)(H + Hkv) * hd, "the q/k norm weights");
+    l.qkv_b = opt_f32(qkv_b, l.qkv.N, "the q/k/v bias");
+    l.o_b = opt_f32(o_b, D, "the o bias");
+    l.gate = gate.data_ptr<float>();
+    l.in_eps = (float)in_eps, l.post_eps = (float)post_eps, l.qk_eps = (float)qk_eps;
+    l.scaling = (float)scaling, l.window = (int)window, l.renorm = renorm;
+    l.qkv_wide = qkv_wide, l.o_wide = o_wide;
+    l.keep = {in_w, qkv_q, qkv_s, o_q, o_s, post_w, gate};
+    for (const auto* t : {&qkv_b, &qk_w, &o_b})
+      if (t->has_value()) l.keep.push_back(**t);
+    l.keep.insert(l.keep.end(), experts.begin(), experts.end());
+    L.push_back(std::move(l));
+  }
+
+  // x [1, D] fp32 (the embedding's row) at position pos, cos/sin [rd] that position's RoPE row, the
+  // caches kcs/vcs [Hkv, M, hd] per layer -> the residual stream after the last layer, [1, D].
+  torch::Tensor run(const torch::Tensor& x_in, const torch::Tensor& cos, const torch::Tensor& sin,
+                    const std::vector<torch::Tensor>& kcs, const std::vector<torch::Tensor>& vcs, int64_t pos,
+                    int64_t isa) {
+    TORCH_CHECK(!L.empty(), "decode step: no layers");
+    TORCH_CHECK(x_in.scalar_type() == torch::kFloat && x_in.numel() == D, "decode step: x must be fp32 [1, D]");
+    const int rd = (int)cos.numel();
+    TORCH_CHECK(cos.scalar_type() == torch::kFloat && sin.scalar_type() == torch::kFloat && cos.is_contiguous() &&
+                    sin.is_contiguous() && sin.numel() == rd && rd % 2 == 0 && rd <= hd,
+                "decode step: cos/sin must be fp32 [rd], rd even and <= hd");
+    TORCH_CHECK(kcs.size() == L.size() && vcs.size() == L.size(), "decode step: one k and v cache per layer");
+    for (size_t i = 0; i < L.size(); ++i) {
+      const auto &kc = kcs[i], &vc = vcs[i];
+      TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
+                      kc.scalar_type() == torch::kFloat && vc.scalar_type() == torch::kFloat &&
+                      kc.size(0) == Hkv && kc.size(2) == hd && pos >= 0 && pos < kc.size(1),
+                  "decode step: caches must be fp32 [Hkv, M, hd], contiguous, with pos < M");
+    }
+    isa = resolve(isa);
+    auto x = x_in.to(torch::kFloat).contiguous().clone().view({1, D});
+    float* xp = x.data_ptr<float>();
+    const float *cs = cos.data_ptr<float>(), *sn = sin.data_ptr<float>();
+    const int Nqkv = (H + 2 * Hkv) * hd, N13 = 2 * I, G = H / Hkv;
+    // Shared between the threads: the q/k/v, attention, score, expert and output buffers. The
+    // norms, the router's pick and the activations entering q/k/v and the experts are each
+    // thread's own (Worker's prep: the same code on the same data, so the same bits).
+    std::vector<float> qkv(Nqkv), qk((size_t)(H + Hkv) * hd), att((size_t)H * hd), sc(E), hx((size_t)k * N13), y(D);
+    QAct ao(1, H * hd, L[0].o_wide), act(k, I, L[0].w2[0].kind == kInt8);
+    // o's activation blocks line up with a KV group's heads: each group quantizes its own
+    const bool group_blocks = (G * hd) % kG == 0;
+    constexpr int kPhasesPerLayer = 7;
+    Phases phases((int64_t)L.size() * kPhasesPerLayer);
+    double expert_s = 0;
+    const int nt = std::max(1, at::get_num_threads());
+#pragma omp parallel num_threads(nt)
+    {
+      Worker w{phases, omp_get_thread_num()};
+      std::vector<float> h(D), tmp(hd), we(k), s(E);
+      std::vector<int64_t> ids(k);
+      std::vector<int> order(k);  // the picked experts' slots by ascending id
+      QAct aq(1, D, L[0].qkv_wide), ax(1, D, false);
+      for (size_t li = 0; li < L.size(); ++li) {
+        const StepLayer& l = L[li];
+        const int M = (int)kcs[li].size(1);
+        float *kp = kcs[li].data_ptr<float>(), *vp = vcs[li].data_ptr<float>();
+        // input norm, q/k/v (+ bias): native.rmsnorm, then QuantLinear -> native.linear
+        auto norm_in = [&] {
+          rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
+          quantize_row(h.data(), aq, 0);
+        };
+        w.items((Nqkv + BN - 1) / BN, norm_in, [&](int64_t b) {
+          const int r0 = (int)b * BN, n = std::min(BN, Nqkv - r0);
+          rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
+          if (l.qkv_b)
+            for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+        });
+        // native.attend per KV group: its k head normed, rotated and written with v at pos, then
+        // its q heads normed, rotated and attending keys [lo, pos]
+        const int lo = l.window > 0 ? (int)std::max<int64_t>(0, pos - l.window + 1) : 0, S = (int)pos + 1 - lo;
+        auto head = [&](int hi) {
+          rope_head(qkv.data() + (size_t)hi * hd, l.qk_w ? l.qk_w + (size_t)hi * hd : nullptr, l.qk_eps, cs, sn, rd,
+                    hd, tmp.data(), qk.data() + (size_t)hi * hd, isa);
+        };
+        w.items(Hkv, [&](int64_t g) {
+          head((int)(H + g));
+          std::memcpy(kp + ((size_t)g * M + pos) * hd, qk.data() + (size_t)(H + g) * hd, hd * sizeof(float));
+          std::memcpy(vp + ((size_t)g * M + pos) * hd, qkv.data() + (size_t)(H + Hkv + g) * hd, hd * sizeof(float));
+          const size_t kv = ((size_t)g * M + lo) * hd;
+          for (int hi = (int)g * G; hi < (int)(g + 1) * G; ++hi) {
+            head(hi);
+            attend_head(qk.data() + (size_t)hi * hd, kp + kv, vp + kv, S, hd, l.scaling, att.data() + (size_t)hi * hd,
+                        isa);
+          }
+          if (group_blocks) quantize_row(att.data(), ao, 0, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
+        });
+        w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0); });
+        w.items((D + BN - 1) / BN, [&](int64_t b) {
+          float t2[BN];
+          const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+          rows(l.o, r0, n, ao, 0, t2, isa);
+          for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
+        });
+        // post-attention norm and the router: native.rmsnorm, then native.route
+        bool normed = false, picked = false;
+        auto norm_post = [&] {
+          if (!normed) rms_row(xp, l.post_w, l.post_eps, D, h.data(), isa), normed = true;
+        };
+        w.items((E + 15) / 16, norm_post, [&](int64_t c) {
+          for (int e = (int)c * 16; e < std::min(E, (int)c * 16 + 16); ++e)
+            sc[e] = dot(h.data(), l.gate + (size_t)e * D, D, isa);
+        });
+        const double t0 = w.tid == 0 ? now_s() : 0;
+        auto pick = [&] {
+          if (picked) return;
+          std::copy(sc.begin(), sc.end(), s.begin());  // route_pick overwrites its scores
+          route_pick(s.data(), E, k, l.renorm, we.data(), ids.data());
+          for (int i = 0; i < k; ++i) order[i] = i;
+          std::sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
+          picked = true;
+        };
+        // the routed experts as native.moe over ascending ids: per expert gate+up and its SiLU*up
+        // quantized, then the down rows with the weighted sum in that order
+        auto expert_in = [&] {
+          norm_post();
+          pick();
+          quantize_row(h.data(), ax, 0);
+        };
+        w.items(k, expert_in, [&](int64_t e) {
+          const Weight& w13 = l.w13[ids[order[e]]];
+          for (int r0 = 0; r0 < N13; r0 += BN)
+            rows(w13, r0, std::min(BN, N13 - r0), ax, 0, hx.data() + (size_t)e * N13 + r0, isa);
+          act_quantize(hx.data(), I, act, (int)e);
+        });
+        w.items((D + BN - 1) / BN, pick, [&](int64_t b) {
+          float t2[BN];
+          const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+          float* o = y.data() + r0;
+          std::fill(o, o + n, 0.f);
+          for (int e = 0; e < k; ++e) {
+            rows(l.w2[ids[order[e]]], r0, n, act, e, t2, isa);
+            const float wt = we[order[e]];
+            for (int i = 0; i < n; ++i) o[i] = o[i] + wt * t2[i];
+          }
+          for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + o[i];
+        });
+        if (w.tid == 0) expert_s += now_s() - t0;
+      }
+    }
+    expert_seconds += expert_s;
+    return x;
+  }
+
+ private:
+  std::vector<StepLayer> L;
+  static double now_s() {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+};
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -701,5 +991,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
   m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
   m.def("route", &route, "softmax top-k router of one token -> (weights, ids)");
+  py::class_<DecodeStep>(m, "DecodeStep")
+      .def(py::init<>())
+      .def("add_layer", &DecodeStep::add_layer)
+      .def("run", &DecodeStep::run)
+      .def_property_readonly("layers", &DecodeStep::layers)
+      .def_readonly("expert_seconds", &DecodeStep::expert_seconds);
   m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
 }

@@ -1,0 +1,129 @@
+"""The CPU decode step as one native call: every decoder layer of a one-token step in C++
+(kernels/csrc/moe_cpu.cpp: DecodeStep), instead of ~7 native calls per layer issued from Python.
+
+The per-module fused path (MoeCausalLM.set_fused_decode: native rmsnorm, linear, attend, route and
+moe per layer) is this step's reference: DecodeStep runs the same C++ functions in the same order,
+so its bits are that path's (tests/test_native_step.py). What it saves is the host's part of a
+token: ~200 us of Python, dispatch and thread wake-ups per layer (benchmarks/bench_overhead.py).
+
+A model qualifies when every layer is the plain decoder layer (attention with native.attend's rule
+and quantized q/k/v and o projections on the native kernel, a softmax top-k MoE block without a
+shared expert) and the provider keeps every record resident for the native kernels
+(`ExpertProvider.native_tables`); `why_not` names what stops it. Anything else (a slot cache, a
+predictor, router traces, adapters, float dense weights, bf16) runs the per-module path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from moestream.kernels import native
+from moestream.kernels.dense import QuantLinear
+
+
+def why_not(model) -> str | None:
+    """Why `model` cannot decode through one DecodeStep (None when it can)."""
+    from moestream.models.base import DecoderLayer, MoeCausalLM
+    from moestream.models.layers import RMSNorm, SparseMoe
+
+    if not native.available():
+        return "the native kernels did not build"
+    if type(model).forward is not MoeCausalLM.forward:
+        return f"{type(model).__name__} has its own forward"
+    tables = None
+    for i, layer in enumerate(model.model.layers):
+        if type(layer) is not DecoderLayer:
+            return f"layer {i} is not a plain decoder layer"
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+            return f"layer {i}: the norms are not fp32 RMSNorm"
+        attn, mlp = layer.self_attn, layer.mlp
+        why = _attention_why_not(attn) or _moe_why_not(mlp, SparseMoe)
+        if why:
+            return f"layer {i}: {why}"
+        if tables is None:
+            tables = mlp.provider.native_tables() if mlp.provider is not None else None
+            if tables is None:
+                return (
+                    "the expert provider does not keep every record resident for the native kernels"
+                )
+        if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
+            return f"layer {i}: not every expert record is resident"
+    return None
+
+
+def _native_quant(p) -> bool:
+    return isinstance(p, QuantLinear) and p.resolved_kernel(torch.device("cpu")) == "native"
+
+
+def _attention_why_not(attn) -> str | None:
+    if not (getattr(attn, "fused_decode", False) and getattr(attn, "_attend_rule", False)):
+        return "attention is not native.attend's rule"
+    if attn.lora:
+        return "a recovery adapter is attached"
+    if not (_native_quant(attn._qfused) and _native_quant(attn.o_proj)):
+        return "q/k/v and o are not quantized projections on the native kernel"
+    return None
+
+
+def _moe_why_not(mlp, SparseMoe) -> str | None:
+    if not isinstance(mlp, SparseMoe) or type(mlp).forward is not SparseMoe.forward:
+        return "the MLP is not a plain MoE block"
+    if not (mlp.fused_decode and mlp._route_rule):
+        return "the router is not native.route's rule"
+    if mlp.gate.weight.dtype != torch.float32 or mlp.shared_expert is not None:
+        return "the router is not fp32, or the block has a shared expert"
+    if mlp.observer is not None:
+        return "router traces observe every layer"
+    return None
+
+
+class NativeDecodeStep:
+    """Every decoder layer of one decode token in one native call; built by `build`."""
+
+    def __init__(self, model):
+        self.provider = model.moe_blocks[0].provider
+        tables = self.provider.native_tables()
+        self._step = native.decode_step()
+        for layer in model.model.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv, o = attn._qfused, attn.o_proj
+            qk_w, qk_eps = (
+                (attn._qk_norm_weight(), attn.q_norm.eps) if attn.qk_norm == "head" else (None, 0.0)
+            )
+            table = tables[mlp.layer]
+            experts = [t for e in range(len(table)) for t in table[e]]
+            n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
+            self._step.add_layer(
+                n_in.weight.detach(), n_in.eps,
+                *native._pair(qkv.qweight.sections(), "w"), qkv.bias, qkv.wide, qk_w, qk_eps,
+                *native._pair(o.qweight.sections(), "w"), o.bias, o.wide,
+                n_post.weight.detach(), n_post.eps,
+                attn.H, attn.Hkv, attn.hd, attn.scaling, attn.window or 0,
+                mlp.gate.weight.detach(), mlp.k, mlp.renorm, experts,
+            )  # fmt: skip
+        self.k = model.moe_blocks[0].k
+        self._seen = 0.0
+
+    @classmethod
+    def build(cls, model) -> NativeDecodeStep | None:
+        return None if why_not(model) else cls(model)
+
+    def accepts(self, x: torch.Tensor, cache) -> bool:
+        """A one-token fp32 CPU row and a plain KVCache of fp32 buffers (native.attend's case)."""
+        return (
+            x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and hasattr(cache, "buffers")
+            and cache.k[0] is not None
+            and cache.k[0].dtype == torch.float32
+        )
+
+    def __call__(self, x: torch.Tensor, cos, sin, cache, start: int) -> torch.Tensor:
+        """x [1, D] (the token's embedding) -> the residual stream after the last layer [1, D]."""
+        cache.buffers(0, start + 1)  # the capacity check (every layer's buffer has one length)
+        y = self._step.run(x, cos[0], sin[0], cache.k, cache.v, start, native._isa(None))
+        total = self._step.expert_seconds  # cumulative: the provider is told this call's part
+        self.provider.note_native_step(self.k * self._step.layers, total - self._seen)
+        self._seen = total
+        return y
