@@ -166,7 +166,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--big", action=argparse.BooleanOptionalAction, default=True)
-    p.add_argument("--paths", default="hf,native", help="hf (torch kernels), native (int8 store)")
+    p.add_argument("--paths", default="hf,native,step",
+                   help="hf (torch kernels), native (int8 store, per-module fused ops), step (int8 "
+                        "store with int8 dense: the native decode step)")  # fmt: skip
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rows = []
@@ -212,23 +214,38 @@ def native_timer():
 
 def measure(path: str, folder: Path, layers: int, experts: int, k: int, a) -> dict:
     """One path's row: "hf" = the Hugging Face folder loaded directly (torch expert kernels);
-    "native" = its int8 store, resident, the native kernels and the fused one-token ops (the
-    engine's CPU default)."""
+    "native" = its int8 store, resident, the native kernels and the fused one-token ops called
+    layer by layer from Python; "step" = an int8 store with the dense weights int8 too (the tiny
+    attention is under the size floor: quantized anyway), whose one-token steps run every layer
+    in one native call (engine/native_step.py; the engine's CPU default for a quantized model)."""
     if path == "hf":
         loaded = load_model(folder)
-    elif path == "native":
+    elif path in ("native", "step"):
+        import dataclasses
+
         from moestream.convert.writer import convert
         from moestream.experts.config import StreamConfig
-        from moestream.quant import make_scheme
+        from moestream.quant import make_dense, make_scheme
 
-        store = folder.parent / f"{folder.name}-int8"
+        scheme = make_scheme("int8")
+        dense = dataclasses.replace(make_dense("auto", scheme), min_params=0)
+        store = folder.parent / f"{folder.name}-int8{'-dense' if path == 'step' else ''}"
         if not store.exists():
-            convert(folder, store, make_scheme("int8"), False)
+            convert(folder, store, scheme, False, dense if path == "step" else None)
         loaded = load_model(store, StreamConfig(resident=True, kernel="native"))
+        from moestream.engine.native_step import why_not
+
+        why = why_not(loaded.model)
+        if path == "step" and why:
+            raise SystemExit(f"the native step does not run here: {why}")
+        if path == "native":
+            loaded.model._decode_step = False  # the per-module path (the step's reference)
     else:
-        raise SystemExit(f"unknown path {path!r}: use hf or native")
+        raise SystemExit(f"unknown path {path!r}: use hf, native or step")
     floor = dispatch_floor_us()
-    if path == "native":  # the time inside the native expert and dense kernels, per token
+    if path == "step":  # all of it is native: the whole step is overhead at these sizes
+        gemm = 0.0
+    elif path == "native":  # the time inside the native expert and dense kernels, per token
         with native_timer() as inside:
             decode_ms(loaded.model, loaded.args, a.steps, repeats=1)
         gemm = inside["s"] * 1e3 / (a.steps + 8)  # the 8 warm-up steps ran inside too
