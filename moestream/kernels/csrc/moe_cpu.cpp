@@ -728,12 +728,11 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
 // the item it took, and catches up through phases already done. What a thread needs for its items
 // it computes itself when it takes its first one (`prep`: a norm, the router's pick, a quantized
 // activation), from data the finished phases wrote and no open phase writes yet; a thread that
-// takes no item of a phase skips that work.
+// takes no item of a phase skips that work. Nothing inside the region may throw (an exception
+// there ends the process): run() checks every shape and flag before it starts.
 struct Phases {
-  std::unique_ptr<std::atomic<int64_t>[]> taken, done;
-  int64_t n;
-  explicit Phases(int64_t count)
-      : taken(new std::atomic<int64_t>[count]), done(new std::atomic<int64_t>[count]), n(count) {
+  std::unique_ptr<std::atomic<int64_t>[]> taken, done;  // one pair per phase of the whole step
+  explicit Phases(int64_t count) : taken(new std::atomic<int64_t>[count]), done(new std::atomic<int64_t>[count]) {
     for (int64_t i = 0; i < count; ++i) taken[i].store(0), done[i].store(0);
   }
 };
@@ -743,7 +742,6 @@ struct Worker {
   int tid, phase = 0;
   template <typename P, typename F>
   void items(int64_t n, const P& prep, const F& f) {
-    TORCH_CHECK(phase < ph.n, "decode step: phase count");  // (sized by the caller: cannot fire)
     std::atomic<int64_t>&t = ph.taken[phase], &d = ph.done[phase];
     bool first = true;
     for (int64_t i = t++; i < n; i = t++) {
