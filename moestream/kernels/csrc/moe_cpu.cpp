@@ -816,9 +816,11 @@ class DecodeStep {
       l.w2.push_back(weight(experts[4 * e + 2], experts[4 * e + 3]));
       const Weight &a = l.w13.back(), &b = l.w2.back();
       if (I == 0) I = b.K;
+      // one layer's records share a layout; across layers only the down projection's activation
+      // width (int16 for int8 weights) must agree, as run() quantizes it once for all layers
       TORCH_CHECK(a.K == D && a.N == 2 * I && b.N == D && b.K == I && a.kind == l.w13[0].kind &&
-                      b.kind == l.w2[0].kind && b.kind == (L.empty() ? b.kind : L[0].w2[0].kind),
-                  "decode step: expert records must share one shape and scheme");
+                      b.kind == l.w2[0].kind && (L.empty() || (b.kind == kInt8) == (L[0].w2[0].kind == kInt8)),
+                  "decode step: a layer's expert records must share one shape and scheme");
     }
     TORCH_CHECK(!qkv_wide || l.qkv.kind == kInt8, "int16 activations are for int8 weights");
     TORCH_CHECK(!o_wide || l.o.kind == kInt8, "int16 activations are for int8 weights");
