@@ -197,6 +197,21 @@ def moe_flat(x, flat: list[torch.Tensor], weights, isa: str | None = None, cols=
     return module().moe(x, flat, weights, _isa(isa), cols or [])
 
 
+def moe_grouped(
+    x: torch.Tensor,
+    flat: list[torch.Tensor],
+    tok: torch.Tensor,
+    off: list[int],
+    pw: torch.Tensor,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """A prompt's experts in one call: `flat` holds E records' `record_tensors` in ascending id,
+    expert e takes rows tok[off[e]:off[e + 1]] of x [T, D] with weights pw [P] -> [T, D] fp32,
+    each token's terms added in list order from zero: the bits of one `moe` call per expert over
+    its rows (weight 1), each times its weight, summed in that order."""
+    return module().moe_grouped(x, flat, tok, off, pw, _isa(isa))
+
+
 # ---- fused one-token decode ops: references are the model's torch code (models/layers.py) ------
 # fp32 only, each float sum in one fixed order on every ISA and thread count (csrc/moe_cpu.cpp);
 # they differ from torch's ops by rounding alone (tests/test_fused_decode.py bounds it).
