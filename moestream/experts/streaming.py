@@ -113,6 +113,8 @@ class StoreExperts(ExpertProvider):
         """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold,
         each chunk's outputs added in ascending expert id whatever order they were computed in."""
         groups = group_by_expert(ids)
+        if self.native and self._flat is not None and x.dtype == torch.float32:
+            return self._grouped_flat(layer, x, groups, weights)
         cap = self._capacity()
         out = torch.zeros_like(x)
         for c in range(0, len(groups), cap):
@@ -129,6 +131,20 @@ class StoreExperts(ExpertProvider):
             self._resident_run(layer, [e for e, _, _ in chunk], run)
             assert not done, "an expert output was never added"
         return out
+
+    def _grouped_flat(self, layer: int, x, groups, weights) -> torch.Tensor:
+        """Prefill over resident records in one native call: `_grouped`'s bits (each token's
+        terms added in ascending expert id, in fp32 as index_add_ adds them)."""
+        flat, self.res.table.hits = self._flat[layer], self.res.table.hits + len(groups)
+        tok = torch.cat([t for _, t, _ in groups])
+        pw = torch.cat([weights[t, s] for _, t, s in groups])
+        off = [0]
+        for _, t, _ in groups:
+            off.append(off[-1] + t.numel())
+        t0 = time.perf_counter()
+        y = native.moe_grouped(x, [a for e, _, _ in groups for a in flat[e]], tok, off, pw)
+        self.compute_seconds += time.perf_counter() - t0
+        return y
 
     # ---- expert parallelism (experts/parallel.py): the routed pairs' terms, then their sum ------
     def term_dtype(self, x: torch.Tensor) -> torch.dtype:
