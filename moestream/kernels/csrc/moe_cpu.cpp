@@ -586,6 +586,18 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2_nt(const Weight& w, int r
   }
 }
 
+// Eight blocks' maddubs (16 int16 lanes each, every lane |.| <= 2 * 15 * 127: q4_0's nibbles) -> one
+// int32 vector of the eight block dots, in order. A 128-bit half's 8 lanes sum to <= 30480, so
+// three rounds of int16 hadd (lane b of each half: block b's half) then one widening add are exact:
+// the same integers as madd + hsum8, in fewer instructions.
+__attribute__((target("avx2,fma"))) __m256i hsum8_16(const __m256i* m) {
+  const __m256i q0 = _mm256_hadd_epi16(_mm256_hadd_epi16(m[0], m[1]), _mm256_hadd_epi16(m[2], m[3]));
+  const __m256i q1 = _mm256_hadd_epi16(_mm256_hadd_epi16(m[4], m[5]), _mm256_hadd_epi16(m[6], m[7]));
+  const __m256i r = _mm256_hadd_epi16(q0, q1);
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(r)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r, 1)));
+}
+
 // q4_0, one row x NT activation rows: eight blocks' nibbles unpacked once (q4_0_row_avx2's sums).
 template <int NT>
 __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
@@ -593,7 +605,6 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, 
   const int nb = w.K / G;
   const uint8_t* q = w.q + (size_t)r * w.K / 2;
   const uint16_t* dw = (const uint16_t*)w.s + (size_t)r * nb;
-  const __m256i ones = _mm256_set1_epi16(1);
   const __m128i m4 = _mm_set1_epi8(15);
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
@@ -610,12 +621,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, 
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
     for (int i = 0; i < NT; ++i) {
       const int8_t* xq = a.qr(ts[i]);
-      __m256i p[8];
+      __m256i m[8];
       for (int b = 0; b < 8; ++b)
-        p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
-                                 ones);
+        m[b] = _mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G)));
       const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), 3);
-      const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
+      const __m256i dots = _mm256_sub_epi32(hsum8_16(m), off);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[i]) + j));
       accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
     }
