@@ -9,7 +9,8 @@ projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-ta
 it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
 and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 in 8 lanes, see
 ref.qlinear_q8), so one projection gives the reference's bits on
-every ISA; a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
+every ISA and for any number of rows (a prompt's rows pass over the weights in tiles of up to 4,
+each element the one-row kernel's bits); a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
 activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
 MOESTREAM_NATIVE_ISA=scalar|avx2 caps the choice (tests, benchmarks).
 If the build fails (no compiler, no ninja), `module()` says so once on stderr and returns None:
