@@ -13,13 +13,15 @@ Tolerances:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 from gguf_models import kquant_blocks
 
 from moestream.experts.config import StreamConfig
 from moestream.kernels import native
-from moestream.kernels.ref import expert_ffn_q, moe_q8_ref, qlinear_q8
+from moestream.kernels.ref import expert_ffn_q, group_by_expert, moe_q8_ref, qlinear_q8
 from moestream.quant import KQUANT_BYTES, RecordLayout, make_scheme, quantize_expert
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels did not build here")
@@ -62,7 +64,7 @@ CASES += [(s, D, I) for s in KQUANTS for D, I in K_SHAPES]
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("T", [1, 3, 6])  # 6: a full token tile of 4, then 2
 @pytest.mark.parametrize("scheme,D,I", CASES)
 def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
     sec = records(scheme, D, I, 1)[0]
@@ -90,6 +92,92 @@ def test_layer_matches_reference(scheme, D, I, T, dtype):
     fp = sum(w[:, e : e + 1] * expert_ffn_q(x.float(), sec, 32) for e, sec in enumerate(secs))
     err = ((got["scalar"] - fp).pow(2).mean() / fp.pow(2).mean()).sqrt().item()
     assert err <= 0.02  # K-quants (centred random blocks): 1.0-1.6% measured
+
+
+@contextmanager
+def token_tile(n: int):
+    """Activation rows per pass over the weights (1: one row at a time, the one-row kernels)."""
+    native.module()._set_token_tile(n)
+    try:
+        yield
+    finally:
+        native.module()._set_token_tile(0)
+
+
+# (D, I): D 352 has 11 blocks of 32 (8 in lanes, then a tail of 3), I 96 has 3 (a tail only)
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ("int4", "int8", "q4_0")
+                                        for D, I in ((352, 96), (2048, 768))])  # fmt: skip
+def test_token_tiles_give_the_one_row_bits(scheme, D, I, isa):
+    """Every tile width (4, 3, 2 rows and the last single one of T = 10) against one row per pass."""
+    sec = records(scheme, D, I, 1)[0]
+    x = torch.randn(10, D, generator=torch.Generator().manual_seed(3))
+    calls = [("w13", x, False), ("w2", x[:, :I], False)]
+    calls += [("w2", x[:, :I], True)] if scheme == "int8" else []
+    for name, xin, wide in calls:
+        with token_tile(1):
+            one = native.linear(xin, sec, name, isa, wide=wide)
+        assert torch.equal(native.linear(xin, sec, name, isa, wide=wide), one), (name, wide)
+    secs, w = records(scheme, D, I, 3, seed=4), torch.rand(10, 3)
+    with token_tile(1):
+        one = native.moe(x, secs, w, isa)
+    assert torch.equal(native.moe(x, secs, w, isa), one)
+
+
+def grouped_case(scheme: str, E: int = 6, T: int = 9, K: int = 3, seed: int = 5):
+    """A prompt's routing over E records: x [T, D], ids/weights [T, K] (distinct ids per row)."""
+    g = torch.Generator().manual_seed(seed)
+    D, I = (256, 256) if scheme in KQUANTS else (352, 96)  # K-quants: K a multiple of 256
+    secs = records(scheme, D, I, E, seed=seed)
+    x = torch.randn(T, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    return secs, x, ids, torch.rand(T, K, generator=g)
+
+
+def grouped_native(x, secs, ids, w, isa=None):
+    groups = group_by_expert(ids)
+    flat = [t for e, _, _ in groups for t in native.record_tensors(secs[e])]
+    off = [0]
+    for _, t, _ in groups:
+        off.append(off[-1] + t.numel())
+    tok = torch.cat([t for _, t, _ in groups])
+    pw = torch.cat([w[t, s] for _, t, s in groups])
+    return native.moe_grouped(x, flat, tok, off, pw, isa)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_k"])
+def test_grouped_prefill_is_the_per_expert_calls(scheme, isa):
+    """One call for a prompt's experts gives the bits of one call per expert over its rows,
+    weighted and index_add_-ed in ascending expert id (StoreExperts._grouped without `_flat`)."""
+    secs, x, ids, w = grouped_case(scheme)
+    want = torch.zeros_like(x)
+    for e, t, s in group_by_expert(ids):
+        y = native.moe(x[t], [secs[e]], torch.ones(t.numel(), 1), isa)
+        want.index_add_(0, t, y * w[t, s, None])
+    assert torch.equal(grouped_native(x, secs, ids, w, isa), want)
+
+
+def test_grouped_prefill_bits_do_not_depend_on_threads_or_tiles():
+    secs, x, ids, w = grouped_case("int4", E=16, T=20, K=4)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        with token_tile(1):
+            one = grouped_native(x, secs, ids, w)
+        torch.set_num_threads(2)
+        assert torch.equal(grouped_native(x, secs, ids, w), one)
+    finally:
+        torch.set_num_threads(n)
+
+
+def test_grouped_prefill_refuses_bad_offsets():
+    secs, x, ids, w = grouped_case("int8", E=2, T=2, K=1)
+    flat = [t for sec in secs for t in native.record_tensors(sec)]
+    with pytest.raises(RuntimeError, match="offsets must cover"):
+        native.moe_grouped(x, flat, torch.tensor([0, 1]), [0, 1, 3], torch.ones(2))
+    with pytest.raises(RuntimeError, match="token index out of range"):
+        native.moe_grouped(x, flat, torch.tensor([0, 2]), [0, 1, 2], torch.ones(2))
 
 
 def test_one_expert_is_the_layer_term():

@@ -73,6 +73,22 @@ def test_streaming_is_bit_identical_to_resident(stores, arch):
     assert torch.equal(logits, want_logits)
 
 
+def test_prefill_rows_split_does_not_change_bits(stores, monkeypatch):
+    """The resident native prefill runs the prompt in PREFILL_ROWS slices: any split, same bits."""
+    from moestream.experts import streaming
+    from moestream.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels did not build here")
+    folder = stores("qwen3_moe")
+    want = greedy(folder, StreamConfig(resident=True), n=2)[1]
+    calls, op = [], native.moe_grouped
+    monkeypatch.setattr(native, "moe_grouped", lambda x, *a: calls.append(len(x)) or op(x, *a))
+    monkeypatch.setattr(streaming, "PREFILL_ROWS", 5)
+    assert torch.equal(greedy(folder, StreamConfig(resident=True), n=2)[1], want)
+    assert calls == [5, 5, 2] * len(Store(folder).crc)  # 12 prompt rows, every MoE layer
+
+
 @pytest.mark.parametrize("quant", ["bf16", "int8"])
 def test_other_quants_and_layouts_stream_exactly(stores, quant):
     folder = stores("qwen2_moe", quant, "per_expert")

@@ -25,6 +25,9 @@ from moestream.store.io import PREFETCH
 from moestream.store.residency import SlotResidency
 
 Run = Callable[[int, dict], object]  # run(i, sections of experts[i]) -> result
+# Prompt rows per native prefill call over resident records: bounds its gate|up buffer (rows x K
+# x 2I fp32: 25 MB at Qwen3-30B-A3B's shapes); each token's sum does not depend on the split.
+PREFILL_ROWS = 512
 
 
 class StoreExperts(ExpertProvider):
@@ -112,6 +115,11 @@ class StoreExperts(ExpertProvider):
     def _grouped(self, layer: int, x, ids, weights) -> torch.Tensor:
         """Prefill: tokens grouped by expert; experts made resident in chunks the pool can hold,
         each chunk's outputs added in ascending expert id whatever order they were computed in."""
+        if self.native and self._flat is not None and x.dtype == torch.float32:
+            return torch.cat([self._grouped_flat(layer, x[c : c + PREFILL_ROWS],
+                                                 ids[c : c + PREFILL_ROWS],
+                                                 weights[c : c + PREFILL_ROWS])
+                              for c in range(0, x.shape[0], PREFILL_ROWS)])  # fmt: skip
         groups = group_by_expert(ids)
         cap = self._capacity()
         out = torch.zeros_like(x)
@@ -129,6 +137,21 @@ class StoreExperts(ExpertProvider):
             self._resident_run(layer, [e for e, _, _ in chunk], run)
             assert not done, "an expert output was never added"
         return out
+
+    def _grouped_flat(self, layer: int, x, ids, weights) -> torch.Tensor:
+        """Prefill over resident records in one native call: `_grouped`'s bits (each token's
+        terms added in ascending expert id, in fp32 as index_add_ adds them)."""
+        groups = group_by_expert(ids)
+        flat, self.res.table.hits = self._flat[layer], self.res.table.hits + len(groups)
+        tok = torch.cat([t for _, t, _ in groups])
+        pw = torch.cat([weights[t, s] for _, t, s in groups])
+        off = [0]
+        for _, t, _ in groups:
+            off.append(off[-1] + t.numel())
+        t0 = time.perf_counter()
+        y = native.moe_grouped(x, [a for e, _, _ in groups for a in flat[e]], tok, off, pw)
+        self.compute_seconds += time.perf_counter() - t0
+        return y
 
     # ---- expert parallelism (experts/parallel.py): the routed pairs' terms, then their sum ------
     def term_dtype(self, x: torch.Tensor) -> torch.dtype:

@@ -9,7 +9,8 @@ projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-ta
 it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
 and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 in 8 lanes, see
 ref.qlinear_q8), so one projection gives the reference's bits on
-every ISA; a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
+every ISA and for any number of rows (a prompt's rows pass over the weights in tiles of up to 4,
+each element the one-row kernel's bits); a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
 activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
 MOESTREAM_NATIVE_ISA=scalar|avx2 caps the choice (tests, benchmarks).
 If the build fails (no compiler, no ninja), `module()` says so once on stderr and returns None:
@@ -195,6 +196,21 @@ def record_tensors(sec: dict) -> list[torch.Tensor]:
 def moe_flat(x, flat: list[torch.Tensor], weights, isa: str | None = None, cols=None):
     """`moe` over records already flattened by `record_tensors` (a resident store keeps them)."""
     return module().moe(x, flat, weights, _isa(isa), cols or [])
+
+
+def moe_grouped(
+    x: torch.Tensor,
+    flat: list[torch.Tensor],
+    tok: torch.Tensor,
+    off: list[int],
+    pw: torch.Tensor,
+    isa: str | None = None,
+) -> torch.Tensor:
+    """A prompt's experts in one call: `flat` holds E records' `record_tensors` in ascending id,
+    expert e takes rows tok[off[e]:off[e + 1]] of x [T, D] with weights pw [P] -> [T, D] fp32,
+    each token's terms added in list order from zero: the bits of one `moe` call per expert over
+    its rows (weight 1), each times its weight, summed in that order."""
+    return module().moe_grouped(x, flat, tok, off, pw, _isa(isa))
 
 
 # ---- fused one-token decode ops: references are the model's torch code (models/layers.py) ------

@@ -385,6 +385,276 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   *y = acc;
 }
 
+// ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
+// Each kernel below reads a weight block once for up to kTile activation rows and gives every
+// output element the bits of the one-row kernel above: the same exact integer block dots, then
+// per row the same fp32 steps in the same order (only the weights' unpacking is shared).
+constexpr int kTile = 4;  // the scalar twins' BlockLanes arrays below are written for 4
+int64_t g_token_tile = 0;  // 0: kTile; 1: one row per pass, the path of before (benchmarks only)
+int token_tile() { return g_token_tile > 0 ? (int)std::min<int64_t>(g_token_tile, kTile) : kTile; }
+
+// Activation rows ts[0, nt) -> y[i * ys + r]; scalar twins read each weight once per block.
+void int4_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                         size_t ys) {
+  const int b = std::min(BN, w.N - r0), h = b / 2;
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
+  const uint16_t* sz = (const uint16_t*)w.s;
+  for (int r = 0; r < n; ++r) {
+    const int col = r % h, shift = r < h ? 0 : 4;
+    float acc[kTile] = {};
+    for (int j = 0; j < w.K / G; ++j) {
+      int32_t dot[kTile] = {};
+      for (int k = j * G; k < (j + 1) * G; ++k) {
+        const int q = (blk[(size_t)k * h + col] >> shift) & 15;
+        for (int i = 0; i < nt; ++i) dot[i] += q * a.qr(ts[i])[k];
+      }
+      const size_t o = ((size_t)j * w.N + r0 + r) * 2;
+      for (int i = 0; i < nt; ++i) {
+        const int t = ts[i];
+        const float sq = (float)a.sr(t)[j];
+        const float tt = bf16(sz[o]) * (float)(dot[i] - 8 * a.sr(t)[j]) + bf16(sz[o + 1]) * sq;
+        acc[i] = acc[i] + a.dr(t)[j] * tt;
+      }
+    }
+    for (int i = 0; i < nt; ++i) y[i * ys + r] = acc[i];
+  }
+}
+
+template <typename Q>
+void int8_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                         size_t ys) {
+  const int nb = w.K / G;
+  const float* s = (const float*)w.s;
+  const Q* xq[kTile];
+  for (int i = 0; i < nt; ++i) xq[i] = (const Q*)(a.wide ? (const void*)a.q16r(ts[i]) : (const void*)a.qr(ts[i]));
+  for (int r = r0; r < r0 + n; ++r) {
+    const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+    BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot[kTile] = {};
+      for (int k = j * G; k < (j + 1) * G; ++k)
+        for (int i = 0; i < nt; ++i) dot[i] += q[k] * xq[i][k];
+      for (int i = 0; i < nt; ++i) acc[i].add(j, (s[(size_t)r * nb + j] * a.dr(ts[i])[j]) * (float)dot[i]);
+    }
+    for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
+  }
+}
+
+void q4_0_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                         size_t ys) {
+  const int nb = w.K / G;
+  const uint16_t* d = (const uint16_t*)w.s;
+  for (int r = r0; r < r0 + n; ++r) {
+    const uint8_t* q = w.q + (size_t)r * w.K / 2;
+    BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot[kTile] = {};
+      for (int k = 0; k < G / 2; ++k) {
+        const int lo = (q[j * G / 2 + k] & 15) - 8, hi = (q[j * G / 2 + k] >> 4) - 8;
+        for (int i = 0; i < nt; ++i) {
+          const int8_t* xq = a.qr(ts[i]);
+          dot[i] += lo * xq[j * G + k];
+          dot[i] += hi * xq[j * G + G / 2 + k];
+        }
+      }
+      const float dw = fp16(d[(size_t)r * nb + j]);
+      for (int i = 0; i < nt; ++i) acc[i].add(j, (dw * a.dr(ts[i])[j]) * (float)dot[i]);
+    }
+    for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
+  }
+}
+
+// int4, one full block of 64 rows x NT activation rows: a half group's nibbles are interleaved
+// once (U, 1 KiB in L1), then each row's maddubs run over them (int4_block_avx2's sums).
+template <int NT>
+__attribute__((target("avx2,fma"))) void int4_block_avx2_nt(const Weight& w, int r0, const QAct& a, const int* ts,
+                                                             float* y, size_t ys) {
+  static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
+  const uint32_t* sz = (const uint32_t*)w.s;
+  const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
+  __m256 yacc[NT][8];
+  for (auto& r : yacc)
+    for (auto& v : r) v = _mm256_setzero_ps();
+  for (int j = 0; j < w.K / G; ++j) {
+    const uint8_t* p = blk + (size_t)j * G * 32;
+    if (g_prefetch) {
+      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      const int ja = j + (int)(g_prefetch / (G * 32));
+      if (ja < w.K / G)
+        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+    }
+    __m256i acc32[NT][8];
+    for (auto& r : acc32)
+      for (auto& v : r) v = _mm256_setzero_si256();
+    for (int half = 0; half < 2; ++half) {
+      __m256i U[8][4];
+      for (int kk = 0; kk < 8; ++kk) {
+        const int k = half * 16 + 2 * kk;
+        const __m256i A = _mm256_loadu_si256((const __m256i*)(p + k * 32));
+        const __m256i B = _mm256_loadu_si256((const __m256i*)(p + (k + 1) * 32));
+        const __m256i al = _mm256_and_si256(A, m4), ah = _mm256_and_si256(_mm256_srli_epi16(A, 4), m4);
+        const __m256i bl = _mm256_and_si256(B, m4), bh = _mm256_and_si256(_mm256_srli_epi16(B, 4), m4);
+        U[kk][0] = _mm256_unpacklo_epi8(al, bl), U[kk][1] = _mm256_unpackhi_epi8(al, bl);
+        U[kk][2] = _mm256_unpacklo_epi8(ah, bh), U[kk][3] = _mm256_unpackhi_epi8(ah, bh);
+      }
+      for (int i = 0; i < NT; ++i) {
+        const int32_t* pj = a.prr(ts[i]) + j * G / 2 + half * 8;
+        __m256i acc16[4];
+        for (auto& v : acc16) v = _mm256_setzero_si256();
+        for (int kk = 0; kk < 8; ++kk) {
+          const __m256i xp = _mm256_set1_epi32(pj[kk]);
+          for (int c = 0; c < 4; ++c) acc16[c] = _mm256_add_epi16(acc16[c], _mm256_maddubs_epi16(U[kk][c], xp));
+        }
+        for (int c = 0; c < 4; ++c) {
+          acc32[i][2 * c] =
+              _mm256_add_epi32(acc32[i][2 * c], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc16[c])));
+          acc32[i][2 * c + 1] =
+              _mm256_add_epi32(acc32[i][2 * c + 1], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc16[c], 1)));
+        }
+      }
+    }
+    __m256 S[8], Z[8];
+    for (int c = 0; c < 8; ++c) {
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + (size_t)j * w.N + r0 + kBase[c]));
+      S[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+      Z[c] = _mm256_castsi256_ps(_mm256_and_si256(v, zmask));
+    }
+    for (int i = 0; i < NT; ++i) {
+      const int32_t sq = a.sr(ts[i])[j];
+      const __m256i off = _mm256_set1_epi32(8 * sq);
+      const __m256 sqf = _mm256_set1_ps((float)sq), dv = _mm256_set1_ps(a.dr(ts[i])[j]);
+      for (int c = 0; c < 8; ++c) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc32[i][c], off));
+        const __m256 tt = _mm256_add_ps(_mm256_mul_ps(S[c], dot), _mm256_mul_ps(Z[c], sqf));
+        yacc[i][c] = _mm256_add_ps(yacc[i][c], _mm256_mul_ps(dv, tt));
+      }
+    }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(y + i * ys + kBase[c], yacc[i][c]);
+}
+
+// int8 (int8 or int16 activations), one row x NT activation rows: eight blocks' |w| and sign (or
+// widened weights) once, then per row int8_row_avx2's (int8_row16_avx2's) sums.
+template <int NT, bool Wide>
+__attribute__((target("avx2,fma"))) void int8_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
+                                                           float* y, size_t ys) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  const float* s = (const float*)w.s + (size_t)r * nb;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accv[NT];
+  for (auto& v : accv) v = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch && !Wide)
+      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
+    __m256i W0[8], W1[8];  // int8: |w|, w; Wide: w widened to int16, low and high half
+    for (int b = 0; b < 8; ++b) {
+      const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
+      if (Wide) {
+        W0[b] = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wv));
+        W1[b] = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wv, 1));
+      } else {
+        W0[b] = _mm256_sign_epi8(wv, wv), W1[b] = wv;
+      }
+    }
+    const __m256 sv = _mm256_loadu_ps(s + j);
+    for (int i = 0; i < NT; ++i) {
+      __m256i p[8];
+      for (int b = 0; b < 8; ++b) {
+        if (Wide) {
+          const int16_t* xq = a.q16r(ts[i]) + (j + b) * G;
+          p[b] = _mm256_add_epi32(_mm256_madd_epi16(W0[b], _mm256_loadu_si256((const __m256i*)xq)),
+                                  _mm256_madd_epi16(W1[b], _mm256_loadu_si256((const __m256i*)(xq + 16))));
+        } else {
+          const __m256i xv = _mm256_loadu_si256((const __m256i*)(a.qr(ts[i]) + (j + b) * G));
+          p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(W0[b], _mm256_sign_epi8(xv, W1[b])), ones);
+        }
+      }
+      const __m256 c = _mm256_mul_ps(sv, _mm256_loadu_ps(a.dr(ts[i]) + j));
+      accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(hsum8(p))));
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    float l[8];
+    _mm256_storeu_ps(l, accv[i]);
+    float acc = lanes_sum(l);
+    const float* d = a.dr(ts[i]);
+    for (int jj = j; jj < nb; ++jj) {
+      int32_t dot = 0;
+      if (Wide)
+        for (int k = jj * G; k < (jj + 1) * G; ++k) dot += q[k] * a.q16r(ts[i])[k];
+      else
+        for (int k = jj * G; k < (jj + 1) * G; ++k) dot += q[k] * a.qr(ts[i])[k];
+      acc = acc + (s[jj] * d[jj]) * (float)dot;
+    }
+    y[i * ys] = acc;
+  }
+}
+
+// Eight blocks' maddubs (16 int16 lanes each, every lane |.| <= 2 * 15 * 127: q4_0's nibbles) -> one
+// int32 vector of the eight block dots, in order. A 128-bit half's 8 lanes sum to <= 30480, so
+// three rounds of int16 hadd (lane b of each half: block b's half) then one widening add are exact:
+// the same integers as madd + hsum8, in fewer instructions.
+__attribute__((target("avx2,fma"))) __m256i hsum8_16(const __m256i* m) {
+  const __m256i q0 = _mm256_hadd_epi16(_mm256_hadd_epi16(m[0], m[1]), _mm256_hadd_epi16(m[2], m[3]));
+  const __m256i q1 = _mm256_hadd_epi16(_mm256_hadd_epi16(m[4], m[5]), _mm256_hadd_epi16(m[6], m[7]));
+  const __m256i r = _mm256_hadd_epi16(q0, q1);
+  return _mm256_add_epi32(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(r)),
+                          _mm256_cvtepi16_epi32(_mm256_extracti128_si256(r, 1)));
+}
+
+// q4_0, one row x NT activation rows: eight blocks' nibbles unpacked once (q4_0_row_avx2's sums).
+template <int NT>
+__attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
+                                                                float* y, size_t ys) {
+  const int nb = w.K / G;
+  const uint8_t* q = w.q + (size_t)r * w.K / 2;
+  const uint16_t* dw = (const uint16_t*)w.s + (size_t)r * nb;
+  const __m128i m4 = _mm_set1_epi8(15);
+  __m256 accv[NT];
+  for (auto& v : accv) v = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch)
+      for (int c = 0; c < 8 * G / 2; c += 64)
+        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+    __m256i wv[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+      wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
+    for (int i = 0; i < NT; ++i) {
+      const int8_t* xq = a.qr(ts[i]);
+      __m256i m[8];
+      for (int b = 0; b < 8; ++b)
+        m[b] = _mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G)));
+      const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), 3);
+      const __m256i dots = _mm256_sub_epi32(hsum8_16(m), off);
+      const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[i]) + j));
+      accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    float l[8];
+    _mm256_storeu_ps(l, accv[i]);
+    float acc = lanes_sum(l);
+    const int8_t* xq = a.qr(ts[i]);
+    for (int jj = j; jj < nb; ++jj) {
+      int32_t dot = 0;
+      for (int k = 0; k < G / 2; ++k) {
+        dot += ((q[jj * G / 2 + k] & 15) - 8) * xq[jj * G + k];
+        dot += ((q[jj * G / 2 + k] >> 4) - 8) * xq[jj * G + G / 2 + k];
+      }
+      acc = acc + (fp16(dw[jj]) * a.dr(ts[i])[jj]) * (float)dot;
+    }
+    y[i * ys] = acc;
+  }
+}
+
 bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
@@ -411,6 +681,47 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
     int8_rows_scalar(w, r0, n, a, t, y, a.q16r(t));
   else
     int8_rows_scalar(w, r0, n, a, t, y, a.qr(t));
+}
+
+// rows() for activation rows ts[0, nt), nt <= kTile -> y[i * ys + (0, n)]: each element the bits
+// rows() gives for that activation row alone.
+template <int NT>
+void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
+  if (w.kind == kInt4) {
+    if (isa >= kAvx2 && n == BN) return int4_block_avx2_nt<NT>(w, r0, a, ts, y, ys);
+    return int4_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
+  }
+  if (w.kind == kQ4_0) {
+    if (isa < kAvx2) return q4_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
+    for (int i = 0; i < n; ++i) q4_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    return;
+  }
+  if (isa < kAvx2)
+    return a.wide ? int8_rows_scalar_nt<int16_t>(w, r0, n, a, ts, NT, y, ys)
+                  : int8_rows_scalar_nt<int8_t>(w, r0, n, a, ts, NT, y, ys);
+  for (int i = 0; i < n; ++i)
+    (a.wide ? int8_row_avx2_nt<NT, true> : int8_row_avx2_nt<NT, false>)(w, r0 + i, a, ts, y + i, ys);
+}
+
+// Activation rows ts[0, cnt) through rows [r0, r0 + n) of w -> y[i * ys + (0, n)], token_tile()
+// rows per pass (K-quants: one; no tiled kernels for them yet).
+void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, int cnt, float* y, size_t ys,
+                 int64_t isa) {
+  TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
+  const int nt = moestream_kquant::is_kquant(w.kind) ? 1 : token_tile();
+  for (int i = 0; i < cnt; i += nt) {
+    const int m = std::min(nt, cnt - i);
+    const int* t = ts + i;
+    float* yi = y + (size_t)i * ys;
+    if (m == 1)
+      rows(w, r0, n, a, t[0], yi, isa);
+    else if (m == 2)
+      rows_nt<2>(w, r0, n, a, t, yi, ys, isa);
+    else if (m == 3)
+      rows_nt<3>(w, r0, n, a, t, yi, ys, isa);
+    else
+      rows_nt<4>(w, r0, n, a, t, yi, ys, isa);
+  }
 }
 
 // The scheme is told by the section dtypes: int8 q + fp32 s, uint8 q + bf16 sz (int4), uint8 q +
@@ -462,9 +773,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   auto y = torch::empty({a.rows, w.N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int nblk = (w.N + BN - 1) / BN;
+  std::vector<int> ts(a.rows);
+  for (int t = 0; t < a.rows; ++t) ts[t] = t;
   parallel_items(nblk, [&](int64_t b) {
-    for (int t = 0; t < a.rows; ++t)
-      rows(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, t, yp + (size_t)t * w.N + b * BN, isa);
+    rows_tokens(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, ts.data(), a.rows, yp + b * BN, w.N, isa);
   }, q.nbytes());
   return y;
 }
@@ -475,6 +787,45 @@ void act_quantize(const float* h, int I, QAct& act, int r) {
   const float* g = h + (size_t)r * 2 * I;
   for (int i = 0; i < I; ++i) v[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
   quantize_row(v.data(), act, r);
+}
+
+// A layer's (expert, token) pairs: expert e (w13[e], w2[e]) takes the rows tok[off[e], off[e+1])
+// of x, pair p weighted pw[p]; out[t] = sum of pw * down(silu(gate) * up) over t's pairs in expert
+// order, from zero in fp32 (moe's order per token). Work items: experts x 64-row blocks (gate|up),
+// then 64-row blocks of D (down, every expert's pairs in order inside), token_tile() rows a pass.
+torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13, const std::vector<Weight>& w2,
+                        const std::vector<int>& tok, const std::vector<int64_t>& off, const std::vector<float>& pw,
+                        int64_t b13, int64_t b2, int64_t isa) {
+  const int D = (int)xf.size(1), E = (int)w13.size(), N13 = w13[0].N, I = N13 / 2, P = (int)tok.size();
+  const QAct ax = quantize(xf, false);
+  std::vector<float> h((size_t)P * N13);  // row p: pair p's gate|up
+  const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
+  parallel_items((int64_t)E * nb13, [&](int64_t i) {
+    const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
+    rows_tokens(w13[e], r0, std::min(BN, N13 - r0), ax, tok.data() + off[e], (int)(off[e + 1] - off[e]),
+                h.data() + (size_t)off[e] * N13 + r0, N13, isa);
+  }, b13);
+  QAct act(P, I, w2[0].kind == kInt8);  // row p: pair p
+  parallel_items(P, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r); }, (int64_t)P * I * 16);
+  std::vector<int> pid(P);
+  for (int p = 0; p < P; ++p) pid[p] = p;
+  auto out = torch::zeros({xf.size(0), D}, xf.options());
+  float* op = out.data_ptr<float>();
+  parallel_items(nbd, [&](int64_t b) {
+    float tmp[kTile * BN];
+    const int r0 = (int)b * BN, n = std::min(BN, D - r0);
+    for (int e = 0; e < E; ++e)  // experts in list order: each token's sum does not depend on threads
+      for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kTile) {
+        const int m = (int)std::min<int64_t>(kTile, off[e + 1] - p0);
+        rows_tokens(w2[e], r0, n, act, pid.data() + p0, m, tmp, BN, isa);
+        for (int k = 0; k < m; ++k) {
+          float* o = op + (size_t)tok[p0 + k] * D + r0;
+          const float we = pw[p0 + k], *y = tmp + k * BN;
+          for (int i = 0; i < n; ++i) o[i] = o[i] + we * y[i];
+        }
+      }
+  }, b2);
+  return out;
 }
 
 // x [T, D], per expert (q13, s13, q2, s2) in the order they are to be summed, weights [T, E] (or
@@ -498,6 +849,19 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   TORCH_CHECK(wt.size(0) == T && (cols.empty() ? Ew == E : (int)cols.size() == E), "weights must be [T, E]");
   for (int64_t c : cols) TORCH_CHECK(c >= 0 && c < Ew, "moe: weight column out of range");
   isa = resolve(isa);
+  if (T > 1) {  // a prompt: every expert takes every row, in token tiles (pairs e * T + t)
+    int64_t b13 = 0, b2 = 0;
+    for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
+    std::vector<int> tok((size_t)E * T);
+    std::vector<int64_t> off(E + 1);
+    std::vector<float> pw((size_t)E * T);
+    for (int e = 0; e < E; ++e) {
+      off[e + 1] = (int64_t)(e + 1) * T;
+      for (int t = 0; t < T; ++t)
+        tok[e * T + t] = t, pw[e * T + t] = wt.data_ptr<float>()[t * Ew + (cols.empty() ? e : (int)cols[e])];
+    }
+    return moe_pairs(xf, w13, w2, tok, off, pw, b13, b2, isa);
+  }
   const QAct ax = quantize(xf, false);
   std::vector<float> h((size_t)E * T * N13);
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
@@ -527,6 +891,38 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
       }
   }, b2);
   return out;
+}
+
+// Prefill through resident records: x [T, D], per expert (q13, s13, q2, s2) in ascending id,
+// expert e taking the rows tok[off[e], off[e+1]) of x with weights pw (fp32 [P]) -> [T, D] fp32,
+// each token's experts added in list order: the bits of one `moe` call per expert over its rows,
+// summed in that order (StoreExperts._grouped).
+torch::Tensor moe_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& tok,
+                          const std::vector<int64_t>& off, const torch::Tensor& pw, int64_t isa) {
+  TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty() && off.size() == secs.size() / 4 + 1,
+              "moe_grouped: 4 sections per expert and E + 1 offsets");
+  const int E = (int)secs.size() / 4;
+  std::vector<Weight> w13, w2;
+  int64_t b13 = 0, b2 = 0;
+  for (int e = 0; e < E; ++e) {
+    w13.push_back(weight(secs[4 * e], secs[4 * e + 1]));
+    w2.push_back(weight(secs[4 * e + 2], secs[4 * e + 3]));
+    b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
+  }
+  const auto xf = x.to(torch::kFloat).contiguous();
+  const auto tk = tok.to(torch::kLong).contiguous();
+  const auto wf = pw.to(torch::kFloat).contiguous();
+  const int T = (int)xf.size(0), D = (int)xf.size(1), P = (int)tk.numel();
+  TORCH_CHECK(w13[0].K == D && w2[0].N == D && w2[0].K == w13[0].N / 2, "record shapes do not match x");
+  TORCH_CHECK(off[0] == 0 && off[E] == P && wf.numel() == P, "moe_grouped: offsets must cover the P pairs");
+  for (int e = 0; e < E; ++e) TORCH_CHECK(off[e] <= off[e + 1], "moe_grouped: offsets must not decrease");
+  std::vector<int> t32(P);
+  for (int p = 0; p < P; ++p) {
+    t32[p] = (int)tk.data_ptr<int64_t>()[p];
+    TORCH_CHECK(t32[p] >= 0 && t32[p] < T, "moe_grouped: token index out of range");
+  }
+  return moe_pairs(xf, w13, w2, t32, off, std::vector<float>(wf.data_ptr<float>(), wf.data_ptr<float>() + P), b13,
+                   b2, resolve(isa));
 }
 
 
@@ -987,6 +1383,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0 weight -> [T, N] fp32");
   m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32", py::arg("x"), py::arg("secs"),
         py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
+  m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32");
+  m.def("_set_token_tile", [](int64_t n) { g_token_tile = n; }, "activation rows per pass, 0 default (benchmarks)");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
   m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
