@@ -171,15 +171,17 @@ def ensure_store(hf: Path, work: Path, quant: str) -> Path:
     return dst
 
 
-def ensure_gguf_store(gguf: Path, work: Path) -> Path:
-    """The store moestream's own convert makes of `gguf` (default scheme), once per file version."""
+def ensure_gguf_store(gguf: Path, work: Path, quant: str | None = None) -> Path:
+    """The store moestream's own convert makes of `gguf` (its default scheme, or `quant`: e.g.
+    q8_0 keeps a Q8_0 file's fp16 scales), once per file version."""
     from moestream.convert.gguf import gguf_fingerprint
     from moestream.store.format import VERSION
 
-    dst = work / f"moestream-{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{VERSION}"
+    tag = f"-{quant}" if quant else ""
+    dst = work / f"moestream-{gguf.stem}-{gguf_fingerprint(gguf)[:12]}{tag}-v{VERSION}"
     if not (dst / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moestream", "convert", str(gguf), str(dst)]
-        subprocess.run(cmd, check=True)
+        subprocess.run(cmd + (["--quant", quant] if quant else []), check=True)
     return dst
 
 
@@ -332,7 +334,7 @@ def prepare(a, work: Path, llama: Path):
 
     if a.gguf:
         gguf = Path(a.gguf)
-        store = ensure_gguf_store(gguf, work)
+        store = ensure_gguf_store(gguf, work, a.gguf_quant)
         ours = f"{Store(store).scheme.name}<-gguf"
         return None, {ours: store, gguf.name: gguf}, [(ours, gguf.name)], Store(store).args
     from moestream.models import load_model_args
@@ -351,6 +353,8 @@ def main(argv=None) -> int:
     src = ap.add_mutually_exclusive_group()
     src.add_argument("--hf", help="Hugging Face checkpoint folder (gen_model_b.py)")
     src.add_argument("--gguf", help="a GGUF file both engines run (moestream converts it)")
+    ap.add_argument("--gguf-quant", default=None,
+                    help="moestream's --quant for the --gguf file (default: convert's own)")  # fmt: skip
     ap.add_argument("--llama", default=str(ROOT / ".cache/peers/llama"))
     ap.add_argument("--work", default=str(ROOT / ".cache/peers/work"))
     ap.add_argument("--pairs", default="int4:Q4_0,int8:Q8_0")

@@ -2,7 +2,8 @@
 
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
 "sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE), `q4_0`
-(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored) and
+(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored), `q8_0`
+(llama.cpp's Q8_0: int8 as `int8` with the scale in fp16, 8.5 bits per weight against int8's 9) and
 the K-quants `q4_k`, `q5_k`, `q6_k` (llama.cpp's super-blocks of 256 as a GGUF stores them; GGUF
 only: `quantize` does not write them). Every
 2-D weight [N, K] (N outputs, K inputs) is quantized along K, so concatenating gate and up rows
@@ -11,6 +12,7 @@ into w13 [2I, D] changes nothing per row.
 Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multiplies in place):
   bf16: `q` bf16 [N, K]
   int8: `q` int8 [N, K], `s` fp32 [N, K/g]             w = q * s
+  q8_0: `q` int8 [N, K], `d` fp16 [N, K/32]             w = q * d   (a GGUF's Q8_0 blocks split)
   int4: `q` uint8 [N, K/2] packed as torch's CPU tinygemm kernel packs it on AVX-512 (blocks of
         64 rows; see pack_int4), `sz` bf16 [K/g, N, 2] (scale, zero)   w = (q - 8) * s + z
   q4_0: `q` uint8 [N, K/2], per row and block of 32 the block's 16 GGUF bytes (byte i: element i
@@ -44,8 +46,8 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
-SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_k", "q5_k", "q6_k")
-Q4_0_BLOCK = 32  # llama.cpp's QK4_0
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k")
+Q4_0_BLOCK = 32  # llama.cpp's QK4_0 (and QK8_0)
 QK_K = 256  # llama.cpp's K-quant super-block; a K-quant scheme's group_size
 KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per super-block of 256
 KQUANT_OF_BYTES = {b: name for name, b in KQUANT_BYTES.items()}
@@ -62,8 +64,8 @@ class QuantScheme:
             raise ConfigError(f"unknown quantization {self.name!r}; use {', '.join(SCHEMES)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
-        if self.name == "q4_0" and (self.group_size != Q4_0_BLOCK or not self.symmetric):
-            raise ConfigError(f"q4_0 is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
+        if self.name in ("q4_0", "q8_0") and (self.group_size != Q4_0_BLOCK or not self.symmetric):
+            raise ConfigError(f"{self.name} is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
         if self.name in KQUANT_BYTES and (self.group_size != QK_K or not self.symmetric):
             raise ConfigError(f"{self.name} is super-blocks of {QK_K}; drop --group-size")
 
@@ -202,6 +204,8 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.s", torch.float32, (n, k // g))]
     if scheme.name == "q4_0":
         return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.d", torch.float16, (n, k // g))]
+    if scheme.name == "q8_0":
+        return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
         raise ConfigError(f"{name}: int4 packing needs an even number of rows, got {n}")
     return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.sz", torch.bfloat16, (k // g, n, 2))]
@@ -278,7 +282,20 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"q": q.view(n, k), "s": s}
     if scheme.name == "q4_0":
         return quantize_q4_0(blocks)
+    if scheme.name == "q8_0":
+        return quantize_q8_0(blocks)
     return _quantize_int4(scheme, blocks)
+
+
+def quantize_q8_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, K/32, 32] -> q8_0 sections, as llama.cpp's quantize_row_q8_0_ref: d = amax / 127,
+    q = round-half-away(x * (1 / d)) with the fp32 d, d kept fp16."""
+    n, kg, g = blocks.shape
+    d = blocks.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    x = blocks * inv[..., None]
+    q = (x.sign() * (x.abs() + 0.5).floor()).clamp(-127, 127).to(torch.int8)
+    return {"q": q.view(n, kg * g), "d": d.to(torch.float16)}
 
 
 def quantize_q4_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:

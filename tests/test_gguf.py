@@ -92,6 +92,41 @@ def test_q8_0_experts_are_bit_identical(q8, arch):
     assert_records_are(Store(store), stored, 32)
 
 
+def test_q8_0_gguf_kept_as_q8_0_blocks(tmp_path, capsys):
+    """--quant q8_0 keeps a Q8_0 file's blocks with their fp16 d (8.5 bits per weight): records
+    and dense sections equal the file's bytes, the logits the int8 store's on the native kernels
+    (the same values and arithmetic), and the GPU provider refuses the store."""
+    from moestream.config import ConfigError
+    from moestream.experts.gpu import check_scheme
+    from moestream.quant import make_scheme
+
+    hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "q8.gguf"
+    stored = write_gguf(hf, path, {layer: Q8 for layer in range(3)}, dense_type="Q8_0")
+    stores = {}
+    for name in ("int8", "q8_0"):
+        capsys.readouterr()
+        stores[name] = convert(path, tmp_path / name, make_scheme(name), False)
+        err = capsys.readouterr().err
+        assert f"Q8_0 expert tensor(s): kept exactly as {name}" in err
+        assert f"Q8_0 dense tensor(s): kept exactly as {name}" in err
+    s = Store(stores["q8_0"])
+    assert s.scheme.name == "q8_0"
+    assert {sec.name: sec.dtype for sec in s.layout.sections}["w13.d"] == torch.float16
+    assert s.layout.size <= Store(stores["int8"]).layout.size
+    assert_records_are(s, stored, 32)
+    name = "model.embed_tokens.weight"
+    assert s.dense_scheme(name).name == "q8_0"
+    got = dequantize(
+        {f"w.{k}": v for k, v in s.dense_sections(name).items()}, "w", 32, torch.float32
+    )
+    assert torch.equal(got, stored[name])
+    native = StreamConfig(resident=True, kernel="native")
+    assert torch.equal(our_logits(stores["q8_0"], native), our_logits(stores["int8"], native))
+    with pytest.raises(ConfigError, match="q8_0 experts, which have no GPU kernel"):
+        check_scheme(s)  # (the loader calls it before anything is loaded)
+
+
 def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
     """Per-tensor types in one file (Q8_0, Q4_0, F16, a Q8_0 dense embedding): below 8 bits the
     default is int4; convert prints, per type, how many tensors were requantized."""

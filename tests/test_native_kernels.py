@@ -58,7 +58,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-CASES = [(s, D, I) for s in ("int4", "int8", "q4_0") for D, I in SHAPES]
+CASES = [(s, D, I) for s in ("int4", "int8", "q4_0", "q8_0") for D, I in SHAPES]
 CASES += [(s, D, I) for s in KQUANTS for D, I in K_SHAPES]
 
 
@@ -71,7 +71,7 @@ def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(1)).to(dtype)
     for name, xin in (("w13", x), ("w2", x[:, :I])):
         assert torch.equal(native.linear(xin, sec, name, isa), qlinear_q8(xin, sec, name))
-    if scheme == "int8":  # int16 activations (the int8 scheme's down projection)
+    if scheme in ("int8", "q8_0"):  # int16 activations (the int8 schemes' down projection)
         xin = x[:, :I]  # int16 x int8 block dots pass 2**24: their fp32 rounding counts too
         got = native.linear(xin, sec, "w2", isa, wide=True)
         assert torch.equal(got, qlinear_q8(xin, sec, "w2", wide=True))
@@ -106,14 +106,14 @@ def token_tile(n: int):
 
 # (D, I): D 352 has 11 blocks of 32 (8 in lanes, then a tail of 3), I 96 has 3 (a tail only)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ("int4", "int8", "q4_0")
+@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ("int4", "int8", "q4_0", "q8_0")
                                         for D, I in ((352, 96), (2048, 768))])  # fmt: skip
 def test_token_tiles_give_the_one_row_bits(scheme, D, I, isa):
     """Every tile width (4, 3, 2 rows and the last single one of T = 10) against one row per pass."""
     sec = records(scheme, D, I, 1)[0]
     x = torch.randn(10, D, generator=torch.Generator().manual_seed(3))
     calls = [("w13", x, False), ("w2", x[:, :I], False)]
-    calls += [("w2", x[:, :I], True)] if scheme == "int8" else []
+    calls += [("w2", x[:, :I], True)] if scheme in ("int8", "q8_0") else []
     for name, xin, wide in calls:
         with token_tile(1):
             one = native.linear(xin, sec, name, isa, wide=wide)
@@ -146,7 +146,7 @@ def grouped_native(x, secs, ids, w, isa=None):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_k"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q8_0", "q4_k"])
 def test_grouped_prefill_is_the_per_expert_calls(scheme, isa):
     """One call for a prompt's experts gives the bits of one call per expert over its rows,
     weighted and index_add_-ed in ascending expert id (StoreExperts._grouped without `_flat`)."""

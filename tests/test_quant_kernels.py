@@ -34,7 +34,7 @@ def test_int4_layout_is_torchs_cpu_layout():
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q8_0"])
 @pytest.mark.parametrize("shape", [(64, 64), (128, 256), (1536, 2048)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cpu_kernel_matches_reference(quant, shape, T):
@@ -56,7 +56,8 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
 
 
 @pytest.mark.parametrize(
-    "quant,bound", [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095)]
+    "quant,bound",
+    [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095), ("q8_0", 0.008)],
 )
 def test_quantization_error_is_bounded(quant, bound):
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
@@ -101,3 +102,24 @@ def test_q4_0_is_llama_cpps_q4_0():
     assert torch.equal(dequantize(_sections(make_scheme("q4_0"), w), "w", 32, torch.float32), want)
     with pytest.raises(ConfigError, match="q4_0 is symmetric blocks of 32"):
         make_scheme("q4_0", 64)
+
+
+def test_q8_0_is_llama_cpps_q8_0():
+    """quantize(q8_0) writes llama.cpp's Q8_0 bytes (the gguf package's port of
+    quantize_row_q8_0_ref: round half away from zero), split into q and the fp16 d, and
+    dequantizes to its values bit for bit."""
+    import gguf
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType.Q8_0
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(5))
+    w[0, :32] = 0.0  # an all-zero block: d = 0, every q = 0
+    w[1, :32] = torch.arange(32) - 15.5  # halves: rounded away from zero, not to even
+    sec = quantize(make_scheme("q8_0"), w)
+    theirs = gguf.quants.quantize(w.numpy(), T).reshape(48, -1, 34)  # per block: fp16 d, 32 int8
+    assert np.array_equal(theirs[..., :2].copy().view(np.float16)[..., 0], sec["d"].numpy())
+    assert np.array_equal(theirs[..., 2:].reshape(48, -1).view(np.int8), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs.reshape(48, -1), T))
+    assert torch.equal(dequantize(_sections(make_scheme("q8_0"), w), "w", 32, torch.float32), want)
+    with pytest.raises(ConfigError, match="q8_0 is symmetric blocks of 32"):
+        make_scheme("q8_0", 64)

@@ -91,6 +91,9 @@ _INT8_BITS = 8.0
 # GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 (blocks of 32, fp16 d, then the
 # quants: split into the scheme's sections) and the K-quants (their blocks as they are).
 EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# Q8_0 is also q8_0 exactly (its fp16 d kept: 8.5 bits per weight against int8's 9); int8 stays
+# its default scheme, the one the GPU kernels read.
+EXACT_ALSO = {"Q8_0": "q8_0"}
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, **{k.upper(): b for k, b in KQUANT_BYTES.items()}}
 
 
@@ -445,7 +448,7 @@ class GGUFCheckpoint:
         for name, roles in (("w13", ("gate", "up")), ("w2", ("down",))):
             if self._exact(scheme, layer, roles):
                 parts = [self._tensors[self._experts[layer][r]] for r in roles]
-                blocks = [_sections(t.tensor_type.name, t.data[e]) for t in parts]
+                blocks = [_sections(t.tensor_type.name, t.data[e], scheme.name) for t in parts]
                 for suffix in blocks[0]:
                     out[f"{name}.{suffix}"] = torch.cat([b[suffix] for b in blocks])
                 continue
@@ -458,17 +461,22 @@ class GGUFCheckpoint:
         """The GGUF type of a dense tensor, by its Hugging Face name."""
         return self._tensors[self._dense_src[name]].tensor_type.name
 
-    def dense_sections(self, name: str) -> tuple[QuantScheme, dict[str, torch.Tensor]] | None:
-        """A dense 2-D tensor whose blocks are a store scheme exactly (EXACT) as (scheme, its
-        sections by suffix, in Hugging Face's row order), byte for byte; None for other types."""
+    def dense_sections(
+        self, name: str, prefer: QuantScheme | None = None
+    ) -> tuple[QuantScheme, dict[str, torch.Tensor]] | None:
+        """A dense 2-D tensor whose blocks are a store scheme exactly (EXACT; `prefer` where it
+        is one too, e.g. q8_0 for Q8_0) as (scheme, its sections by suffix, in Hugging Face's row
+        order), byte for byte; None for other types."""
         t = self._tensors[self._dense_src[name]]
         kind = t.tensor_type.name
         if kind not in EXACT or len(t.shape) != 2:
             return None
-        secs = _sections(kind, t.data)
+        if prefer is None or not _is_exact(kind, prefer):
+            prefer = make_scheme(EXACT[kind])
+        secs = _sections(kind, t.data, prefer.name)
         if self.arch.permuted_qk:  # rows permuted; quantization runs along K, so per section
             secs = {k: self._unpermute(name, v) for k, v in secs.items()}
-        return make_scheme(EXACT[kind]), {k: v.contiguous() for k, v in secs.items()}
+        return prefer, {k: v.contiguous() for k, v in secs.items()}
 
     # ---- what convert does to the experts -----------------------------------------------------
     def expert_type_counts(self) -> Counter:
@@ -517,12 +525,14 @@ class GGUFCheckpoint:
 
 def _is_exact(kind: str, scheme: QuantScheme) -> bool:
     """GGUF type `kind` is `scheme` exactly (its blocks copy into the scheme's sections)."""
-    return kind in EXACT and make_scheme(EXACT[kind]) == scheme
+    names = (EXACT.get(kind), EXACT_ALSO.get(kind))
+    return any(n is not None and make_scheme(n) == scheme for n in names)
 
 
-def _sections(kind: str, raw: np.ndarray) -> dict[str, torch.Tensor]:
+def _sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str, torch.Tensor]:
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
-    Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact); Q4_0 -> q uint8 [N, K/2]
+    Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
+    as stored); Q4_0 -> q uint8 [N, K/2]
     (the 16 nibble bytes as stored), d fp16 [N, K/32]; K-quants -> q uint8 [N, K/256, B], the
     blocks as stored."""
     raw = np.ascontiguousarray(raw)
@@ -533,5 +543,6 @@ def _sections(kind: str, raw: np.ndarray) -> dict[str, torch.Tensor]:
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
     qs = blocks[..., 2:].copy().reshape(n, -1)
     if kind == "Q8_0":
-        return {"q": torch.from_numpy(qs.view(np.int8)), "s": d.float()}
+        q = torch.from_numpy(qs.view(np.int8))
+        return {"q": q, "d": d} if scheme == "q8_0" else {"q": q, "s": d.float()}
     return {"q": torch.from_numpy(qs), "d": d}

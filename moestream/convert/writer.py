@@ -310,7 +310,7 @@ def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, 
     for name in ckpt.dense_names:
         exact, keep = None, dense.keep_source and _quantized_source(ckpt, name)
         if keep and name in roles:
-            exact = ckpt.dense_sections(name)  # no rounding: kept whatever its size
+            exact = ckpt.dense_sections(name, dense.weights)  # no rounding: kept whatever its size
         if exact is not None:
             scheme, secs = exact
             shape = [secs["q"].shape[0], tensor_width(scheme, secs["q"])]

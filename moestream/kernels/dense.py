@@ -55,7 +55,7 @@ class QuantWeight(nn.Module):
         if any(p.scheme != s0 or p.shape[1] != k for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
-        if s0.name in ("int8", "q4_0", "q4_k", "q5_k", "q6_k"):  # row-major: rows stack as they are
+        if s0.name != "int4":  # row-major (int8, q8_0, q4_0, K-quants): rows stack as they are
             secs = {k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].suffixes}
         else:
             q = pack_int4(torch.cat([unpack_int4(p.q) for p in parts]))
@@ -77,7 +77,7 @@ class QuantLinear(nn.Module):
         self.qweight = weight
         self.register_buffer("bias", bias, persistent=False)
         self.out_features, self.in_features = weight.shape
-        self.kernel, self.wide = kernel, wide and weight.scheme.name == "int8"
+        self.kernel, self.wide = kernel, wide and weight.scheme.name in ("int8", "q8_0")
         self._triton = None
         self._float: tuple[tuple, torch.Tensor] | None = None  # ((device, dtype), the copy)
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra

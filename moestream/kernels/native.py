@@ -135,7 +135,7 @@ def supports(scheme) -> bool:
     block), and the K-quants (their sub-blocks of 32 / 16 align with the activation block)."""
     if is_kquant(scheme):
         return True
-    return scheme.name in ("int4", "int8", "q4_0") and scheme.group_size == 32
+    return scheme.name in ("int4", "int8", "q4_0", "q8_0") and scheme.group_size == 32
 
 
 @functools.cache

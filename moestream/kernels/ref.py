@@ -92,7 +92,7 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
         return q.to(dtype)
     if q.dim() == 3:  # K-quant blocks [N, K/256, B]
         return dequantize_kquant(q).to(dtype)
-    if q.dtype == torch.int8 or f"{name}.d" in sec:  # int8, or q4_0 as (q - 8) and its d
+    if q.dtype == torch.int8 or f"{name}.d" in sec:  # int8 / q8_0, or q4_0 as (q - 8) and its d
         q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
         return (q.view(n, k // group_size, group_size) * s[..., None]).view(n, k).to(dtype)
@@ -149,11 +149,14 @@ def dequantize_kquant(q: torch.Tensor) -> torch.Tensor:
 
 def _symmetric(sec: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A symmetric weight's (q [N, K], scale fp32 [N, K/g]), w = q * scale per group: int8 as
-    stored; q4_0 unpacked to q - 8 (int8) with its fp16 d widened (exact)."""
+    stored; q8_0 as stored with its fp16 d widened (exact); q4_0 unpacked to q - 8 (int8) with
+    its fp16 d widened."""
     from moestream.quant import unpack_q4_0
 
     if f"{name}.d" in sec:
-        q = unpack_q4_0(sec[f"{name}.q"]).to(torch.int8) - 8
+        q = sec[f"{name}.q"]
+        if q.dtype == torch.uint8:  # q4_0's nibbles (q8_0's q is int8)
+            q = unpack_q4_0(q).to(torch.int8) - 8
         return q, sec[f"{name}.d"].float()
     return sec[f"{name}.q"], sec[f"{name}.s"]
 
@@ -200,7 +203,8 @@ def qlinear_q8(
     """x [T, K] -> [T, N] fp32 as the native kernels compute it: x quantized per block (int8, or
     int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
     < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
-    per block int8 and q4_0 (its weights q - 8, scale d): (s * d) * dot; int4:
+    per block int8, q8_0 (its fp16 d widened) and q4_0 (its weights q - 8, scale d): (s * d) *
+    dot; int4:
     d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
     super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
     sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *

@@ -9,7 +9,8 @@ Version 2: a dense weight that convert quantized (quant.DenseQuant) is stored as
 "dense" / "dense_dtypes" hold the crc32 and dtype of every stored tensor, sections included.
 Version 3 adds the q4_0 scheme (GGUF Q4_0 blocks: `q` nibbles + `d` fp16), for experts and dense
 weights; version 4 the GGUF K-quant schemes q4_k / q5_k / q6_k (`q` uint8 [N, K/256, block bytes]);
-version 2 and 3 stores are read as they are.
+version 5 the q8_0 scheme (GGUF Q8_0 blocks: `q` int8 + `d` fp16); versions 2-4 are read as they
+are.
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -30,8 +31,8 @@ from moestream.models import model_args_from_dict
 from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_sections
 
 FORMAT = "moestream-store"
-VERSION = 4  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme; 4: K-quants
-READS = (2, 3, 4)  # an older store is a version-4 one without the newer schemes: still read
+VERSION = 5  # written; 2: quantized dense weights (dense_formats); 3: q4_0; 4: K-quants; 5: q8_0
+READS = (2, 3, 4, 5)  # an older store is a version-5 one without the newer schemes: still read
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (

@@ -114,9 +114,33 @@ struct Weight {
   const void* s;
   int N, K;
   Kind kind;
+  bool s16 = false;  // int8 with fp16 scales (q8_0: llama.cpp's Q8_0 blocks), else fp32
 };
 
 float fp16(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+
+constexpr int kMaxBlocks = 1024;  // K <= 32768 for fp16-scaled int8 rows (checked in weight())
+
+__attribute__((target("avx2,f16c"))) void fp16_row_f16c(const uint16_t* h, int n, float* out) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
+  for (; i < n; ++i) out[i] = fp16(h[i]);
+}
+
+bool cpu_has_avx2();
+
+// Row r's nb int8 scales as fp32: the section itself (fp32), or widened into buf (fp16: exact,
+// so a q8_0 row computes what the int8 row holding the same values computes).
+const float* row_scales(const Weight& w, int r, int nb, float* buf) {
+  if (!w.s16) return (const float*)w.s + (size_t)r * nb;
+  const uint16_t* h = (const uint16_t*)w.s + (size_t)r * nb;
+  static const bool f16c = cpu_has_avx2();
+  if (f16c)
+    fp16_row_f16c(h, nb, buf);
+  else
+    for (int j = 0; j < nb; ++j) buf[j] = fp16(h[j]);
+  return buf;
+}
 
 float bf16(uint16_t v) {
   uint32_t u = (uint32_t)v << 16;
@@ -173,14 +197,15 @@ void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
 template <typename Q>
 void int8_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y, const Q* xq) {
   const int nb = w.K / G;
-  const float* s = (const float*)w.s;
+  float sbuf[kMaxBlocks];
   for (int r = r0; r < r0 + n; ++r) {
     const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+    const float* s = row_scales(w, r, nb, sbuf);
     BlockLanes acc(nb);
     for (int j = 0; j < nb; ++j) {
       int32_t dot = 0;
       for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
-      acc.add(j, (s[(size_t)r * nb + j] * a.dr(t)[j]) * (float)dot);
+      acc.add(j, (s[j] * a.dr(t)[j]) * (float)dot);
     }
     y[r - r0] = acc.sum();
   }
@@ -277,7 +302,8 @@ __attribute__((target("avx2,fma"))) __m256i hsum8(const __m256i* p) {
 __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
-  const float* s = (const float*)w.s + (size_t)r * nb;
+  float sbuf[kMaxBlocks];
+  const float* s = row_scales(w, r, nb, sbuf);
   const int8_t* xq = a.qr(t);
   const float* d = a.dr(t);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -310,7 +336,8 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
 __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
-  const float* s = (const float*)w.s + (size_t)r * nb;
+  float sbuf[kMaxBlocks];
+  const float* s = row_scales(w, r, nb, sbuf);
   const int16_t* xq = a.q16r(t);
   const float* d = a.dr(t);
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
@@ -424,17 +451,18 @@ template <typename Q>
 void int8_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
                          size_t ys) {
   const int nb = w.K / G;
-  const float* s = (const float*)w.s;
+  float sbuf[kMaxBlocks];
   const Q* xq[kTile];
   for (int i = 0; i < nt; ++i) xq[i] = (const Q*)(a.wide ? (const void*)a.q16r(ts[i]) : (const void*)a.qr(ts[i]));
   for (int r = r0; r < r0 + n; ++r) {
     const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+    const float* s = row_scales(w, r, nb, sbuf);
     BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
     for (int j = 0; j < nb; ++j) {
       int32_t dot[kTile] = {};
       for (int k = j * G; k < (j + 1) * G; ++k)
         for (int i = 0; i < nt; ++i) dot[i] += q[k] * xq[i][k];
-      for (int i = 0; i < nt; ++i) acc[i].add(j, (s[(size_t)r * nb + j] * a.dr(ts[i])[j]) * (float)dot[i]);
+      for (int i = 0; i < nt; ++i) acc[i].add(j, (s[j] * a.dr(ts[i])[j]) * (float)dot[i]);
     }
     for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
   }
@@ -542,7 +570,8 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2_nt(const Weight& w, int r
                                                            float* y, size_t ys) {
   const int nb = w.K / G;
   const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
-  const float* s = (const float*)w.s + (size_t)r * nb;
+  float sbuf[kMaxBlocks];
+  const float* s = row_scales(w, r, nb, sbuf);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
@@ -736,18 +765,21 @@ Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
             (Kind)kq};
   }
   Kind kind;
-  if (qt == torch::kInt8 && st == torch::kFloat32)
+  if (qt == torch::kInt8 && (st == torch::kFloat32 || st == torch::kHalf))
     kind = kInt8;
   else if (qt == torch::kUInt8 && st == torch::kBFloat16)
     kind = kInt4;
   else if (qt == torch::kUInt8 && st == torch::kHalf)
     kind = kQ4_0;
   else
-    TORCH_CHECK(false, "weights must be int8 + fp32, int4 (uint8) + bf16, or q4_0 (uint8) + fp16");
+    TORCH_CHECK(false,
+                "weights must be int8 + fp32 or fp16 (q8_0), int4 (uint8) + bf16, or q4_0 (uint8) + fp16");
   const int N = (int)q.size(0), K = (int)q.size(1) * (kind == kInt8 ? 1 : 2);
   TORCH_CHECK(K % G == 0 && (kind != kInt4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
   TORCH_CHECK(s.numel() == (int64_t)N * K / G * (kind == kInt4 ? 2 : 1), "scale section has the wrong size");
-  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, kind};
+  const bool s16 = kind == kInt8 && st == torch::kHalf;
+  TORCH_CHECK(!s16 || K / G <= kMaxBlocks, "q8_0 rows are at most ", kMaxBlocks * G, " wide");
+  return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, kind, s16};
 }
 
 int64_t resolve(int64_t isa) {
