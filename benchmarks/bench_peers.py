@@ -18,7 +18,8 @@ moestream / llama.cpp.
 `--gguf FILE` instead of `--hf`: both engines run that very file (no conversion difference left):
 llama.cpp reads it as it is, moestream runs the store `moestream convert FILE` makes of it (its
 default scheme: Q8_0 / Q4_0 experts and dense weights kept exactly, other types requantized, as
-convert prints; `--gguf-quant q8_0` keeps a Q8_0 file in its own 8.5-bit blocks instead of int8). On the CPU, `--shares 1,0.5` adds moestream streaming its experts through a slot
+convert prints; `--gguf-quant q8_0` keeps a Q8_0 file in its own 8.5-bit blocks instead of
+int8). On the CPU, `--shares 1,0.5` adds moestream streaming its experts through a slot
 cache of that fraction of the expert bytes (`--memory-budget 50%`); llama.cpp has no such cap and
 runs once per repeat with everything mapped (its row is the ratios' base).
 
