@@ -380,9 +380,9 @@ def cmd_convert(a: argparse.Namespace) -> int:
     from moestream.convert.writer import convert, source_scheme
     from moestream.quant import make_dense
 
-    scheme = source_scheme(a.src, a.quant, a.group_size)
-    dense = make_dense(a.dense, scheme)
-    out = convert(a.src, a.dst, scheme, progress=_progress(a), dense=dense)
+    experts = source_scheme(a.src, a.quant, a.group_size)
+    dense = make_dense(a.dense, experts.scheme)
+    out = convert(a.src, a.dst, experts, progress=_progress(a), dense=dense)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 

@@ -268,10 +268,11 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def expert_bytes(rt, dtype: str) -> int:
-    """Bytes of one expert as the provider reads it: a store's record size, else the weights at
-    the compute dtype (resident Hugging Face load)."""
+    """Bytes of one expert as the provider holds it: a store's record slot (the largest record,
+    what a budget is divided by: `slot_count`), else the weights at the compute dtype (resident
+    Hugging Face load)."""
     if rt.store is not None:
-        return int(rt.store.layout.size)
+        return int(rt.store.slot_size)
     a = rt.args
     itemsize = rt.model.dtype.itemsize  # experts load in the model dtype
     return 3 * a.hidden_size * a.moe_intermediate_size * itemsize
