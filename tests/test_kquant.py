@@ -270,3 +270,29 @@ def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys
         err = capsys.readouterr().err
         assert "does not quantize into q4_k" in err and "--quant int4" in err
         assert "Traceback" not in err and not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda m: m["records"]["0"]["schemes"][1].update(name="q4_k"), "layer 0's record layout"),
+        (lambda m: m["records"]["1"]["schemes"][0].update(name="q9_k"), "schemes this moestream"),
+        (lambda m: m["records"].pop("2"), r"record layouts for layers \[0, 1\]"),
+        (lambda m: m.pop("records"), "'record' is missing"),
+        (lambda m: m.update(version=6), "version 6"),
+    ],
+)
+def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
+    """A version-5 manifest whose per-layer layouts were edited: one line naming it, ending in
+    'convert again' (a relabelled scheme would misread every record of the layer)."""
+    import json
+    import shutil
+
+    from moestream.store.format import StoreError
+
+    store = shutil.copytree(mixed[3], tmp_path / "s")
+    m = json.loads((store / "manifest.json").read_text())
+    edit(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=f"{match}.*convert"):
+        Store(store)
