@@ -296,3 +296,29 @@ def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
     (store / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(StoreError, match=f"{match}.*convert"):
         Store(store)
+
+
+def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
+    """Q4_K gate/up and Q6_K down in every layer (one layout, two schemes per record): the one-call
+    decode step qualifies and gives the per-module path's logits and caches bit for bit."""
+    from test_native_step import _decode
+
+    from moestream.engine import native_step
+    from moestream.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels did not build here")
+    hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), tmp_path / "hf", "per_expert")
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, dict.fromkeys(range(3), ("Q4_K", "Q4_K", "Q6_K")), dense_type="Q8_0")
+    store = convert(path, tmp_path / "s", source_scheme(path, None), False)
+    s = Store(store)
+    assert s.mixed and s.manifest["version"] == MIXED_VERSION and s.layout.mixed
+    loaded = load_model(store, StreamConfig(resident=True))
+    assert native_step.why_not(loaded.model) is None
+    want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
+    got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
+    assert loaded.model._decode_step  # built, not declined
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    loaded.provider.close()

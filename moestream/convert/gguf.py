@@ -526,30 +526,29 @@ class GGUFCheckpoint:
         ]
         return make_scheme("int8" if min(bits) >= _INT8_BITS else "int4", group_size)
 
-    def conversion_notes(self, layouts: dict[int, RecordLayout]) -> list[str]:
+    def conversion_notes(self, layouts: dict[int, RecordLayout], keep: bool) -> list[str]:
         """One line per expert tensor type and outcome: kept exactly, or dequantized and
-        requantized; one per layer whose gate and up types, each kept elsewhere, differ (the
-        writer says what it did to the dense tensors)."""
+        requantized; with `keep` (ExpertQuant.keep_source) one per layer whose gate and up types
+        differ, so that w13 could not keep either (the writer says what it did to the dense
+        tensors)."""
         done, lines = Counter(), []
         for layer, layout in sorted(layouts.items()):
             for name, roles in _PROJECTIONS:
                 scheme, kinds = layout.scheme_of(name), [self.expert_type(layer, r) for r in roles]
                 kept = all(_is_exact(k, scheme) for k in kinds)
                 for kind in kinds:
-                    done[kind, scheme if kept else None, scheme] += 1
-                if not kept and len(set(kinds)) > 1 and all(k in EXACT for k in kinds):
+                    done[kind, not kept, scheme] += 1
+                if keep and len(set(kinds)) > 1 and all(k in EXACT for k in kinds):
                     lines.append(
                         f"layer {layer}: gate {kinds[0]} and up {kinds[1]} differ (one w13 "
                         f"section holds both): that layer's w13 requantized to {scheme.name}"
                     )
-        for (kind, kept, scheme), n in sorted(
-            done.items(), key=lambda kv: (kv[0][0], kv[0][1] is None)
-        ):
+        for (kind, lossy, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
             what = (
-                f"kept exactly as {scheme.name} (same values)"
-                if kept is not None
-                else f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
+                f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
                 "a second rounding; measure with `moestream eval`)"
+                if lossy
+                else f"kept exactly as {scheme.name} (same values)"
             )
             lines.append(f"{n} {kind} expert tensor(s): {what}")
         return lines

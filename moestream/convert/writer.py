@@ -161,7 +161,7 @@ def _write_store(src: Path, tmp: Path, eq: ExpertQuant, dense: DenseQuant, progr
     )
     tmp.mkdir()
     crcs, dtypes, shapes, formats = _write_dense(ckpt, tmp, dense)
-    experts = _write_experts(ckpt, layouts, tmp, progress)
+    experts = _write_experts(ckpt, layouts, tmp, progress, eq.keep_source)
     _write_files(ckpt, src, tmp)
     # One layout for every layer: version 4's "record" (as before); else each layer's own.
     uniform = all(lay == layout for lay in layouts.values())
@@ -380,7 +380,7 @@ def _dense_roles(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def _write_experts(
-    ckpt: Checkpoint, layouts: dict[int, RecordLayout], out: Path, progress: bool
+    ckpt: Checkpoint, layouts: dict[int, RecordLayout], out: Path, progress: bool, keep: bool
 ) -> dict[int, list[int]]:
     a = ckpt.args
     total = len(a.moe_layer_ids) * a.num_experts
@@ -388,7 +388,7 @@ def _write_experts(
     desc = f"converting experts ({names})"
     if isinstance(ckpt, GGUFCheckpoint):
         # Said every time: what happens to each GGUF type (kept exactly or requantized).
-        for line in ckpt.conversion_notes(layouts):
+        for line in ckpt.conversion_notes(layouts, keep):
             print(f"moestream: {line}", file=sys.stderr)
     crcs: dict[int, list[int]] = {}
     # `with`: a failing expert closes the bar before the error line is printed.
