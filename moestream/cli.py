@@ -803,8 +803,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
     t = load_trace(a.trace)
     expert_bytes = a.expert_bytes if a.expert_bytes is not None else t.model.expert_bytes
+    # --expert-bytes sizes every record; else each layer's record as the trace recorded it.
+    sizes = None if a.expert_bytes is not None else t.model.layer_bytes()
     budgets = a.budget or ["0.125", "0.25", "0.5"]
-    results, skipped = run_grid(t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction)
+    results, skipped = run_grid(
+        t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction, record_bytes=sizes
+    )
     if a.plot:
         from moestream.obs.plots import plot_simulation
 

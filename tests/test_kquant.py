@@ -322,3 +322,28 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     loaded.provider.close()
+
+
+def test_mixed_store_bytes_are_each_records_own(mixed, tmp_path):
+    """Streaming a mixed store: the bytes read are each record's own size (not the slot's), and a
+    router trace's replay (slots of the largest record, per-layer record sizes) gives the
+    engine's hits, misses and bytes."""
+    from moestream.config import SamplingConfig
+    from moestream.obs.simulate import simulate
+    from moestream.obs.trace import load_trace, record_trace
+    from moestream.runtime import open_model
+    from moestream.store.io import IOConfig
+
+    s = Store(mixed[3])
+    io = IOConfig(mode="pagecache", threads=1)
+    cfg = StreamConfig(memory_budget=3 * s.slot_size, io=io, policy="lru")
+    with open_model(mixed[3], experts=cfg) as rt:
+        sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+        t = load_trace(record_trace(rt, ["def fib(n):", "return n"], sampling, tmp_path / "tr"))
+        engine = rt.generator.provider.stats()
+    sizes = {layer: lay.size for layer, lay in s.layouts.items()}
+    assert t.model.expert_bytes == s.slot_size and t.model.layer_bytes() == sizes
+    sim = simulate(t, "lru", 3, t.model.expert_bytes, record_bytes=t.model.layer_bytes())
+    assert (sim.hits, sim.misses, sim.bytes_read) == (
+        engine["hits"], engine["misses"], engine["bytes_read"])  # fmt: skip
+    assert engine["bytes_read"] < engine["misses"] * s.slot_size  # smaller records read less
