@@ -138,16 +138,19 @@ class SlotPool:
         self.size = store.slot_size
         self.mem = mmap.mmap(-1, max(n_slots * self.size, 1))
         self.buf = torch.frombuffer(self.mem, dtype=torch.uint8, count=n_slots * self.size)
-        # One list of per-slot views per distinct layout (one, or a few for per-layer layouts).
-        layouts = list(dict.fromkeys(store.layouts.values()))
-        self._layout_of = {layer: layouts.index(lay) for layer, lay in store.layouts.items()}
-        self._views = [
-            [lay.views(self.buf[i * self.size : (i + 1) * self.size]) for i in range(n_slots)]
-            for lay in layouts
-        ]
+        self._layouts = list(dict.fromkeys(store.layouts.values()))  # distinct, usually one
+        self._layout_of = {layer: self._layouts.index(v) for layer, v in store.layouts.items()}
+        # (layout index, slot) -> views, made on first use: with per-layer layouts a slot serves
+        # any layer, but a resident pool's slot only ever one.
+        self._views: dict[tuple[int, int], dict] = {}
 
     def views(self, layer: int, slot: int) -> dict:
-        return self._views[self._layout_of[layer]][slot]
+        key = (self._layout_of[layer], slot)
+        v = self._views.get(key)
+        if v is None:
+            buf = self.buf[slot * self.size : (slot + 1) * self.size]
+            v = self._views[key] = self._layouts[key[0]].views(buf)
+        return v
 
     def memview(self, slot: int) -> memoryview:
         return memoryview(self.mem)[slot * self.size : (slot + 1) * self.size]
