@@ -377,8 +377,8 @@ def kquant_source_error(scheme: QuantScheme) -> str:
     t = scheme.name.upper()
     return (
         f"--quant {scheme.name} keeps a GGUF's {t} blocks as they are; moestream does not quantize "
-        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t}, or use --quant "
-        "int4, q4_0 or int8"
+        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t} (or drop --quant: "
+        "a GGUF's blocks then keep their own types), or use --quant int4, q4_0 or int8"
     )
 
 

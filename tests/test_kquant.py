@@ -280,6 +280,7 @@ def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys
         (lambda m: m["records"].pop("2"), r"record layouts for layers \[0, 1\]"),
         (lambda m: m.pop("records"), "'record' is missing"),
         (lambda m: m.update(version=6), "version 6"),
+        (lambda m: m.update(version=4), "in a version 4 manifest"),
     ],
 )
 def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):

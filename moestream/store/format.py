@@ -171,6 +171,8 @@ def check_manifest(m, path: Path) -> None:
     for key in ("experts", "records"):
         if not all(k.isdigit() for k in m.get(key, {})):
             bad(f"'{key}' keys must be layer numbers, got {sorted(m[key])[:5]}")
+    if "records" in m and m["version"] < MIXED_VERSION:
+        bad(f"'records' (per-layer record layouts) in a version {m['version']} manifest")
 
 
 def record_layouts(path: Path, m: dict, scheme: QuantScheme, a: ModelArgs) -> dict:
@@ -240,8 +242,8 @@ class Store:
         # `scheme`: every record's, or (per-layer layouts) the one requantized projections took.
         self.layouts: dict[int, RecordLayout] = record_layouts(path, m, self.scheme, self.args)
         # Slots hold the largest record: one pool and one slot table across layers (a Q4_K_M
-        # store's Q4_K-down records then leave ~15% of their slot unused; a pool per layout would
-        # split the budget and the eviction policy).
+        # store's Q4_K-down records then leave 13% of a Q6_K-down slot unused at Qwen3-30B-A3B's
+        # shapes; a pool per layout would split the budget and the eviction policy in parts).
         self.slot_size = max(layout.size for layout in self.layouts.values())
         self.dense_crc: dict[str, int] = m["dense"]
         self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})
