@@ -229,7 +229,7 @@ def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
             n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()
-    return dense + len(s.crc) * a.num_experts_per_tok * s.layout.size
+    return dense + a.num_experts_per_tok * sum(s.layouts[layer].size for layer in s.crc)
 
 
 def gguf_bytes_per_token(gguf: Path, llama: Path, top_k: int, experts: int) -> int:

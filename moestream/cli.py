@@ -383,9 +383,9 @@ def cmd_convert(a: argparse.Namespace) -> int:
     from moestream.convert.writer import convert, source_scheme
     from moestream.quant import make_dense
 
-    scheme = source_scheme(a.src, a.quant, a.group_size)
-    dense = make_dense(a.dense, scheme)
-    out = convert(a.src, a.dst, scheme, progress=_progress(a), dense=dense)
+    experts = source_scheme(a.src, a.quant, a.group_size)
+    dense = make_dense(a.dense, experts.scheme)
+    out = convert(a.src, a.dst, experts, progress=_progress(a), dense=dense)
     print(f"wrote {out}", file=sys.stderr)
     return 0
 
@@ -806,8 +806,12 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
     t = load_trace(a.trace)
     expert_bytes = a.expert_bytes if a.expert_bytes is not None else t.model.expert_bytes
+    # --expert-bytes sizes every record; else each layer's record as the trace recorded it.
+    sizes = None if a.expert_bytes is not None else t.model.layer_bytes()
     budgets = a.budget or ["0.125", "0.25", "0.5"]
-    results, skipped = run_grid(t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction)
+    results, skipped = run_grid(
+        t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction, record_bytes=sizes
+    )
     if a.plot:
         from moestream.obs.plots import plot_simulation
 

@@ -25,7 +25,9 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
         (`unpack_kquant`), w = (d * sc) * q - (dmin * m), q6_k: (d * sc) * (q - 32)
 An expert record holds w13 [2I, D] then w2 [D, I] (then, for experts with biases (gpt_oss),
 `b13` fp32 [2I] and `b2` fp32 [D], never quantized), each section 64-byte aligned, and is padded
-to a 4 KiB multiple so O_DIRECT can read it in place.
+to a 4 KiB multiple so O_DIRECT can read it in place. Each projection has its own scheme
+(`RecordLayout.schemes`): one for both, except where a GGUF's blocks are kept as they are and its
+types differ (Q4_K_M: Q4_K gate/up, Q6_K down).
 Dense 2-D weights quantized under `DenseQuant` use the same sections ("{name}.q", ".s" / ".sz")
 in the store's dense file.
 """
@@ -83,6 +85,28 @@ def make_scheme(name: str, group_size: int = 32) -> QuantScheme:
 
 def is_kquant(scheme: QuantScheme) -> bool:
     return scheme.name in KQUANT_BYTES
+
+
+@dataclass(frozen=True, slots=True)
+class ExpertQuant:
+    """How convert stores the experts: `scheme`, what it quantizes them into. `keep_source` (a
+    GGUF's default, no --quant): a projection whose blocks a store scheme holds exactly keeps
+    them in that scheme whatever `scheme` is, so a record may hold two (Q4_K w13, Q6_K w2) and
+    layers may differ; without it only blocks that are `scheme` itself are kept."""
+
+    scheme: QuantScheme
+    keep_source: bool = False
+
+    @property
+    def tag(self) -> str:
+        """Cache-key part: e.g. 'int4-g32', 'int4-g32-keep'."""
+        s = self.scheme
+        return f"{s.name}-g{s.group_size}" + ("-keep" if self.keep_source else "")
+
+
+def expert_quant(experts: QuantScheme | ExpertQuant) -> ExpertQuant:
+    """A plain scheme means: every expert in that one scheme."""
+    return experts if isinstance(experts, ExpertQuant) else ExpertQuant(experts)
 
 
 # Dense (non-expert) weights under --quant: llama.cpp keeps the output layer at Q6_K in Q4_0
@@ -218,18 +242,33 @@ def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
     return q.shape[1] * (2 if scheme.name in ("int4", "q4_0") else 1)
 
 
+PROJECTIONS = ("w13", "w2")  # an expert record's weights, in record order
+
+
 @dataclass(frozen=True, slots=True)
 class RecordLayout:
-    scheme: QuantScheme
+    """One expert record: each projection's scheme (`schemes`, in PROJECTIONS order: a GGUF's
+    Q4_K_M keeps Q4_K w13 beside Q6_K w2), its sections and their offsets, the padded size."""
+
+    schemes: tuple[QuantScheme, ...]
     sections: tuple[Section, ...]
     size: int  # padded to RECORD_ALIGN
 
     @staticmethod
-    def build(scheme: QuantScheme, hidden: int, inter: int, bias: bool = False) -> RecordLayout:
+    def build(
+        scheme: QuantScheme,
+        hidden: int,
+        inter: int,
+        bias: bool = False,
+        w2: QuantScheme | None = None,
+    ) -> RecordLayout:
+        """`scheme` for both projections, or for w13 when `w2` names down's own."""
+        schemes = (scheme, scheme if w2 is None else w2)
+        shapes = (("w13", 2 * inter, hidden), ("w2", hidden, inter))
         specs = [
             spec
-            for name, n, k in (("w13", 2 * inter, hidden), ("w2", hidden, inter))
-            for spec in tensor_sections(scheme, name, n, k)
+            for s, (name, n, k) in zip(schemes, shapes)
+            for spec in tensor_sections(s, name, n, k)
         ]
         if bias:
             specs += [("b13", torch.float32, (2 * inter,)), ("b2", torch.float32, (hidden,))]
@@ -239,7 +278,32 @@ class RecordLayout:
             secs.append(s)
             off = -(-(off + s.nbytes) // SECTION_ALIGN) * SECTION_ALIGN
         size = -(-off // RECORD_ALIGN) * RECORD_ALIGN
-        return RecordLayout(scheme, tuple(secs), size)
+        return RecordLayout(schemes, tuple(secs), size)
+
+    @property
+    def mixed(self) -> bool:
+        """The projections differ in scheme."""
+        return len(set(self.schemes)) > 1
+
+    @property
+    def scheme(self) -> QuantScheme:
+        """The one scheme of every projection (callers that need one check `mixed` first)."""
+        if self.mixed:
+            raise ValueError(f"a mixed record ({self.name}) has no single scheme")
+        return self.schemes[0]
+
+    def scheme_of(self, proj: str) -> QuantScheme:
+        return self.schemes[PROJECTIONS.index(proj)]
+
+    @property
+    def name(self) -> str:
+        """e.g. 'q4_k' or 'q4_k+q6_k' (w13's, then w2's)."""
+        return "+".join(dict.fromkeys(s.name for s in self.schemes))
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """Each projection's group size (what the torch kernels dequantize with)."""
+        return tuple(s.group_size for s in self.schemes)
 
     def views(self, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of a uint8 record buffer (no copy)."""
@@ -330,8 +394,8 @@ def kquant_source_error(scheme: QuantScheme) -> str:
     t = scheme.name.upper()
     return (
         f"--quant {scheme.name} keeps a GGUF's {t} blocks as they are; moestream does not quantize "
-        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t}, or use --quant "
-        "int4, q4_0 or int8"
+        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t} (or drop --quant: "
+        "a GGUF's blocks then keep their own types), or use --quant int4, q4_0 or int8"
     )
 
 
@@ -446,7 +510,7 @@ def quantize_expert(
     ready to write into a record."""
     out = {}
     for name, w in (("w13", w13), ("w2", w2)):
-        for suffix, t in quantize(layout.scheme, w).items():
+        for suffix, t in quantize(layout.scheme_of(name), w).items():
             out[f"{name}.{suffix}"] = t
     if b13 is not None:
         out["b13"], out["b2"] = b13.float(), b2.float()

@@ -180,7 +180,7 @@ def _check_store(folder: Path, quant: str | None) -> None:
     """Open a store's manifest before the tokenizer reads its files (their checksums are there)."""
     if not is_store(folder):
         return
-    stored = Store(folder).scheme.name
+    stored = Store(folder).quant_name
     if quant is not None and quant != stored:
         raise ConfigError(
             f"{folder} is stored as {stored}; --quant {quant} needs a convert from the Hugging "

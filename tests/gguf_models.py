@@ -196,18 +196,24 @@ def kquant_blocks(
     return raw
 
 
-def assert_records_are(s, stored: dict, group: int) -> None:
+def assert_records_are(s, stored: dict, schemes: dict | None = None, layers=None) -> None:
     """Every expert record of store `s` dequantizes (float32) to exactly `stored`'s gate, up and
-    down tensors (HF names, as `expert_name` gives them): nothing was rounded a second time."""
+    down tensors (HF names, as `expert_name` gives them): nothing was rounded a second time.
+    `schemes`: layer -> (w13's, w2's) scheme names the store must hold them in; `layers`: only
+    those MoE layers (default all)."""
     from moestream.kernels.ref import dequantize
 
     I, mt = s.args.moe_intermediate_size, s.args.model_type
-    for layer in s.args.moe_layer_ids:
+    for layer in s.args.moe_layer_ids if layers is None else layers:
+        layout = s.layouts[layer]
+        if schemes is not None:
+            assert tuple(x.name for x in layout.schemes) == schemes[layer], layer
+        g13, g2 = layout.groups
         for e in range(s.args.num_experts):
             buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
-            sec = s.layout.views(buf)
-            w13 = dequantize(sec, "w13", group, torch.float32)
+            sec = layout.views(buf)
+            w13 = dequantize(sec, "w13", g13, torch.float32)
             assert torch.equal(w13[:I], stored[expert_name(mt, layer, e, "gate")])
             assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
-            w2 = dequantize(sec, "w2", group, torch.float32)
+            w2 = dequantize(sec, "w2", g2, torch.float32)
             assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])

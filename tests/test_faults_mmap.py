@@ -60,9 +60,9 @@ def _flip_every_record(folder) -> None:
     layer = min(s.crc)
     with open(s.path(layer), "r+b") as f:  # in place: the mapping sees the new bytes
         for e in range(len(s.crc[layer])):
-            f.seek(s.offset(e) + 100)
+            f.seek(s.offset(layer, e) + 100)
             b = f.read(1)
-            f.seek(s.offset(e) + 100)
+            f.seek(s.offset(layer, e) + 100)
             f.write(bytes([b[0] ^ 0xFF]))
 
 

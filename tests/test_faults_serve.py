@@ -201,9 +201,9 @@ def damaged_store(tiny_dir, tmp_path):
     store = Store(folder)
     with open(store.path(0), "r+b") as f:
         for e in range(store.args.num_experts):
-            f.seek(store.offset(e) + 100)
+            f.seek(store.offset(0, e) + 100)
             b = f.read(1)
-            f.seek(store.offset(e) + 100)
+            f.seek(store.offset(0, e) + 100)
             f.write(bytes([b[0] ^ 0xFF]))
     return folder
 

@@ -89,7 +89,7 @@ def test_q8_0_gguf_matches_transformers_on_its_weights(q8, arch, tmp_path):
 def test_q8_0_experts_are_bit_identical(q8, arch):
     """The store's int8 records dequantize to exactly the GGUF's Q8_0 values (no requantization)."""
     _, _, stored, store = q8(arch)
-    assert_records_are(Store(store), stored, 32)
+    assert_records_are(Store(store), stored)
 
 
 def test_q8_0_gguf_kept_as_q8_0_blocks(tmp_path, capsys):
@@ -114,7 +114,7 @@ def test_q8_0_gguf_kept_as_q8_0_blocks(tmp_path, capsys):
     assert s.scheme.name == "q8_0"
     assert {sec.name: sec.dtype for sec in s.layout.sections}["w13.d"] == torch.float16
     assert s.layout.size <= Store(stores["int8"]).layout.size
-    assert_records_are(s, stored, 32)
+    assert_records_are(s, stored)
     name = "model.embed_tokens.weight"
     assert s.dense_scheme(name).name == "q8_0"
     got = dequantize(
@@ -127,22 +127,25 @@ def test_q8_0_gguf_kept_as_q8_0_blocks(tmp_path, capsys):
         check_scheme(s)  # (the loader calls it before anything is loaded)
 
 
-def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
-    """Per-tensor types in one file (Q8_0, Q4_0, F16, a Q8_0 dense embedding): below 8 bits the
-    default is int4; convert prints, per type, how many tensors were requantized."""
+def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
+    """Per-tensor types in one file (Q8_0, Q4_0, F16, Q4_1, a Q8_0 dense embedding): each expert
+    projection whose type a scheme holds keeps its blocks (Q8_0 as int8, Q4_0 as q4_0, per layer),
+    the rest is requantized into the default (int4: some tensors have < 8 bits); convert prints,
+    per type, what it did. `--quant int8` puts every expert in int8 (Q8_0 kept)."""
     hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
     path = tmp_path / "mixed.gguf"
     types = {0: Q8, 1: ("Q4_0", "Q4_0", "Q8_0"), 2: ("F16", "F16", "Q4_1")}
     stored = write_gguf(hf, path, types, dense_type="Q8_0")
-    scheme = source_scheme(path, None)
-    assert scheme.name == "int4"
-    store = convert(path, tmp_path / "store", scheme, False)
+    experts = source_scheme(path, None)
+    assert experts.scheme.name == "int4" and experts.keep_source
+    store = convert(path, tmp_path / "store", experts, False)
     err = capsys.readouterr().err
-    assert "4 Q8_0 expert tensor(s): dequantized and requantized to int4" in err
-    assert "2 Q4_0 expert tensor(s)" in err and "2 F16 expert tensor(s)" in err
-    assert "1 Q4_1 expert tensor(s)" in err
+    assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
+    assert "2 Q4_0 expert tensor(s): kept exactly as q4_0" in err
+    assert "2 F16 expert tensor(s): dequantized and requantized to int4" in err
+    assert "1 Q4_1 expert tensor(s): dequantized and requantized to int4" in err
     # Dense Q8_0 weights are kept exactly as int8 sections (routers, which have no quantized
-    # form, dequantized); experts within int4's rounding of the source.
+    # form, dequantized).
     assert "Q8_0 dense tensor(s): kept exactly as int8" in err
     assert "3 Q8_0 dense tensor(s): dequantized once to float32" in err
     s = Store(store)
@@ -152,9 +155,11 @@ def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
         {f"w.{k}": v for k, v in s.dense_sections(name).items()}, "w", 32, torch.float32
     )
     assert torch.equal(got, stored[name])
-    buf = torch.frombuffer(bytearray(s.read_record(1, 3)), dtype=torch.uint8)
-    w2 = dequantize(s.layout.views(buf), "w2", 32, torch.float32)
-    src = stored[expert_name("qwen3_moe", 1, 3, "down")]
+    assert_records_are(s, stored, {0: ("int8", "int8"), 1: ("q4_0", "int8")}, layers=[0, 1])
+    buf = torch.frombuffer(bytearray(s.read_record(2, 3)), dtype=torch.uint8)
+    assert [x.name for x in s.layouts[2].schemes] == ["int4", "int4"]
+    w2 = dequantize(s.layouts[2].views(buf), "w2", 32, torch.float32)
+    src = stored[expert_name("qwen3_moe", 2, 3, "down")]
     step = (src.view(-1, 32).amax(-1) - src.view(-1, 32).amin(-1)) / 15
     assert ((w2 - src).view(-1, 32).abs().amax(-1) <= step * 0.51 + 1e-2).all()
     # With --quant int8 the Q8_0 tensors are exact again and the rest requantized to int8.
@@ -162,6 +167,8 @@ def test_mixed_types_are_requantized_and_said(tmp_path, capsys):
     convert(path, tmp_path / "store8", source_scheme(path, "int8"), False)
     err = capsys.readouterr().err
     assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
+    assert "2 Q4_0 expert tensor(s): dequantized and requantized to int8" in err
+    assert not Store(tmp_path / "store8").mixed
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +201,7 @@ def test_q4_0_gguf_is_kept_exactly(q4, arch, tmp_path, capsys):
     assert s.scheme.name == "q4_0" and s.manifest["version"] == VERSION
     assert "9 Q4_0 expert tensor(s): kept exactly as q4_0 (same values)" in err
     assert "Q4_0 dense tensor(s): kept exactly as q4_0 (same values)" in err
-    assert_records_are(s, stored, 32)
+    assert_records_are(s, stored)
     # q_proj: mixtral's rows were permuted by the converter; the reader undoes it per section.
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
         assert s.dense_scheme(name).name == "q4_0"

@@ -1,7 +1,7 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py) from tiny random
 checkpoints, and quantized by its llama-quantize: moestream's logits on the GGUF-derived store
-match transformers on the same (dequantized) weights (Q8_0, Q4_0: kept exactly), a Q4_K_M file's
-store is our int4 of llama.cpp's values bit for bit, and greedy tokens equal llama-completion's
+match transformers on the same (dequantized) weights (Q8_0, Q4_0, the K-quants and Q4_K_M's mix
+of them: kept exactly), and greedy tokens equal llama-completion's
 on the reference model by the margin rule. Skipped where llama.cpp is absent (it is not in CI):
 set MOESTREAM_LLAMA_CPP to a folder holding src/convert_hf_to_gguf.py, venv/ and build/bin/ (see
 ../shared/peers/README.md), or keep it at .cache/peers/llama in the checkout."""
@@ -161,7 +161,8 @@ def test_llama_quantize_k_quants_are_kept_exactly(tmp_path, qtype, capsys):
     # llama.cpp's own blocks through the native kernel: its spec's bits (one record, lm_head)
     s = Store(store)
     buf = torch.frombuffer(bytearray(s.read_record(s.args.moe_layer_ids[0], 0)), dtype=torch.uint8)
-    secs = [(s.layout.views(buf), "w13"), (s.layout.views(buf), "w2")]
+    lay = s.layouts[s.args.moe_layer_ids[0]]
+    secs = [(lay.views(buf), "w13"), (lay.views(buf), "w2")]
     secs.append(({f"w.{k}": v for k, v in s.dense_sections("lm_head.weight").items()}, "w"))
     for sec, name in secs:
         x = torch.randn(2, sec[f"{name}.q"].shape[1] * 256)
@@ -169,13 +170,18 @@ def test_llama_quantize_k_quants_are_kept_exactly(tmp_path, qtype, capsys):
 
 
 @needs_build
-def test_llama_quantize_q4_k_m_is_our_int4_of_its_values(tmp_path, capsys):
-    """llama-quantize Q4_K_M (Q4_K and Q6_K experts: a record holds one scheme): requantized to int4,
-    and said so; the store gives the bits of the int4 store of a Hugging Face folder holding the
-    GGUF's dequantized values (the requantization is our int4 quantizer on llama.cpp's values).
-    Widths of 256: K-quant blocks are 256 wide (narrower tensors fall back to other types)."""
+def test_llama_quantize_q4_k_m_is_kept_exactly(tmp_path, capsys):
+    """llama-quantize Q4_K_M (Q4_K gate/up, Q6_K or Q4_K down by layer): every expert tensor's
+    blocks kept in its own scheme (per-layer record layouts), and said so; within 1e-4 of
+    transformers on the GGUF's values; the native kernels give their spec's bits on its mixed
+    records. `--quant int4` instead gives the bits of the int4 store of a Hugging Face folder
+    holding the GGUF's dequantized values (the GPU's fix). Widths of 256: K-quant blocks are 256
+    wide (narrower tensors fall back to other types)."""
+    from gguf_models import assert_records_are
     from safetensors.torch import save_file
 
+    from moestream.kernels import native
+    from moestream.kernels.ref import qlinear_q8
     from moestream.quant import DenseQuant
 
     wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
@@ -186,13 +192,27 @@ def test_llama_quantize_q4_k_m_is_our_int4_of_its_values(tmp_path, capsys):
     kinds = gguf_types(path)
     assert kinds["Q4_K"] and kinds["Q6_K"], kinds
     capsys.readouterr()
-    ours = convert(path, tmp_path / "store", make_scheme("int4"), False, DenseQuant())
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     err = capsys.readouterr().err
-    assert "Q4_K expert tensor(s): dequantized and requantized to int4" in err
-    folder = tmp_path / "dequantized"
+    assert "Q4_K expert tensor(s): kept exactly as q4_k" in err
+    assert "Q6_K expert tensor(s): kept exactly as q6_k" in err
+    assert "expert tensor(s): dequantized and requantized" not in err
+    s, values = Store(store), dequantized_state(path, hf)
+    assert s.mixed
+    assert_records_are(s, values)
+    want = hf_logits(hf, values, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    for layer, lay in s.layouts.items():  # llama.cpp's mixed records through the native kernel
+        sec = lay.views(torch.frombuffer(bytearray(s.read_record(layer, 0)), dtype=torch.uint8))
+        for name in ("w13", "w2"):
+            x = torch.randn(2, sec[f"{name}.q"].shape[1] * 256)
+            assert torch.equal(native.linear(x, sec, name), qlinear_q8(x, sec, name))
+    ours = convert(path, tmp_path / "int4", make_scheme("int4"), False, DenseQuant())
+    assert "Q4_K expert tensor(s): dequantized and requantized to int4" in capsys.readouterr().err
+    folder = tmp_path / "values"  # (hf_logits wrote its own "dequantized")
     shutil.copytree(hf, folder)
-    values = {k: v.contiguous() for k, v in dequantized_state(path, hf).items()}
-    save_file(values, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
     theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
     assert torch.equal(our_logits(ours), our_logits(theirs))
 

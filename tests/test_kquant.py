@@ -20,7 +20,7 @@ from moestream.kernels.dense import QuantWeight
 from moestream.kernels.ref import dequantize, dequantize_rows, qlinear_ref
 from moestream.loader import load_model
 from moestream.quant import KQUANT_BYTES, RecordLayout, make_scheme, quantize, tensor_width
-from moestream.store.format import VERSION, Store
+from moestream.store.format import MIXED_VERSION, VERSION, Store
 
 KINDS = tuple(KQUANT_BYTES)
 
@@ -107,7 +107,7 @@ def test_kquant_gguf_is_kept_exactly(kq, kind, tmp_path, capsys):
     assert s.scheme == make_scheme(scheme) and s.manifest["version"] == VERSION
     assert f"9 {kind} expert tensor(s): kept exactly as {scheme} (same values)" in err
     assert "1 Q6_K dense tensor(s): kept exactly as q6_k (same values)" in err
-    assert_records_are(s, stored, 256)
+    assert_records_are(s, stored)
     for name, t in DENSE_K.items():
         assert s.dense_scheme(name) == make_scheme(t.lower())
         sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
@@ -138,21 +138,213 @@ def test_kquant_store_streams_the_resident_tokens_and_refuses_the_gpu(kq, capsys
         load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
 
 
-def test_mixed_kquant_experts_are_requantized_and_kquant_refused(tmp_path, capsys):
-    """A Q4_K_M-style file (Q4_K gate/up, Q6_K down) needs two schemes per record: requantized
-    to int4 by default and said; `--quant q4_k` on it, or on a Hugging Face folder, is refused
-    (exit 2, one line with the fix) before anything is written."""
+# Q4_K_M as llama-quantize picks it: Q4_K gate/up, down Q6_K on some layers and Q4_K on others;
+# and a Q8_0 layer beside them.
+MIXED = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q4_K"), 2: ("Q8_0", "Q8_0", "Q8_0")}
+MIXED_SCHEMES = {0: ("q4_k", "q6_k"), 1: ("q4_k", "q4_k"), 2: ("int8", "int8")}
+
+
+@pytest.fixture(scope="module")
+def mixed(tmp_path_factory):
+    """(HF folder, the MIXED GGUF, values stored, its default store, convert's stderr)."""
+    import contextlib
+    import io
+
+    root = tmp_path_factory.mktemp("gguf-mixed")
+    hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), root / "hf", "per_expert")
+    path = root / "m.gguf"
+    stored = write_gguf(hf, path, MIXED, dense_type="Q8_0")  # kept int8: native q/k/v and o
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        store = convert(path, root / "store", source_scheme(path, None), False)
+    return hf, path, stored, store, err.getvalue()
+
+
+def test_mixed_kquant_gguf_is_kept_exactly(mixed, tmp_path):
+    """Each projection keeps its own type byte for byte (per-layer record layouts, manifest
+    version 5), convert says so per type, and the logits are transformers' on the file's values."""
+    hf, _, stored, store, err = mixed
+    s = Store(store)
+    assert s.manifest["version"] == MIXED_VERSION and "record" not in s.manifest
+    assert s.mixed and s.quant_name == "q4_k+q6_k+int8"
+    assert_records_are(s, stored, MIXED_SCHEMES)
+    assert "5 Q4_K expert tensor(s): kept exactly as q4_k (same values)" in err
+    assert "1 Q6_K expert tensor(s): kept exactly as q6_k (same values)" in err
+    assert "3 Q8_0 expert tensor(s): kept exactly as int8 (same values)" in err
+    assert "requantized" not in err
+    # Records differ in size (Q6_K down > Q4_K down; Q8_0 the largest): slots hold the largest.
+    sizes = {layer: lay.size for layer, lay in s.layouts.items()}
+    assert s.slot_size == sizes[2] == max(sizes.values()) and sizes[0] > sizes[1]
+    assert s.expert_bytes == s.args.num_experts * sum(sizes.values())
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+def test_mixed_record_native_kernel_is_the_spec(mixed):
+    """A record of q4_k w13 and q6_k w2: each projection is the spec's bits, the layer op within
+    the spec's rounding, the same on every ISA."""
+    from moestream.kernels import native
+    from moestream.kernels.ref import moe_q8_ref, qlinear_q8
+
+    if not native.available():
+        pytest.skip("native kernels did not build here")
+    s = Store(mixed[3])
+    lay = s.layouts[0]
+    secs = [lay.views(torch.frombuffer(bytearray(s.read_record(0, e)), dtype=torch.uint8))
+            for e in (1, 4)]  # fmt: skip
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(2, 256, generator=g), torch.rand(2, 2, generator=g)
+    isas = ["scalar"] + (["avx2"] if native.best_isa() == "avx2" else [])
+    for isa in isas:
+        for name in ("w13", "w2"):
+            assert torch.equal(native.linear(x, secs[0], name, isa), qlinear_q8(x, secs[0], name))
+    got = [native.moe(x, secs, w, isa) for isa in isas]
+    assert all(torch.equal(y, got[0]) for y in got)
+    want = moe_q8_ref(x, secs, w)
+    assert ((got[0] - want).abs().max() / want.abs().max()).item() <= 1e-3
+
+
+def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys):
+    """Streamed at the minimum budget (slots of the largest record) a mixed store gives the
+    resident greedy tokens and prompt logits bit for bit on the native kernels; the decode step
+    of one native call declines it (its layers' schemes differ) and the per-module path decodes;
+    the GPU provider refuses it with the fix."""
+    from moestream.engine import native_step
+    from moestream.experts.config import GpuConfig
+
+    store = mixed[3]
+    loaded = load_model(store, StreamConfig(resident=True))
+    assert loaded.provider.native  # the layer op, not the torch fallback
+    assert "layer 1: its expert records' schemes differ" in native_step.why_not(loaded.model)
+    loaded.provider.close()
+    want = our_logits(store, StreamConfig(resident=True))
+    s = Store(store)
+    budget, k = min_budget(s), s.args.num_experts_per_tok
+    assert budget == k * s.slot_size  # k slots of the largest record
+    streamed = load_model(store, StreamConfig(memory_budget=budget))
+    assert streamed.provider.n_slots == k
+    streamed.provider.close()
+    assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=budget)))
+    args = ["generate", "-m", str(store), "-p", "def fib", "-n", "8", "--ignore-eos"]
+    assert main([*args, "--resident"]) == 0
+    resident = capsys.readouterr().out
+    assert main([*args, "--memory-budget", str(budget)]) == 0
+    assert capsys.readouterr().out == resident and resident.strip()
+    with pytest.raises(ConfigError, match="mixed expert schemes.*--quant int4"):
+        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+
+
+def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys):
+    """gate and up of different types cannot share the w13 section: that layer's w13 alone is
+    requantized (said), its down and the other layers kept; `--quant int4` puts every expert in
+    int4 (a version-4 store, the GPU's fix); `--quant q4_k` on it, or on a Hugging Face folder,
+    is refused (exit 2, one line with the fix) before anything is written."""
     hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), tmp_path / "hf", "per_expert")
     path = tmp_path / "m.gguf"
-    write_gguf(hf, path, {layer: ("Q4_K", "Q4_K", "Q6_K") for layer in range(3)})
+    types = {0: ("Q4_K", "Q5_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q6_K"), 2: ("Q4_K",) * 3}
+    stored = write_gguf(hf, path, types)
     capsys.readouterr()
     assert main(["convert", str(path), str(tmp_path / "s")]) == 0
     err = capsys.readouterr().err
-    assert Store(tmp_path / "s").scheme.name == "int4"
-    assert "6 Q4_K expert tensor(s): dequantized and requantized to int4" in err
-    assert "3 Q6_K expert tensor(s): dequantized and requantized to int4" in err
+    s = Store(tmp_path / "s")
+    assert s.scheme.name == "int4"  # what requantized projections go into
+    assert [tuple(x.name for x in s.layouts[i].schemes) for i in range(3)] == [
+        ("int4", "q6_k"), ("q4_k", "q6_k"), ("q4_k", "q4_k")]  # fmt: skip
+    assert "layer 0: gate Q4_K and up Q5_K differ" in err and "requantized to int4" in err
+    assert "1 Q4_K expert tensor(s): dequantized and requantized to int4" in err
+    assert "5 Q4_K expert tensor(s): kept exactly as q4_k" in err
+    assert "2 Q6_K expert tensor(s): kept exactly as q6_k" in err
+    assert "1 Q5_K expert tensor(s): dequantized and requantized to int4" in err
+    assert_records_are(s, stored, layers=[1, 2])
+    sec = s.layouts[0].views(torch.frombuffer(bytearray(s.read_record(0, 3)), dtype=torch.uint8))
+    name = "model.layers.0.mlp.experts.3.{}_proj.weight".format
+    assert torch.equal(dequantize(sec, "w2", 256, torch.float32), stored[name("down")])
+    w13 = torch.cat([stored[name("gate")], stored[name("up")]])  # int4 of the file's values
+    assert all(torch.equal(sec[f"w13.{k}"], v) for k, v in quantize(s.scheme, w13).items())
+    assert main(["convert", str(path), str(tmp_path / "i4"), "--quant", "int4"]) == 0
+    s4 = Store(tmp_path / "i4")
+    assert not s4.mixed and s4.manifest["version"] == VERSION and "records" not in s4.manifest
+    assert "6 Q4_K expert tensor(s): dequantized and requantized to int4" in capsys.readouterr().err
     for src in (path, hf):
         assert main(["convert", str(src), str(tmp_path / "k"), "--quant", "q4_k"]) == 2
         err = capsys.readouterr().err
         assert "does not quantize into q4_k" in err and "--quant int4" in err
         assert "Traceback" not in err and not (tmp_path / "k").exists()
+
+
+@pytest.mark.parametrize(
+    "edit,match",
+    [
+        (lambda m: m["records"]["0"]["schemes"][1].update(name="q4_k"), "layer 0's record layout"),
+        (lambda m: m["records"]["1"]["schemes"][0].update(name="q9_k"), "schemes this moestream"),
+        (lambda m: m["records"].pop("2"), r"record layouts for layers \[0, 1\]"),
+        (lambda m: m.pop("records"), "'record' is missing"),
+        (lambda m: m.update(version=6), "version 6"),
+        (lambda m: m.update(version=4), "in a version 4 manifest"),
+    ],
+)
+def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
+    """A version-5 manifest whose per-layer layouts were edited: one line naming it, ending in
+    'convert again' (a relabelled scheme would misread every record of the layer)."""
+    import json
+    import shutil
+
+    from moestream.store.format import StoreError
+
+    store = shutil.copytree(mixed[3], tmp_path / "s")
+    m = json.loads((store / "manifest.json").read_text())
+    edit(m)
+    (store / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match=f"{match}.*convert"):
+        Store(store)
+
+
+def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
+    """Q4_K gate/up and Q6_K down in every layer (one layout, two schemes per record): the one-call
+    decode step qualifies and gives the per-module path's logits and caches bit for bit."""
+    from test_native_step import _decode
+
+    from moestream.engine import native_step
+    from moestream.kernels import native
+
+    if not native.available():
+        pytest.skip("native kernels did not build here")
+    hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), tmp_path / "hf", "per_expert")
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, dict.fromkeys(range(3), ("Q4_K", "Q4_K", "Q6_K")), dense_type="Q8_0")
+    store = convert(path, tmp_path / "s", source_scheme(path, None), False)
+    s = Store(store)
+    assert s.mixed and s.manifest["version"] == MIXED_VERSION and s.layout.mixed
+    loaded = load_model(store, StreamConfig(resident=True))
+    assert native_step.why_not(loaded.model) is None
+    want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
+    got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
+    assert loaded.model._decode_step  # built, not declined
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    loaded.provider.close()
+
+
+def test_mixed_store_bytes_are_each_records_own(mixed, tmp_path):
+    """Streaming a mixed store: the bytes read are each record's own size (not the slot's), and a
+    router trace's replay (slots of the largest record, per-layer record sizes) gives the
+    engine's hits, misses and bytes."""
+    from moestream.config import SamplingConfig
+    from moestream.obs.simulate import simulate
+    from moestream.obs.trace import load_trace, record_trace
+    from moestream.runtime import open_model
+    from moestream.store.io import IOConfig
+
+    s = Store(mixed[3])
+    io = IOConfig(mode="pagecache", threads=1)
+    cfg = StreamConfig(memory_budget=3 * s.slot_size, io=io, policy="lru")
+    with open_model(mixed[3], experts=cfg) as rt:
+        sampling = SamplingConfig(max_new_tokens=6, ignore_eos=True)
+        t = load_trace(record_trace(rt, ["def fib(n):", "return n"], sampling, tmp_path / "tr"))
+        engine = rt.generator.provider.stats()
+    sizes = {layer: lay.size for layer, lay in s.layouts.items()}
+    assert t.model.expert_bytes == s.slot_size and t.model.layer_bytes() == sizes
+    sim = simulate(t, "lru", 3, t.model.expert_bytes, record_bytes=t.model.layer_bytes())
+    assert (sim.hits, sim.misses, sim.bytes_read) == (
+        engine["hits"], engine["misses"], engine["bytes_read"])  # fmt: skip
+    assert engine["bytes_read"] < engine["misses"] * s.slot_size  # smaller records read less

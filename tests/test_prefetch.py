@@ -156,10 +156,10 @@ def test_resident_experts_compute_while_the_misses_are_read(store, tokens):
     events, gate = [], threading.Event()
     ffn, read_part = p._ffn, p.res.reader._read_part
 
-    def traced_ffn(xx, sec):
+    def traced_ffn(layer, xx, sec):
         events.append("ffn")
         gate.set()  # the miss may be read only once an expert has been computed
-        return ffn(xx, sec)
+        return ffn(layer, xx, sec)
 
     def gated_read(layer, e, slot, start):
         gate.wait(10)  # without the overlap nothing sets the gate: the test fails, not hangs
@@ -204,7 +204,7 @@ def test_without_overlap_the_layer_reads_then_computes(store):
     w = torch.tensor([[0.3, 0.7]])
     p.experts(0, x, torch.tensor([[1, 2]]), w)
     events, ffn, read_part = [], p._ffn, p.res.reader._read_part
-    p._ffn = lambda xx, sec: events.append("ffn") or ffn(xx, sec)
+    p._ffn = lambda layer, xx, sec: events.append("ffn") or ffn(layer, xx, sec)
     p.res.reader._read_part = lambda *a: events.append("read") or read_part(*a)
     ids = torch.tensor([[3, 1]])
     assert torch.equal(p.experts(0, x, ids, w), ref.experts(0, x, ids, w))

@@ -156,7 +156,7 @@ def test_damaged_record_names_layer_and_expert(stores, tmp_path):
     folder = tmp_path / "s"
     shutil.copytree(stores("qwen3_moe"), folder)
     store = Store(folder)
-    _corrupt(store.path(2), store.offset(5) + 100)
+    _corrupt(store.path(2), store.offset(2, 5) + 100)
     loaded = load_model(folder, StreamConfig(memory_budget=1 << 20))
     p = loaded.provider
     x = torch.randn(1, loaded.args.hidden_size)
@@ -173,7 +173,7 @@ def test_truncated_store_names_layer_and_expert(stores, tmp_path):
     folder = tmp_path / "s"
     shutil.copytree(stores("qwen3_moe"), folder)
     store = Store(folder)
-    os.truncate(store.path(0), store.offset(6) + 10)
+    os.truncate(store.path(0), store.offset(0, 6) + 10)
     with pytest.raises(StoreError, match="layer 0 expert 6 .*cut off"):
         Store(folder)
 

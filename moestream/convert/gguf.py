@@ -5,9 +5,11 @@ Face naming), `tensor(name)`, `expert(layer, e)`, plus the files a store needs (
 tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's architecture and
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
 it. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
-Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense weights (`dense_sections`) alike; other expert
-types are dequantized and requantized, and `conversion_notes` says so per type; other dense
-types are dequantized (F32/F16/BF16 kept as they are).
+Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
+weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
+its own type (`record_layouts`: per layer, w13's and w2's scheme), so mixed files (Q4_K_M) stay
+exact. Other expert types are dequantized and requantized, and `conversion_notes` says so per
+type; other dense types are dequantized (F32/F16/BF16 kept as they are).
 """
 
 from __future__ import annotations
@@ -26,7 +28,14 @@ import torch
 from moestream.config import ConfigError, ModelArgs
 from moestream.errors import CheckpointError
 from moestream.models import model_args_from_dict
-from moestream.quant import KQUANT_BYTES, QuantScheme, RecordLayout, make_scheme, quantize
+from moestream.quant import (
+    KQUANT_BYTES,
+    ExpertQuant,
+    QuantScheme,
+    RecordLayout,
+    make_scheme,
+    quantize,
+)
 
 MAGIC = b"GGUF"
 _SPLIT = re.compile(r"^(?P<stem>.*)-(?P<no>\d{5})-of-(?P<n>\d{5})\.gguf$")
@@ -442,10 +451,33 @@ class GGUFCheckpoint:
         """The experts' blocks are `scheme` exactly (EXACT)."""
         return all(_is_exact(self.expert_type(layer, r), scheme) for r in roles)
 
+    def record_layouts(self, experts: ExpertQuant) -> dict[int, RecordLayout]:
+        """MoE layer -> its record layout: per projection the scheme its blocks are kept in, or
+        `experts.scheme` for what is requantized (gate and up form one section, w13: kept only
+        when they share a type)."""
+        a, out = self.args, {}
+        for layer in a.moe_layer_ids:
+            w13, w2 = (self._kept_as(experts, layer, roles) for _, roles in _PROJECTIONS)
+            out[layer] = RecordLayout.build(
+                w13, a.hidden_size, a.moe_intermediate_size, a.expert_bias, w2=w2
+            )
+        return out
+
+    def _kept_as(self, experts: ExpertQuant, layer: int, roles: tuple[str, ...]) -> QuantScheme:
+        """The scheme one projection is stored in: its own type's (EXACT) where kept, else
+        `experts.scheme` (requantized)."""
+        kinds = {self.expert_type(layer, r) for r in roles}
+        if len(kinds) == 1 and (kind := kinds.pop()) in EXACT:
+            own = make_scheme(EXACT[kind])
+            if experts.keep_source or own == experts.scheme:
+                return own
+        return experts.scheme
+
     def expert_sections(self, layout: RecordLayout, layer: int, e: int) -> dict[str, torch.Tensor]:
         """Section tensors of one expert record: exact blocks copied, others requantized."""
-        scheme, out = layout.scheme, {}
-        for name, roles in (("w13", ("gate", "up")), ("w2", ("down",))):
+        out = {}
+        for name, roles in _PROJECTIONS:
+            scheme = layout.scheme_of(name)
             if self._exact(scheme, layer, roles):
                 parts = [self._tensors[self._experts[layer][r]] for r in roles]
                 blocks = [_sections(t.tensor_type.name, t.data[e], scheme.name) for t in parts]
@@ -489,8 +521,8 @@ class GGUFCheckpoint:
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
         """The experts' own scheme when every expert tensor has one type a scheme holds exactly
         (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
-        per weight, else int4. A record holds one scheme, so mixed types (a Q4_K_M file's Q4_K
-        and Q6_K expert tensors) are requantized."""
+        per weight, else int4: the scheme of the store, and of what convert requantizes (the
+        other types kept, `ExpertQuant.keep_source`)."""
         types = set(self.expert_type_counts())
         if len(types) == 1 and (kind := types.pop()) in EXACT:
             return make_scheme(EXACT[kind], group_size)
@@ -502,16 +534,29 @@ class GGUFCheckpoint:
         ]
         return make_scheme("int8" if min(bits) >= _INT8_BITS else "int4", group_size)
 
-    def conversion_notes(self, scheme: QuantScheme) -> list[str]:
-        """One line per expert tensor type: kept exactly, or dequantized and requantized (the
-        writer says what it did to the dense tensors)."""
-        lines = []
-        for kind, n in sorted(self.expert_type_counts().items()):
+    def conversion_notes(self, layouts: dict[int, RecordLayout], keep: bool) -> list[str]:
+        """One line per expert tensor type and outcome: kept exactly, or dequantized and
+        requantized; with `keep` (ExpertQuant.keep_source) one per layer whose gate and up types
+        differ, so that w13 could not keep either (the writer says what it did to the dense
+        tensors)."""
+        done, lines = Counter(), []
+        for layer, layout in sorted(layouts.items()):
+            for name, roles in _PROJECTIONS:
+                scheme, kinds = layout.scheme_of(name), [self.expert_type(layer, r) for r in roles]
+                kept = all(_is_exact(k, scheme) for k in kinds)
+                for kind in kinds:
+                    done[kind, not kept, scheme] += 1
+                if keep and len(set(kinds)) > 1 and all(k in EXACT for k in kinds):
+                    lines.append(
+                        f"layer {layer}: gate {kinds[0]} and up {kinds[1]} differ (one w13 "
+                        f"section holds both): that layer's w13 requantized to {scheme.name}"
+                    )
+        for (kind, lossy, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
             what = (
-                f"kept exactly as {scheme.name} (same values)"
-                if _is_exact(kind, scheme)
-                else f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
+                f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
                 "a second rounding; measure with `moestream eval`)"
+                if lossy
+                else f"kept exactly as {scheme.name} (same values)"
             )
             lines.append(f"{n} {kind} expert tensor(s): {what}")
         return lines
@@ -521,6 +566,9 @@ class GGUFCheckpoint:
         (out / "config.json").write_text(json.dumps(self.config, indent=1))
         (out / "tokenizer.json").write_text(self.tokenizer_json)
         (out / "tokenizer_config.json").write_text(json.dumps(self.tokenizer_config, indent=1))
+
+
+_PROJECTIONS = (("w13", ("gate", "up")), ("w2", ("down",)))  # record section <- GGUF roles
 
 
 def _is_exact(kind: str, scheme: QuantScheme) -> bool:

@@ -41,8 +41,10 @@ from moestream.errors import TokenizerError
 from moestream.models import checkpoint_renamer, model_module
 from moestream.quant import (
     DenseQuant,
+    ExpertQuant,
     QuantScheme,
     RecordLayout,
+    expert_quant,
     is_kquant,
     kquant_source_error,
     make_dense,
@@ -57,26 +59,30 @@ from moestream.store.format import (
     DENSE_FILE,
     FORMAT,
     MANIFEST,
+    MIXED_VERSION,
     VERSION,
     crc32,
     dtype_name,
     expert_file,
     file_checksums,
     is_store,
+    layout_json,
     tensor_crc,
 )
 
 Checkpoint = HFCheckpoint | GGUFCheckpoint
 
 
-def source_scheme(src: str | Path, quant: str | None, group_size: int = 32) -> QuantScheme:
-    """`--quant` if given, else the source's default: bf16 for a Hugging Face folder (lossless
-    for bf16 weights); for a GGUF, int8 when every expert tensor has >= 8 bits, else int4."""
+def source_scheme(src: str | Path, quant: str | None, group_size: int = 32) -> ExpertQuant:
+    """`--quant` if given (every expert in that scheme), else the source's default: bf16 for a
+    Hugging Face folder (lossless for bf16 weights); for a GGUF, every expert projection whose
+    blocks a scheme holds kept in it, the rest requantized into `default_scheme` (int8 when
+    every expert tensor has >= 8 bits, else int4)."""
     if quant is not None:
-        return make_scheme(quant, group_size)
+        return ExpertQuant(make_scheme(quant, group_size))
     if is_gguf(src):
-        return GGUFCheckpoint(src).default_scheme(group_size)
-    return make_scheme("bf16", group_size)
+        return ExpertQuant(GGUFCheckpoint(src).default_scheme(group_size), keep_source=True)
+    return ExpertQuant(make_scheme("bf16", group_size))
 
 
 def source_fingerprint(folder: str | Path) -> str:
@@ -95,15 +101,17 @@ def source_fingerprint(folder: str | Path) -> str:
 def convert(
     src: str | Path,
     dst: str | Path,
-    scheme: QuantScheme,
+    scheme: QuantScheme | ExpertQuant,
     progress: bool = True,
     dense: DenseQuant | None = None,
     reuse: bool = False,
 ) -> Path:
     """Write the store for src into dst (which must not exist; with `reuse`, a store already there
-    is returned as it is). Returns dst. `dense`: how the non-expert weights are stored (default:
-    `make_dense("auto", scheme)`, the --quant format)."""
-    dense = make_dense("auto", scheme) if dense is None else dense
+    is returned as it is). Returns dst. `scheme`: the experts' (a plain scheme: every expert in
+    it). `dense`: how the non-expert weights are stored (default: `make_dense("auto", scheme)`,
+    the --quant format)."""
+    scheme = expert_quant(scheme)
+    dense = make_dense("auto", scheme.scheme) if dense is None else dense
     src, dst = Path(src), Path(dst)
     _check_destination(dst)
     if os.path.lexists(dst) and not reuse:
@@ -140,24 +148,35 @@ def _os_error_text(dst: Path, e: OSError) -> str:
     return f"converting into {dst} failed: {e.strerror or e}{where}; {fix}, then convert again"
 
 
-def _write_store(
-    src: Path, tmp: Path, scheme: QuantScheme, dense: DenseQuant, progress: bool
-) -> None:
+def _write_store(src: Path, tmp: Path, eq: ExpertQuant, dense: DenseQuant, progress: bool) -> None:
     ckpt = GGUFCheckpoint(src) if is_gguf(src) else HFCheckpoint(src)
+    scheme = eq.scheme
     _check_kquant_source(ckpt, scheme)
     a = ckpt.args
     layout = RecordLayout.build(scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias)
+    layouts = (
+        ckpt.record_layouts(eq)
+        if isinstance(ckpt, GGUFCheckpoint)
+        else dict.fromkeys(a.moe_layer_ids, layout)
+    )
     tmp.mkdir()
     crcs, dtypes, shapes, formats = _write_dense(ckpt, tmp, dense)
-    experts = _write_experts(ckpt, layout, tmp, progress)
+    experts = _write_experts(ckpt, layouts, tmp, progress, eq.keep_source)
     _write_files(ckpt, src, tmp)
+    # One layout for every layer: version 4's "record" (as before); else each layer's own.
+    uniform = all(lay == layout for lay in layouts.values())
+    records = (
+        {"record": layout.to_json()}
+        if uniform
+        else {"records": {str(layer): layout_json(lay) for layer, lay in layouts.items()}}
+    )
     manifest = {
         "format": FORMAT,
-        "version": VERSION,
+        "version": VERSION if uniform and not _uses_q8_0(layouts, formats) else MIXED_VERSION,
         "model_type": a.model_type,
         "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
         "quant": scheme.to_json(),
-        "record": layout.to_json(),
+        **records,
         "dense_quant": dense.to_json(),
         "dense_formats": formats,
         "dense": crcs,
@@ -361,14 +380,15 @@ def _dense_roles(ckpt: Checkpoint) -> dict[str, str]:
 
 
 def _write_experts(
-    ckpt: Checkpoint, layout: RecordLayout, out: Path, progress: bool
+    ckpt: Checkpoint, layouts: dict[int, RecordLayout], out: Path, progress: bool, keep: bool
 ) -> dict[int, list[int]]:
     a = ckpt.args
     total = len(a.moe_layer_ids) * a.num_experts
-    desc = f"converting experts ({layout.scheme.name})"
+    names = "+".join(dict.fromkeys(s.name for lay in layouts.values() for s in lay.schemes))
+    desc = f"converting experts ({names})"
     if isinstance(ckpt, GGUFCheckpoint):
         # Said every time: what happens to each GGUF type (kept exactly or requantized).
-        for line in ckpt.conversion_notes(layout.scheme):
+        for line in ckpt.conversion_notes(layouts, keep):
             print(f"moestream: {line}", file=sys.stderr)
     crcs: dict[int, list[int]] = {}
     # `with`: a failing expert closes the bar before the error line is printed.
@@ -377,7 +397,7 @@ def _write_experts(
             crcs[layer] = []
             with open(out / expert_file(layer), "wb") as f:
                 for e in range(a.num_experts):
-                    rec = _expert_record(ckpt, layout, layer, e)
+                    rec = _expert_record(ckpt, layouts[layer], layer, e)
                     crcs[layer].append(crc32(rec))
                     f.write(rec)
                     bar.update()
@@ -402,3 +422,10 @@ def _fsync_dir(folder: Path) -> None:
     for p in folder.iterdir():
         with open(p, "rb") as f:
             os.fsync(f.fileno())
+
+
+def _uses_q8_0(layouts: dict, formats: dict) -> bool:
+    """A q8_0 expert projection or dense tensor: a scheme version 4 readers do not know."""
+    names = {s.name for lay in layouts.values() for s in lay.schemes}
+    names |= {f["scheme"]["name"] for f in formats.values()}
+    return "q8_0" in names

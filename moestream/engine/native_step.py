@@ -30,7 +30,7 @@ def why_not(model) -> str | None:
         return "the native kernels did not build"
     if type(model).forward is not MoeCausalLM.forward:
         return f"{type(model).__name__} has its own forward"
-    tables = None
+    tables, kinds = None, None
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not DecoderLayer:
             return f"layer {i} is not a plain decoder layer"
@@ -49,7 +49,17 @@ def why_not(model) -> str | None:
                 )
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
+        # DecodeStep takes one record scheme for all layers; a kept Q4_K_M store's differ.
+        here = _record_kinds(tables[mlp.layer])
+        if kinds is not None and here != kinds:
+            return f"layer {i}: its expert records' schemes differ from an earlier layer's"
+        kinds = here
     return None
+
+
+def _record_kinds(table: dict[int, list]) -> list[tuple]:
+    """The dtype and shape of each of a layer's record tensors (what tells the C++ its scheme)."""
+    return [(t.dtype, tuple(t.shape)) for t in next(iter(table.values()))]
 
 
 def _native_quant(p) -> bool:

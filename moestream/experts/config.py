@@ -212,8 +212,9 @@ ExpertsConfig = StreamConfig | GpuConfig
 
 
 def min_budget(store: Store) -> int:
-    """The smallest legal budget: the top-k experts of one layer."""
-    return store.args.num_experts_per_tok * store.layout.size
+    """The smallest legal budget: the top-k experts of one layer, each in a slot (a slot holds
+    the store's largest record: `Store.slot_size`)."""
+    return store.args.num_experts_per_tok * store.slot_size
 
 
 def slot_count(store: Store, cfg: ExpertsConfig) -> int:
@@ -232,17 +233,19 @@ def slot_count(store: Store, cfg: ExpertsConfig) -> int:
         if isinstance(cfg, GpuConfig)
         else (cfg.memory_budget, "--memory-budget")
     )
-    # A fraction is of the model's expert bytes, known only now that the store is.
-    budget = given.resolve(total * store.layout.size) if isinstance(given, Budget) else given
+    # A fraction is of the model's expert slots' bytes (every record in a slot of the largest
+    # record's size), known only now that the store is.
+    size = store.slot_size
+    budget = given.resolve(total * size) if isinstance(given, Budget) else given
     least = min_budget(store)
     if budget < least:
         shown = f"{given} = {budget}" if isinstance(given, Budget) and given.fraction else budget
         raise ConfigError(
             f"{flag} {shown} bytes is below the minimum {least} bytes "
             f"({least / 2**20:.2f} MiB = top-k {store.args.num_experts_per_tok} "
-            f"experts x {store.layout.size} bytes per record); raise the budget"
+            f"experts x {size} bytes per record slot); raise the budget"
         )
-    return min(budget // store.layout.size, total)
+    return min(budget // size, total)
 
 
 def check_shard(store: Store, shard: Shard) -> None:

@@ -51,6 +51,12 @@ class PinnedPool:
 
 def check_scheme(store: Store) -> None:
     """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read."""
+    if store.mixed:
+        raise ConfigError(
+            f"{store.folder} holds mixed expert schemes ({store.quant_name}: a GGUF's blocks kept "
+            "per tensor), which the GPU kernels do not read (one scheme per pool); run it on the "
+            "CPU, or convert the model with --quant int4 (or int8) for the GPU"
+        )
     name = store.scheme.name
     if name not in SCHEMES:
         raise ConfigError(

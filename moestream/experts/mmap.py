@@ -48,7 +48,7 @@ class MmapExperts(StoreExperts):
         return torch.frombuffer(mm, dtype=torch.uint8)
 
     def describe(self) -> dict:
-        return {"experts": "mmap", "quant": self.store.scheme.name, "kernel": self.cfg.kernel}
+        return {"experts": "mmap", "quant": self.store.quant_name, "kernel": self.cfg.kernel}
 
     def _capacity(self) -> int:
         return self.store.args.num_experts
@@ -63,7 +63,7 @@ class MmapExperts(StoreExperts):
         stamp = _stamp(self._files[layer].fileno())
         if stamp == self._stamps[layer]:
             return
-        need = len(self.store.crc[layer]) * self.store.layout.size
+        need = len(self.store.crc[layer]) * self.store.layouts[layer].size
         if stamp[0] < need:
             raise StoreError(
                 f"{self.store.path(layer)} was truncated while the model ran ({stamp[0]} of "
@@ -74,7 +74,7 @@ class MmapExperts(StoreExperts):
         self._stamps[layer] = stamp
 
     def _record(self, layer: int, e: int) -> torch.Tensor:
-        size = self.store.layout.size
+        size = self.store.layouts[layer].size
         return self._maps[layer][e * size : (e + 1) * size]
 
     def _mapped(self, layer: int, e: int) -> dict:
@@ -85,13 +85,14 @@ class MmapExperts(StoreExperts):
                 self.store.check_record(layer, e, rec.numpy())  # faults the pages in
             self._io += time.perf_counter() - t0
             self._touched[layer].add(e)
-        return self.store.layout.views(rec)
+        return self.store.layouts[layer].views(rec)
 
     def stats(self) -> dict:
         n = sum(len(t) for t in self._touched.values())  # the OS may re-read dropped pages unseen
+        nbytes = sum(len(t) * self.store.layouts[layer].size for layer, t in self._touched.items())
         return {
-            "bytes_read": n * self.store.layout.size,
-            "demand_bytes_read": n * self.store.layout.size,
+            "bytes_read": nbytes,
+            "demand_bytes_read": nbytes,
             "hits": 0,
             "misses": n,
             "evictions": 0,

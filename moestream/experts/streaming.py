@@ -35,14 +35,16 @@ class StoreExperts(ExpertProvider):
 
     def __init__(self, store: Store, cfg: StreamConfig):
         self.store, self.cfg = store, cfg
-        self.g = store.scheme.group_size
+        self.groups = {layer: lay.groups for layer, lay in store.layouts.items()}  # (w13, w2)
         self.act = ExpertActivation.from_args(store.args)
-        # kernel "native": the C++ layer op where it reads this store's records (int4/int8, plain
-        # SwiGLU, no biases) and it built; otherwise, and for "cpu"/"ref", the torch kernels.
-        bias = any(sec.name.startswith("b") for sec in store.layout.sections)
+        # kernel "native": the C++ layer op where it reads this store's records (int4/int8/q4_0,
+        # K-quants, each projection its own; plain SwiGLU, no biases) and it built; otherwise,
+        # and for "cpu"/"ref", the torch kernels.
+        layouts = store.layouts.values()
+        bias = any(sec.name.startswith("b") for lay in layouts for sec in lay.sections)
         self.native = (
             cfg.kernel == "native"
-            and native.supports(store.scheme)
+            and all(native.supports(s) for lay in layouts for s in lay.schemes)
             and self.act is None
             and not bias
             and native.available()
@@ -82,7 +84,7 @@ class StoreExperts(ExpertProvider):
         if self.native and self.layer_op:  # the token's experts added inside in ascending id
             secs = self._resident_run(layer, experts, lambda i, sec: sec)
             return self._native_moe(x, secs, weights, [k for _, k in order]).to(x.dtype)
-        ys = self._resident_run(layer, experts, lambda i, sec: self._ffn(x, sec))
+        ys = self._resident_run(layer, experts, lambda i, sec: self._ffn(layer, x, sec))
         if self.native:  # the layer op's combine: out + w * y in fp32, one cast at the end
             out = torch.zeros(x.shape)
             for (_, k), y in zip(order, ys):
@@ -93,12 +95,12 @@ class StoreExperts(ExpertProvider):
             out += (y * weights[:, k : k + 1]).to(x.dtype)
         return out
 
-    def _ffn(self, x: torch.Tensor, sec: dict) -> torch.Tensor:
+    def _ffn(self, layer: int, x: torch.Tensor, sec: dict) -> torch.Tensor:
         """One expert over x [T, D] -> [T, D] (native: fp32, exactly the layer op's expert term)."""
         if self.native:
             return self._native_moe(x, [sec], torch.ones(x.shape[0], 1))
         t0 = time.perf_counter()
-        y = expert_ffn_q(x, sec, self.g, self.linear, self.act)
+        y = expert_ffn_q(x, sec, self.groups[layer], self.linear, self.act)
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -129,7 +131,7 @@ class StoreExperts(ExpertProvider):
             def run(i, sec, chunk=chunk, done=done):
                 nonlocal nxt
                 _, t, s = chunk[i]
-                done[i] = self._ffn(x[t], sec) * weights[t, s, None]
+                done[i] = self._ffn(layer, x[t], sec) * weights[t, s, None]
                 while nxt in done:  # add in id order as soon as it allows: outputs freed early
                     out.index_add_(0, chunk[nxt][1], done.pop(nxt).to(out.dtype))
                     nxt += 1
@@ -169,7 +171,7 @@ class StoreExperts(ExpertProvider):
 
             def run(i, sec, c=c, chunk=chunk):
                 _, t, s = chunk[i]
-                rows[c + i] = self._ffn(x[t], sec) * weights[t, s, None]
+                rows[c + i] = self._ffn(layer, x[t], sec) * weights[t, s, None]
 
             self._resident_run(layer, [e for e, _, _ in chunk], run)
         if not rows:
@@ -211,7 +213,7 @@ class StreamingExperts(StoreExperts, Prefetcher):
             self._fixed = {}
             for layer in sorted(store.crc):
                 slots = self.res.settle(self.res.begin(layer, mine))
-                self._fixed[layer] = {e: self.res.views(s) for e, s in zip(mine, slots)}
+                self._fixed[layer] = {e: self.res.views(layer, s) for e, s in zip(mine, slots)}
             if self.native and cfg.shard is None:  # (a shard's pairs go through terms())
                 self._flat = {
                     layer: {e: native.record_tensors(v) for e, v in views.items()}
@@ -235,9 +237,9 @@ class StreamingExperts(StoreExperts, Prefetcher):
             E if self.cfg.shard is None else len(self.cfg.shard.experts(E))
         )
         d = {"experts": "resident" if self.cfg.resident else "slot cache",
-             "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
+             "quant": self.store.quant_name, "kernel": self.cfg.kernel}  # fmt: skip
         if not self.cfg.resident:
-            d.update(cache_bytes=self.n_slots * self.store.layout.size, cache_slots=self.n_slots,
+            d.update(cache_bytes=self.n_slots * self.store.slot_size, cache_slots=self.n_slots,
                      cache_fraction=self.n_slots / total, policy=self.cfg.policy,
                      io=self.cfg.io.mode)  # fmt: skip
         return d
@@ -257,7 +259,7 @@ class StreamingExperts(StoreExperts, Prefetcher):
             return [run(i, views[e]) for i, e in enumerate(experts)]
         req = res.begin(layer, experts)
         if not self.cfg.overlap:  # read, then compute
-            return [run(i, res.views(slot)) for i, slot in enumerate(res.settle(req))]
+            return [run(i, res.views(layer, slot)) for i, slot in enumerate(res.settle(req))]
         waiting = res.pending_reads(req)
         ys: list = [None] * len(experts)
         ran = [False] * len(experts)
@@ -271,12 +273,12 @@ class StreamingExperts(StoreExperts, Prefetcher):
                 if not res.landed(waiting[experts[i]]):
                     break  # the read failed: settle reads it again or raises
             todo.remove(i)
-            ys[i], ran[i] = run(i, res.views(req.step.slots[i])), True
+            ys[i], ran[i] = run(i, res.views(layer, req.step.slots[i])), True
         # A retry after a failed read re-reads only that expert: the step's other keys are
         # protected, so what already ran keeps its slot and runs exactly once.
         for i, slot in enumerate(res.settle(req)):
             if not ran[i]:
-                ys[i] = run(i, res.views(slot))
+                ys[i] = run(i, res.views(layer, slot))
         return ys
 
     # ---- Prefetcher: the residency does the work -------------------------------------------------

@@ -169,18 +169,20 @@ def qlinear_ref(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch
 def expert_ffn_q(
     x: torch.Tensor,
     sec: dict,
-    group_size: int,
+    group_size: int | tuple[int, int],
     linear=qlinear_ref,
     act: ExpertActivation | None = None,
 ) -> torch.Tensor:
-    """One expert from its record sections: x [T, D] -> [T, D]; `linear` picks the kernel.
-    Records with bias sections (`b13`, `b2`, stored unquantized) add them as expert_ffn does."""
-    h = linear(x, sec, "w13", group_size)
+    """One expert from its record sections: x [T, D] -> [T, D]; `linear` picks the kernel;
+    `group_size`: both projections', or (w13's, w2's) for a record of two schemes. Records with
+    bias sections (`b13`, `b2`, stored unquantized) add them as expert_ffn does."""
+    g13, g2 = (group_size, group_size) if isinstance(group_size, int) else group_size
+    h = linear(x, sec, "w13", g13)
     b13, b2 = sec.get("b13"), sec.get("b2")
     if b13 is not None:
         h = h + b13.to(x.dtype)
     gate, up = h.chunk(2, dim=-1)
-    y = linear(F.silu(gate) * up if act is None else act(gate, up), sec, "w2", group_size)
+    y = linear(F.silu(gate) * up if act is None else act(gate, up), sec, "w2", g2)
     return y if b2 is None else y + b2.to(x.dtype)
 
 

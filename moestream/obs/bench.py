@@ -90,7 +90,7 @@ def expert_bytes_per_token(rt) -> int | None:
     s = rt.store
     if s is None:
         return None
-    return sum(rt.args.moe_layers) * rt.args.num_experts_per_tok * s.layout.size
+    return rt.args.num_experts_per_tok * sum(s.layouts[layer].size for layer in s.crc)
 
 
 def run_bench(rt, cfg: BenchConfig) -> dict:

@@ -148,20 +148,30 @@ def make_sim_policy(
 
 
 def simulate(
-    t: Trace, policy: str, n_slots: int, expert_bytes: int, budget: str = "", pin_fraction=0.5
+    t: Trace,
+    policy: str,
+    n_slots: int,
+    expert_bytes: int,
+    budget: str = "",
+    pin_fraction=0.5,
+    record_bytes: dict[int, int] | None = None,
 ) -> SimResult:
-    """Replay the trace with one policy and slot count."""
+    """Replay the trace with one policy and slot count. A miss reads `record_bytes[layer]`
+    (a store of per-layer record sizes: `TraceModel.layer_bytes`), else `expert_bytes`."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; use {', '.join(POLICIES)}")
     pol, steps = make_sim_policy(policy, t, n_slots, pin_fraction)
     table = SlotTable(n_slots, pol, t.top_k)
-    dh = dm = 0
+    dh = dm = read = dread = 0
     for layer, experts, decode in steps:
         h0, m0 = table.hits, table.misses
         table.access(layer, experts)
+        size = expert_bytes if record_bytes is None else record_bytes[layer]
+        read += (table.misses - m0) * size
         if decode:
             dh += table.hits - h0
             dm += table.misses - m0
+            dread += (table.misses - m0) * size
     n_dec = int((~t.is_prompt).sum())
     return SimResult(
         policy=policy,
@@ -171,17 +181,24 @@ def simulate(
         misses=table.misses,
         decode_hits=dh,
         decode_misses=dm,
-        bytes_read=table.misses * expert_bytes,
-        bytes_per_token=table.misses * expert_bytes / max(t.n_positions, 1),
-        decode_bytes_per_token=dm * expert_bytes / max(n_dec, 1),
+        bytes_read=read,
+        bytes_per_token=read / max(t.n_positions, 1),
+        decode_bytes_per_token=dread / max(n_dec, 1),
     )
 
 
 def run_grid(
-    t: Trace, policies: list[str], budgets: list[str], expert_bytes: int, pin_fraction=0.5
+    t: Trace,
+    policies: list[str],
+    budgets: list[str],
+    expert_bytes: int,
+    pin_fraction=0.5,
+    record_bytes: dict[int, int] | None = None,
 ) -> tuple[list[SimResult], list[str]]:
-    """Every policy x budget, plus Belady's bound at each budget (once). Returns the results and
-    one line for each combination the policy cannot run (e.g. sticky below its minimum)."""
+    """Every policy x budget, plus Belady's bound at each budget (once): a budget buys slots of
+    `expert_bytes` each, a miss reads `record_bytes[layer]` where given (simulate). Returns the
+    results and one line for each combination the policy cannot run (e.g. sticky below its
+    minimum)."""
     total = t.n_layers * t.num_experts
     names = list(dict.fromkeys([*policies, "belady"]))
     out, skipped = [], []
@@ -189,7 +206,7 @@ def run_grid(
         n_slots = budget_slots(b, total, expert_bytes)
         for name in names:
             try:
-                out.append(simulate(t, name, n_slots, expert_bytes, b, pin_fraction))
+                out.append(simulate(t, name, n_slots, expert_bytes, b, pin_fraction, record_bytes))
             except PolicyError as e:
                 # The engine's prefill asks for all of a layer's distinct prompt experts (up to
                 # n_slots) at once; sticky/pinned can hold fewer, and the engine fails the same way.

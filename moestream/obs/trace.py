@@ -91,9 +91,12 @@ class TraceModel:
     expert_params: int  # parameters of one routed expert (gate + up + down)
     dtype: str
     expert_bytes: int = 0  # bytes one expert occupies where it was read from (0 = unknown)
+    # Per trace column, the bytes a read of one record there costs (a store's per-layer record
+    # layouts); empty: expert_bytes everywhere.
+    record_bytes: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_args(cls, args, dtype: str, expert_bytes: int) -> TraceModel:
+    def from_args(cls, args, dtype: str, expert_bytes: int, record_bytes=()) -> TraceModel:
         return cls(
             model_type=args.model_type,
             num_experts=args.num_experts,
@@ -104,7 +107,12 @@ class TraceModel:
             expert_params=3 * args.hidden_size * args.moe_intermediate_size,
             dtype=dtype,
             expert_bytes=expert_bytes,
+            record_bytes=list(record_bytes),
         )
+
+    def layer_bytes(self) -> dict[int, int] | None:
+        """MoE layer -> the bytes one record read there costs (None: expert_bytes for each)."""
+        return dict(zip(self.moe_layers, self.record_bytes)) if self.record_bytes else None
 
 
 TRACE_FILES = ("trace.json", "ids.npy", "weights.npy", "tokens.npy", "hidden.npy")
@@ -184,7 +192,8 @@ class TraceWriter:
         header = {
             "format": FORMAT,
             "version": VERSION,
-            "model": self.model.__dict__,
+            # record_bytes only where records differ in size: every other trace stays as before
+            "model": {k: v for k, v in self.model.__dict__.items() if v or k != "record_bytes"},
             "hidden": self.hidden,
             "hidden_dtype": "float16" if self.hidden else None,
             "positions": self.seq_start,
@@ -268,10 +277,11 @@ def read_prompts(path: str | Path) -> list[str]:
 
 
 def expert_bytes(rt, dtype: str) -> int:
-    """Bytes of one expert as the provider reads it: a store's record size, else the weights at
-    the compute dtype (resident Hugging Face load)."""
+    """Bytes of one expert as the provider holds it: a store's record slot (the largest record,
+    what a budget is divided by: `slot_count`), else the weights at the compute dtype (resident
+    Hugging Face load)."""
     if rt.store is not None:
-        return int(rt.store.layout.size)
+        return int(rt.store.slot_size)
     a = rt.args
     itemsize = rt.model.dtype.itemsize  # experts load in the model dtype
     return 3 * a.hidden_size * a.moe_intermediate_size * itemsize
@@ -293,7 +303,9 @@ def record_trace(
     if cfg.max_new_tokens < 1:
         raise ConfigError("a trace needs at least one generated token (-n >= 1)")
     model = rt.model
-    info = TraceModel.from_args(rt.args, dtype, expert_bytes(rt, dtype))
+    sizes = [rt.store.layouts[i].size for i in rt.args.moe_layer_ids] if rt.store else []
+    sizes = sizes if len(set(sizes)) > 1 else []
+    info = TraceModel.from_args(rt.args, dtype, expert_bytes(rt, dtype), sizes)
     sampling = dataclasses.asdict(cfg)
     writer = TraceWriter(out, info, hidden, extra={"sampling": sampling, "chat": chat})
     rec = TraceRecorder(info.moe_layers, info.top_k, info.hidden_size, hidden, writer.append_step)

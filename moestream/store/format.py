@@ -9,8 +9,11 @@ Version 2: a dense weight that convert quantized (quant.DenseQuant) is stored as
 "dense" / "dense_dtypes" hold the crc32 and dtype of every stored tensor, sections included.
 Version 3 adds the q4_0 scheme (GGUF Q4_0 blocks: `q` nibbles + `d` fp16), for experts and dense
 weights; version 4 the GGUF K-quant schemes q4_k / q5_k / q6_k (`q` uint8 [N, K/256, block bytes]);
-version 5 the q8_0 scheme (GGUF Q8_0 blocks: `q` int8 + `d` fp16); versions 2-4 are read as they
-are.
+version 5 the q8_0 scheme (GGUF Q8_0 blocks: `q` int8 + `d` fp16) and per-layer record layouts
+with a scheme per projection ("records": layer -> schemes and layout, instead of "record"),
+written only where a store needs them (q8_0 sections, or a GGUF's kept blocks that differ in type
+across projections or layers: a Q4_K_M file): every other store is still written as version 4, and
+version 2 and 3 stores are read as they are.
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -31,8 +34,10 @@ from moestream.models import model_args_from_dict
 from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_sections
 
 FORMAT = "moestream-store"
-VERSION = 5  # written; 2: quantized dense weights (dense_formats); 3: q4_0; 4: K-quants; 5: q8_0
-READS = (2, 3, 4, 5)  # an older store is a version-5 one without the newer schemes: still read
+VERSION = 4  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme; 4: K-quants
+# written for per-layer record layouts ("records") or q8_0 sections, which older readers refuse
+MIXED_VERSION = 5
+READS = (2, 3, 4, 5)  # an older store is a newer one without the newer schemes: still read
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (
@@ -144,7 +149,8 @@ def check_manifest(m, path: Path) -> None:
     is_crc = lambda v: isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 2**32  # noqa: E731
     rules = {  # key -> (required, check of each value)
         "quant": (True, None),
-        "record": (True, None),
+        "record": ("records" not in m, None),
+        "records": (False, lambda v: isinstance(v, dict)),  # checked by record_layouts
         "dense": (True, is_crc),
         "experts": (True, lambda v: isinstance(v, list) and all(map(is_crc, v))),
         "files": (False, is_crc),
@@ -164,12 +170,56 @@ def check_manifest(m, path: Path) -> None:
             wrong = [k for k, v in m[key].items() if not ok(v)]
             if wrong:
                 bad(f"'{key}' has invalid entries for {', '.join(map(str, wrong[:5]))}")
-    if not all(k.isdigit() for k in m["experts"]):
-        bad(f"'experts' keys must be layer numbers, got {sorted(m['experts'])[:5]}")
+    for key in ("experts", "records"):
+        if not all(k.isdigit() for k in m.get(key, {})):
+            bad(f"'{key}' keys must be layer numbers, got {sorted(m[key])[:5]}")
+    if "records" in m and m["version"] < MIXED_VERSION:
+        bad(f"'records' (per-layer record layouts) in a version {m['version']} manifest")
+
+
+def record_layouts(path: Path, m: dict, scheme: QuantScheme, a: ModelArgs) -> dict:
+    """MoE layer -> its RecordLayout: the one of `scheme` for every layer ("record"), or each
+    layer's own ("records": its projections' schemes); refuses a layout this version would not
+    build from the same schemes."""
+    D, I, bias = a.hidden_size, a.moe_intermediate_size, a.expert_bias
+    if "records" not in m:
+        layout = RecordLayout.build(scheme, D, I, bias)
+        if layout.to_json() != m["record"]:
+            raise StoreError(f"{path}: record layout differs from this version's; convert again")
+        return dict.fromkeys(a.moe_layer_ids, layout)
+    out = {}
+    for key, rec in m["records"].items():
+        try:
+            w13, w2 = (
+                QuantScheme(q["name"], q["group_size"], q["symmetric"]) for q in rec["schemes"]
+            )
+            layout = RecordLayout.build(w13, D, I, bias, w2=w2)
+        except (ConfigError, KeyError, TypeError, ValueError) as e:
+            raise StoreError(
+                f"{path}: layer {key}'s record has schemes this moestream does not read ({e}); "
+                "convert the model again"
+            ) from e
+        if layout_json(layout) != rec:
+            raise StoreError(
+                f"{path}: layer {key}'s record layout differs from this version's; convert again"
+            )
+        out[int(key)] = layout
+    if sorted(out) != sorted(a.moe_layer_ids):
+        raise StoreError(
+            f"{path}: record layouts for layers {sorted(out)}, config.json's MoE layers are "
+            f"{a.moe_layer_ids}; convert the model again"
+        )
+    return out
+
+
+def layout_json(layout: RecordLayout) -> dict:
+    """A layer's entry in a version-5 manifest's "records": its schemes, then its layout."""
+    return {"schemes": [s.to_json() for s in layout.schemes], **layout.to_json()}
 
 
 class Store:
-    """A converted model: `args`, `layout`, dense tensors (checked), expert record locations.
+    """A converted model: `args`, `layouts` (per MoE layer), dense tensors (checked), expert
+    record locations.
 
     Duck-types the parts of HFCheckpoint the dense loader uses (args, folder, dense_names, tensor).
     """
@@ -191,12 +241,12 @@ class Store:
             self.scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
         except (KeyError, ConfigError) as e:
             raise StoreError(f"{path}: invalid 'quant' {q} ({e}); convert the model again") from e
-        a = self.args
-        self.layout = RecordLayout.build(
-            self.scheme, a.hidden_size, a.moe_intermediate_size, a.expert_bias
-        )
-        if self.layout.to_json() != m["record"]:
-            raise StoreError(f"{path}: record layout differs from this version's; convert again")
+        # `scheme`: every record's, or (per-layer layouts) the one requantized projections took.
+        self.layouts: dict[int, RecordLayout] = record_layouts(path, m, self.scheme, self.args)
+        # Slots hold the largest record: one pool and one slot table across layers (a Q4_K_M
+        # store's Q4_K-down records then leave 13% of a Q6_K-down slot unused at Qwen3-30B-A3B's
+        # shapes; a pool per layout would split the budget and the eviction policy in parts).
+        self.slot_size = max(layout.size for layout in self.layouts.values())
         self.dense_crc: dict[str, int] = m["dense"]
         self.dense_dtypes: dict[str, str] = m.get("dense_dtypes", {})
         self.dense_shapes: dict[str, list[int]] = m.get("dense_shapes", {})
@@ -236,9 +286,28 @@ class Store:
                 "convert the model again"
             )
 
+    @property
+    def layout(self) -> RecordLayout:
+        """The record layout every layer shares (a store of per-layer layouts has none)."""
+        first = next(iter(self.layouts.values()))
+        if any(layout != first for layout in self.layouts.values()):
+            raise ValueError(f"{self.folder}: its layers' record layouts differ; use layouts")
+        return first
+
+    @property
+    def mixed(self) -> bool:
+        """Records differ in scheme across projections or layers (a kept Q4_K_M file)."""
+        return len({s for layout in self.layouts.values() for s in layout.schemes}) > 1
+
+    @property
+    def quant_name(self) -> str:
+        """The experts' scheme as said to users: 'int4', or e.g. 'q4_k+q6_k' for mixed records."""
+        names = (s.name for layout in self.layouts.values() for s in layout.schemes)
+        return "+".join(dict.fromkeys(names))
+
     def _check_files(self) -> None:
-        size = self.layout.size
         for layer, crcs in self.crc.items():
+            size = self.layouts[layer].size
             path = self.path(layer)
             if not path.is_file():
                 raise StoreError(f"{path} (layer {layer}) is missing; convert the model again")
@@ -253,8 +322,8 @@ class Store:
     def path(self, layer: int) -> Path:
         return self.folder / expert_file(layer)
 
-    def offset(self, e: int) -> int:
-        return e * self.layout.size
+    def offset(self, layer: int, e: int) -> int:
+        return e * self.layouts[layer].size
 
     def check_record(self, layer: int, e: int, buf) -> None:
         """Raise StoreError naming layer and expert when the record's checksum does not match."""
@@ -325,9 +394,9 @@ class Store:
     def read_record(self, layer: int, e: int) -> bytes:
         """One record through the page cache (tests, mmap/resident fill)."""
         with open(self.path(layer), "rb") as f:
-            buf = os.pread(f.fileno(), self.layout.size, self.offset(e))
+            buf = os.pread(f.fileno(), self.layouts[layer].size, self.offset(layer, e))
         return buf
 
     @property
     def expert_bytes(self) -> int:
-        return sum(len(c) for c in self.crc.values()) * self.layout.size
+        return sum(len(c) * self.layouts[layer].size for layer, c in self.crc.items())

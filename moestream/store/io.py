@@ -95,7 +95,8 @@ class RecordRead:
     part to finish runs the checksum and completes it. `cancel` succeeds only before any part
     has started (a started read must finish: its slot is being written)."""
 
-    def __init__(self, parts: int):
+    def __init__(self, parts: int, nbytes: int):
+        self.nbytes = nbytes  # the record's size
         self.lock = threading.Lock()
         self.left, self.started, self.cancelled = parts, False, False
         self.error: BaseException | None = None
@@ -130,16 +131,26 @@ class RecordRead:
 
 
 class SlotPool:
-    """n_slots record buffers in one aligned allocation; `views[slot]` = typed section views."""
+    """n_slots record buffers of the store's largest record size in one aligned allocation;
+    `views(layer, slot)` = typed section views of that layer's record layout over the slot."""
 
     def __init__(self, store: Store, n_slots: int):
-        self.size = store.layout.size
+        self.size = store.slot_size
         self.mem = mmap.mmap(-1, max(n_slots * self.size, 1))
         self.buf = torch.frombuffer(self.mem, dtype=torch.uint8, count=n_slots * self.size)
-        self.views = [
-            store.layout.views(self.buf[i * self.size : (i + 1) * self.size])
-            for i in range(n_slots)
-        ]
+        self._layouts = list(dict.fromkeys(store.layouts.values()))  # distinct, usually one
+        self._layout_of = {layer: self._layouts.index(v) for layer, v in store.layouts.items()}
+        # (layout index, slot) -> views, made on first use: with per-layer layouts a slot serves
+        # any layer, but a resident pool's slot only ever one.
+        self._views: dict[tuple[int, int], dict] = {}
+
+    def views(self, layer: int, slot: int) -> dict:
+        key = (self._layout_of[layer], slot)
+        v = self._views.get(key)
+        if v is None:
+            buf = self.buf[slot * self.size : (slot + 1) * self.size]
+            v = self._views[key] = self._layouts[key[0]].views(buf)
+        return v
 
     def memview(self, slot: int) -> memoryview:
         return memoryview(self.mem)[slot * self.size : (slot + 1) * self.size]
@@ -167,9 +178,9 @@ class RecordReader:
         self.io_seconds = 0.0
 
     def _read_part(self, layer: int, e: int, slot: int, start: int) -> None:
-        n = min(self.part, self.pool.size - start)
+        n = min(self.part, self.store.layouts[layer].size - start)
         mv = self.pool.memview(slot)[start : start + n]
-        off = self.store.offset(e) + start
+        off = self.store.offset(layer, e) + start
         got = os.preadv(self.fds[layer], [mv], off)
         if got != n:
             raise StoreError(
@@ -189,7 +200,7 @@ class RecordReader:
             return
         if rr.error is None and self.cfg.verify:
             try:
-                self.check(layer, e, self.pool.memview(slot))
+                self.check(layer, e, self.pool.memview(slot)[: rr.nbytes])
             except BaseException as ex:
                 rr.error = ex
         if rr.error is None:
@@ -204,8 +215,9 @@ class RecordReader:
 
     def submit(self, layer: int, e: int, slot: int, priority: int = DEMAND) -> RecordRead:
         """Queue one record's part reads (and its checksum) into its slot."""
-        starts = range(0, self.pool.size, self.part)
-        rr = RecordRead(len(starts))
+        size = self.store.layouts[layer].size  # the record's own size (a slot may be larger)
+        starts = range(0, size, self.part)
+        rr = RecordRead(len(starts), size)
         for start in starts:
             self.exec.submit(self._part, rr, layer, e, slot, start, priority=priority)
         return rr
@@ -226,7 +238,7 @@ class RecordReader:
             if err is not None:
                 raise err
         self.io_seconds += time.perf_counter() - t0
-        self.bytes_read += len(reads) * self.pool.size
+        self.bytes_read += sum(r.nbytes for r in reads)
 
     def read_async(self, layer: int, e: int, slot: int, priority: int = PREFETCH) -> RecordRead:
         """Prefetch one record into its slot behind every queued demand read. The caller must keep

@@ -50,10 +50,11 @@ class SlotResidency:
         self.prefetched: set[Key] = set()  # read ahead, not yet used by demand
         self.requested: PendingStep | None = None  # queued by request(), not yet settled
         self.pf = dict.fromkeys(("reads", "used", "late", "wasted", "dropped", "cancelled"), 0)
+        self.pf_bytes = dict.fromkeys(("reads", "wasted"), 0)  # records' own sizes (per layer)
         self.pf_wait = 0.0
 
-    def views(self, slot: int) -> dict:
-        return self.pool.views[slot]
+    def views(self, layer: int, slot: int) -> dict:
+        return self.pool.views(layer, slot)
 
     def capacity(self) -> int:
         """Experts one layer may hold at once (sticky/pinned policies hold fewer than n_slots)."""
@@ -166,6 +167,7 @@ class SlotResidency:
             self.prefetched.add(key)
             started += 1
         self.pf["reads"] += started
+        self.pf_bytes["reads"] += started * self.store.layouts[layer].size
         return started
 
     def cancel_prefetch(self, layer: int, experts: Iterable[int]) -> int:
@@ -184,6 +186,7 @@ class SlotResidency:
                 self.prefetched.discard(key)
                 n += 1
         self.pf["reads"] -= n
+        self.pf_bytes["reads"] -= n * self.store.layouts[layer].size
         self.pf["cancelled"] += n
         return n
 
@@ -224,12 +227,13 @@ class SlotResidency:
             if key in self.prefetched:
                 self.prefetched.discard(key)
                 self.pf["wasted"] += 1
+                self.pf_bytes["wasted"] += self.store.layouts[key[0]].size
 
     # ---- stats / close -------------------------------------------------------------------------
     def stats(self) -> dict:
-        t, r, size = self.table, self.reader, self.store.layout.size
+        t, r = self.table, self.reader
         return {
-            "bytes_read": r.bytes_read + self.pf["reads"] * size,
+            "bytes_read": r.bytes_read + self.pf_bytes["reads"],
             "demand_bytes_read": r.bytes_read,  # read while decode waited (io_seconds)
             "hits": t.hits,
             "misses": t.misses,
@@ -240,7 +244,7 @@ class SlotResidency:
             "prefetch_late": self.pf["late"],
             "prefetch_dropped": self.pf["dropped"],
             "prefetch_cancelled": self.pf["cancelled"],
-            "prefetch_wasted_bytes": self.pf["wasted"] * size,
+            "prefetch_wasted_bytes": self.pf_bytes["wasted"],
             "prefetch_wait_seconds": self.pf_wait,
         }
 
