@@ -217,7 +217,7 @@ def measure(path: str, folder: Path, layers: int, experts: int, k: int, a) -> di
     "native" = its int8 store, resident, the native kernels and the fused one-token ops called
     layer by layer from Python; "step" = an int8 store with the dense weights int8 too (the tiny
     attention is under the size floor: quantized anyway), whose one-token steps run every layer
-    in one native call (engine/native_step.py; the engine's CPU default for a quantized model)."""
+    in one native call (models/native_step.py; the engine's CPU default for a quantized model)."""
     if path == "hf":
         loaded = load_model(folder)
     elif path in ("native", "step"):
@@ -233,9 +233,9 @@ def measure(path: str, folder: Path, layers: int, experts: int, k: int, a) -> di
         if not store.exists():
             convert(folder, store, scheme, False, dense if path == "step" else None)
         loaded = load_model(store, StreamConfig(resident=True, kernel="native"))
-        from moestream.engine.native_step import why_not
+        from moestream.models.native_step import why_not
 
-        why = why_not(loaded.model)
+        why = why_not(loaded.model, loaded.provider)
         if path == "step" and why:
             raise SystemExit(f"the native step does not run here: {why}")
         if path == "native":

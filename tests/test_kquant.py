@@ -209,13 +209,15 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
     resident greedy tokens and prompt logits bit for bit on the native kernels; the decode step
     of one native call declines it (its layers' schemes differ) and the per-module path decodes;
     the GPU provider refuses it with the fix."""
-    from moestream.engine import native_step
     from moestream.experts.config import GpuConfig
+    from moestream.models import native_step
 
     store = mixed[3]
     loaded = load_model(store, StreamConfig(resident=True))
     assert loaded.provider.native  # the layer op, not the torch fallback
-    assert "layer 1: its expert records' schemes differ" in native_step.why_not(loaded.model)
+    assert "layer 1: its expert records' schemes differ" in native_step.why_not(
+        loaded.model, loaded.provider
+    )
     loaded.provider.close()
     want = our_logits(store, StreamConfig(resident=True))
     s = Store(store)
@@ -304,8 +306,8 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
     decode step qualifies and gives the per-module path's logits and caches bit for bit."""
     from test_native_step import _decode
 
-    from moestream.engine import native_step
     from moestream.kernels import native
+    from moestream.models import native_step
 
     if not native.available():
         pytest.skip("native kernels did not build here")
@@ -316,7 +318,7 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
     s = Store(store)
     assert s.mixed and s.manifest["version"] == MIXED_VERSION and s.layout.mixed
     loaded = load_model(store, StreamConfig(resident=True))
-    assert native_step.why_not(loaded.model) is None
+    assert native_step.why_not(loaded.model, loaded.provider) is None
     want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
     got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
     assert loaded.model._decode_step  # built, not declined

@@ -1,4 +1,4 @@
-"""The native decode step (engine/native_step.py: every decoder layer of a one-token CPU step in
+"""The native decode step (models/native_step.py: every decoder layer of a one-token CPU step in
 one DecodeStep call) against its reference, the per-module fused path (the same C++ functions
 called layer by layer from Python): the same logits and KV caches bit for bit, on every scheme,
 ISA variant and thread count; the provider's counters as the per-module path keeps them; and the
@@ -11,9 +11,9 @@ import dataclasses
 import pytest
 import torch
 
-from moestream.engine import native_step
 from moestream.engine.kv_cache import KVCache
 from moestream.kernels import native
+from moestream.models import native_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels did not build here")
 ISAS = ["scalar"] + (["avx2"] if native.available() and native.best_isa() == "avx2" else [])
@@ -82,7 +82,7 @@ def _decode(model, args, use_step: bool, steps: int = 14):
 def test_step_gives_the_per_module_bits(tmp_path, arch, over, scheme, runs):
     loaded = _load(_store(tmp_path, arch, scheme, **over))
     model, args = loaded.model, loaded.args
-    assert native_step.why_not(model) is None
+    assert native_step.why_not(model, loaded.provider) is None
     threads = torch.get_num_threads()
     try:
         for t in (1, 2):
@@ -122,18 +122,19 @@ def test_step_keeps_the_providers_counters(tmp_path):
 
 
 def test_what_does_not_qualify_says_why_and_runs_the_layers(tmp_path, runs):
+    def why(store, **cfg) -> str | None:
+        loaded = _load(store, **cfg)
+        return native_step.why_not(loaded.model, loaded.provider)
+
     store = _store(tmp_path, "qwen3_moe", "int8")  # layer 1 is a dense MLP
-    m = _load(store).model
-    assert "not a plain MoE block" in native_step.why_not(m)
+    assert "not a plain MoE block" in why(store)
     flat = _store(tmp_path / "f", "qwen3_moe", "int8", dense="float", mlp_only_layers=[])
-    assert "not quantized" in native_step.why_not(_load(flat).model)
+    assert "not quantized" in why(flat)
     olmoe = _store(tmp_path / "o", "olmoe", "int8")  # clip_qkv and whole-vector q/k norm
-    assert "native.attend's rule" in native_step.why_not(_load(olmoe).model)
+    assert "native.attend's rule" in why(olmoe)
     plain = _store(tmp_path / "p", "qwen3_moe", "int8", mlp_only_layers=[])
-    cache = _load(plain, resident=False, memory_budget=64 << 10).model
-    assert "resident" in native_step.why_not(cache)
-    torch_kernels = _load(plain, kernel="cpu").model
-    assert native_step.why_not(torch_kernels) is not None
+    assert "resident" in why(plain, resident=False, memory_budget=64 << 10)
+    assert why(plain, kernel="cpu") is not None
     assert runs["run"] == 0
 
 
@@ -141,7 +142,7 @@ def test_an_observer_turns_the_step_off_until_removed(tmp_path, runs):
     loaded = _load(_store(tmp_path, "qwen3_moe", "int8", mlp_only_layers=[]))
     model, seen = loaded.model, []
     model.set_observer(lambda layer, ids, w, x: seen.append(layer))
-    assert "router traces" in native_step.why_not(model)
+    assert "router traces" in native_step.why_not(model, loaded.provider)
     _decode(model, loaded.args, use_step=True, steps=2)
     assert runs["run"] == 0 and len(seen) == 3 * loaded.args.num_hidden_layers
     model.set_observer(None)

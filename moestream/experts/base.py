@@ -38,7 +38,7 @@ class ExpertProvider(ABC):
 
     def native_tables(self) -> dict[int, dict[int, list[torch.Tensor]]] | None:
         """layer -> expert -> the four record tensors the native layer op reads, where every record
-        of every layer stays resident for the native kernels (engine/native_step.py then runs a
+        of every layer stays resident for the native kernels (models/native_step.py then runs a
         whole decode token in one native call); None (the default) where experts() must run."""
         return None
 

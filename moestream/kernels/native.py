@@ -242,5 +242,5 @@ def route(
 def decode_step():
     """An empty DecodeStep (csrc/moe_cpu.cpp): `add_layer(...)` per decoder layer, then
     `run(x, cos, sin, k_caches, v_caches, pos, isa)` runs them all in one call
-    (engine/native_step.py builds it from a model)."""
+    (models/native_step.py builds it from a model)."""
     return module().DecodeStep()

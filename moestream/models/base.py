@@ -58,11 +58,14 @@ class MoeCausalLM(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         self.rope = Rope(args.rope, args.rotary_dim, args.max_position_embeddings)
         self._rope_dev: dict = {}  # (dtype, device) -> cos/sin tables copied once to a GPU
-        # engine/native_step.py: every layer of a one-token CPU step in one native call, built on
+        # models/native_step.py: every layer of a one-token CPU step in one native call, built on
         # first use while the fused ops are on (None: not tried since the last change; False: the
         # model or provider does not qualify).
         self.fused_decode = False
         self._decode_step = None
+        self.provider = (
+            None  # the Runtime's, handed over by set_provider (the step reads its records)
+        )
 
     def set_fused_decode(self, on: bool) -> None:
         """Run the one-token CPU decode's norms, attention core and softmax router through the
@@ -88,9 +91,9 @@ class MoeCausalLM(nn.Module):
         if torch.is_grad_enabled():
             return None
         if self._decode_step is None:
-            from moestream.engine.native_step import NativeDecodeStep
+            from moestream.models.native_step import NativeDecodeStep
 
-            self._decode_step = NativeDecodeStep.build(self) or False
+            self._decode_step = NativeDecodeStep.build(self, self.provider) or False
         step = self._decode_step
         return step if step and step.accepts(x, cache) else None
 
@@ -130,6 +133,7 @@ class MoeCausalLM(nn.Module):
         return roles
 
     def set_provider(self, provider) -> None:
+        self.provider = provider
         for block in self.moe_blocks:
             block.provider = provider
         self.modules_changed()

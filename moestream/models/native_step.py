@@ -21,8 +21,9 @@ from moestream.kernels import native
 from moestream.kernels.dense import QuantLinear
 
 
-def why_not(model) -> str | None:
-    """Why `model` cannot decode through one DecodeStep (None when it can)."""
+def why_not(model, provider) -> str | None:
+    """Why `model` with expert provider `provider` (the one set_provider handed it) cannot decode
+    through one DecodeStep (None when it can)."""
     from moestream.models.base import DecoderLayer, MoeCausalLM
     from moestream.models.layers import RMSNorm, SparseMoe
 
@@ -30,7 +31,9 @@ def why_not(model) -> str | None:
         return "the native kernels did not build"
     if type(model).forward is not MoeCausalLM.forward:
         return f"{type(model).__name__} has its own forward"
-    tables, kinds = None, None
+    tables, kinds = provider.native_tables() if provider is not None else None, None
+    if tables is None:
+        return "the expert provider does not keep every record resident for the native kernels"
     for i, layer in enumerate(model.model.layers):
         if type(layer) is not DecoderLayer:
             return f"layer {i} is not a plain decoder layer"
@@ -41,12 +44,6 @@ def why_not(model) -> str | None:
         why = _attention_why_not(attn) or _moe_why_not(mlp, SparseMoe)
         if why:
             return f"layer {i}: {why}"
-        if tables is None:
-            tables = mlp.provider.native_tables() if mlp.provider is not None else None
-            if tables is None:
-                return (
-                    "the expert provider does not keep every record resident for the native kernels"
-                )
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
         # DecodeStep takes one record scheme for all layers; a kept Q4_K_M store's differ.
@@ -91,9 +88,9 @@ def _moe_why_not(mlp, SparseMoe) -> str | None:
 class NativeDecodeStep:
     """Every decoder layer of one decode token in one native call; built by `build`."""
 
-    def __init__(self, model):
-        self.provider = model.moe_blocks[0].provider
-        tables = self.provider.native_tables()
+    def __init__(self, model, provider):
+        self.provider = provider
+        tables = provider.native_tables()
         self._step = native.decode_step()
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -116,8 +113,8 @@ class NativeDecodeStep:
         self._seen = 0.0
 
     @classmethod
-    def build(cls, model) -> NativeDecodeStep | None:
-        return None if why_not(model) else cls(model)
+    def build(cls, model, provider) -> NativeDecodeStep | None:
+        return None if why_not(model, provider) else cls(model, provider)
 
     def accepts(self, x: torch.Tensor, cache) -> bool:
         """A one-token fp32 CPU row and a plain KVCache of fp32 buffers (native.attend's case)."""
