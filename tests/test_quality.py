@@ -1,5 +1,5 @@
 """Quality metrics: perplexity equals transformers' exp(mean NLL), the stderr formula, the flip
-margin rule, KL; `moestream eval --json` end to end."""
+margin rule, KL; llama-perplexity's chunk layout; `moestream eval --json` end to end."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from moestream.quality.eval import evaluate
+from moestream.config import ConfigError
+from moestream.quality.eval import evaluate, evaluate_windows, llama_chunks
 from moestream.quality.metrics import flips, kl_div, perplexity, token_nll
 from moestream.runtime import open_model
 
@@ -34,6 +35,34 @@ def test_perplexity_equals_transformers_exp_mean_nll(tiny_dir):
     # Windows: two halves are scored independently (the second one restarts its context).
     half = evaluate(rt, None, ids, ctx=len(ids) // 2 + 1)
     assert half["tokens"] == len(ids) - 2
+
+
+def test_llama_chunks_score_the_second_half_of_each_chunk_as_llama_perplexity(tiny_dir):
+    """Chunks of n_ctx with BOS first, only positions n_ctx // 2 .. n_ctx - 2 scored: the mean NLL
+    is transformers' loss over those targets alone, with the whole chunk as context."""
+    import transformers
+
+    folder = tiny_dir("qwen3_moe")
+    rt = open_model(folder)
+    ids = rt.tokenizer.encode(TEXT)
+    n_ctx, bos = 16, 7
+    chunks, first = llama_chunks(ids, n_ctx, bos)
+    assert first == 8 and len(chunks) == len(ids) // n_ctx >= 2
+    for i, c in enumerate(chunks):
+        assert c == [bos, *ids[i * n_ctx + 1 : (i + 1) * n_ctx]]
+    assert llama_chunks(ids, n_ctx, None)[0][1] == ids[n_ctx : 2 * n_ctx]
+    got = evaluate_windows(rt, rt, chunks, first)
+    assert got["tokens"] == got["positions"] == len(chunks) * (n_ctx - 1 - first)
+    assert got["flips"] == 0 and got["kl_mean"] < 1e-9
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.tensor(chunks)
+    labels = x.clone()
+    labels[:, : first + 1] = -100  # targets first+1 .. n_ctx-1, as the logits first .. n_ctx-2
+    with torch.no_grad():
+        loss = hf(x, labels=labels).loss  # equal counts per chunk: the mean over all
+    assert got["nll_mean"] == pytest.approx(float(loss), rel=1e-5)
+    with pytest.raises(ConfigError, match="at least 4"):
+        llama_chunks(ids, 3, None)
 
 
 def test_stderr_is_delta_method():
