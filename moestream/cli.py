@@ -421,6 +421,8 @@ def mode_line(mode: dict) -> str:
     if mode["device"] == "cuda":
         graph = "cuda graph, compiled step" if mode.get("compiled_step") else "cuda graph"
         parts.append(graph if mode["cuda_graph"] else "eager")
+    if mode.get("native_step"):
+        parts.append("native decode step")
     return "[mode: " + ", ".join(parts) + "]"
 
 

@@ -44,7 +44,11 @@ class Runtime:
     @property
     def mode(self) -> dict:
         """What runs: device, compute dtype, the provider's description (experts, quant, cache
-        size and policy, predictor, routing) and whether decode replays CUDA graphs."""
+        size and policy, predictor, routing), whether decode replays CUDA graphs, and whether a CPU
+        decode step runs every layer in one native call (models/native_step.py)."""
+        from moestream.models.native_step import why_not
+
+        native_step = self.model.fused_decode and why_not(self.model, self.provider) is None
         return {
             "device": self.model.device.type,
             "dtype": str(self.model.dtype).removeprefix("torch."),
@@ -52,6 +56,7 @@ class Runtime:
             "lora": None if self.adapter is None else self.adapter.describe(),
             "cuda_graph": self.generator.graphs is not None,
             "compiled_step": self.generator.graphs is not None and self.generator.graphs.compiled,
+            "native_step": native_step,
         }
 
     @cached_property

@@ -122,12 +122,16 @@ def test_step_keeps_the_providers_counters(tmp_path):
 
 
 def test_what_does_not_qualify_says_why_and_runs_the_layers(tmp_path, runs):
+    from moestream.runtime import open_model
+
     def why(store, **cfg) -> str | None:
         loaded = _load(store, **cfg)
         return native_step.why_not(loaded.model, loaded.provider)
 
     store = _store(tmp_path, "qwen3_moe", "int8")  # layer 1 is a dense MLP
     assert "not a plain MoE block" in why(store)
+    with open_model(store) as rt:
+        assert rt.mode["native_step"] is False  # the mode line says per layer, by omission
     flat = _store(tmp_path / "f", "qwen3_moe", "int8", dense="float", mlp_only_layers=[])
     assert "not quantized" in why(flat)
     olmoe = _store(tmp_path / "o", "olmoe", "int8")  # clip_qkv and whole-vector q/k norm
@@ -152,6 +156,7 @@ def test_an_observer_turns_the_step_off_until_removed(tmp_path, runs):
 
 def test_generation_runs_through_the_step(tmp_path, runs):
     """The runtime's greedy decode takes the step and gives the per-module path's tokens."""
+    from moestream.cli import mode_line
     from moestream.config import SamplingConfig
     from moestream.runtime import open_model
 
@@ -159,6 +164,7 @@ def test_generation_runs_through_the_step(tmp_path, runs):
     toks = []
     for use in (True, False):
         with open_model(store) as rt:
+            assert rt.mode["native_step"] and "native decode step" in mode_line(rt.mode)
             if not use:
                 rt.model.set_fused_decode(True)
                 rt.model._decode_step = False
