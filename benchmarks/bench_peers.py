@@ -28,7 +28,8 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 `GpuConfig(resident=True)`, CUDA-graph decode, kernel `triton` as captured and `compiled` with the
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
-of s of the expert bytes from a pinned host mirror. The ceiling is then the HBM read bandwidth
+of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with misses read by
+the kernels from pinned RAM (captured step), `host-misses` with the per-layer host round trip. The ceiling is then the HBM read bandwidth
 (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -126,7 +127,10 @@ def child_experts(kernel: str, device: str, share: float):
         return StreamConfig(memory_budget=Budget(fraction=share), kernel=kernel)
     if share >= 1:  # kernel "compiled": the captured step torch.compile'd (GpuConfig.compile_step)
         return GpuConfig(resident=True, device=device, compile_step=kernel == "compiled")
-    return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device)
+    # kernel "host-misses": the per-layer host round trip (GpuConfig.device_misses=False)
+    return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device,
+                     device_misses=False if kernel == "host-misses" else None,
+                     compile_step=kernel == "compiled")  # fmt: skip
 
 
 def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, device: str = "cpu",
@@ -157,6 +161,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             lookups = s.get("hits", 0) + s.get("misses", 0)
             row["hit_rate"] = s["hits"] / lookups if lookups else 1.0
             row["h2d_bytes_per_token"] = s.get("h2d_bytes", 0) / max(len(res.ids), 1)
+            # every byte over PCIe: admissions copied + misses the kernels read from pinned RAM
+            moved = s.get("h2d_bytes", 0) + s.get("host_read_bytes", 0)
+            row["pcie_bytes_per_token"] = moved / max(len(res.ids), 1)
     print(json.dumps(row))
 
 
@@ -293,7 +300,7 @@ def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: 
     for rep in range(a.reps):
         for ours, theirs in pairs:
             for sh in shares:
-                ks = [k for k in kernels if sh >= 1 or k != "compiled"]  # graphs: resident only
+                ks = [k for k in kernels if sh < 1 or k != "host-misses"]  # a pool's variant
                 # On the CPU llama.cpp has no memory cap: it runs once, at share 1.
                 base = [(theirs, sh)] if gpu or sh == 1 else []
                 order = base + [(ours, k, sh) for k in ks]
@@ -321,7 +328,8 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
         "ceiling_fraction": dec * bpt / 1e9 / ceiling,
     }
     first = runs[0][0]
-    for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "load_and_warm_s"):
+    for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
+              "load_and_warm_s"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out
@@ -387,7 +395,7 @@ def main(argv=None) -> int:
         ap.error("give --hf HF_DIR or --gguf FILE")
     gpu = a.device != "cpu"
     if gpu and a.kernels == "cpu":
-        a.kernels = "triton,compiled"
+        a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
     work, llama = Path(a.work), Path(a.llama)
@@ -411,6 +419,8 @@ def main(argv=None) -> int:
                 if (ours, k, sh) in runs
             ]
             for engine, fmt, s in variants:
+                if pcie and s.get("pcie_bytes_per_token"):  # of the PCIe-bound rate for those bytes
+                    s["pcie_fraction"] = s["pcie_bytes_per_token"] * s["decode_tok_s"] / 1e9 / pcie
                 rows.append({"engine": engine, "format": fmt, "device": a.device,
                              "vram_share": sh if gpu else None,
                              "memory_share": None if gpu else sh,
@@ -429,6 +439,12 @@ def main(argv=None) -> int:
             f"{r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
             f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['ceiling_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
+            + (
+                f"  hit {r['hit_rate']:.2f}, PCIe {r['pcie_bytes_per_token'] / 1e6:.0f} MB/token"
+                f" = {r.get('pcie_fraction', 0):.2f} of its rate"
+                if r.get("pcie_bytes_per_token")
+                else ""
+            )  # fmt: skip
         )
     if a.out:
         config = {"hf": str(hf) if hf else None, "gguf": a.gguf,

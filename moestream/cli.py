@@ -132,6 +132,12 @@ def _add_store_args(p) -> None:
         help="with --gpu-budget: keep every expert record in pinned host RAM (no disk reads)",
     )
     g.add_argument(
+        "--host-misses",
+        action="store_true",
+        help="with --gpu-budget --pin-experts: resolve misses on the host once per MoE layer "
+        "(copies, no CUDA graph) instead of reading them on the device from pinned RAM",
+    )
+    g.add_argument(
         "--no-cuda-graph",
         action="store_true",
         help="--device cuda: run each decode step eagerly instead of replaying a captured graph",
@@ -275,6 +281,7 @@ def _gpu_config(a: argparse.Namespace):
         policy=a.policy or "lrfu",
         cuda_graph=not a.no_cuda_graph,
         compile_step=a.compile,
+        device_misses=False if a.host_misses else None,
     )
 
 
@@ -286,6 +293,7 @@ def _check_device_flags(a: argparse.Namespace) -> None:
         gpu_only = {
             "--gpu-budget": a.gpu_budget is not None,
             "--pin-experts": a.pin_experts,
+            "--host-misses": a.host_misses,
             "--no-cuda-graph": a.no_cuda_graph,
             "--compile": a.compile,
         }
@@ -298,6 +306,11 @@ def _check_device_flags(a: argparse.Namespace) -> None:
         return
     if a.memory_budget is not None:
         raise ConfigError("--memory-budget is the CPU cache; with --device cuda use --gpu-budget")
+    if a.host_misses and not (a.pin_experts and a.gpu_budget is not None):
+        raise ConfigError(
+            "--host-misses picks how a pool fed from pinned RAM resolves misses: it needs "
+            "--gpu-budget and --pin-experts (without them misses are always resolved on the host)"
+        )
     import torch
 
     if not torch.cuda.is_available():
@@ -410,6 +423,8 @@ def mode_line(mode: dict) -> str:
             f" {mode['cache_bytes'] / 2**20:.1f} MiB ({100 * mode['cache_fraction']:.0f}% of "
             f"experts, {mode['policy']})"
         )
+        if mode.get("misses") == "device":
+            parts[0] += ", misses read from pinned RAM on the device"
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
     if mode.get("ranks"):
         parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")

@@ -83,8 +83,10 @@ def gpu_model(store: Path, cfg: GpuConfig, device: str, dtype=torch.float32):
 
 # ---- CPU: the provider's bookkeeping with the reference kernel ---------------------------------
 def check_pool(p: GpuExperts) -> None:
-    """Every resident key's slot holds its store record; slot_map is the table, -1 elsewhere."""
-    want = torch.full_like(p.slot_map, -1)
+    """Every resident key's slot holds its store record; slot_map is the table, the absent code
+    elsewhere (-1; with device-side misses -1 - the key's mirror row)."""
+    rows = torch.arange(p.slot_map.numel(), device=p.slot_map.device).view_as(p.slot_map)
+    want = -1 - rows if p.device_misses else torch.full_like(p.slot_map, -1)
     for (layer, e), slot in p.table.resident().items():
         want[p.layer_index[layer], e] = slot
         rec = torch.frombuffer(bytearray(p.store.read_record(layer, e)), dtype=torch.uint8)
@@ -162,6 +164,80 @@ def test_cli_device_flags(monkeypatch):
 
 
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
+def device_miss_runs(store, device: str, dtype: str, n: int, slots: int):
+    """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
+    expert resident, then a pool of `slots` slots with device-side misses; both with the Triton
+    kernels (the interpreter on CPU), two prompts each so the second starts on a warm pool."""
+    from moestream.config import SamplingConfig
+    from moestream.runtime import open_model
+
+    size = Store(store).layout.size
+    cfg = SamplingConfig(max_new_tokens=n, ignore_eos=True)
+    out = []
+    for experts in (GpuConfig(resident=True, device=device),
+                    GpuConfig(gpu_budget=slots * size, pinned_mirror=True, io=IO,
+                              device=device)):  # fmt: skip
+        rt = open_model(store, dtype=dtype, experts=experts)
+        res = [rt.generator.generate(rt.encode_prompt(p), cfg) for p in (PROMPT, "class Node:")]
+        out.append((rt, res))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
+def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch):
+    """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
+    pool of 5 slots): one-token calls read absent experts from the mirror and the table admits
+    them between steps; the tokens and log-probs are the resident run's, the counters say what
+    the kernels read, and the pool holds what slot_map says."""
+    pytest.importorskip("triton")
+    from tiny_models import perturbed_model, save
+
+    from moestream.convert.writer import convert
+    from moestream.quant import make_scheme
+
+    hf = save(perturbed_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[],
+                              moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
+    store = convert(hf, tmp_path / "int8", make_scheme("int8"), False)
+    # one tile per layer (the H200's tiles fitted to this shape take the interpreter 13x longer);
+    # both runs use it
+    from moestream.kernels.triton import decode
+
+    tile = decode.DecodeConfig(bn=64, bk=64, bn_d=64, bk_d=64)
+    monkeypatch.setattr(decode, "default_config", lambda *a: tile)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", 10, 5)
+    p = rt.provider
+    assert p.device_misses and p.describe()["misses"] == "device"
+    for a, b in zip(want, got):
+        assert a.ids == b.ids and a.logprobs == b.logprobs
+    s = p.stats()
+    assert s["host_reads"] > 0 and s["hits"] > 0, s
+    assert s["h2d_bytes"] > 0 and s["evictions"] > 0  # admissions copied into evicted slots
+    p._drain()
+    check_pool(p)
+    res_rt.close()
+    rt.close()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_cuda_device_misses_equal_resident(stores, quant):
+    """With device-side misses a streamed pool's decode step is captured (no host round trip per
+    layer) and gives the resident captured step's tokens and log-probs exactly, misses read from
+    pinned host memory by the kernels, admissions copied behind the running step."""
+    store = stores(quant)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24)
+    assert res_rt.generator.graphs is not None and rt.generator.graphs is not None
+    for a, b in zip(want, got):
+        assert a.ids == b.ids and a.logprobs == b.logprobs
+    s = rt.provider.stats()
+    assert s["host_reads"] > 0 and s["h2d_bytes"] > 0 and s["hits"] > 0, s
+    rt.provider._drain()
+    torch.cuda.synchronize()
+    check_pool(rt.provider)
+    res_rt.close()
+    rt.close()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 def test_cuda_greedy_equals_cpu(stores, quant):

@@ -140,6 +140,42 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
 
 
 @needs_triton
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("mma", [False, True])
+def test_host_reads_give_the_pool_bits(quant, mma):
+    """Ids < 0 read record -1 - id of a second set of sections (on CUDA: pinned host memory read
+    through unified addressing, the GPU provider's misses) with the pool's arithmetic: any mix of
+    pool slots and host records gives the bits of every expert in the pool."""
+    from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
+    from moestream.kernels.triton.layout import StackedExperts
+
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    E, D, I, K = 6, 128, 64, 3
+    gen = torch.Generator().manual_seed(40 + mma)
+    ex = _layer(quant, E, D, I, device, gen)
+    # the host mirror: the same sections in host memory (pinned on CUDA), every expert
+    host = StackedExperts(ex.scheme, {k: v.cpu().pin_memory() if CUDA else v.clone()
+                                      for k, v in ex.sections.items()})  # fmt: skip
+    # a pool of 3 slots holding experts 4, 1, 2 (slot order is not expert order)
+    held = [4, 1, 2]
+    pool = StackedExperts(ex.scheme, {k: v[held].contiguous() for k, v in ex.sections.items()})
+    slot_of = {e: i for i, e in enumerate(held)}
+    cfg = None
+    if mma or not CUDA:  # the interpreter takes small tiles; mma: the tensor-core family
+        bn = 64 if quant == "int4" else 16
+        cfg = fit_config(quant, D, I, 32, DecodeConfig(bn=bn, bk=32, bn_d=bn, bk_d=32, mma=mma))
+    for T in (1, 3) if CUDA else (3,):  # the interpreter is slow: one call per case
+        x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+        ids, w = _routing(T, E, K, device, gen)
+        want = moe_decode(x, ids, w, ex, cfg).clone()
+        codes = torch.tensor([[slot_of.get(e, -1 - e) for e in row] for row in ids.tolist()],
+                             device=device)  # fmt: skip
+        assert (codes < 0).any() and (codes >= 0).any(), "the draw must mix pool and host"
+        got = moe_decode(x, codes, w, pool, cfg, host=host)
+        assert torch.equal(got, want), f"{quant} T={T}: host reads changed the bits"
+
+
+@needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_prefill_interpreter(quant):

@@ -85,11 +85,11 @@ def _prefetch_l2(base, start, end, NT: tl.constexpr):
 
 @triton.jit
 def _gate_up_prefetch_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
+    x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, w2q_ptr, w2s_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, W2Q_BYTES: tl.constexpr, W2S_BYTES: tl.constexpr, NT: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
     """The product gate/up program after prefetching its share of the pair's w2 (and scales)."""
     p = tl.program_id(0)
@@ -105,8 +105,9 @@ def _gate_up_prefetch_kernel(
     if W2S_BYTES > 0:
         sb = w2s_ptr.to(tl.pointer_type(tl.int8)) + e * W2S_BYTES
         _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
-    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr, p, nb, sk, P, D,
-                  I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False)  # fmt: skip
+    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
+                  p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False,
+                  HOST)  # fmt: skip
 
 
 # ---- one persistent launch per layer ------------------------------------------------------------
@@ -141,24 +142,25 @@ def _fused_kernel(
             nb = (it // SPLIT) % NBG
             sk = it % SPLIT
             if MMA:
-                _gate_up_mma_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
-                                  ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK,
-                                  FAST, DT, PREC, STAGES, True)  # fmt: skip
+                _gate_up_mma_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, q13_ptr, s13_ptr, part_ptr,
+                                  cnt_g_ptr, h_ptr, ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN,
+                                  BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, True,
+                                  False)  # fmt: skip
             else:
-                _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, part_ptr, cnt_g_ptr, h_ptr,
-                              ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM,
-                              FAST, True)  # fmt: skip
+                _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, q13_ptr, s13_ptr, part_ptr,
+                              cnt_g_ptr, h_ptr, ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK,
+                              SPLIT, TOPK, ELEM, FAST, True, False)  # fmt: skip
         else:
             p = (it - N_GU) // NBD
             nb = (it - N_GU) % NBD
             if MMA:
-                _down_mma_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr,
-                               out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, FAST,
-                               2, NBG, COMBINE, DT, PREC)  # fmt: skip
+                _down_mma_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, q2_ptr, s2_ptr, dpart_ptr,
+                               cnt_d_ptr, out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D,
+                               TOPK, FAST, 2, NBG, COMBINE, DT, PREC, False)  # fmt: skip
             else:
-                _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, dpart_ptr, cnt_d_ptr, out_ptr,
-                           ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK, ELEM, FAST, 2,
-                           NBG, COMBINE)  # fmt: skip
+                _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, q2_ptr, s2_ptr, dpart_ptr,
+                           cnt_d_ptr, out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK,
+                           ELEM, FAST, 2, NBG, COMBINE, False)  # fmt: skip
         it = nxt
     if tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
         for i in tl.static_range(P):  # every item is done
@@ -214,13 +216,15 @@ def _run_fused(launch: dk.Launch, cfg: AblationConfig) -> None:
     part, h, dpart, cnt_g, cnt_d = launch.ws
     ready, work = _counters(launch.x.device, launch.P)
     P, D, I = launch.P, launch.common["D"], launch.common["I"]
-    args = (launch.x, launch.ids, launch.weights, *launch.w13, *launch.w2, part, cnt_g, h, ready,
-            work, dpart, cnt_d, launch.out if launch.combine else dpart, P)  # fmt: skip
+    assert not launch.common["HOST"], "the fused ablation reads the VRAM pool only"
+    args = (launch.x, launch.ids, launch.weights, *launch.w13[:2], *launch.w2[:2], part, cnt_g, h,
+            ready, work, dpart, cnt_d, launch.out if launch.combine else dpart, P)  # fmt: skip
     # the other family's constexprs are unused: fixed values, one compiled kernel
     kw = dict(DT=tl.float32, PREC="ieee", STAGES=cfg.stages)
     kw.update(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, BN_D=cfg.bn_d, BK_D=cfg.bk_d, MMA=cfg.mma,
               COMBINE=launch.combine, num_warps=cfg.num_warps, **launch.common)  # fmt: skip
     kw["ELEM"] = cfg.elem
+    del kw["HOST"]
     # as many programs as the GPU holds at once (more would only queue); the interpreter runs
     # programs one after another, so it gets one
     n_items = P * max(I // cfg.bn * cfg.split, D // cfg.bn_d)
@@ -231,7 +235,7 @@ def _run_fused(launch: dk.Launch, cfg: AblationConfig) -> None:
 def _prefetch_args(launch: dk.Launch, cfg: AblationConfig) -> dict | None:
     """The prefetch kernel's extra arguments, or None when it does not run (interpreter, mma,
     or the pairs' w2 too large for L2)."""
-    (w2q, w2s), quant = launch.w2, launch.common["QUANT"]
+    (w2q, w2s), quant = launch.w2[:2], launch.common["QUANT"]
     q_bytes = w2q[0].numel() * w2q.element_size()
     s_bytes = 0 if quant == dk.QUANT_CODE["bf16"] else w2s[0].numel() * w2s.element_size()
     if not (launch.gpu and cfg.prefetch and not cfg.mma):

@@ -206,11 +206,13 @@ class Generator:
                 break
             if len(res.ids) >= cfg.max_new_tokens:
                 break
+            self.provider.decode_read()
             if graph is not None:
                 logits = graph.step(token, pos)
             else:
                 nxt = torch.tensor([token], device=self.device)
                 logits = self.model(nxt, cache, pos, last_only=True)[-1]
+            self.provider.decode_issued()
             pos += 1
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:

@@ -10,8 +10,9 @@ the logits can differ from eager decode in the last bits (a longer masked reduct
 are checked against eager and the CPU by the margin rule (tests/test_gpu_provider.py).
 
 Only models whose every layer is plain attention qualify (recurrent layers decide on the host when
-a sequence starts), with every expert resident in VRAM (a streamed pool resolves misses on the
-host) and a RoPE table that does not depend on the length (`graphable` says why not).
+a sequence starts), with every expert resident in VRAM or streamed with device-side misses (a pool
+that resolves misses on the host syncs per layer) and a RoPE table that does not depend on the
+length (`graphable` says why not).
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ def graphable(model, args, provider) -> str | None:
 
     if not isinstance(provider, GpuExperts) or provider.device.type != "cuda":
         return "the experts are not in a CUDA pool"
-    if not provider.cfg.resident:
-        return "streamed experts resolve misses on the host (--gpu-budget)"
+    if not provider.cfg.captures_streaming():
+        return "streamed experts resolve misses on the host (--gpu-budget without --pin-experts)"
     if not all(args.attention_layers):
         return "recurrent layers (linear attention, short convolutions) reset on the host"
     if model.rope.r.rope_type == "dynamic":

@@ -46,6 +46,14 @@ class ExpertProvider(ABC):
         """A native decode step used `hits` resident records and spent `seconds` in the experts:
         the counters experts() would have kept (providers with native_tables override it)."""
 
+    def decode_read(self) -> None:  # noqa: B027 (a declared no-op default)
+        """The generator read the last step's output on the host, so that step's GPU work is
+        done (called before the next decode step is issued)."""
+
+    def decode_issued(self) -> None:  # noqa: B027 (a declared no-op default)
+        """The next decode step was issued and runs asynchronously: host bookkeeping of the step
+        taken by `decode_read` overlaps it (the GPU pool's slot table with device misses)."""
+
     def reset(self) -> None:  # noqa: B027 (a declared no-op default, not a forgotten abstract)
         """A new sequence starts at position 0 (the generator calls this before each prefill)."""
 

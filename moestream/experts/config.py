@@ -104,6 +104,11 @@ class GpuConfig:
     # The captured step's dense ops (norms, RoPE, casts, router, attention softmax) fused by
     # torch.compile before capture (engine/graph.py); the expert kernels stay as they are.
     compile_step: bool = False
+    # Streaming with the pinned mirror: a decode token's misses are read by the kernels straight
+    # from pinned host RAM (unified addressing) and the slot table is updated between steps, so
+    # nothing syncs per layer and the step is captured. None: on wherever it can run (CUDA,
+    # Triton kernels, --pin-experts); False: misses resolved on the host per layer (--host-misses).
+    device_misses: bool | None = None
 
     def __post_init__(self):
         if not self.resident and self.gpu_budget is None:
@@ -114,10 +119,16 @@ class GpuConfig:
                 "--resident keeps every expert in VRAM and has no budget: drop --gpu-budget "
                 "(or drop --resident to stream through a VRAM pool of that size)"
             )
-        if self.compile_step and not (self.cuda_graph and self.resident):
+        if self.device_misses and not (self.pinned_mirror and self.kernel == "triton"):
             raise ConfigError(
-                "--compile fuses the captured decode step, which needs every expert in VRAM and "
-                "CUDA graphs: drop --compile, or --gpu-budget / --no-cuda-graph"
+                "device-side misses read the pinned host mirror with the Triton kernels: add "
+                "--pin-experts (with --gpu-budget), or drop the request for them"
+            )
+        if self.compile_step and not (self.cuda_graph and self.captures_streaming()):
+            raise ConfigError(
+                "--compile fuses the captured decode step, which needs CUDA graphs and every "
+                "expert in VRAM (or --gpu-budget with --pin-experts, misses read on the device): "
+                "drop --compile, --no-cuda-graph or --host-misses, or add --pin-experts"
             )
         if self.resident and self.pinned_mirror:
             raise ConfigError(
@@ -128,6 +139,16 @@ class GpuConfig:
     @property
     def slot_cache(self) -> bool:
         return not self.resident
+
+    def device_side_misses(self) -> bool:
+        """The one rule for whether a streamed pool resolves decode misses on the device."""
+        if self.resident or not self.pinned_mirror or self.kernel != "triton":
+            return False
+        return self.device_misses is not False
+
+    def captures_streaming(self) -> bool:
+        """Every expert resident, or streamed with device-side misses: nothing syncs in a step."""
+        return self.resident or self.device_side_misses()
 
 
 @dataclass(frozen=True, slots=True)

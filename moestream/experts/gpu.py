@@ -12,7 +12,20 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
   (`RecordReader`, pread) into pinned host staging buffers (or come from a pinned mirror of every
   record with `pinned_mirror=True`), copied host->device in one transfer on a separate CUDA stream,
   scattered into the pool's section tensors there, and the compute stream waits on that copy's event.
-- `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI).
+- Device-side misses (`GpuConfig.device_side_misses`: streaming with the pinned mirror and the
+  Triton kernels): the mirror holds every record section by section, and `slot_map` holds, for a
+  key that is not in VRAM, the code -1 - (its mirror row). A one-token call then gathers the
+  codes on the device and the decode kernels read a miss straight from pinned host memory through
+  unified addressing (kernels/triton/decode.py `host=`): the same arithmetic, the resident bits,
+  no synchronisation, so the step is captured in a CUDA graph. The routed ids of each step come
+  to pinned host memory with the step's last layer; between steps the generator calls
+  `decode_read` (take them) and `decode_issued` (the next step is running): the slot table then
+  decides admissions and evictions, evicted keys get their codes back on the compute stream,
+  admitted records are copied mirror -> slot on the copy stream (kernels/triton/copy.py) behind
+  the running step, and a key's slot is published in `slot_map` once its copy is done. Prompts
+  (T > 1) take the per-layer host path above, after every pending copy is published.
+- `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI); with
+  `kernel="triton"` the interpreter runs the device-side misses on CPU tensors.
 """
 
 from __future__ import annotations
@@ -29,7 +42,7 @@ from moestream.kernels.triton import SCHEMES, combine_pairs, moe_pairs, unsuppor
 from moestream.kernels.triton.layout import StackedExperts
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
-from moestream.store.policy import SlotTable, make_policy
+from moestream.store.policy import PolicyError, SlotTable, make_policy
 
 PAGE = 4096
 
@@ -99,30 +112,186 @@ class GpuExperts(ExpertProvider):
         self._copy_gpu_ms = 0.0
         self._last_copy: torch.cuda.Event | None = None
         self.table = None
+        # the decode kernels must take the shape (else the reference kernel runs, host misses)
+        self.device_misses = cfg.device_side_misses() and unsupported(self.pool, 1) is None
+        self.mirror: StackedExperts | None = None
         if cfg.resident:
             self.reader, self.host = None, None
             self._fill_resident()
             return
         self.table = SlotTable(self.n_slots, make_policy(cfg.policy, layers=self.layers), self.K)
-        # slot_map[layer index, expert] = slot, -1 when not resident (kept equal to the table).
-        self.slot_map = torch.full(
-            (len(self.layers), self.E), -1, dtype=torch.int64, device=self.device
-        )
-        n_stage = len(self.layers) * self.E if cfg.pinned_mirror else min(self.E, self.n_slots)
-        self.host = PinnedPool(self.size, n_stage, pin=self.cuda)
-        self.reader = RecordReader(store, self.host, cfg.io)
-        if cfg.pinned_mirror:  # read every record once; a miss is then one host->device copy
-            for i, layer in enumerate(self.layers):
-                self.reader.read(layer, [(e, i * self.E + e) for e in range(self.E)])
-        # Device staging for one batch of records (scattered into the section tensors from there).
-        n_dev = min(self.E, self.n_slots)
-        self.dev_stage = torch.empty((n_dev, self.size), dtype=torch.uint8, device=self.device)
+        # slot_map[layer index, expert] = slot, or the absent code when not resident (kept equal
+        # to the table): -1, or with device misses -1 - mirror row (row = layer index * E + e).
+        L = len(self.layers)
+        self.slot_map = self._absent(torch.arange(L * self.E, device=self.device)).view(L, self.E)
+        self._batch = min(self.E, self.n_slots)  # records per host-path copy batch
+        if self.device_misses:
+            self.reader = self.host = None
+            self._fill_mirror()
+            self._init_device_misses()
+        else:
+            n_stage = L * self.E if cfg.pinned_mirror else self._batch
+            self.host = PinnedPool(self.size, n_stage, pin=self.cuda)
+            self.reader = RecordReader(store, self.host, cfg.io)
+            if cfg.pinned_mirror:  # read every record once; a miss is then one host->device copy
+                for i, layer in enumerate(self.layers):
+                    self.reader.read(layer, [(e, i * self.E + e) for e in range(self.E)])
+            # Device staging for one batch of records (scattered into the sections from there).
+            self.dev_stage = torch.empty((self._batch, self.size), dtype=torch.uint8,
+                                         device=self.device)  # fmt: skip
         # Pinned scratch for the small index tensors sent with each layer's misses (slots, slot_map
         # updates): one layer touches at most E experts, so 7E entries hold one call's. Reused
         # once the last call's copies are done (the next layer's sync, or an explicit one).
         self._meta = torch.empty(8 * self.E, dtype=torch.int64, pin_memory=self.cuda)
         self._meta_np = self._meta.numpy()
         self._meta_at = 0
+
+    def _absent(self, rows):
+        """slot_map's code for mirror rows (layer index * E + expert) not in VRAM."""
+        return -1 - rows if self.device_misses else rows * 0 - 1
+
+    # ---- device-side misses ----------------------------------------------------------------------
+    def _fill_mirror(self) -> None:
+        """Every record into the pinned mirror, section by section ([L * E, *shape] each, the
+        pool's layout, so the kernels index it like the pool)."""
+        layout, E = self.store.layout, self.E
+        n = len(self.layers) * E
+        secs = {s.name: torch.empty((n, *s.shape), dtype=s.dtype, pin_memory=self.cuda)
+                for s in layout.sections}  # fmt: skip
+        stage = PinnedPool(self.size, E, pin=False)
+        reader = RecordReader(self.store, stage, self.cfg.io)
+        try:
+            for i, layer in enumerate(self.layers):
+                reader.read(layer, [(e, e) for e in range(E)])
+                for s in layout.sections:
+                    raw = stage.buf[:, s.offset : s.offset + s.nbytes].contiguous()
+                    secs[s.name][i * E : (i + 1) * E] = raw.view(s.dtype).view(E, *s.shape)
+        finally:
+            reader.close()
+        self.mirror = StackedExperts(self.store.scheme, secs)
+
+    def _init_device_misses(self) -> None:
+        L, K = len(self.layers), self.K
+        # each one-token call's routed ids, and their copy in pinned host memory (the last layer)
+        self._seen = torch.zeros(L, K, dtype=torch.int64, device=self.device)
+        self._seen_host = torch.zeros(L, K, dtype=torch.int64, pin_memory=self.cuda)
+        self._stale = True  # _seen_host does not hold the last step's routing
+        self._routed = None  # the last step's routing, taken by decode_read
+        self._map = self.slot_map.cpu().numpy().copy()  # slot_map after every enqueued update
+        self._map_ran = self._map.copy()  # the map the last read step ran with
+        self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
+        self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
+        self.device_hits = 0
+        self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
+
+    def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
+        """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
+        from moestream.kernels.triton.decode import moe_decode
+
+        codes = self.slot_map[li][ids]
+        self._seen[li].copy_(ids.reshape(-1))
+        if li == len(self.layers) - 1:  # the step's routing to the host with its last layer
+            self._seen_host.copy_(self._seen, non_blocking=True)
+        return moe_decode(x, codes, weights, self.pool, host=self.mirror)
+
+    def decode_read(self) -> None:
+        if not self.device_misses:
+            return
+        if self._stale:  # the last call was a prompt (host path): nothing new
+            self._stale = False
+            return
+        self._routed = self._seen_host.numpy().copy()
+
+    def decode_issued(self) -> None:
+        if not self.device_misses:
+            return
+        if self._routed is None:  # no step to account for: the issued one runs with _map
+            self._map_ran = self._map.copy()
+            return
+        routed, self._routed = self._routed, None
+        ran, self._map_ran = self._map_ran, self._map.copy()  # the issued step runs with _map
+        t, E = self.table, self.E
+        h0, m0 = t.hits, t.misses
+        fix: list[tuple[int, int]] = []  # (mirror row, new slot_map value)
+        admits: list[tuple[int, int, int]] = []  # (layer index, expert, slot)
+        for li, layer in enumerate(self.layers):
+            experts = sorted(set(routed[li].tolist()))
+            hit = sum(int(ran[li, e] >= 0) for e in experts)
+            self.device_hits += hit
+            self.host_reads += len(experts) - hit
+            try:
+                step = t.access(layer, experts)
+            except PolicyError:  # every victim is being copied: these misses stay host reads
+                continue
+            for lay, e in step.evicted:
+                row = self.layer_index[lay] * E + e
+                fix.append((row, -1 - row))
+            # busy until published: no later access (this loop's other layers included) may
+            # hand their slots to another key while the copies are in flight
+            t.reserve((layer, e) for e, _ in step.misses)
+            admits += [(li, e, slot) for e, slot in step.misses]
+        self._table_counted[0] += t.hits - h0
+        self._table_counted[1] += t.misses - m0
+        fix += self._published(wait=False)
+        self._update_map(fix)
+        if admits:
+            self._admit(admits)
+
+    def _published(self, wait: bool) -> list[tuple[int, int]]:
+        """slot_map updates for admissions whose copies are done (all of them with `wait`)."""
+        out, keep = [], []
+        for ev, admits in self._pending:
+            if self.cuda and not wait and not ev.query():
+                keep.append((ev, admits))
+                continue
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            self.table.release((self.layers[li], e) for li, e, _ in admits)
+            out += [(li * self.E + e, slot) for li, e, slot in admits]
+        self._pending = keep
+        return out
+
+    def _update_map(self, fix: list[tuple[int, int]]) -> None:
+        """slot_map.view(-1)[row] = value for each pair, on the compute stream (ordered after
+        the steps already issued, before the next)."""
+        if not fix:
+            return
+        vals = torch.tensor(fix, dtype=torch.int64)
+        for row, v in fix:
+            self._map.reshape(-1)[row] = v
+        if self.cuda:
+            vals = vals.pin_memory().to(self.device, non_blocking=True)
+        self.slot_map.view(-1)[vals[:, 0]] = vals[:, 1]
+
+    def _admit(self, admits: list[tuple[int, int, int]]) -> None:
+        """Copy admitted records mirror -> their slots on the copy stream, behind every step
+        issued so far (an evicted slot may still be read by it); published when done."""
+        from moestream.kernels.triton.copy import copy_rows
+
+        # [rows..., slots...]: each half a contiguous vector for the copy kernel
+        idx = torch.tensor([li * self.E + e for li, e, _ in admits] + [s for _, _, s in admits],
+                           dtype=torch.int64)  # fmt: skip
+        n, ev = len(admits), None
+        if self.cuda:
+            self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                idx = idx.pin_memory().to(self.device, non_blocking=True)
+                for name, t in self.pool.sections.items():
+                    copy_rows(self.mirror.sections[name], t, idx[:n], idx[n:])
+                ev = torch.cuda.Event()
+                ev.record()
+        else:
+            for name, t in self.pool.sections.items():
+                copy_rows(self.mirror.sections[name], t, idx[:n], idx[n:])
+        self.h2d_bytes += len(admits) * self.size
+        self._pending.append((ev, admits))
+
+    def _drain(self) -> None:
+        """Publish every pending admission (before the host path reads slot_map)."""
+        self._stale = True
+        self._routed = None
+        self._update_map(self._published(wait=True))
+        self._map_ran = self._map.copy()
 
     # ---- filling slots -------------------------------------------------------------------------
     def _fill_resident(self) -> None:
@@ -154,7 +323,7 @@ class GpuExperts(ExpertProvider):
         t0 = time.perf_counter()
         cur = torch.cuda.current_stream(self.device) if self.cuda else None
         self._meta_at = 0
-        cap = self.dev_stage.shape[0]
+        cap = self._batch
         for b in range(0, len(misses), cap):
             batch = misses[b : b + cap]
             m = len(batch)
@@ -178,11 +347,14 @@ class GpuExperts(ExpertProvider):
             else:
                 self._copy_batch(li, batch, slots)
             self.h2d_bytes += m * self.size
-        upd = [self.layer_index[lay] * self.E + e for lay, e in evicted]
-        upd += [li * self.E + e for e, _ in misses]
+        gone = [self.layer_index[lay] * self.E + e for lay, e in evicted]
+        upd = gone + [li * self.E + e for e, _ in misses]
         if upd:
-            u = self._send(upd + [-1] * len(evicted) + [s for _, s in misses])
+            absent = [-1 - r for r in gone] if self.device_misses else [-1] * len(gone)
+            u = self._send(upd + absent + [s for _, s in misses])
             self.slot_map.view(-1)[u[: len(upd)]] = u[len(upd) :]
+            if self.device_misses:
+                self._map.reshape(-1)[upd] = absent + [s for _, s in misses]
         self.copy_seconds += time.perf_counter() - t0
 
     def _send(self, values: list[int]) -> torch.Tensor:
@@ -197,6 +369,13 @@ class GpuExperts(ExpertProvider):
 
     def _copy_batch(self, li: int, batch: list[tuple[int, int]], slots: torch.Tensor) -> None:
         m = len(batch)
+        if self.device_misses:  # rows of the section-major mirror, read through the kernel
+            from moestream.kernels.triton.copy import copy_rows
+
+            rows = self._send([li * self.E + e for e, _ in batch])
+            for name, t in self.pool.sections.items():
+                copy_rows(self.mirror.sections[name], t, rows, slots)
+            return
         dev = self.dev_stage[:m]
         if self.cfg.pinned_mirror:  # records straight from the mirror, one copy each
             for j, (e, _) in enumerate(batch):
@@ -230,6 +409,10 @@ class GpuExperts(ExpertProvider):
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:
         """x [T, D], ids [T, K], weights [T, K] (on self.device) -> [T, D]."""
+        if self.device_misses:
+            if x.shape[0] == 1:
+                return self._device_call(self.layer_index[layer], x, ids, weights)
+            self._drain()  # a prompt: the host path reads slot_map, so it must be current
         slots = self._slot_ids(layer, ids)
         if slots is None:
             return self._chunked(layer, x, ids, weights)
@@ -284,7 +467,8 @@ class GpuExperts(ExpertProvider):
             total = len(self.layers) * self.E
             d.update(cache_bytes=self.n_slots * self.size, cache_slots=self.n_slots,
                      cache_fraction=self.n_slots / total, policy=self.cfg.policy,
-                     host="pinned mirror" if self.cfg.pinned_mirror else self.cfg.io.mode)  # fmt: skip
+                     host="pinned mirror" if self.cfg.pinned_mirror else self.cfg.io.mode,
+                     misses="device" if self.device_misses else "host")  # fmt: skip
         return d
 
     # ---- stats ---------------------------------------------------------------------------------
@@ -294,11 +478,17 @@ class GpuExperts(ExpertProvider):
             self._copy_gpu_ms += start.elapsed_time(end)
         self._copy_events.clear()
         t = self.table
+        hits, misses = (t.hits, t.misses) if t else (0, 0)
+        extra = {}
+        if self.device_misses:  # decode steps count what the kernels read, not the table's view
+            hits += self.device_hits - self._table_counted[0]
+            misses += self.host_reads - self._table_counted[1]
+            extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size}
         return {
             "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
             "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,
-            "hits": t.hits if t else 0,
-            "misses": t.misses if t else 0,
+            "hits": hits,
+            "misses": misses,
             "evictions": t.evictions if t else 0,
             "h2d_bytes": self.h2d_bytes,
             "h2d_gpu_seconds": self._copy_gpu_ms / 1e3,
@@ -307,8 +497,11 @@ class GpuExperts(ExpertProvider):
             "sync_seconds": self.sync_seconds,
             "table_seconds": self.table_seconds,
             "chunked_layers": self.chunked,
+            **extra,
         }
 
     def close(self) -> None:
+        if self.device_misses:
+            self._drain()
         if self.reader is not None:
             self.reader.close()

@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import tuned
+from moestream.kernels.triton.layout import StackedExperts
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
@@ -295,15 +296,30 @@ def _down_finish(ya, yb, rw_ptr, dpart_ptr, cnt_ptr, out_ptr, p, nb, n0, D: tl.c
 
 
 @triton.jit
-def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk, P,
-                  D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-                  BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr,
-                  ELEM: tl.constexpr, FAST: tl.constexpr, READY: tl.constexpr):  # fmt: skip
+def _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST: tl.constexpr):
+    """Pair p's expert: slot e >= 0 of the VRAM pool (q_ptr, s_ptr); with HOST, a code e < 0 names
+    record -1 - e of the pinned host mirror (hq_ptr, hs_ptr: the same section layout), which the
+    loads read through unified addressing (PCIe), with the same arithmetic: the same bits."""
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    if HOST:
+        far = e < 0
+        q_ptr = tl.where(far, hq_ptr, q_ptr)
+        s_ptr = tl.where(far, hs_ptr, s_ptr)
+        e = tl.where(far, -1 - e, e)
+    return q_ptr, s_ptr, e
+
+
+@triton.jit
+def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, ready_ptr,
+                  p, nb, sk, P, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
+                  G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
+                  TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, READY: tl.constexpr,
+                  HOST: tl.constexpr):  # fmt: skip
     """Work item (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair
     p's expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a
     counter when SPLIT > 1)."""
     N: tl.constexpr = 2 * I
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    q_ptr, s_ptr, e = _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST)
     n0 = nb * BN
     KC: tl.constexpr = D // SPLIT
     xrow = x_ptr + (p // TOPK) * D + sk * KC
@@ -329,17 +345,17 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_
 
 @triton.jit
 def _gate_up_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
+    x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
+    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN, BK,
-                  SPLIT, TOPK, ELEM, FAST, False)  # fmt: skip
+                  SPLIT, TOPK, ELEM, FAST, False, HOST)  # fmt: skip
 
 
 @triton.jit
@@ -357,17 +373,17 @@ def _await(ready_ptr, p, WAIT: tl.constexpr, NBG: tl.constexpr):
 
 
 @triton.jit
-def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, ready_ptr, p, nb,
-               D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-               BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-               FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
-               COMBINE: tl.constexpr):  # fmt: skip
+def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr,
+               ready_ptr, p, nb, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
+               G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
+               ELEM: tl.constexpr, FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
+               COMBINE: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
     """Work item (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
     weight, stored as pair p's fp32 row; with COMBINE the token's last item for the row block adds
     its TOPK rows in slot order and writes the output. The first weight tile is loaded before
     the wait for h (_await). The pair rows do not depend on the call's other pairs, so a
     prefill run in chunks of pairs gives the same bits."""
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    q_ptr, s_ptr, e = _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST)
     n0 = nb * BN
     koff = _k_offsets(QUANT, G, BN, BK)
     w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # weights need no wait
@@ -400,15 +416,15 @@ def _combine_rows(dpart_ptr, out_ptr, t, r, D: tl.constexpr, TOPK: tl.constexpr,
 
 @triton.jit
 def _down_kernel(
-    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr, COMBINE: tl.constexpr,
+    PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
     """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid)."""
-    _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, cnt_ptr,
-               tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, ELEM, FAST,
-               1 if PDL else 0, 0, COMBINE)  # fmt: skip
+    _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr,
+               cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, ELEM,
+               FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
 
 
 @triton.jit
@@ -526,15 +542,16 @@ def _gate_up_mma_step(q_ptr, s_ptr, e, n0, k0, xrow, ga, gb, ua, ub, N: tl.const
 
 
 @triton.jit
-def _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, ready_ptr, p, nb, sk,
-                      P, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr,
-                      BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
-                      TOPK: tl.constexpr, FAST: tl.constexpr, DT: tl.constexpr,
-                      PREC: tl.constexpr, STAGES: tl.constexpr, READY: tl.constexpr):  # fmt: skip
+def _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
+                      ready_ptr, p, nb, sk, P, D: tl.constexpr, I: tl.constexpr,
+                      QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                      SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
+                      DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+                      READY: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
     """_gate_up_item on tensor cores: the same outputs."""
     N: tl.constexpr = 2 * I
     W: tl.constexpr = 32 if QUANT == 2 else BN
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    q_ptr, s_ptr, e = _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST)
     n0 = nb * BN
     KC: tl.constexpr = D // SPLIT
     xrow = x_ptr + (p // TOPK) * D
@@ -560,27 +577,30 @@ def _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, re
 
 @triton.jit
 def _gate_up_mma_kernel(
-    x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, P,
+    x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
+    HOST: tl.constexpr,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_mma_item."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
-                      tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN,
-                      BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False)  # fmt: skip
+    _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
+                      cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
+                      QUANT, G, BN, BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False,
+                      HOST)  # fmt: skip
 
 
 @triton.jit
-def _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, ready_ptr,
-                   p, nb, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
-                   G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
-                   FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
-                   COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
+def _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
+                   out_ptr, ready_ptr, p, nb, D: tl.constexpr, I: tl.constexpr,
+                   QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   TOPK: tl.constexpr, FAST: tl.constexpr, WAIT: tl.constexpr,
+                   NBG: tl.constexpr, COMBINE: tl.constexpr, DT: tl.constexpr,
+                   PREC: tl.constexpr, HOST: tl.constexpr):  # fmt: skip
     """_down_item on tensor cores: the same pair rows and combine."""
-    e = tl.load(ids_ptr + p).to(tl.int64)
+    q_ptr, s_ptr, e = _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST)
     n0 = nb * BN
     W: tl.constexpr = 32 if QUANT == 2 else BN
     w0, s0a, s0b = _mma_load(q_ptr, s_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # before the wait
@@ -602,15 +622,15 @@ def _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out
 
 @triton.jit
 def _down_mma_kernel(
-    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
+    h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
-    COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr,
+    COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
     """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid)."""
-    _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, dpart_ptr, cnt_ptr, out_ptr, cnt_ptr,
-                   tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, FAST,
-                   1 if PDL else 0, 0, COMBINE, DT, PREC)  # fmt: skip
+    _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
+                   out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
+                   TOPK, FAST, 1 if PDL else 0, 0, COMBINE, DT, PREC, HOST)  # fmt: skip
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -659,6 +679,11 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
 _WORKSPACE: dict = {}
 
 
+def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
+    """Sections as the kernels read them: int4's (scale, zero) bf16 pairs as one int32 word."""
+    return {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in experts.sections.items()}
+
+
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,
                h_dtype: torch.dtype):  # fmt: skip
     """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 pair rows [P, D]
@@ -690,8 +715,8 @@ class Launch:
     x: torch.Tensor  # [T, D]
     ids: torch.Tensor  # [T, K]
     weights: torch.Tensor  # [T, K]
-    w13: tuple  # gate/up (weights, scales)
-    w2: tuple  # down (weights, scales)
+    w13: tuple  # gate/up (weights, scales, host weights, host scales)
+    w2: tuple  # down (the same four)
     ws: tuple  # _workspace: part, h, dpart, cnt_g, cnt_d
     out: torch.Tensor | None
     combine: bool
@@ -703,29 +728,34 @@ class Launch:
         return self.ids.numel()
 
     @classmethod
-    def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool) -> Launch:
+    def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
+              host: StackedExperts | None = None) -> Launch:  # fmt: skip
         quant = experts.scheme.name
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
         why = check_shapes(quant, D, I, G, cfg)
         assert why is None, why
         gpu = x.device.type == "cuda"
-        sec = dict(experts.sections)
-        if quant == "int4":  # (scale, zero) bf16 pairs as one int32 word
-            sec = {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in sec.items()}
+        sec, far = _kernel_sections(experts), _kernel_sections(host or experts)
+        if host is not None:
+            for k, v in sec.items():
+                assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
+                assert far[k].is_contiguous(), f"host {k} must be contiguous"
         scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
         ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, x.dtype)
         if out is None and combine:
             out = torch.empty(T, D, device=x.device, dtype=x.dtype)
         assert not combine or (out.is_contiguous() and out.shape == (T, D))
-        common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=ids.shape[1])
+        common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=ids.shape[1],
+                      HOST=host is not None)  # fmt: skip
         if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
             bf16 = x.dtype == torch.bfloat16
             common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
                           FAST=gpu and (bf16 or quant != "int4"))  # fmt: skip
         else:
             common.update(ELEM=True, FAST=gpu)
-        w13, w2 = (sec["w13.q"], sec[f"w13.{scale}"]), (sec["w2.q"], sec[f"w2.{scale}"])
+        w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
+        w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", scale))
         return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
                    combine, gpu, common)  # fmt: skip
 
@@ -758,15 +788,16 @@ class Launch:
 
 
 def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None,
-               combine: bool = True) -> torch.Tensor:  # fmt: skip
+               combine: bool = True, host: StackedExperts | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
     when given, which must be contiguous). `combine=False` returns the pair rows instead: fp32
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
-    `combine_pairs` of them gives the bits of the combined call."""
+    `combine_pairs` of them gives the bits of the combined call. `host`: a second set of expert
+    sections (pinned host memory on CUDA); an id e < 0 reads its record -1 - e."""
     quant, (_, D), I, G = experts.scheme.name, x.shape, experts.inter, experts.scheme.group_size
     cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
     assert cfg is not None, f"no decode tile fits D={D}, I={I}"
-    launch = Launch.build(x, ids, weights, experts, cfg, out, combine)
+    launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host)
     launch.gate_up()
     launch.down()
     return launch.result()
