@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from moestream.config import ConfigError
@@ -182,6 +183,7 @@ class GpuExperts(ExpertProvider):
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
         self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
         self.device_hits = 0
+        self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
 
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
@@ -221,7 +223,12 @@ class GpuExperts(ExpertProvider):
             self.host_reads += len(experts) - hit
             try:
                 step = t.access(layer, experts)
-            except PolicyError:  # every victim is being copied: these misses stay host reads
+            except PolicyError:
+                # Every victim is being copied: these misses stay host reads this step. The
+                # failed access undid its admissions but not the evictions it had made, so
+                # keys the table dropped may still be mapped: give them their codes back.
+                self.skipped += 1
+                fix += self._orphans()
                 continue
             for lay, e in step.evicted:
                 row = self.layer_index[lay] * E + e
@@ -236,6 +243,15 @@ class GpuExperts(ExpertProvider):
         self._update_map(fix)
         if admits:
             self._admit(admits)
+
+    def _orphans(self) -> list[tuple[int, int]]:
+        """(row, absent code) of keys slot_map maps to a slot the table no longer gives them."""
+        flat, E = self._map.reshape(-1), self.E
+        out = []
+        for row in np.flatnonzero(flat >= 0).tolist():
+            if self.table.slot((self.layers[row // E], row % E)) != flat[row]:
+                out.append((row, -1 - row))
+        return out
 
     def _published(self, wait: bool) -> list[tuple[int, int]]:
         """slot_map updates for admissions whose copies are done (all of them with `wait`)."""
@@ -483,7 +499,8 @@ class GpuExperts(ExpertProvider):
         if self.device_misses:  # decode steps count what the kernels read, not the table's view
             hits += self.device_hits - self._table_counted[0]
             misses += self.host_reads - self._table_counted[1]
-            extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size}
+            extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size,
+                     "admissions_skipped": self.skipped}  # fmt: skip
         return {
             "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
             "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,
