@@ -13,7 +13,24 @@ from pathlib import Path
 import numpy as np
 import torch
 
-GGUF_ARCH = {"qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama"}
+GGUF_ARCH = {
+    "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
+    "glm4_moe": "glm4moe",
+}  # fmt: skip
+
+
+def gguf_arch(name: str):
+    """The gguf package's MODEL_ARCH of a general.architecture name (glm4moe is GLM4_MOE)."""
+    import gguf
+
+    return {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[name]
+
+
+def gguf_key(hf: str) -> str:
+    """The HF name as llama.cpp's tensor map knows it (it renames the router's selection bias)."""
+    return hf.replace("e_score_correction_bias", "e_score_correction.bias")
+
+
 _EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 _MIXTRAL_ROLES = {"w1": "gate", "w3": "up", "w2": "down"}
 # K-quant blocks written for a weight of std s get d ~ N(0, s / this): about s once scaled by
@@ -104,7 +121,7 @@ def write_gguf(
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, cfg, skip_key)
     _vocab(writer, folder, pre, cfg["vocab_size"])
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], n)
+    names = gguf.get_tensor_name_map(gguf_arch(arch), n)
     stored: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for hf, w in state.items():
@@ -114,7 +131,7 @@ def write_gguf(
             role = (_MIXTRAL_ROLES if mt == "mixtral" else _EXPERT_ROLES)[role]
             experts.setdefault((layer, role), {})[e] = w
             continue
-        name = names.get_name(hf, try_suffixes=(".weight", ".bias"))
+        name = names.get_name(gguf_key(hf), try_suffixes=(".weight", ".bias"))
         assert name is not None, hf
         out, heads = w, None
         if mt == "mixtral" and hf.endswith(("q_proj.weight", "k_proj.weight")):
@@ -143,6 +160,8 @@ def write_gguf(
 
 
 def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
+    import gguf
+
     heads = cfg["num_attention_heads"]
     n_exp = cfg.get("num_experts", cfg.get("num_local_experts"))
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -165,6 +184,18 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
         adds["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     if cfg["model_type"] == "olmoe" and cfg.get("clip_qkv"):
         adds["clamp_kqv"] = cfg["clip_qkv"]
+    if cfg["model_type"] == "glm4_moe":  # as llama.cpp's Glm4MoeModel.set_gguf_parameters
+        adds.update(
+            expert_count=cfg["n_routed_experts"],
+            expert_shared_count=cfg["n_shared_experts"],
+            leading_dense_block_count=cfg["first_k_dense_replace"],
+            expert_gating_func=gguf.ExpertGatingFuncType.SIGMOID,
+            expert_weights_scale=cfg["routed_scaling_factor"],
+            expert_weights_norm=cfg["norm_topk_prob"],
+            expert_group_count=cfg["n_group"],
+            expert_group_used_count=cfg["topk_group"],
+            rope_dimension_count=int(head_dim * cfg.get("partial_rotary_factor", 0.5)),
+        )
     for key, value in adds.items():
         if key != skip_key:
             getattr(writer, f"add_{key}")(value)

@@ -23,7 +23,7 @@ from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
 from moestream.store.format import VERSION, Store
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")
+ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
@@ -395,3 +395,13 @@ def test_missing_metadata_key_is_named(tmp_path, capsys):
     write_gguf(hf, tmp_path / "m.gguf", skip_key="expert_used_count")
     err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
     assert "'olmoe.expert_used_count' is missing" in err
+
+
+def test_glm4_dense_layers_that_disagree_with_the_metadata(tmp_path, capsys):
+    hf = hf_checkpoint("glm4_moe", tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg["first_k_dense_replace"] = 2  # written as leading_dense_block_count; layer 1 has experts
+    (hf / "config.json").write_text(json.dumps(cfg))
+    write_gguf(hf, tmp_path / "m.gguf")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "layers [0] have no experts, but glm4moe.leading_dense_block_count is 2" in err

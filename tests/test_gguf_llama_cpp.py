@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from gguf_models import GGUF_ARCH, expert_name
+from gguf_models import GGUF_ARCH, expert_name, gguf_arch, gguf_key
 from test_gguf import FP32_TOL, hf_checkpoint, hf_logits, our_logits
 from tiny_models import perturbed_model, save
 
@@ -37,7 +37,22 @@ needs_build = pytest.mark.skipif(
 )
 
 
+GLM_SPECIALS = ["[gMASK]", "<|endoftext|>", "<|observation|>"]  # llama.cpp's GLM vocab reads them
+
+
 def tiny(arch: str, folder: Path) -> Path:
+    if arch == "glm4_moe":
+        # llama.cpp's GLM vocabulary needs GLM's special tokens: three more ids after the tiny
+        # tokenizer's (it already has <|user|>), and an embedding that holds them.
+        from tiny_models import VOCAB
+        from tokenizers import Tokenizer
+
+        hf = save(perturbed_model(arch, seed=2, vocab_size=VOCAB + len(GLM_SPECIALS)), folder,
+                  "per_expert")  # fmt: skip
+        tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
+        tok.add_special_tokens(GLM_SPECIALS)
+        tok.save(str(hf / "tokenizer.json"))
+        return hf
     if arch != "olmoe":
         return hf_checkpoint(arch, folder)
     # llama.cpp's OLMoE converter writes rms eps 1e-5 whatever the config says and drops clip_qkv.
@@ -68,7 +83,7 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     meta = {k: f.contents() for k, f in r.fields.items()}
     arch = meta["general.architecture"]
     model_type = {v: k for k, v in GGUF_ARCH.items()}[arch]
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], meta[f"{arch}.block_count"])
+    names = gguf.get_tensor_name_map(gguf_arch(arch), meta[f"{arch}.block_count"])
     out = {}
     for name, w in tensors.items():
         if "_exps." in name:  # blk.L.ffn_{gate,up,down}_exps.weight: [E, N, K]
@@ -78,7 +93,7 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
         dense = [k for k in f.keys() if ".experts." not in k]
     for key in dense:
-        w = tensors[names.get_name(key, try_suffixes=(".weight", ".bias"))]
+        w = tensors[names.get_name(gguf_key(key), try_suffixes=(".weight", ".bias"))]
         if model_type == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
             kv = "head_count" if "q_proj" in key else "head_count_kv"
             n = meta[f"{arch}.attention.{kv}"]
@@ -89,7 +104,7 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "arch,outtype",
-    [(a, "q8_0") for a in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral")]
+    [(a, "q8_0") for a in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")]
     + [("qwen3_moe", "f32"), ("mixtral", "f32")],
 )
 def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):

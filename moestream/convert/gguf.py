@@ -48,6 +48,8 @@ class GgufArch:
     model_type: str
     norm_topk_prob: bool  # llama.cpp's default when `{arch}.expert_weights_norm` is absent
     permuted_qk: bool = False  # llama.cpp's HF converter permutes Q/K rows (`llama` arch)
+    shared: str = "mlp.shared_expert"  # the HF module of `ffn_*_shexp` (glm4moe: shared_experts)
+    sigmoid: bool = False  # sigmoid router scores (`{arch}.expert_gating_func` must agree)
 
 
 # The llama.cpp architectures read so far; `llama` runs as mixtral when it has experts.
@@ -56,7 +58,11 @@ ARCHS = {
     "qwen2moe": GgufArch("qwen2_moe", norm_topk_prob=False),
     "olmoe": GgufArch("olmoe", norm_topk_prob=False),
     "llama": GgufArch("mixtral", norm_topk_prob=True, permuted_qk=True),
+    "glm4moe": GgufArch(
+        "glm4_moe", norm_topk_prob=False, shared="mlp.shared_experts", sigmoid=True
+    ),
 }
+GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -72,11 +78,14 @@ _BLOCK = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
-    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",
-    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
-    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    # glm4moe: the pre-FFN norm (HF's post_attention_layernorm, as ffn_norm elsewhere) and the
+    # router's selection bias
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "exp_probs_b.bias": "mlp.gate.e_score_correction_bias",
     "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
+# shared-expert projections: under GgufArch.shared
+_SHARED = {f"ffn_{r}_shexp.weight": f"{r}_proj.weight" for r in ("gate", "up", "down")}
 for _g, _h in (
     ("attn_q", "q_proj"),
     ("attn_k", "k_proj"),
@@ -255,7 +264,7 @@ class GGUFCheckpoint:
                     f"{self.folder}: {self.arch_name}.attention.head_count_kv differs per layer"
                 )
             kv = kv[0]
-        n_layers = int(self._arch_key("block_count"))
+        n_layers = self.n_layers
         gate = self._tensors[self._experts[min(self._experts)]["gate"]]
         _, inter, n_exp = (int(x) for x in gate.shape)  # ne [D, I, E]
         vocab = int(self._tensors["token_embd.weight"].shape[1])
@@ -300,7 +309,45 @@ class GGUFCheckpoint:
             cfg.update(qkv_bias=cfg["attention_bias"], use_sliding_window=False)
         if mt == "olmoe":
             cfg["clip_qkv"] = self._arch_key("attention.clamp_kqv", None)
+        if mt == "glm4_moe":
+            cfg.update(self._glm4_fields(cfg, dense_layers, n_exp))
         return cfg
+
+    def _glm4_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
+        """glm4moe: sigmoid routing with a selection bias, group-limited top-k, scaled weights,
+        leading dense layers, shared experts, partial rotary (llama.cpp's keys and defaults)."""
+        gating = int(self._arch_key("expert_gating_func", GATING_SIGMOID))
+        if gating != GATING_SIGMOID:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.expert_gating_func is {gating}; GLM-4 MoE "
+                f"routes with sigmoid scores ({GATING_SIGMOID})"
+            )
+        lead = int(self._arch_key("leading_dense_block_count", 0))
+        if dense_layers != list(range(lead)):
+            raise CheckpointError(
+                f"{self.folder}: layers {dense_layers} have no experts, but "
+                f"{self.arch_name}.leading_dense_block_count is {lead}"
+            )
+        shexp = self._tensors.get(f"blk.{lead}.ffn_gate_shexp.weight")
+        n_shared = int(self._arch_key("expert_shared_count", 0 if shexp is None else 1))
+        if shexp is not None and int(shexp.shape[1]) != n_shared * cfg["moe_intermediate_size"]:
+            raise CheckpointError(
+                f"{self.folder}: ffn_gate_shexp holds {int(shexp.shape[1])} rows, not "
+                f"expert_shared_count {n_shared} x {cfg['moe_intermediate_size']}"
+            )
+        head_dim = cfg["head_dim"]
+        rot = int(self._arch_key("rope.dimension_count", head_dim))
+        return {
+            "n_routed_experts": n_exp,
+            "n_shared_experts": n_shared,
+            "first_k_dense_replace": lead,
+            "routed_scaling_factor": _f32(self._arch_key("expert_weights_scale", 1.0)) or 1.0,
+            "n_group": int(self._arch_key("expert_group_count", 1)),
+            "topk_group": int(self._arch_key("expert_group_used_count", 1)),
+            "partial_rotary_factor": rot / head_dim,
+            "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
+            "num_nextn_predict_layers": 0,  # the MTP layers' tensors were not read
+        }
 
     def _rope(self) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_theta": _f32(self._arch_key("rope.freq_base", 10000.0))}
@@ -326,15 +373,24 @@ class GGUFCheckpoint:
 
     # ---- tensors ------------------------------------------------------------------------------
     def _classify(self) -> None:
+        # llama.cpp counts multi-token-prediction layers (glm4moe's `nextn`) in block_count and
+        # writes them after the trunk; moestream runs the trunk, so their tensors are skipped
+        n = int(self._arch_key("block_count"))
+        self.mtp_layers = int(self._arch_key("nextn_predict_layers", 0))
+        self.n_layers = n - self.mtp_layers
         for name in self._tensors:
             if name in _GLOBAL:
                 self._add_dense(_GLOBAL[name], name)
                 continue
             m = _BLK.match(name)
+            if m and int(m[1]) >= self.n_layers and self.mtp_layers:
+                continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
             elif m and m[2] in _BLOCK:
                 self._add_dense(f"model.layers.{m[1]}.{_BLOCK[m[2]]}", name)
+            elif m and m[2] in _SHARED:
+                self._add_dense(f"model.layers.{m[1]}.{self.arch.shared}.{_SHARED[m[2]]}", name)
             else:
                 raise CheckpointError(
                     f"{self.folder}: tensor {name!r} is not one moestream maps for GGUF "
