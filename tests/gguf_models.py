@@ -15,7 +15,7 @@ import torch
 
 GGUF_ARCH = {
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-    "glm4_moe": "glm4moe",
+    "glm4_moe": "glm4moe", "lfm2_moe": "lfm2moe",
 }  # fmt: skip
 
 
@@ -28,7 +28,8 @@ def gguf_arch(name: str):
 
 def gguf_key(hf: str) -> str:
     """The HF name as llama.cpp's tensor map knows it (it renames the router's selection bias)."""
-    return hf.replace("e_score_correction_bias", "e_score_correction.bias")
+    hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+    return hf.replace(".expert_bias", ".expert_bias.bias")
 
 
 _EXPERT_ROLES = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
@@ -40,9 +41,10 @@ _KQUANT_SPREAD = {"Q4_K": 120.0, "Q5_K": 250.0, "Q6_K": 1000.0}
 
 def expert_name(model_type: str, layer: int, e: int, role: str) -> str:
     """The per-expert Hugging Face name of one expert weight (role: gate, up, down)."""
-    if model_type == "mixtral":
+    if model_type in ("mixtral", "lfm2_moe"):
         w = {"gate": "w1", "up": "w3", "down": "w2"}[role]
-        return f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+        block = "block_sparse_moe" if model_type == "mixtral" else "feed_forward"
+        return f"model.layers.{layer}.{block}.experts.{e}.{w}.weight"
     return f"model.layers.{layer}.mlp.experts.{e}.{role}_proj.weight"
 
 
@@ -128,7 +130,7 @@ def write_gguf(
         parts = hf.split(".")
         if ".experts." in hf:
             layer, e, role = int(parts[2]), int(parts[5]), parts[6]
-            role = (_MIXTRAL_ROLES if mt == "mixtral" else _EXPERT_ROLES)[role]
+            role = (_MIXTRAL_ROLES if mt in ("mixtral", "lfm2_moe") else _EXPERT_ROLES)[role]
             experts.setdefault((layer, role), {})[e] = w
             continue
         name = names.get_name(gguf_key(hf), try_suffixes=(".weight", ".bias"))
@@ -139,6 +141,8 @@ def write_gguf(
             out = _permute(w, heads)
         if hf.endswith("shared_expert_gate.weight"):
             out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
+        if hf.endswith("conv.conv.weight"):
+            out = w.squeeze(1)  # LFM2's depthwise conv [D, 1, L] -> [D, L], as llama.cpp
         vals = _store(writer, name, out, T[(dense_types or {}).get(hf, dense_type)])
         if heads is not None:  # the values in HF's row order: the permutation undone
             vals = vals.reshape(heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -184,6 +188,14 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
         adds["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     if cfg["model_type"] == "olmoe" and cfg.get("clip_qkv"):
         adds["clamp_kqv"] = cfg["clip_qkv"]
+    if cfg["model_type"] == "lfm2_moe":  # as llama.cpp's LFM2MoeModel.set_gguf_parameters
+        kv = cfg["num_key_value_heads"]
+        adds.update(
+            head_count_kv=[kv if t == "full_attention" else 0 for t in cfg["layer_types"]],
+            leading_dense_block_count=cfg["num_dense_layers"],
+            expert_gating_func=gguf.ExpertGatingFuncType.SIGMOID,
+            shortconv_l_cache=cfg["conv_L_cache"],
+        )
     if cfg["model_type"] == "glm4_moe":  # as llama.cpp's Glm4MoeModel.set_gguf_parameters
         adds.update(
             expert_count=cfg["n_routed_experts"],

@@ -23,16 +23,25 @@ from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
 from moestream.store.format import VERSION, Store
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe")
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
 FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 
 
+# What llama.cpp's GGUF can hold: qwen3moe has no dense-MLP layers; LFM2 has no conv biases, a
+# tied output layer, no routed scaling factor (LFM2's own is 1) and one norm eps (the tiny
+# config's norm_eps, which transformers reads, and rms_norm_eps, which the converter writes).
+GGUF_FORM = {
+    "qwen3_moe": {"mlp_only_layers": []},
+    "lfm2_moe": dict(conv_bias=False, tie_word_embeddings=True, routed_scaling_factor=1.0,
+                     norm_eps=1e-6),
+}  # fmt: skip
+
+
 def hf_checkpoint(arch: str, folder):
-    # llama.cpp's qwen3moe has no dense-MLP layers: the tiny qwen3_moe's mlp_only_layers go.
-    over = {"mlp_only_layers": []} if arch == "qwen3_moe" else {}
+    over = GGUF_FORM.get(arch, {})
     return save(perturbed_model(arch, seed=2, **over), folder, "per_expert")
 
 

@@ -91,9 +91,10 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
             for e in range(w.shape[0]):
                 out[expert_name(model_type, layer, e, role)] = torch.tensor(w[e])
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
-        dense = [k for k in f.keys() if ".experts." not in k]
-    for key in dense:
+        dense = {k: f.get_slice(k).get_shape() for k in f.keys() if ".experts." not in k}
+    for key, shape in dense.items():
         w = tensors[names.get_name(gguf_key(key), try_suffixes=(".weight", ".bias"))]
+        w = w.reshape(shape)  # llama.cpp squeezes LFM2's depthwise conv [D, 1, L]
         if model_type == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
             kv = "head_count" if "q_proj" in key else "head_count_kv"
             n = meta[f"{arch}.attention.{kv}"]
@@ -104,7 +105,7 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(
     "arch,outtype",
-    [(a, "q8_0") for a in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe")]
+    [(a, "q8_0") for a in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe")]
     + [("qwen3_moe", "f32"), ("mixtral", "f32")],
 )
 def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):

@@ -50,6 +50,9 @@ class GgufArch:
     permuted_qk: bool = False  # llama.cpp's HF converter permutes Q/K rows (`llama` arch)
     shared: str = "mlp.shared_expert"  # the HF module of `ffn_*_shexp` (glm4moe: shared_experts)
     sigmoid: bool = False  # sigmoid router scores (`{arch}.expert_gating_func` must agree)
+    # Our names where a model file spells a block differently (lfm2_moe: feed_forward, its norms
+    # operator_norm / ffn_norm, the final norm written as token_embd_norm): GGUF name -> ours.
+    names: tuple[tuple[str, str], ...] = ()
 
 
 # The llama.cpp architectures read so far; `llama` runs as mixtral when it has experts.
@@ -60,6 +63,22 @@ ARCHS = {
     "llama": GgufArch("mixtral", norm_topk_prob=True, permuted_qk=True),
     "glm4moe": GgufArch(
         "glm4_moe", norm_topk_prob=False, shared="mlp.shared_experts", sigmoid=True
+    ),
+    "lfm2moe": GgufArch(
+        "lfm2_moe",
+        norm_topk_prob=True,
+        sigmoid=True,
+        names=(
+            ("token_embd_norm.weight", "model.norm.weight"),
+            ("attn_norm.weight", "operator_norm.weight"),
+            ("ffn_norm.weight", "ffn_norm.weight"),
+            ("ffn_gate_inp.weight", "feed_forward.gate.weight"),
+            ("exp_probs_b.bias", "feed_forward.expert_bias"),
+            ("shortconv.conv.weight", "conv.conv.weight"),
+            ("shortconv.in_proj.weight", "conv.in_proj.weight"),
+            ("shortconv.out_proj.weight", "conv.out_proj.weight"),
+            *((f"ffn_{r}.weight", f"feed_forward.{r}_proj.weight") for r in ("gate", "up", "down")),
+        ),
     ),
 }
 GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
@@ -258,6 +277,9 @@ class GGUFCheckpoint:
         heads = int(self._arch_key("attention.head_count"))
         hidden = int(self._arch_key("embedding_length"))
         kv = self._arch_key("attention.head_count_kv", heads)
+        self.kv_per_layer = kv if isinstance(kv, list) else None
+        if isinstance(kv, list) and self.arch.model_type == "lfm2_moe":
+            kv = [k for k in kv if k] or [0]  # 0 marks a short-convolution layer
         if isinstance(kv, list):  # per-layer counts: one value is all our models support
             if len(set(kv)) != 1:
                 raise CheckpointError(
@@ -311,23 +333,55 @@ class GGUFCheckpoint:
             cfg["clip_qkv"] = self._arch_key("attention.clamp_kqv", None)
         if mt == "glm4_moe":
             cfg.update(self._glm4_fields(cfg, dense_layers, n_exp))
+        if mt == "lfm2_moe":
+            cfg.update(self._lfm2_fields(cfg, dense_layers))
         return cfg
 
-    def _glm4_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
-        """glm4moe: sigmoid routing with a selection bias, group-limited top-k, scaled weights,
-        leading dense layers, shared experts, partial rotary (llama.cpp's keys and defaults)."""
-        gating = int(self._arch_key("expert_gating_func", GATING_SIGMOID))
-        if gating != GATING_SIGMOID:
-            raise CheckpointError(
-                f"{self.folder}: {self.arch_name}.expert_gating_func is {gating}; GLM-4 MoE "
-                f"routes with sigmoid scores ({GATING_SIGMOID})"
-            )
+    def _lead_dense(self, dense_layers: list[int]) -> int:
         lead = int(self._arch_key("leading_dense_block_count", 0))
         if dense_layers != list(range(lead)):
             raise CheckpointError(
                 f"{self.folder}: layers {dense_layers} have no experts, but "
                 f"{self.arch_name}.leading_dense_block_count is {lead}"
             )
+        return lead
+
+    def _check_sigmoid(self) -> None:
+        gating = int(self._arch_key("expert_gating_func", GATING_SIGMOID))
+        if gating != GATING_SIGMOID:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.expert_gating_func is {gating}; "
+                f"{self.arch.model_type} routes with sigmoid scores ({GATING_SIGMOID})"
+            )
+
+    def _lfm2_fields(self, cfg: dict[str, Any], dense_layers: list[int]) -> dict:
+        """lfm2moe: which layers are short convolutions (head_count_kv 0, llama.cpp's marking),
+        the kernel length, leading dense layers, sigmoid routing with the selection bias
+        `exp_probs_b`, renormalised weights (llama.cpp writes no scaling factor: 1)."""
+        self._check_sigmoid()
+        n = cfg["num_hidden_layers"]
+        kv = self.kv_per_layer or [cfg["num_key_value_heads"]] * n
+        if len(kv) != n:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.attention.head_count_kv has {len(kv)} entries "
+                f"for {n} layers"
+            )
+        return {
+            "layer_types": ["full_attention" if k else "conv" for k in kv],
+            "conv_L_cache": int(self._arch_key("shortconv.l_cache")),
+            "conv_bias": False,  # llama.cpp's LFM2 has no conv biases (a bias tensor is refused)
+            "num_dense_layers": self._lead_dense(dense_layers),
+            "use_expert_bias": f"blk.{n - 1}.exp_probs_b.bias" in self._tensors,
+            "routed_scaling_factor": 1.0,
+            "norm_eps": cfg["rms_norm_eps"],
+            "tie_embedding": cfg["tie_word_embeddings"],
+        }
+
+    def _glm4_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
+        """glm4moe: sigmoid routing with a selection bias, group-limited top-k, scaled weights,
+        leading dense layers, shared experts, partial rotary (llama.cpp's keys and defaults)."""
+        self._check_sigmoid()
+        lead = self._lead_dense(dense_layers)
         shexp = self._tensors.get(f"blk.{lead}.ffn_gate_shexp.weight")
         n_shared = int(self._arch_key("expert_shared_count", 0 if shexp is None else 1))
         if shexp is not None and int(shexp.shape[1]) != n_shared * cfg["moe_intermediate_size"]:
@@ -378,15 +432,18 @@ class GGUFCheckpoint:
         n = int(self._arch_key("block_count"))
         self.mtp_layers = int(self._arch_key("nextn_predict_layers", 0))
         self.n_layers = n - self.mtp_layers
+        own = dict(self.arch.names)
         for name in self._tensors:
-            if name in _GLOBAL:
-                self._add_dense(_GLOBAL[name], name)
+            if name in _GLOBAL or name in own:  # own: only the final norm is not in a block
+                self._add_dense(own.get(name) or _GLOBAL[name], name)
                 continue
             m = _BLK.match(name)
             if m and int(m[1]) >= self.n_layers and self.mtp_layers:
                 continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] in own:
+                self._add_dense(f"model.layers.{m[1]}.{own[m[2]]}", name)
             elif m and m[2] in _BLOCK:
                 self._add_dense(f"model.layers.{m[1]}.{_BLOCK[m[2]]}", name)
             elif m and m[2] in _SHARED:
@@ -473,6 +530,8 @@ class GGUFCheckpoint:
         out = self._as_torch(t, t.data)
         if name.endswith("shared_expert_gate.weight"):
             out = out.reshape(1, -1)  # stored 1-D by some converters; HF's [1, D]
+        if name.endswith("conv.conv.weight") and out.dim() == 2:
+            out = out.unsqueeze(1)  # llama.cpp squeezes the depthwise conv's [D, 1, L]
         if self.arch.permuted_qk:
             out = self._unpermute(name, out)
         return out
