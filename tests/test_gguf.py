@@ -252,6 +252,26 @@ def _qwen2_style_tokenizer(folder) -> None:
     tk.save(str(folder / "tokenizer.json"))
 
 
+def _llama3_style_tokenizer(folder) -> None:
+    """The tiny tokenizer with Llama 3's pre-tokenizer (its tokenizer.json's split regex, then
+    bytes) and ignore_merges: what GLM-4 (chatglm4 in llama.cpp) and LFM2 files use too."""
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    regex = (
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+        r"[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+    )
+    doc["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
+        ],
+    }  # fmt: skip
+    doc["model"]["ignore_merges"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+
+
 TEXTS = [
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
     "<|user|>hi there<|end|><|assistant|>",
@@ -260,11 +280,13 @@ TEXTS = [
 ]
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "qwen2"])
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "lfm2"])
 def test_tokenizer_encodes_like_the_hf_tokenizer(tmp_path, pre):
     hf = hf_checkpoint("olmoe", tmp_path / "hf")
     if pre == "qwen2":
         _qwen2_style_tokenizer(hf)
+    if pre in ("llama-bpe", "glm4", "lfm2"):
+        _llama3_style_tokenizer(hf)
     write_gguf(hf, tmp_path / "m.gguf", pre=pre)
     out = tmp_path / "files"
     out.mkdir()

@@ -49,7 +49,10 @@ _PRE = {
     "qwen2": lambda: (_split_then_bytes(_QWEN2), True, False),
     "llama-bpe": lambda: (_split_then_bytes(_LLAMA3), False, True),
 }
-_PRE["llama3"] = _PRE["llama-v3"] = _PRE["llama-bpe"]
+# llama.cpp gives these Llama 3's regex and ignore_merges too (llama-vocab.cpp: lfm2 is a LLAMA3
+# pre-type; glm4 / glm5 are CHATGLM4, whose regex is Llama 3's)
+for _name in ("llama3", "llama-v3", "lfm2", "glm4", "glm5"):
+    _PRE[_name] = _PRE["llama-bpe"]
 
 
 def build_tokenizer(meta: dict[str, Any], vocab_size: int, where: str) -> tuple[str, dict]:
