@@ -154,9 +154,11 @@ def test_a_rank_that_dies_is_a_named_error(stores, how):
     msg = str(err.value)
     if how == "kill":
         assert "rank 1 died (SIGKILL)" in msg
-    else:  # rank 0 itself notices at its first gather, at once (the socket closed)
+    elif "rank 0 died (SIGABRT)" not in msg:  # rank 0 notices at its first gather, at once
         assert "rank 0: layer 0: a peer rank stopped answering" in msg
         assert float(msg.rsplit("[after ", 1)[1].split(" s]")[0]) < 5
+    # else: on a loaded machine gloo aborted rank 0 when the socket closed, before it could
+    # raise (seen once in a make test run beside other jobs): still a named error, no hang
     assert time.perf_counter() - t0 < 120  # spawning and loading included: no hang
 
 
