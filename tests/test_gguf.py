@@ -40,8 +40,8 @@ GGUF_FORM = {
 }  # fmt: skip
 
 
-def hf_checkpoint(arch: str, folder):
-    over = GGUF_FORM.get(arch, {})
+def hf_checkpoint(arch: str, folder, **extra):
+    over = {**GGUF_FORM.get(arch, {}), **extra}
     return save(perturbed_model(arch, seed=2, **over), folder, "per_expert")
 
 

@@ -40,21 +40,21 @@ needs_build = pytest.mark.skipif(
 GLM_SPECIALS = ["[gMASK]", "<|endoftext|>", "<|observation|>"]  # llama.cpp's GLM vocab reads them
 
 
-def tiny(arch: str, folder: Path) -> Path:
+def tiny(arch: str, folder: Path, **over) -> Path:
     if arch == "glm4_moe":
         # llama.cpp's GLM vocabulary needs GLM's special tokens: three more ids after the tiny
         # tokenizer's (it already has <|user|>), and an embedding that holds them.
         from tiny_models import VOCAB
         from tokenizers import Tokenizer
 
-        hf = save(perturbed_model(arch, seed=2, vocab_size=VOCAB + len(GLM_SPECIALS)), folder,
-                  "per_expert")  # fmt: skip
+        model = perturbed_model(arch, seed=2, vocab_size=VOCAB + len(GLM_SPECIALS), **over)
+        hf = save(model, folder, "per_expert")
         tok = Tokenizer.from_file(str(hf / "tokenizer.json"))
         tok.add_special_tokens(GLM_SPECIALS)
         tok.save(str(hf / "tokenizer.json"))
         return hf
     if arch != "olmoe":
-        return hf_checkpoint(arch, folder)
+        return hf_checkpoint(arch, folder, **over)
     # llama.cpp's OLMoE converter writes rms eps 1e-5 whatever the config says and drops clip_qkv.
     return save(
         perturbed_model(arch, seed=2, rms_norm_eps=1e-5, clip_qkv=None), folder, "per_expert"
@@ -231,6 +231,29 @@ def test_llama_quantize_q4_k_m_is_kept_exactly(tmp_path, capsys):
               metadata={"format": "pt"})  # fmt: skip
     theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
     assert torch.equal(our_logits(ours), our_logits(theirs))
+
+
+@needs_build
+@pytest.mark.parametrize("arch", ["glm4_moe", "lfm2_moe"])
+def test_llama_quantize_q4_k_m_of_sigmoid_routed_models(tmp_path, arch, capsys):
+    """llama-quantize Q4_K_M of GLM-4 MoE and LFM2-MoE at widths of 256: the K-quant experts
+    kept exactly per layer, within 1e-4 of transformers on the GGUF's values."""
+    from gguf_models import assert_records_are
+
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+    hf = tiny(arch, tmp_path / "hf", **wide)
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = llama_quantize(f32, tmp_path / "q4_k_m.gguf", "Q4_K_M")
+    assert gguf_types(path)["Q4_K"], gguf_types(path)
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    assert "Q4_K expert tensor(s): kept exactly as q4_k" in err
+    assert "expert tensor(s): dequantized and requantized" not in err
+    values = dequantized_state(path, hf)
+    assert_records_are(Store(store), values)
+    want = hf_logits(hf, values, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
 
 
 @needs_build
