@@ -161,9 +161,10 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             lookups = s.get("hits", 0) + s.get("misses", 0)
             row["hit_rate"] = s["hits"] / lookups if lookups else 1.0
             row["h2d_bytes_per_token"] = s.get("h2d_bytes", 0) / max(len(res.ids), 1)
-            # every byte over PCIe: admissions copied + misses the kernels read from pinned RAM
-            moved = s.get("h2d_bytes", 0) + s.get("host_read_bytes", 0)
-            row["pcie_bytes_per_token"] = moved / max(len(res.ids), 1)
+            # the decode's bytes over PCIe: admissions copied + misses the kernels read from
+            # pinned RAM (device misses); the host path's h2d_bytes also hold the prompt's copies
+            moved = s.get("admit_bytes", s.get("h2d_bytes", 0)) + s.get("host_read_bytes", 0)
+            row["pcie_bytes_per_token"] = moved / max(len(res.ids) - 1, 1)
     print(json.dumps(row))
 
 

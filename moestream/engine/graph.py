@@ -30,7 +30,7 @@ def graphable(model, args, provider) -> str | None:
 
     if not isinstance(provider, GpuExperts) or provider.device.type != "cuda":
         return "the experts are not in a CUDA pool"
-    if not provider.cfg.captures_streaming():
+    if not (provider.cfg.resident or provider.device_misses):  # the provider's own rule
         return "streamed experts resolve misses on the host (--gpu-budget without --pin-experts)"
     if not all(args.attention_layers):
         return "recurrent layers (linear attention, short convolutions) reset on the host"

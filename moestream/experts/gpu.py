@@ -30,9 +30,9 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
 
 from __future__ import annotations
 
+import contextlib
 import time
 
-import numpy as np
 import torch
 
 from moestream.config import ConfigError
@@ -149,7 +149,7 @@ class GpuExperts(ExpertProvider):
 
     def _absent(self, rows):
         """slot_map's code for mirror rows (layer index * E + expert) not in VRAM."""
-        return -1 - rows if self.device_misses else rows * 0 - 1
+        return -1 - rows if self.device_misses else torch.full_like(rows, -1)
 
     # ---- device-side misses ----------------------------------------------------------------------
     def _fill_mirror(self) -> None:
@@ -184,11 +184,12 @@ class GpuExperts(ExpertProvider):
         self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
         self.device_hits = 0
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
+        self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
 
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
         """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
-        from moestream.kernels.triton.decode import moe_decode
+        from moestream.kernels.triton.decode import moe_decode  # triton: the gpu extra only
 
         codes = self.slot_map[li][ids]
         self._seen[li].copy_(ids.reshape(-1))
@@ -223,16 +224,17 @@ class GpuExperts(ExpertProvider):
             self.host_reads += len(experts) - hit
             try:
                 step = t.access(layer, experts)
-            except PolicyError:
-                # Every victim is being copied: these misses stay host reads this step. The
-                # failed access undid its admissions but not the evictions it had made, so
-                # keys the table dropped may still be mapped: give them their codes back.
+                evicted = step.evicted
+            except PolicyError as err:
+                # Every victim is being copied: these misses stay host reads this step; the
+                # evictions the failed access had made stand, so their keys get codes back.
                 self.skipped += 1
-                fix += self._orphans()
-                continue
-            for lay, e in step.evicted:
+                evicted, step = err.evicted, None
+            for lay, e in evicted:
                 row = self.layer_index[lay] * E + e
                 fix.append((row, -1 - row))
+            if step is None:
+                continue
             # busy until published: no later access (this loop's other layers included) may
             # hand their slots to another key while the copies are in flight
             t.reserve((layer, e) for e, _ in step.misses)
@@ -243,15 +245,6 @@ class GpuExperts(ExpertProvider):
         self._update_map(fix)
         if admits:
             self._admit(admits)
-
-    def _orphans(self) -> list[tuple[int, int]]:
-        """(row, absent code) of keys slot_map maps to a slot the table no longer gives them."""
-        flat, E = self._map.reshape(-1), self.E
-        out = []
-        for row in np.flatnonzero(flat >= 0).tolist():
-            if self.table.slot((self.layers[row // E], row % E)) != flat[row]:
-                out.append((row, -1 - row))
-        return out
 
     def _published(self, wait: bool) -> list[tuple[int, int]]:
         """slot_map updates for admissions whose copies are done (all of them with `wait`)."""
@@ -282,25 +275,29 @@ class GpuExperts(ExpertProvider):
     def _admit(self, admits: list[tuple[int, int, int]]) -> None:
         """Copy admitted records mirror -> their slots on the copy stream, behind every step
         issued so far (an evicted slot may still be read by it); published when done."""
-        from moestream.kernels.triton.copy import copy_rows
-
         # [rows..., slots...]: each half a contiguous vector for the copy kernel
         idx = torch.tensor([li * self.E + e for li, e, _ in admits] + [s for _, _, s in admits],
                            dtype=torch.int64)  # fmt: skip
         n, ev = len(admits), None
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self.copy_stream):
+        with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
+            if self.cuda:
                 idx = idx.pin_memory().to(self.device, non_blocking=True)
-                for name, t in self.pool.sections.items():
-                    copy_rows(self.mirror.sections[name], t, idx[:n], idx[n:])
+            self._copy_rows(idx[:n], idx[n:])
+            if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record()
-        else:
-            for name, t in self.pool.sections.items():
-                copy_rows(self.mirror.sections[name], t, idx[:n], idx[n:])
-        self.h2d_bytes += len(admits) * self.size
+        self.h2d_bytes += n * self.size
+        self.admit_bytes += n * self.size
         self._pending.append((ev, admits))
+
+    def _copy_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """pool[slots[i]] = mirror[rows[i]] for every section, on the current stream."""
+        from moestream.kernels.triton.copy import copy_rows
+
+        for name, t in self.pool.sections.items():
+            copy_rows(self.mirror.sections[name], t, rows, slots)
 
     def _drain(self) -> None:
         """Publish every pending admission (before the host path reads slot_map)."""
@@ -386,11 +383,7 @@ class GpuExperts(ExpertProvider):
     def _copy_batch(self, li: int, batch: list[tuple[int, int]], slots: torch.Tensor) -> None:
         m = len(batch)
         if self.device_misses:  # rows of the section-major mirror, read through the kernel
-            from moestream.kernels.triton.copy import copy_rows
-
-            rows = self._send([li * self.E + e for e, _ in batch])
-            for name, t in self.pool.sections.items():
-                copy_rows(self.mirror.sections[name], t, rows, slots)
+            self._copy_rows(self._send([li * self.E + e for e, _ in batch]), slots)
             return
         dev = self.dev_stage[:m]
         if self.cfg.pinned_mirror:  # records straight from the mirror, one copy each
@@ -500,7 +493,7 @@ class GpuExperts(ExpertProvider):
             hits += self.device_hits - self._table_counted[0]
             misses += self.host_reads - self._table_counted[1]
             extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size,
-                     "admissions_skipped": self.skipped}  # fmt: skip
+                     "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped}  # fmt: skip
         return {
             "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
             "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,

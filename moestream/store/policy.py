@@ -45,7 +45,11 @@ POLICIES = ("lru", "lfu", "lrfu", "pinned", "sticky")
 
 
 class PolicyError(ConfigError):
-    """A slot count or policy setting that cannot work; the message states the limit."""
+    """A slot count or policy setting that cannot work; the message states the limit.
+    `evicted`: keys a failed `SlotTable.access` had already evicted (they stay evicted), for
+    callers that mirror the table (the GPU provider's slot_map)."""
+
+    evicted: tuple = ()
 
 
 def heap_victim(heap: list[tuple], valid, protected: set[Key]) -> Key:
@@ -345,12 +349,14 @@ class SlotTable:
                     self.hits += 1
                 self.policy.touch(key)
                 step.slots.append(slot)
-        except PolicyError:
+        except PolicyError as err:
             # No victim (busy slots): undo the half-done step so no key is resident unfilled.
+            # The evictions it made stand; the error names them.
             for e, _ in step.misses:
                 self.discard((layer, e))
             self.misses -= len(step.misses)
             self.hits -= len(step.slots) - len(step.misses)
+            err.evicted = tuple(step.evicted)
             raise
         return step
 
