@@ -46,7 +46,7 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument(
-        "--quant", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "q4_0"]
+        "--quant", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "q4_0", "int4_rows"]
     )
     ap.add_argument("--tokens", nargs="+", type=int, default=[1])
     ap.add_argument("--calls", type=int, default=16, help="calls per captured graph (at least)")
@@ -142,11 +142,17 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
     from moestream.kernels.ref import dequantize
     from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
 
+    from moestream.kernels.triton.dense import int4_rows
+
+    stored = "int4" if quant == "int4_rows" else quant  # int4_rows: the GPU's repack of int4
     secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))
-            for sec in weights(n, k, copies, quant, x.device.type)]  # fmt: skip
+            for sec in weights(n, k, copies, stored, x.device.type)]  # fmt: skip
+    suffix = {"int8": "s", "int4": "sz", "q4_0": "d"}[stored]
+    ref = F.linear(x, dequantize({"w.q": secs[0][0], f"w.{suffix}": secs[0][1]}, "w", 32,
+                                 x.dtype)).float()  # fmt: skip
+    if quant == "int4_rows":
+        secs = [int4_rows(q, sz, n, k, 32) for q, sz in secs]
     q, scales = secs[0]
-    suffix = {"int8": "s", "int4": "sz", "q4_0": "d"}[quant]
-    ref = F.linear(x, dequantize({"w.q": q, f"w.{suffix}": scales}, "w", 32, x.dtype)).float()
     nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
     configs = gemv_candidates(quant, n, k, 32, x.shape[0])
     rows = []

@@ -210,12 +210,6 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
     return out
 
 
-def _float_copy(quant: str, n: int) -> bool:
-    from moestream.kernels.triton.dense import float_copy
-
-    return float_copy(quant, n)
-
-
 def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
     """Dense weights read per token as the child holds them (float ones fp32 on the CPU, bf16 on
     the GPU; quantized ones as their stored sections on both: the GPU's GEMV reads them in place,
@@ -230,10 +224,7 @@ def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
         scheme = s.dense_scheme(name)
         if scheme is None:
             n = s.tensor(name).numel() * elem
-        elif (gpu and not name.endswith("embed_tokens.weight")
-              and _float_copy(scheme.name, s.dense_formats[name][1][0])):  # fmt: skip
-            n = 2 * s.dense_formats[name][1][0] * s.dense_formats[name][1][1]  # the bf16 copy
-        else:
+        else:  # (the GPU's int4 row repack holds the same bytes)
             n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
         dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
     s.release_dense()

@@ -158,9 +158,8 @@ def test_bad_arguments_exit_2_with_a_message(store, capsys, flags, msg):
 def test_gpu_dense_bytes_are_the_quantized_sections(tiny_dir, tmp_path, quant):
     """On the GPU (kernel triton) int8 dense weights are read as their sections, as on the CPU:
     the loaded model's count equals bench_peers' count from the store's files alone (float
-    weights at bf16), below the bf16 weights' bytes. int4 weights under 65536 rows run on a bf16
-    copy on a GPU (kernels/triton/dense.py: float_copy), so bench_peers counts the copy there
-    (this model runs on the CPU device, which reads the sections)."""
+    weights at bf16), below the bf16 weights' bytes. int4 weights under 65536 rows run from a
+    row-major repack on a GPU (kernels/triton/dense.py: int4_rows) of the sections' size."""
     pytest.importorskip("triton")
     from bench_peers import store_bytes_per_token
 
@@ -180,8 +179,6 @@ def test_gpu_dense_bytes_are_the_quantized_sections(tiny_dir, tmp_path, quant):
         got = dense_bytes_per_token(rt.model) + expert_bytes_per_token(rt)
         as_bf16 = sum(2 * m.out_features * m.in_features for m in mods)
         held = sum(sum(t.nbytes for t in m.qweight.buffers()) for m in mods)
-    copies = sum(2 * m.out_features * m.in_features - sum(t.nbytes for t in m.qweight.buffers())
-                 for m in mods if m.float_copy)  # fmt: skip
-    assert (copies > 0) == (quant == "int4")
-    assert got + copies == store_bytes_per_token(store, gpu=True)
+    assert any(m.rows_layout for m in mods) == (quant == "int4")
+    assert got == store_bytes_per_token(store, gpu=True)
     assert held < as_bf16

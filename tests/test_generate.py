@@ -223,3 +223,84 @@ def test_repeat_penalty_changes_a_looping_greedy_run(rt):
     )
     assert plain.ids == again.ids and pen.ids != plain.ids
     assert len(set(pen.ids)) >= len(set(plain.ids))
+
+
+class _EagerAhead:
+    """DecodeGraph's launch / read / step contract run eagerly on the CPU: each step's greedy
+    pick becomes the next step's input unless a token is given, results come back through
+    AHEAD buffers. Records the launches so the generator's bookkeeping can be checked."""
+
+    def __init__(self, model, cache, log):
+        self.model, self.cache, self.log = model, cache, log
+        self.tok, self.buf, self.inflight = None, {}, 0
+
+    def _forward(self, pos):
+        with torch.no_grad():
+            return self.model(torch.tensor([self.tok]), self.cache, pos, last_only=True)[-1]
+
+    def step(self, token, pos):
+        self.tok = token
+        return self._forward(pos)
+
+    def launch(self, pos, token=None):
+        from moestream.engine.sampling import device_greedy
+
+        if token is not None:
+            self.tok = token
+        tok, lp = device_greedy(self._forward(pos)).tolist()
+        self.tok = int(tok)
+        j = pos % 2
+        assert j not in self.buf, "a result buffer reused before it was read"
+        self.buf[j] = (int(tok), lp)
+        self.inflight += 1
+        self.log.append((pos, token, self.inflight))
+        return j
+
+    def read(self, j):
+        self.inflight -= 1
+        return self.buf.pop(j)
+
+
+class _AheadGraphs:
+    def __init__(self, model, args, log):
+        self.model, self.args, self.log = model, args, log
+
+    def for_length(self, total):
+        from moestream.engine.kv_cache import KVCache
+
+        return _EagerAhead(self.model, KVCache(self.args, total, torch.float32), self.log)
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 9])
+def test_decode_ahead_gives_the_step_by_step_tokens(rt, n):
+    """Greedy decode through a step that feeds its pick back (issued one step ahead of the host)
+    gives the tokens, log-probs, stop reasons and streamed text of the plain loop; it launches
+    each position once, in order, never more than two steps ahead, and stops issuing at -n."""
+    ids = rt.encode_prompt("def fib")
+    gen = rt.generator
+    plain = gen.generate(ids, SamplingConfig(max_new_tokens=24, ignore_eos=True))
+    stop = plain.text[3:6]
+    cases = [
+        SamplingConfig(max_new_tokens=n, ignore_eos=True),
+        SamplingConfig(max_new_tokens=24, stop=(stop,), ignore_eos=True),
+    ]
+    saved = gen.eos_ids
+    try:
+        for cfg, eos in [(c, saved) for c in cases] + [(cases[0], {plain.ids[min(n, 3) - 1]})]:
+            gen.eos_ids = eos
+            gen.graphs = None
+            want = type(plain)(list(ids))
+            want_pieces = list(gen.stream(ids, cfg, want))
+            log = []
+            gen.graphs = _AheadGraphs(gen.model, gen.args, log)
+            pieces = list(gen.stream(ids, cfg, got := type(want)(list(ids))))
+            assert got.ids == want.ids and got.logprobs == want.logprobs
+            assert got.finish_reason == want.finish_reason and got.text == want.text
+            assert pieces == want_pieces
+            positions = [p for p, _, _ in log]
+            assert positions == list(range(len(ids), len(ids) + len(positions)))
+            assert log == [] or log[0][1] == want.ids[0]  # only the first launch takes a token
+            assert all(t is None for _, t, _ in log[1:]) and all(k <= 2 for *_, k in log)
+            assert len(want.ids) - 1 <= len(positions) <= min(len(want.ids) + 1, cfg.max_new_tokens - 1)
+    finally:
+        gen.eos_ids, gen.graphs = saved, None

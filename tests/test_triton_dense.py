@@ -24,7 +24,7 @@ from moestream.kernels.ref import dequantize
 from moestream.quant import make_scheme, quantize, unpack_int4, unpack_q4_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-QUANTS = ["int8", "int4", "q4_0"]
+QUANTS = ["int8", "int4", "q4_0", "int4_rows"]
 # (N, K): N off the 64-row block (int4: a short last block of 8, then of 2 rows), K split in two
 SHAPES = [(200, 256), (130, 128), (96, 512)]
 # The interpreter's bf16 tl.dot is wrong (triton 3.6-3.9; test_triton_kernels.py says so too):
@@ -34,10 +34,17 @@ DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=pytes
 OUT_ROUND = {torch.float32: 0.0, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 
 
-def _weight(quant: str, n: int, k: int, seed: int) -> QuantWeight:
+def _weight(quant: str, n: int, k: int, seed: int, group: int = 32) -> QuantWeight:
     g = torch.Generator().manual_seed(seed)
-    s = make_scheme(quant)
+    s = make_scheme("int4" if quant == "int4_rows" else quant, group)
     return QuantWeight(s, (n, k), quantize(s, torch.randn(n, k, generator=g) / k**0.5))
+
+
+def _operands(w: QuantWeight, quant: str):
+    """(q, scales) the GEMV of `quant` reads: the sections, or int4's row-major GPU repack."""
+    if quant == "int4_rows":
+        return tdense.int4_rows(w.q, w.sz, *w.shape, w.scheme.group_size)
+    return w.q, getattr(w, w.suffixes[1])
 
 
 def _exact(w: QuantWeight) -> torch.Tensor:
@@ -48,9 +55,9 @@ def _exact(w: QuantWeight) -> torch.Tensor:
     if w.scheme.name == "q4_0":
         q = unpack_q4_0(w.q).double() - 8
         return (q.view(n, -1, 32) * w.d.double()[..., None]).view(n, k)
-    s, z = w.sz[..., 0].t().double(), w.sz[..., 1].t().double()  # [N, K/32]
+    s, z = w.sz[..., 0].t().double(), w.sz[..., 1].t().double()  # [N, K/G]
     q = unpack_int4(w.q).double() - 8
-    return (q.view(n, -1, 32) * s[..., None] + z[..., None]).view(n, k)
+    return (q.view(n, s.shape[1], -1) * s[..., None] + z[..., None]).view(n, k)
 
 
 def _check(got: torch.Tensor, x: torch.Tensor, w: QuantWeight, bias) -> None:
@@ -73,10 +80,21 @@ def test_gemv_matches_the_float64_spec(quant, T, dtype):
         g = torch.Generator().manual_seed(k + T)
         x = torch.randn(T, k, generator=g).to(DEVICE, dtype)
         bias = torch.randn(n, generator=g).to(DEVICE, dtype) if i % 2 == 0 else None
-        scales = getattr(w, w.suffixes[1])
-        got = tdense.gemv(x, w.q, scales, bias, quant, n, 32)
+        got = tdense.gemv(x, *_operands(w, quant), bias, quant, n, 32)
         assert got.dtype == dtype
         _check(got, x, w, bias)
+
+
+@pytest.mark.parametrize("group", [64, 128])
+def test_int4_rows_take_groups_over_32(group):
+    """The repack keeps one (scale, zero) word per group: groups of 64 and 128 (two and four
+    32-input blocks each) give the spec; under 32 the repack says it cannot."""
+    n, k = 96, 512
+    w = _weight("int4_rows", n, k, seed=group, group=group).to(DEVICE)
+    x = torch.randn(1, k, generator=torch.Generator().manual_seed(5)).to(DEVICE, ACT)
+    _check(tdense.gemv(x, *_operands(w, "int4_rows"), None, "int4_rows", n, group), x, w, None)
+    assert "multiple of 32" in tdense.unsupported("int4_rows", n, k, 16, 1)
+    assert not tdense.rows_layout("int4", n, 16) and tdense.rows_layout("int4", n, group)
 
 
 def test_the_rule_takes_fma_for_one_token_and_splits_k_for_a_small_n_only():
@@ -104,11 +122,11 @@ def test_every_candidate_config_matches_the_spec(quant, T):
     w = _weight(quant, n, k, seed=11 + T).to(DEVICE)
     x = torch.randn(T, k, generator=torch.Generator().manual_seed(T)).to(DEVICE, ACT)
     bias = torch.randn(n).to(DEVICE, ACT)
-    scales = getattr(w, w.suffixes[1])
+    q, scales = _operands(w, quant)
     bn = 64 if quant == "int4" else 16
     forced = tdense.GemvConfig(bn=bn, split=2, fma=True, bk=64 if quant == "int4" else 128)
     for cfg in [*tdense.gemv_candidates(quant, n, k, 32, T), forced]:
-        _check(tdense.gemv_impl(x, w.q, scales, bias, quant, n, 32, cfg), x, w, bias)
+        _check(tdense.gemv_impl(x, q, scales, bias, quant, n, 32, cfg), x, w, bias)
 
 
 def test_the_gemv_says_what_it_does_not_take():
@@ -120,20 +138,23 @@ def test_the_gemv_says_what_it_does_not_take():
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(quant):
-    """kernel "triton": <= 8 rows the GEMV's bits, more rows dequantize + F.linear's; the module
-    holds only the sections (and the bias), no dequantized copy."""
+    """kernel "triton": <= 8 rows the GEMV's bits (int4: from its row-major repack), more rows
+    dequantize + F.linear's; the module holds only the sections (and the bias) as buffers, no
+    dequantized copy."""
     n, k = 160, 128
     w = _weight(quant, n, k, seed=3).to(DEVICE)
     bias = torch.randn(n).to(DEVICE, ACT)
     lin = QuantLinear(w, bias, "triton")
-    scales = getattr(w, w.suffixes[1])
+    assert lin.rows_layout == (quant == "int4")
+    gq = "int4_rows" if quant == "int4" else quant
+    q, scales = _operands(w, gq)
     for T, kind in ((1, "triton"), (8, "triton"), (9, "ref")):
         x = torch.randn(1, T, k).to(DEVICE, ACT)  # [B, T, K]
         assert lin.resolved_kernel(x.device, T) == kind
         got = lin(x)
         assert got.shape == (1, T, n) and got.dtype == ACT
         if kind == "triton":
-            want = tdense.gemv_impl(x[0], w.q, scales, bias, quant, n, 32)
+            want = tdense.gemv_impl(x[0], q, scales, bias, gq, n, 32)
         else:
             want = F.linear(x[0], dequantize(w.sections(), "w", 32, ACT), bias)
         assert torch.equal(got[0], want)
@@ -170,15 +191,15 @@ def test_cuda_graph_replays_the_gemv(quant):
     outside the graph's pool)."""
     n, k = 4096, 2048
     w = _weight(quant, n, k, seed=7).cuda()
-    scales = getattr(w, w.suffixes[1])
+    q, scales = _operands(w, quant)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
-    tdense.gemv(x, w.q, scales, None, quant, n, 32)  # compiles outside the capture
+    tdense.gemv(x, q, scales, None, quant, n, 32)  # compiles outside the capture
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        y = tdense.gemv(x, w.q, scales, None, quant, n, 32)
+        y = tdense.gemv(x, q, scales, None, quant, n, 32)
     x.copy_(torch.randn(1, k, device="cuda"))
     g.replay()
-    assert torch.equal(y, tdense.gemv(x, w.q, scales, None, quant, n, 32))
+    assert torch.equal(y, tdense.gemv(x, q, scales, None, quant, n, 32))
     _check(y, x, w, None)
 
 

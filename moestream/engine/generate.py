@@ -30,6 +30,7 @@ class GenerationResult:
     finish_reason: str = "length"
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
+    wait_seconds: float = 0.0  # decode time blocked on the device (CUDA): the rest is host time
     provider_stats: dict = field(default_factory=dict)  # bytes_read, hits, ... (store providers)
 
     def stats(self) -> dict:
@@ -43,11 +44,19 @@ class GenerationResult:
             if self.prefill_seconds
             else 0.0,
             "decode_tok_s": n_dec / self.decode_seconds if self.decode_seconds else 0.0,
+            **self._host_time(n_dec),
             "peak_rss_bytes": peak_rss_bytes(),
             "finish_reason": self.finish_reason,
             **self.provider_stats,
             **self._read_rate(),
         }
+
+    def _host_time(self, n_dec: int) -> dict:
+        """Host time per decode token: the decode's wall time not spent blocked on the device
+        (measured on CUDA only; on the CPU the host is the device)."""
+        if not self.wait_seconds or not n_dec:
+            return {}
+        return {"host_ms_per_token": (self.decode_seconds - self.wait_seconds) / n_dec * 1e3}
 
     def _read_rate(self) -> dict:
         """The achieved read bandwidth: every byte the experts read over the whole generation."""
@@ -165,6 +174,8 @@ class Generator:
         t0 = time.perf_counter()
         prompt = torch.tensor(prompt_ids, device=self.device)
         logits = self.model(prompt, cache, 0, last_only=True)[-1]
+        if self.device.type == "cuda":  # the prompt's kernels run asynchronously: time them
+            torch.cuda.current_stream(self.device).synchronize()
         res.prefill_seconds = time.perf_counter() - t0
         pos = len(prompt_ids)
         threads = torch.get_num_threads()
@@ -183,37 +194,81 @@ class Generator:
 
     def _decode(self, logits, cache, pos: int, cfg, gen, text, res, graph=None) -> Iterator[str]:
         t1 = time.perf_counter()
+        ahead = (graph is not None and cfg.temperature == 0 and not cfg.penalizes
+                 and self.provider.decodes_ahead())  # fmt: skip
+        steps = self._ahead if ahead else self._steps
         try:
-            yield from self._steps(logits, cache, pos, cfg, gen, text, res, graph)
+            yield from steps(logits, cache, pos, cfg, gen, text, res, graph)
         finally:  # also when the consumer stops early (Ctrl-C in chat): honest timings
             res.decode_seconds = time.perf_counter() - t1
 
+    def _take(self, token: int, logprob: float, cfg, text, res) -> tuple[str, bool]:
+        """Record one chosen token: (its text piece, whether generation ends here)."""
+        res.ids.append(token)
+        res.logprobs.append(logprob)
+        if token in self.eos_ids and not cfg.ignore_eos:
+            res.finish_reason = "stop"
+            return "", True
+        piece = text.push(token)
+        if text.stopped:
+            res.finish_reason = "stop"
+            return piece, True
+        return piece, len(res.ids) >= cfg.max_new_tokens
+
+    def _stream(self):
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+
+    def _wait(self, res, stream) -> None:
+        """Block until the device finished what was issued, counted apart from host time."""
+        if stream is not None:
+            t = time.perf_counter()
+            stream.synchronize()
+            res.wait_seconds += time.perf_counter() - t
+
     def _steps(self, logits, cache, pos: int, cfg, gen, text, res, graph) -> Iterator[str]:
+        stream = self._stream()
         while True:
             # The history only when a penalty reads it: no list built per token otherwise.
             history = res.prompt_ids + res.ids if cfg.penalizes else None
-            token, logprob = choose(logits, cfg, gen, history)
-            res.ids.append(token)
-            res.logprobs.append(logprob)
-            if token in self.eos_ids and not cfg.ignore_eos:
-                res.finish_reason = "stop"
-                break
-            piece = text.push(token)
+            self._wait(res, stream)
+            piece, done = self._take(*choose(logits, cfg, gen, history), cfg, text, res)
             if piece:
                 yield piece
-            if text.stopped:
-                res.finish_reason = "stop"
-                break
-            if len(res.ids) >= cfg.max_new_tokens:
+            if done:
                 break
             self.provider.decode_read()
             if graph is not None:
-                logits = graph.step(token, pos)
+                logits = graph.step(res.ids[-1], pos)
             else:
-                nxt = torch.tensor([token], device=self.device)
+                nxt = torch.tensor([res.ids[-1]], device=self.device)
                 logits = self.model(nxt, cache, pos, last_only=True)[-1]
             self.provider.decode_issued()
             pos += 1
+
+    def _ahead(self, logits, cache, pos: int, cfg, gen, text, res, graph) -> Iterator[str]:
+        """Greedy decode through a captured step that feeds its own pick back: step n + 1 is
+        issued before the host reads step n's token, so the host's work per token (reading it,
+        detokenizing, stop checks) overlaps the GPU's. The step issued past the end is dropped
+        (its cache position is masked or overwritten by the next sequence)."""
+        self._wait(res, self._stream())
+        piece, done = self._take(*choose(logits, cfg, gen), cfg, text, res)
+        if piece:
+            yield piece
+        if done:
+            return
+        pending = [graph.launch(pos, res.ids[-1])]
+        while True:
+            if len(res.ids) + len(pending) < cfg.max_new_tokens:
+                pending.append(graph.launch(pos + len(pending)))
+            t = time.perf_counter()
+            token, logprob = graph.read(pending.pop(0))
+            res.wait_seconds += time.perf_counter() - t
+            pos += 1
+            piece, done = self._take(token, logprob, cfg, text, res)
+            if piece:
+                yield piece
+            if done:
+                break
 
     def generate(self, prompt_ids: list[int], cfg: SamplingConfig) -> GenerationResult:
         res = GenerationResult(list(prompt_ids))

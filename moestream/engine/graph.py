@@ -51,13 +51,24 @@ def bucket(total: int, limit: int) -> int:
 class DecodeGraph:
     """One capacity bucket's static cache and captured decode step. `compiled`: the step is
     torch.compile'd (fixed shapes; the expert provider's call stays outside, a graph break) and
-    its first eager call compiles, so the capture records the fused kernels."""
+    its first eager call compiles, so the capture records the fused kernels.
+
+    The step ends with the greedy pick (kernels/triton/pick.py) into a static buffer, and writes
+    the picked token into its own input: `launch` without a token replays the next greedy step
+    before the host has seen this one's token (the host reads it through one of two pinned
+    buffers), so the host's per-token work overlaps the GPU's. `step` keeps the logits for
+    sampling and penalties (the host's token then overwrites the fed-back one)."""
+
+    AHEAD = 2  # pinned result buffers: a step in flight while the host reads the one before
 
     def __init__(self, model, args, capacity: int, dtype: torch.dtype, device, pool,
                  compiled: bool = False):  # fmt: skip
         self.model, self.capacity, self.pool = model, capacity, pool
         self.cache = StaticKVCache(args, capacity, dtype, device)
         self.tok = torch.zeros(1, dtype=torch.int64, device=device)
+        self.pick = torch.zeros(2, dtype=torch.float64, device=device)  # (token, log-prob)
+        self.host = torch.zeros(self.AHEAD, 2, dtype=torch.float64, pin_memory=True)
+        self.events = [torch.cuda.Event() for _ in range(self.AHEAD)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
         self._fn = torch.compile(self._forward, dynamic=False) if compiled else self._forward
@@ -65,13 +76,42 @@ class DecodeGraph:
     def _forward(self) -> torch.Tensor:
         return self.model(self.tok, self.cache, self.cache.pos, last_only=True)[-1]
 
+    def _run(self) -> torch.Tensor:
+        """One step: logits, the greedy pick, and the picked token fed back as the next input."""
+        from moestream.engine.sampling import device_greedy
+
+        logits = self._fn()
+        device_greedy(logits, out=self.pick)
+        self.tok.copy_(self.pick[:1])  # float64 -> int64, exact for any vocabulary id
+        return logits
+
     def step(self, token: int, pos: int) -> torch.Tensor:
         """Logits [V] of `token` at position `pos`; the first call runs eagerly and captures,
         later ones replay. The result is a static buffer: read it before the next step."""
         self.tok.fill_(token)  # fills are kernels with a scalar argument: no host->device copy
+        return self._replay(pos)
+
+    def launch(self, pos: int, token: int | None = None) -> int:
+        """Issue the step at `pos` (its input `token`, or the token the last step picked) and the
+        copy of its pick to the host; returns the buffer `read` takes it from."""
+        if token is not None:
+            self.tok.fill_(token)
+        self._replay(pos)
+        j = pos % self.AHEAD
+        self.host[j].copy_(self.pick, non_blocking=True)
+        self.events[j].record()
+        return j
+
+    def read(self, j: int) -> tuple[int, float]:
+        """(token, log-prob) of the step `launch` returned `j` for (waits for it)."""
+        self.events[j].synchronize()
+        token, logprob = self.host[j].tolist()
+        return int(token), logprob
+
+    def _replay(self, pos: int) -> torch.Tensor:
         self.cache.pos.fill_(pos)
         if self.graph is None:
-            out = self._fn()
+            out = self._run()
             self._capture()
             return out
         self.graph.replay()
@@ -81,7 +121,7 @@ class DecodeGraph:
         torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g, pool=self.pool):
-            self.logits = self._fn()
+            self.logits = self._run()
         self.graph = g
 
 

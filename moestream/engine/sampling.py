@@ -62,22 +62,24 @@ def choose(
     if history:
         logits = penalized(logits, history, cfg)
     if cfg.temperature == 0 and logits.device.type != "cpu":
-        token, logprob = _device_greedy(logits).tolist()
+        token, logprob = device_greedy(logits).tolist()
         return int(token), logprob
     logits = logits.cpu()
     token = sample(logits, cfg, gen)
     return token, float(torch.log_softmax(logits.float(), -1)[token])
 
 
-def _device_greedy(logits: torch.Tensor) -> torch.Tensor:
-    """(first argmax, its fp32 log-probability) as a float64 [2] on the device: one pass of the
-    Triton kernel on CUDA (kernels/triton/pick.py), else argmax + log_softmax (its spec)."""
+def device_greedy(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """(first argmax, its fp32 log-probability) as a float64 [2] on the device (into `out` when
+    given): one pass of the Triton kernel on CUDA (kernels/triton/pick.py), else argmax +
+    log_softmax (its spec)."""
     pick = _triton_pick() if logits.device.type == "cuda" else None
     if pick is not None:
-        return pick(logits)
+        return pick(logits, out)
     tok = torch.argmax(logits)  # the first maximum, as on the CPU
     lp = torch.log_softmax(logits.float(), -1)[tok]
-    return torch.stack((tok.double(), lp.double()))
+    res = torch.stack((tok.double(), lp.double()))
+    return res if out is None else out.copy_(res)
 
 
 @functools.cache

@@ -46,6 +46,12 @@ class ExpertProvider(ABC):
         """A native decode step used `hits` resident records and spent `seconds` in the experts:
         the counters experts() would have kept (providers with native_tables override it)."""
 
+    def decodes_ahead(self) -> bool:
+        """Whether a decode step may be issued before the host has read the step before it (a
+        captured greedy step feeds its token back on the device); False for providers whose
+        decode hooks must see each step done before the next is issued."""
+        return True
+
     def decode_read(self) -> None:  # noqa: B027 (a declared no-op default)
         """The generator read the last step's output on the host, so that step's GPU work is
         done (called before the next decode step is issued)."""

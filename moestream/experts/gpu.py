@@ -197,6 +197,9 @@ class GpuExperts(ExpertProvider):
             self._seen_host.copy_(self._seen, non_blocking=True)
         return moe_decode(x, codes, weights, self.pool, host=self.mirror)
 
+    def decodes_ahead(self) -> bool:
+        return not self.device_misses  # one step's routing in _seen_host at a time
+
     def decode_read(self) -> None:
         if not self.device_misses:
             return

@@ -79,18 +79,20 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel, self.wide = kernel, wide and weight.scheme.name in ("int8", "q8_0")
         self._triton = None
-        self._float: tuple[tuple, torch.Tensor] | None = None  # ((device, dtype), the copy)
+        self._repack: tuple | None = None  # (device, (rows, words)): int4 rows on the GPU
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
             from moestream.kernels.triton import dense as triton_dense
 
             self._triton = triton_dense
 
     @property
-    def float_copy(self) -> bool:
-        """Kernel triton keeps a dequantized copy of this weight (the measured rule,
-        kernels/triton/dense.py: float_copy) instead of reading its sections."""
-        return self._triton is not None and self._triton.float_copy(
-            self.qweight.scheme.name, self.out_features
+    def rows_layout(self) -> bool:
+        """Kernel triton runs this weight's one-token GEMV from a row-major repack made once on
+        the GPU (int4 attention-sized weights: the measured rule, kernels/triton/dense.py:
+        rows_layout) instead of reading the store's 64-row blocks."""
+        s = self.qweight.scheme
+        return self._triton is not None and self._triton.rows_layout(
+            s.name, self.out_features, s.group_size
         )
 
     def gemv_unsupported(self, tokens: int) -> str | None:
@@ -119,8 +121,9 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         w, g = self.qweight, self.qweight.scheme.group_size
         kind = self.resolved_kernel(x.device, x2.shape[0])
-        if self.float_copy and x.device.type != "cpu":
-            y = F.linear(x2, self._copy(x), self.bias)
+        if kind == "triton" and self.rows_layout:
+            q, words = self._rows(x.device)
+            y = self._triton.gemv(x2, q, words, self.bias, "int4_rows", self.out_features, g)
         elif kind == "triton":  # bias added in fp32 before the one rounding
             scales = getattr(w, w.suffixes[1])  # s (int8), sz (int4) or d (q4_0)
             y = self._triton.gemv(x2, w.q, scales, self.bias, w.scheme.name, self.out_features, g)
@@ -135,15 +138,15 @@ class QuantLinear(nn.Module):
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
 
-    def _copy(self, x: torch.Tensor) -> torch.Tensor:
-        """The weight dequantized into x's dtype on x's device, made once (the ref path's bits)."""
-        if self._float is not None and torch.compiler.is_compiling():
-            return self._float[1]  # made by the eager step before: weights are fixed in a graph
-        key = (x.device, x.dtype)
-        if self._float is None or self._float[0] != key:
+    def _rows(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The int4 weight repacked row-major on `device` (triton dense.int4_rows), made once."""
+        if self._repack is not None and torch.compiler.is_compiling():
+            return self._repack[1]  # made by the eager step before: weights are fixed in a graph
+        if self._repack is None or self._repack[0] != device:
             w = self.qweight
-            self._float = (key, dequantize(w.sections(), "w", w.scheme.group_size, x.dtype))
-        return self._float[1]
+            n, k = w.shape
+            self._repack = (device, self._triton.int4_rows(w.q, w.sz, n, k, w.scheme.group_size))
+        return self._repack[1]
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:

@@ -58,13 +58,8 @@ def dense_bytes_per_token(model) -> int:
     seen = _ptrs(head_ts) | _ptrs(_read_tensors(embed))
     rest = [t for t in _read_tensors(model) if t.data_ptr() not in seen]
     rows = embed.num_embeddings
-    total = _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
-    from moestream.kernels.dense import QuantLinear
-
-    for m in model.modules():  # a GPU's int4 weights that run on a bf16 copy read the copy
-        if isinstance(m, QuantLinear) and m.float_copy and model.device.type != "cpu":
-            total += m.out_features * m.in_features * 2 - _nbytes(_read_tensors(m.qweight))
-    return total
+    # (a GPU's int4 row repack, kernels/triton/dense.py: int4_rows, holds the sections' bytes)
+    return _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
 
 
 def _read_tensors(module) -> list:

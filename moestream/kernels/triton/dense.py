@@ -50,7 +50,8 @@ from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
-QUANT_CODE = {"int8": 1, "int4": 2, "q4_0": 3}
+# int4_rows: int4 weights repacked row-major on the GPU (`int4_rows`), one-token GEMV only
+QUANT_CODE = {"int8": 1, "int4": 2, "q4_0": 3, "int4_rows": 4}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 M = 16  # token rows of one dot (tl.dot's minimum; T <= MAX_TOKENS of them are used)
 TARGET_PROGRAMS = 512  # mma, untuned: about 4 programs per SM of an H200 (132 SMs)
@@ -59,7 +60,7 @@ MIN_SPLIT_GROUPS = 8  # a split keeps at least this many groups of K
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-FMA_TOKENS = {"int8": 1, "q4_0": 1, "int4": 1}  # untuned: T > 1 selects rows per token (sweep)
+FMA_TOKENS = {"int8": 1, "q4_0": 1, "int4": 1, "int4_rows": MAX_TOKENS}  # T above: mma
 FMA_ROWS = (16, 4)  # untuned: int8 / q4_0 rows per fma program, most first, fewest for a small N
 
 
@@ -77,23 +78,39 @@ class GemvConfig:
 
 # Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs, e8ec9b1): at one token the
 # GEMV beats bf16 F.linear for int8 (1.3-1.6x) and q4_0 (1.5-1.8x) at every Qwen3-30B shape, but
-# int4 only on the 151936-row output layer (1.17x): at the attention shapes it ran at 0.54-0.79x
-# of bf16 (its per-element scale and zero cost more than the bytes it saves), and the 16-layer
-# decode fell from 487 to 447 tok/s. So int4 weights under INT4_GEMV_ROWS rows keep one bf16 copy
-# (dequantized once, VRAM) and run F.linear; everything else reads its sections in place.
+# the store's int4 layout (64-row blocks, k-major: a thread holds one k of 32 rows, so every
+# weight needs its row's scale and zero) only on the 151936-row output layer (1.17x): at the
+# attention shapes it ran at 0.54-0.79x of bf16. So int4 weights under INT4_GEMV_ROWS rows are
+# repacked once on the GPU into q4_0's row-major nibble order with their (scale, zero) words
+# row-major (`int4_rows`, about the sections' size), and the one-token GEMV runs q4_0's loop
+# with the zero term per group (s * sum((q - 8) x) + z * sum(x)).
 INT4_GEMV_ROWS = 65536
 
 
-def float_copy(quant: str, n: int) -> bool:
-    """Whether an [n, K] weight of this scheme runs on a dequantized bf16 copy on the GPU."""
-    return quant == "int4" and n < INT4_GEMV_ROWS
+def rows_layout(quant: str, n: int, group: int) -> bool:
+    """Whether an [n, K] weight of this scheme runs from the GPU's row-major repack."""
+    return quant == "int4" and n < INT4_GEMV_ROWS and group % 32 == 0
+
+
+def int4_rows(q: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int):
+    """The store's int4 sections (q [N, K/2] in 64-row blocks, sz [K/G, N, 2] bf16) -> (rows
+    [N, K/2] uint8: per 32 inputs 16 bytes, input i low nibble, i + 16 high, as q4_0; sz words
+    [N, K/G] int32). Exact: the same numbers, moved."""
+    from moestream.quant import unpack_int4
+
+    v = unpack_int4(q).view(n, k // 32, 2, 16)
+    rows = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    words = sz.contiguous().view(torch.int32).view(k // group, n).t().contiguous()
+    return rows, words
 
 
 def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | None:
     """Why the GEMV cannot take this weight at this token count (None when it can)."""
     if tokens > MAX_TOKENS:
         return f"{tokens} tokens: the GEMV takes at most {MAX_TOKENS} (decode)"
-    if quant not in SCHEMES:
+    if quant == "int4_rows" and group % 32:
+        return f"group size {group}: the int4 row repack needs a multiple of 32"
+    if quant not in SCHEMES + ("int4_rows",):
         return f"{quant} weights have no GEMV (it reads {', '.join(SCHEMES)})"
     if group < 16 or group & (group - 1) or k % group:
         return f"group size {group} (K={k}): the GEMV needs a power of two >= 16 dividing K"
@@ -125,7 +142,7 @@ def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
     rows (fewer when the row blocks alone leave SMs idle), int4 one 64-row block; K split until
     about FMA_PROGRAMS programs."""
     bk = min(64 if quant == "int4" else 512, k & -k)  # largest power of two dividing K
-    bk = max(bk, 32 if quant == "q4_0" else group)
+    bk = max(bk, group if quant in ("int8", "int4") else 32)
     if quant == "int4":
         bn = INT4_ROWS
     else:
@@ -161,7 +178,9 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     else:
         other = FMA_ROWS[1] if fma.bn == FMA_ROWS[0] else FMA_ROWS[0]
         alt = replace(fma, bn=other, split=_split(triton.cdiv(n, other), k // fma.bk), unroll=2)
-    out = [gemv_config(quant, n, k, group, tokens), fma, alt, _mma_config(quant, n, k, group)]
+    out = [gemv_config(quant, n, k, group, tokens), fma, alt]
+    if quant != "int4_rows":  # the tensor-core kernel reads the store's layouts only
+        out.append(_mma_config(quant, n, k, group))
     return list(dict.fromkeys(out))
 
 
@@ -338,6 +357,18 @@ def _tokens_rows(y, T: tl.constexpr):
 
 
 @triton.jit
+def _bf16_lo(v):
+    """The bf16 in the low half of int32 words (an int4 scale), exactly as fp32."""
+    return (v << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _bf16_hi(v):
+    """The bf16 in the high half (an int4 zero)."""
+    return (v & -65536).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexpr,
               K: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
               BK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
@@ -350,30 +381,28 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
         s = tl.load(s_ptr + rl[:, None] * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
         for t in tl.static_range(T):
             acc = _add_token(acc, tl.sum(w * _x_rows(x_ptr, t, koff, K), 2) * s, t, T, TP)
-    else:  # q4_0: a row's block of 32 inputs is 16 bytes, element i low nibble, i + 16 high
+    else:  # q4_0 / int4 rows: a row's 32 inputs are 16 bytes, element i low nibble, i + 16 high
         NB: tl.constexpr = BK // 32
         kb = k0 // 32 + tl.arange(0, NB)[:, None]  # [NB, 1]
         i = tl.arange(0, 16)[None, :]
         koff = tl.zeros([BN, 1, 1], tl.int32) + (kb * 32 + i)[None]
         b = tl.load(q_ptr + rl.to(tl.int64)[:, None, None] * (K // 2) + (kb * 16 + i)[None])
         lo, hi = _u4_f32(b, FAST)  # q - 8, [BN, NB, 16]
-        d = tl.load(s_ptr + rl[:, None] * (K // 32) + kb.reshape([1, NB])).to(tl.float32)
+        if QUANT == 3:
+            d = tl.load(s_ptr + rl[:, None] * (K // 32) + kb.reshape([1, NB])).to(tl.float32)
+        else:  # (scale, zero) words [N, K/G]: s (q - 8) + z summed as s * dot + z * sum(x)
+            v = tl.load(s_ptr + rl[:, None] * (K // G) + (kb * 32 // G).reshape([1, NB]))
+            sc, zp = _bf16_lo(v), _bf16_hi(v)
         for t in tl.static_range(T):
-            p = lo * _x_rows(x_ptr, t, koff, K) + hi * _x_rows(x_ptr, t, koff + 16, K)
-            acc = _add_token(acc, tl.sum(p, 2) * d, t, T, TP)
+            x_lo = _x_rows(x_ptr, t, koff, K)
+            x_hi = _x_rows(x_ptr, t, koff + 16, K)
+            p = tl.sum(lo * x_lo + hi * x_hi, 2)
+            if QUANT == 3:
+                p = p * d
+            else:
+                p = p * sc + tl.sum(x_lo + x_hi, 2) * zp
+            acc = _add_token(acc, p, t, T, TP)
     return acc
-
-
-@triton.jit
-def _bf16_lo(v):
-    """The bf16 in the low half of int32 words (an int4 scale), exactly as fp32."""
-    return (v << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _bf16_hi(v):
-    """The bf16 in the high half (an int4 zero)."""
-    return (v & -65536).to(tl.float32, bitcast=True)
 
 
 @triton.jit
