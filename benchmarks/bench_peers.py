@@ -165,6 +165,8 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             # pinned RAM (device misses); the host path's h2d_bytes also hold the prompt's copies
             moved = s.get("admit_bytes", s.get("h2d_bytes", 0)) + s.get("host_read_bytes", 0)
             row["pcie_bytes_per_token"] = moved / max(len(res.ids) - 1, 1)
+            if "host_ms_per_token" in s:  # decode wall time not blocked on the GPU
+                row["host_ms_per_token"] = s["host_ms_per_token"]
     print(json.dumps(row))
 
 
@@ -321,7 +323,7 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     }
     first = runs[0][0]
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
-              "load_and_warm_s"):  # fmt: skip
+              "host_ms_per_token", "load_and_warm_s"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out
@@ -431,6 +433,7 @@ def main(argv=None) -> int:
             f"{r['decode_tok_s']:8.2f} {r['prefill_tok_s']:8.1f} "
             f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['ceiling_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
+            + (f"  host {r['host_ms_per_token']:.3f} ms/token" if "host_ms_per_token" in r else "")
             + (
                 f"  hit {r['hit_rate']:.2f}, PCIe {r['pcie_bytes_per_token'] / 1e6:.0f} MB/token"
                 f" = {r.get('pcie_fraction', 0):.2f} of its rate"

@@ -51,9 +51,12 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
 def profile_one(store: Path, variant: str, a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    graph = variant != "eager"
-    experts = GpuConfig(resident=True, cuda_graph=graph, compile_step=variant == "compiled")
+    base, _, sync = variant.partition("-")
+    graph = base != "eager"
+    experts = GpuConfig(resident=True, cuda_graph=graph, compile_step=base == "compiled")
     with open_model(store, dtype="bfloat16", experts=experts) as rt:
+        if sync:  # the ablation: each step issued after the host read the one before
+            rt.provider.decodes_ahead = lambda: False
         ids = rt.encode_prompt(a.prompt)
         cfg = SamplingConfig(max_new_tokens=a.tokens, ignore_eos=True)
         rt.generator.generate(ids, cfg)  # warm: compile, capture
@@ -75,6 +78,7 @@ def profile_one(store: Path, variant: str, a) -> dict:
         "gpu_kernel_us_per_token": us,
         "kernels_per_token": count,
         "gpu_busy_fraction": us / 1e3 / (1e3 / s["decode_tok_s"]),
+        "host_ms_per_token": s.get("host_ms_per_token"),
         "top_kernels": rows[: a.top],
     }
 
@@ -89,7 +93,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         default="graph,compiled",
-        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager",
+        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; a -sync "
+        "suffix issues each greedy step only after the host read the one before (the ablation "
+        "of the step fed back on the device)",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
@@ -105,7 +111,8 @@ def main(argv=None) -> int:
             print(
                 f"{q} {r['variant']}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} "
                 f"ms/token, GPU kernels {r['gpu_kernel_us_per_token']:.0f} us/token "
-                f"({r['kernels_per_token']:.0f} kernels), busy {r['gpu_busy_fraction']:.2f}"
+                f"({r['kernels_per_token']:.0f} kernels), busy {r['gpu_busy_fraction']:.2f}, "
+                f"host {r['host_ms_per_token'] or 0:.3f} ms/token"
             )
             for k in r["top_kernels"]:
                 print(f"   {k['us_per_token']:8.1f} us {k['calls_per_token']:6.1f}x  {k['kernel']}")
