@@ -139,8 +139,8 @@ def test_the_gemv_says_what_it_does_not_take():
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(quant):
     """kernel "triton": <= 8 rows the GEMV's bits (int4: from its row-major repack), more rows
-    dequantize + F.linear's; the module holds only the sections (and the bias) as buffers, no
-    dequantized copy."""
+    dequantize + F.linear's; the module holds the sections (and the bias; int4 the repack, of
+    the same size), no dequantized copy."""
     n, k = 160, 128
     w = _weight(quant, n, k, seed=3).to(DEVICE)
     bias = torch.randn(n).to(DEVICE, ACT)
@@ -159,7 +159,10 @@ def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(qu
             want = F.linear(x[0], dequantize(w.sections(), "w", 32, ACT), bias)
         assert torch.equal(got[0], want)
     held = {name for name, _ in lin.named_buffers()}
-    assert held == {"bias", "qweight.q", f"qweight.{w.suffixes[1]}"}
+    rows = {"rows_q", "rows_sz"} if quant == "int4" else set()
+    assert held == {"bias", "qweight.q", f"qweight.{w.suffixes[1]}"} | rows
+    assert sum(lin.get_buffer(b).nbytes for b in rows) == sum(
+        t.nbytes for t in w.buffers()) * (quant == "int4")  # the repack: the sections' size
 
 
 def test_kernels_other_than_triton_never_take_the_gemv():

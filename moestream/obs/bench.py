@@ -50,23 +50,30 @@ def spread(values: list[float]) -> dict:
 
 def dense_bytes_per_token(model) -> int:
     """Bytes of the non-expert weights one decode step reads: every weight once (quantized ones as
-    their sections, except a GPU's int4 weights that run on a bf16 copy, kernels/dense.py), the
-    input embedding one row, the output projection whole (also when tied to the embedding)."""
+    their sections, or a GPU int4 weight's row-major repack, kernels/dense.py: rows_layout, the
+    same size, in place of its sections), the input embedding one row, the output projection
+    whole (also when tied to the embedding)."""
     embed, head = model.model.embed_tokens, model.lm_head
     head_ts = _read_tensors(head)
     embed_ts = [t for t in _read_tensors(embed) if t.data_ptr() not in _ptrs(head_ts)]  # tied
     seen = _ptrs(head_ts) | _ptrs(_read_tensors(embed))
     rest = [t for t in _read_tensors(model) if t.data_ptr() not in seen]
     rows = embed.num_embeddings
-    # (a GPU's int4 row repack, kernels/triton/dense.py: int4_rows, holds the sections' bytes)
     return _nbytes(rest) + _nbytes(embed_ts) // rows + _nbytes(head_ts)
 
 
 def _read_tensors(module) -> list:
-    """The weights a forward through module reads, each storage once."""
+    """The weights a decode step through module reads, each storage once (a repacked int4
+    weight's sections are read by prompts only)."""
+    from moestream.kernels.dense import QuantLinear
+
+    skip = set()
+    for m in module.modules():
+        if isinstance(m, QuantLinear) and m.rows_layout:
+            skip |= _ptrs(m.qweight.buffers())
     unique = {}
     for t in [*module.parameters(), *module.buffers()]:
-        if t is not None:
+        if t is not None and t.data_ptr() not in skip:
             unique.setdefault(t.data_ptr(), t)
     return list(unique.values())
 

@@ -76,20 +76,20 @@ class GemvConfig:
     unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
 
 
-# Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs, e8ec9b1): at one token the
-# GEMV beats bf16 F.linear for int8 (1.3-1.6x) and q4_0 (1.5-1.8x) at every Qwen3-30B shape, but
-# the store's int4 layout (64-row blocks, k-major: a thread holds one k of 32 rows, so every
-# weight needs its row's scale and zero) only on the 151936-row output layer (1.17x): at the
-# attention shapes it ran at 0.54-0.79x of bf16. So int4 weights under INT4_GEMV_ROWS rows are
-# repacked once on the GPU into q4_0's row-major nibble order with their (scale, zero) words
-# row-major (`int4_rows`, about the sections' size), and the one-token GEMV runs q4_0's loop
-# with the zero term per group (s * sum((q - 8) x) + z * sum(x)).
-INT4_GEMV_ROWS = 65536
+# Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs): at one token the GEMV
+# beats bf16 F.linear for int8 (1.3-1.6x) and q4_0 (1.5-1.8x) at every Qwen3-30B shape, but the
+# store's int4 layout (64-row blocks, k-major: a thread holds one k of 32 rows, so every weight
+# needs its row's scale and zero) ran at 0.54-0.79x of bf16 at the attention shapes and 1.17x on
+# the output layer (e8ec9b1). So int4 weights are repacked once into q4_0's row-major nibble
+# order with their (scale, zero) words row-major (`int4_rows`, the sections' size), and the GEMV
+# runs q4_0's loop with the zero term per group (s * sum((q - 8) x) + z * sum(x)): 311579e,
+# q 4096x2048 5.2 us (bf16 7.1, store layout 11.3), o 6.5 (9.3, 12.4), output layer 151936
+# rows 87.2 (149.9, 127.6).
 
 
 def rows_layout(quant: str, n: int, group: int) -> bool:
-    """Whether an [n, K] weight of this scheme runs from the GPU's row-major repack."""
-    return quant == "int4" and n < INT4_GEMV_ROWS and group % 32 == 0
+    """Whether an [n, K] weight of this scheme runs from the row-major repack (`int4_rows`)."""
+    return quant == "int4" and group % 32 == 0
 
 
 def int4_rows(q: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int):
