@@ -15,8 +15,12 @@ import torch
 
 GGUF_ARCH = {
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
-    "glm4_moe": "glm4moe", "lfm2_moe": "lfm2moe",
+    "glm4_moe": "glm4moe", "lfm2_moe": "lfm2moe", "deepseek_v3": "deepseek2",
+    "qwen3_5_moe_text": "qwen35moe",
 }  # fmt: skip
+# qwen35moe norms llama.cpp's converter writes as 1 + w (zero-centred in Hugging Face's)
+SHIFTED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
+                 "q_norm.weight", "k_norm.weight")  # fmt: skip
 
 
 def gguf_arch(name: str):
@@ -27,8 +31,10 @@ def gguf_arch(name: str):
 
 
 def gguf_key(hf: str) -> str:
-    """The HF name as llama.cpp's tensor map knows it (it renames the router's selection bias)."""
+    """The HF name as llama.cpp's tensor map knows it (it renames the router's selection bias and
+    qwen35moe's dt_bias)."""
     hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
+    hf = hf.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
     return hf.replace(".expert_bias", ".expert_bias.bias")
 
 
@@ -62,7 +68,9 @@ def _store(writer, name: str, w: np.ndarray, qtype) -> np.ndarray:
     import gguf
 
     T = gguf.GGMLQuantizationType
-    if qtype == T.F32 or w.ndim == 1:  # norms and biases stay F32, as llama.cpp keeps them
+    block = gguf.GGML_QUANT_SIZES[qtype][0]
+    # norms, biases and rows a block does not divide stay F32 (llama.cpp falls back to F16)
+    if qtype == T.F32 or w.ndim == 1 or w.shape[-1] % block:
         writer.add_tensor(name, w.astype(np.float32))
         return w.astype(np.float32)
     if qtype.name in _KQUANT_SPREAD:  # no quantizer in the gguf package: random centred blocks
@@ -141,9 +149,16 @@ def write_gguf(
             out = _permute(w, heads)
         if hf.endswith("shared_expert_gate.weight"):
             out = w.reshape(-1)  # [1, D] -> as llama.cpp stores small gates (F32, 1-D)
-        if hf.endswith("conv.conv.weight"):
-            out = w.squeeze(1)  # LFM2's depthwise conv [D, 1, L] -> [D, L], as llama.cpp
-        vals = _store(writer, name, out, T[(dense_types or {}).get(hf, dense_type)])
+        if hf.endswith(("conv.conv.weight", "linear_attn.conv1d.weight")):
+            out = w.squeeze(1)  # a depthwise conv [D, 1, L] -> [D, L], as llama.cpp
+        kind = T[(dense_types or {}).get(hf, dense_type)]
+        if hf.endswith("kv_b_proj.weight") and arch == "deepseek2":
+            stored[hf] = _store_kv_b(writer, name, w, cfg, kind)
+            continue
+        if arch == "qwen35moe":
+            stored[hf] = _store_qwen35(writer, name, hf, w, out, cfg, kind)
+            continue
+        vals = _store(writer, name, out, kind)
         if heads is not None:  # the values in HF's row order: the permutation undone
             vals = vals.reshape(heads, -1, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
         stored[hf] = torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))
@@ -163,6 +178,62 @@ def write_gguf(
     return stored
 
 
+def _store_kv_b(writer, name: str, w: np.ndarray, cfg: dict, kind) -> torch.Tensor:
+    """DeepSeek's kv_b_proj [H * (nope + vd), r] as llama.cpp writes it for the absorbed MLA:
+    attn_k_b [H, r, nope] (each head's key rows transposed) and attn_v_b [H, vd, r]. Returns the
+    values stored, rejoined in Hugging Face's layout."""
+    H, nope = cfg["num_attention_heads"], cfg["qk_nope_head_dim"]
+    per_head = w.reshape(H, -1, w.shape[-1])  # [H, nope + vd, r]
+    k_b = np.ascontiguousarray(per_head[:, :nope].transpose(0, 2, 1))
+    k_vals = _store(writer, name.replace("attn_kv_b", "attn_k_b"), k_b, kind)
+    v_vals = _store(writer, name.replace("attn_kv_b", "attn_v_b"), per_head[:, nope:], kind)
+    joined = np.concatenate([k_vals.reshape(k_b.shape).transpose(0, 2, 1),
+                             v_vals.reshape(per_head[:, nope:].shape)], axis=1)  # fmt: skip
+    return torch.from_numpy(np.ascontiguousarray(joined).reshape(w.shape))
+
+
+def v_heads_tiled(cfg: dict, hf: str) -> tuple[int, np.ndarray] | None:
+    """(axis, index) of llama.cpp's qwen35moe value-head reorder: GGUF = HF.take(index, axis),
+    value heads grouped by key head [Hk, Hv/Hk, d] written tiled [Hv/Hk, Hk, d]; None where the
+    converter keeps the order."""
+    n_k, n_v = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
+    if ".linear_attn." not in hf or n_k == n_v:
+        return None
+    dv, qk = cfg["linear_value_head_dim"], 2 * n_k * cfg["linear_key_head_dim"]
+
+    def tiled(d: int) -> np.ndarray:
+        return np.arange(n_v * d).reshape(n_k, n_v // n_k, d).swapaxes(0, 1).reshape(-1)
+
+    if hf.endswith(("in_proj_qkv.weight", "conv1d.weight")):
+        return 0, np.concatenate([np.arange(qk), qk + tiled(dv)])
+    if hf.endswith("in_proj_z.weight"):
+        return 0, tiled(dv)
+    if hf.endswith(("in_proj_a.weight", "in_proj_b.weight", "A_log", "dt_bias")):
+        return 0, tiled(1)
+    if hf.endswith("out_proj.weight"):
+        return 1, tiled(dv)
+    return None
+
+
+def _store_qwen35(writer, name, hf, w, out, cfg, kind) -> torch.Tensor:
+    """A qwen35moe dense tensor as llama.cpp's converter writes it: norms as 1 + w, A_log as
+    -exp(A_log), value heads tiled; returns the values in Hugging Face's form (the original
+    where only the value changed, in F32: what transformers computes from it is the same)."""
+    order = v_heads_tiled(cfg, hf)
+    if order is not None:
+        out = np.ascontiguousarray(np.take(out, order[1], axis=order[0]))
+    if hf.endswith(SHIFTED_NORMS) and ".linear_attn." not in hf:
+        _store(writer, name, out + 1.0, kind)
+        return torch.from_numpy(w.copy())
+    if hf.endswith("A_log"):
+        _store(writer, name, -np.exp(out), kind)
+        return torch.from_numpy(w.copy())
+    vals = _store(writer, name, out, kind).reshape(out.shape)
+    if order is not None:  # back to Hugging Face's order: the inverse permutation
+        vals = np.take(vals, np.argsort(order[1]), axis=order[0])
+    return torch.from_numpy(np.ascontiguousarray(vals).reshape(w.shape))
+
+
 def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
     import gguf
 
@@ -173,7 +244,7 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
         "block_count": cfg["num_hidden_layers"],
         "context_length": cfg["max_position_embeddings"],
         "embedding_length": cfg["hidden_size"],
-        "feed_forward_length": cfg["intermediate_size"],
+        "feed_forward_length": cfg.get("intermediate_size"),  # (qwen35moe has none)
         "head_count": heads,
         "head_count_kv": cfg["num_key_value_heads"],
         "key_length": head_dim,
@@ -208,9 +279,58 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
             expert_group_used_count=cfg["topk_group"],
             rope_dimension_count=int(head_dim * cfg.get("partial_rotary_factor", 0.5)),
         )
+    if cfg["model_type"] == "deepseek_v3":  # as llama.cpp's DeepseekV2Model
+        adds.update(_deepseek2_metadata(cfg))
+    if cfg["model_type"] == "qwen3_5_moe_text":  # as llama.cpp's Qwen3_5MoeTextModel
+        types = cfg["layer_types"]
+        adds.update(
+            ssm_conv_kernel=cfg["linear_conv_kernel_dim"],
+            ssm_state_size=cfg["linear_key_head_dim"],
+            ssm_group_count=cfg["linear_num_key_heads"],
+            ssm_time_step_rank=cfg["linear_num_value_heads"],
+            ssm_inner_size=cfg["linear_value_head_dim"] * cfg["linear_num_value_heads"],
+            # (this gguf package has no recurrent_layers key: the interval gives the same types)
+            full_attention_interval=types.index("full_attention") + 1,
+            rope_dimension_count=int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]),
+            rope_dimension_sections=[11, 11, 10, 0],
+        )
     for key, value in adds.items():
-        if key != skip_key:
+        if key != skip_key and value is not None:
             getattr(writer, f"add_{key}")(value)
+
+
+def _deepseek2_metadata(cfg: dict) -> dict:
+    import gguf
+
+    r, rope = cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]
+    rp = cfg["rope_parameters"]
+    out = dict(
+        head_count_kv=1,  # MLA written as MQA over the latent
+        key_length=r + rope,
+        value_length=r,
+        key_length_mla=cfg["qk_nope_head_dim"] + rope,
+        value_length_mla=cfg["v_head_dim"],
+        kv_lora_rank=r,
+        q_lora_rank=cfg["q_lora_rank"],
+        expert_count=cfg["n_routed_experts"],
+        expert_shared_count=cfg["n_shared_experts"],
+        leading_dense_block_count=cfg["first_k_dense_replace"],
+        expert_gating_func=gguf.ExpertGatingFuncType.SIGMOID,
+        expert_weights_scale=cfg["routed_scaling_factor"],
+        expert_group_count=cfg["n_group"],
+        expert_group_used_count=cfg["topk_group"],
+        rope_dimension_count=rope,
+    )
+    if cfg["norm_topk_prob"]:
+        out["expert_weights_norm"] = True
+    if rp.get("rope_type") == "yarn":
+        out.update(
+            rope_scaling_type=gguf.RopeScalingType.YARN,
+            rope_scaling_factor=rp["factor"],
+            rope_scaling_orig_ctx_len=rp["original_max_position_embeddings"],
+            rope_scaling_yarn_log_mul=0.1 * rp["mscale_all_dim"],
+        )
+    return out
 
 
 def kquant_blocks(

@@ -23,7 +23,8 @@ from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
 from moestream.store.format import VERSION, Store
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe")
+ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe", "deepseek_v3",
+         "qwen3_5_moe_text")  # fmt: skip
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
@@ -33,10 +34,15 @@ FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 # What llama.cpp's GGUF can hold: qwen3moe has no dense-MLP layers; LFM2 has no conv biases, a
 # tied output layer, no routed scaling factor (LFM2's own is 1) and one norm eps (the tiny
 # config's norm_eps, which transformers reads, and rms_norm_eps, which the converter writes).
+# DeepSeek's yarn: llama.cpp keeps only mscale_all_dim (as yarn_log_multiplier) and takes mscale
+# equal to it; its converter writes the sigmoid gating from config.json's scoring_func.
 GGUF_FORM = {
     "qwen3_moe": {"mlp_only_layers": []},
     "lfm2_moe": dict(conv_bias=False, tie_word_embeddings=True, routed_scaling_factor=1.0,
                      norm_eps=1e-6),
+    "deepseek_v3": dict(scoring_func="sigmoid", rope_parameters=dict(
+        rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
+        mscale=0.8, mscale_all_dim=0.8)),
 }  # fmt: skip
 
 
@@ -436,3 +442,71 @@ def test_glm4_dense_layers_that_disagree_with_the_metadata(tmp_path, capsys):
     write_gguf(hf, tmp_path / "m.gguf")
     err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
     assert "layers [0] have no experts, but glm4moe.leading_dense_block_count is 2" in err
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "qwen3_5_moe_text"])
+def test_q8_0_dense_of_rewritten_tensors(tmp_path, arch, capsys):
+    """Dense Q8_0 where llama.cpp's converter rewrote tensors: deepseek2's kv_b_proj, written as
+    attn_k_b + attn_v_b, and qwen35moe's tiled value heads. Rows reordered whole keep their
+    blocks exactly (in_proj_qkv, in_proj_z); columns reordered inside blocks (out_proj) and the
+    rejoined kv_b are dequantized; the logits are transformers' on the stored values."""
+    hf = hf_checkpoint(arch, tmp_path / "hf")
+    path = tmp_path / "m.gguf"
+    stored = write_gguf(hf, path, {layer: Q8 for layer in range(3)}, dense_type="Q8_0")
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    s = Store(store)
+    if arch == "deepseek_v3":
+        assert s.dense_scheme("model.layers.1.self_attn.kv_b_proj.weight") is None
+        kept = ["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"]
+    else:
+        assert s.dense_scheme("model.layers.0.linear_attn.out_proj.weight") is None
+        kept = [f"model.layers.0.linear_attn.in_proj_{p}.weight" for p in ("qkv", "z")]
+    for name in kept:
+        assert s.dense_scheme(name).name == "int8", name
+        sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
+        assert torch.equal(dequantize(sec, "w", 32, torch.float32), stored[name])
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+def test_deepseek2_without_sigmoid_gating_is_refused(tmp_path, capsys):
+    """No expert_gating_func: llama.cpp routes a deepseek2 file with softmax (DeepSeek-V2's);
+    moestream's deepseek_v3 routes with sigmoid, so it refuses instead of running other math."""
+    hf = hf_checkpoint("deepseek_v3", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", skip_key="expert_gating_func")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "deepseek2.expert_gating_func is absent: llama.cpp reads 1" in err
+    assert "needs deepseek2.expert_gating_func = 2" in err
+
+
+def _without_tensor(src, dst, drop: str) -> None:
+    """src's metadata and tensors, one tensor left out, as dst."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    arch = r.fields["general.architecture"].contents()
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, f in r.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        if t.name != drop:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_deepseek2_half_of_kv_b_missing_names_it(q8, tmp_path, capsys):
+    _, path, _, _ = q8("deepseek_v3")
+    _without_tensor(path, tmp_path / "x.gguf", "blk.2.attn_v_b.weight")
+    err = _convert_error(capsys, tmp_path / "x.gguf", tmp_path / "s")
+    assert "'blk.2.attn_k_b.weight' has no 'blk.2.attn_v_b.weight' beside it" in err
+
+
+def test_qwen35moe_ssm_key_missing_is_named(tmp_path, capsys):
+    hf = hf_checkpoint("qwen3_5_moe_text", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", skip_key="ssm_time_step_rank")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "'qwen35moe.ssm.time_step_rank' is missing" in err

@@ -8,12 +8,14 @@ set MOESTREAM_LLAMA_CPP to a folder holding src/convert_hf_to_gguf.py, venv/ and
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 from collections import Counter
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf_models import GGUF_ARCH, expert_name, gguf_arch, gguf_key
@@ -63,6 +65,8 @@ def tiny(arch: str, folder: Path, **over) -> Path:
 
 def llama_convert(hf: Path, out: Path, outtype: str) -> Path:
     cmd = [str(PYTHON), str(CONVERTER), str(hf), "--outtype", outtype, "--outfile", str(out)]
+    if json.loads((hf / "config.json").read_text())["model_type"].startswith("qwen3_5"):
+        cmd.append("--no-mtp")  # its converter expects MTP layers otherwise (the tiny has none)
     subprocess.run(cmd, check=True, capture_output=True)
     return out
 
@@ -93,7 +97,12 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     with safe_open(str(hf / "model.safetensors"), "pt") as f:
         dense = {k: f.get_slice(k).get_shape() for k in f.keys() if ".experts." not in k}
     for key, shape in dense.items():
+        if arch == "deepseek2" and key.endswith("kv_b_proj.weight"):
+            out[key] = joined_kv_b(tensors, key)
+            continue
         w = tensors[names.get_name(gguf_key(key), try_suffixes=(".weight", ".bias"))]
+        if arch == "qwen35moe":
+            w = qwen35_hf_values(w, key, meta)
         w = w.reshape(shape)  # llama.cpp squeezes LFM2's depthwise conv [D, 1, L]
         if model_type == "mixtral" and key.endswith(("q_proj.weight", "k_proj.weight")):
             kv = "head_count" if "q_proj" in key else "head_count_kv"
@@ -103,10 +112,49 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def joined_kv_b(tensors: dict, key: str):
+    """deepseek2: kv_b_proj [H * (nope + vd), r] from attn_k_b [H, r, nope], attn_v_b [H, vd, r]."""
+    blk = f"blk.{key.split('.')[2]}"
+    k_b, v_b = tensors[f"{blk}.attn_k_b.weight"], tensors[f"{blk}.attn_v_b.weight"]
+    kv = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1)
+    return torch.tensor(kv.reshape(-1, kv.shape[-1]))
+
+
+def qwen35_hf_values(w, key: str, meta: dict):
+    """qwen35moe: the converter's 1 + w norms, -exp(A_log) and tiled value heads undone."""
+    from gguf_models import SHIFTED_NORMS, v_heads_tiled
+
+    if key.endswith(SHIFTED_NORMS) and ".linear_attn." not in key:
+        w = w - 1.0
+    if key.endswith("A_log"):
+        w = np.log(-w)
+    ssm = {k: meta[f"qwen35moe.ssm.{k}"] for k in ("group_count", "time_step_rank", "state_size")}
+    dims = {
+        "linear_num_key_heads": ssm["group_count"],
+        "linear_num_value_heads": ssm["time_step_rank"],
+        "linear_key_head_dim": ssm["state_size"],
+        "linear_value_head_dim": meta["qwen35moe.ssm.inner_size"] // ssm["time_step_rank"],
+    }
+    order = v_heads_tiled(dims, key)
+    return w if order is None else np.take(w, np.argsort(order[1]), axis=order[0])
+
+
 @pytest.mark.parametrize(
     "arch,outtype",
-    [(a, "q8_0") for a in ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe")]
-    + [("qwen3_moe", "f32"), ("mixtral", "f32")],
+    [
+        (a, "q8_0")
+        for a in (
+            "qwen3_moe",
+            "qwen2_moe",
+            "olmoe",
+            "mixtral",
+            "glm4_moe",
+            "lfm2_moe",
+            "deepseek_v3",
+            "qwen3_5_moe_text",
+        )
+    ]
+    + [(a, "f32") for a in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text")],
 )
 def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):
     hf = tiny(arch, tmp_path / "hf")
@@ -234,10 +282,11 @@ def test_llama_quantize_q4_k_m_is_kept_exactly(tmp_path, capsys):
 
 
 @needs_build
-@pytest.mark.parametrize("arch", ["glm4_moe", "lfm2_moe"])
-def test_llama_quantize_q4_k_m_of_sigmoid_routed_models(tmp_path, arch, capsys):
-    """llama-quantize Q4_K_M of GLM-4 MoE and LFM2-MoE at widths of 256: the K-quant experts
-    kept exactly per layer, within 1e-4 of transformers on the GGUF's values."""
+@pytest.mark.parametrize("arch", ["glm4_moe", "lfm2_moe", "deepseek_v3", "qwen3_5_moe_text"])
+def test_llama_quantize_q4_k_m_of_more_architectures(tmp_path, arch, capsys):
+    """llama-quantize Q4_K_M of GLM-4 MoE, LFM2-MoE, DeepSeek-V3 (MLA) and Qwen3.5 MoE (Gated
+    DeltaNet) at widths of 256: the K-quant experts kept exactly per layer, within 1e-4 of
+    transformers on the GGUF's values."""
     from gguf_models import assert_records_are
 
     wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}

@@ -4,7 +4,9 @@
 Face naming), `tensor(name)`, `expert(layer, e)`, plus the files a store needs (config.json,
 tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's architecture and
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
-it. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
+it (`ARCHS`: which llama.cpp architecture runs as which model file); where llama.cpp's converter
+rewrote a tensor (deepseek2's split kv_b, qwen35moe's shifted norms, A = -exp(A_log) and tiled
+value heads) `gguf_inverse` gives the Hugging Face tensor back. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
 Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
 weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
 its own type (`record_layouts`: per layer, w13's and w2's scheme), so mixed files (Q4_K_M) stay
@@ -26,6 +28,7 @@ import numpy as np
 import torch
 
 from moestream.config import ConfigError, ModelArgs
+from moestream.convert.gguf_inverse import kv_b, qwen35_order, qwen35_values
 from moestream.errors import CheckpointError
 from moestream.models import model_args_from_dict
 from moestream.quant import (
@@ -80,8 +83,42 @@ ARCHS = {
             *((f"ffn_{r}.weight", f"feed_forward.{r}_proj.weight") for r in ("gate", "up", "down")),
         ),
     ),
+    # DeepSeek-V3 / R1 / Kimi-K2: MLA attention (kv_b_proj written split as attn_k_b + attn_v_b)
+    "deepseek2": GgufArch(
+        "deepseek_v3",
+        norm_topk_prob=False,  # the converter writes expert_weights_norm only when true
+        shared="mlp.shared_experts",
+        sigmoid=True,
+        names=(
+            ("attn_q_a.weight", "self_attn.q_a_proj.weight"),
+            ("attn_q_a_norm.weight", "self_attn.q_a_layernorm.weight"),
+            ("attn_q_b.weight", "self_attn.q_b_proj.weight"),
+            ("attn_kv_a_mqa.weight", "self_attn.kv_a_proj_with_mqa.weight"),
+            ("attn_kv_a_norm.weight", "self_attn.kv_a_layernorm.weight"),
+            ("attn_kv_b.weight", "self_attn.kv_b_proj.weight"),  # files before the split
+            ("attn_k_b.weight", "self_attn.kv_b_proj.weight"),  # joined with attn_v_b
+        ),
+    ),
+    # Qwen3.5 / 3.6 MoE (text): Gated DeltaNet layers under ssm_* / attn_qkv / attn_gate
+    "qwen35moe": GgufArch(
+        "qwen3_5_moe_text",
+        norm_topk_prob=True,
+        names=(
+            ("attn_qkv.weight", "linear_attn.in_proj_qkv.weight"),
+            ("attn_gate.weight", "linear_attn.in_proj_z.weight"),
+            ("ssm_beta.weight", "linear_attn.in_proj_b.weight"),
+            ("ssm_alpha.weight", "linear_attn.in_proj_a.weight"),
+            ("ssm_a", "linear_attn.A_log"),
+            ("ssm_dt.bias", "linear_attn.dt_bias"),
+            ("ssm_conv1d.weight", "linear_attn.conv1d.weight"),
+            ("ssm_norm.weight", "linear_attn.norm.weight"),
+            ("ssm_out.weight", "linear_attn.out_proj.weight"),
+        ),
+    ),
 }
-GATING_SIGMOID = 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID
+# The second half of a tensor llama.cpp splits in two (deepseek2's kv_b): read with the first.
+_SECOND_HALF = {"attn_v_b.weight": "attn_k_b.weight"}
+GATING_SOFTMAX, GATING_SIGMOID = 1, 2  # llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_*
 
 _GLOBAL = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -335,6 +372,10 @@ class GGUFCheckpoint:
             cfg.update(self._glm4_fields(cfg, dense_layers, n_exp))
         if mt == "lfm2_moe":
             cfg.update(self._lfm2_fields(cfg, dense_layers))
+        if mt == "deepseek_v3":
+            cfg.update(self._deepseek2_fields(cfg, dense_layers, n_exp))
+        if mt == "qwen3_5_moe_text":
+            cfg.update(self._qwen35_fields(cfg))
         return cfg
 
     def _lead_dense(self, dense_layers: list[int]) -> int:
@@ -346,12 +387,16 @@ class GGUFCheckpoint:
             )
         return lead
 
-    def _check_sigmoid(self) -> None:
-        gating = int(self._arch_key("expert_gating_func", GATING_SIGMOID))
+    def _check_sigmoid(self, absent: int = GATING_SIGMOID) -> None:
+        """`absent`: the gating llama.cpp assumes without the key (deepseek2: softmax, V2's)."""
+        key = f"{self.arch_name}.expert_gating_func"
+        gating = int(self._key(key, absent))
         if gating != GATING_SIGMOID:
+            what = f"is {gating}" if key in self.meta else f"is absent: llama.cpp reads {gating}"
             raise CheckpointError(
-                f"{self.folder}: {self.arch_name}.expert_gating_func is {gating}; "
-                f"{self.arch.model_type} routes with sigmoid scores ({GATING_SIGMOID})"
+                f"{self.folder}: {key} {what}, but {self.arch.model_type} routes "
+                f"with sigmoid scores ({GATING_SIGMOID}); a sigmoid-routed model's file needs "
+                f"{key} = {GATING_SIGMOID} (its config.json's scoring_func: sigmoid)"
             )
 
     def _lfm2_fields(self, cfg: dict[str, Any], dense_layers: list[int]) -> dict:
@@ -377,10 +422,9 @@ class GGUFCheckpoint:
             "tie_embedding": cfg["tie_word_embeddings"],
         }
 
-    def _glm4_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
-        """glm4moe: sigmoid routing with a selection bias, group-limited top-k, scaled weights,
-        leading dense layers, shared experts, partial rotary (llama.cpp's keys and defaults)."""
-        self._check_sigmoid()
+    def _grouped_sigmoid_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int):
+        """glm4moe / deepseek2: leading dense layers, shared experts, group-limited top-k and
+        scaled weights (llama.cpp's keys and defaults: no scale written means 1, no groups 1)."""
         lead = self._lead_dense(dense_layers)
         shexp = self._tensors.get(f"blk.{lead}.ffn_gate_shexp.weight")
         n_shared = int(self._arch_key("expert_shared_count", 0 if shexp is None else 1))
@@ -389,18 +433,86 @@ class GGUFCheckpoint:
                 f"{self.folder}: ffn_gate_shexp holds {int(shexp.shape[1])} rows, not "
                 f"expert_shared_count {n_shared} x {cfg['moe_intermediate_size']}"
             )
-        head_dim = cfg["head_dim"]
-        rot = int(self._arch_key("rope.dimension_count", head_dim))
         return {
             "n_routed_experts": n_exp,
             "n_shared_experts": n_shared,
             "first_k_dense_replace": lead,
             "routed_scaling_factor": _f32(self._arch_key("expert_weights_scale", 1.0)) or 1.0,
-            "n_group": int(self._arch_key("expert_group_count", 1)),
-            "topk_group": int(self._arch_key("expert_group_used_count", 1)),
+            "n_group": int(self._arch_key("expert_group_count", 1)) or 1,
+            "topk_group": int(self._arch_key("expert_group_used_count", 1)) or 1,
+            "num_nextn_predict_layers": 0,  # the MTP layers' tensors were not read
+        }
+
+    def _glm4_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
+        """glm4moe: sigmoid routing with a selection bias, group-limited top-k, scaled weights,
+        leading dense layers, shared experts, partial rotary (llama.cpp's keys and defaults)."""
+        self._check_sigmoid()
+        head_dim = cfg["head_dim"]
+        rot = int(self._arch_key("rope.dimension_count", head_dim))
+        return {
+            **self._grouped_sigmoid_fields(cfg, dense_layers, n_exp),
             "partial_rotary_factor": rot / head_dim,
             "use_qk_norm": "blk.0.attn_q_norm.weight" in self._tensors,
-            "num_nextn_predict_layers": 0,  # the MTP layers' tensors were not read
+        }
+
+    def _deepseek2_fields(self, cfg: dict[str, Any], dense_layers: list[int], n_exp: int) -> dict:
+        """deepseek2: the MLA dims (llama.cpp writes attention as MQA over the latent: head_count_kv
+        1, key_length r + rope; the per-head sizes under key_length_mla / value_length_mla, or, in
+        files before the kv_b split, key_length / value_length themselves), interleaved RoPE on
+        the rope part, yarn's mscale from yarn_log_multiplier, DeepSeek-V3's sigmoid routing."""
+        self._check_sigmoid(absent=GATING_SOFTMAX)
+        heads, r = cfg["num_attention_heads"], int(self._arch_key("attention.kv_lora_rank"))
+        rope = int(self._arch_key("rope.dimension_count"))
+        qk = int(self._arch_key("attention.key_length_mla", self._arch_key("attention.key_length")))
+        vd = self._arch_key("attention.value_length_mla", self._arch_key("attention.value_length"))
+        q_lora = self._arch_key("attention.q_lora_rank", None)
+        mqa = self._tensors.get("blk.0.attn_kv_a_mqa.weight")
+        if mqa is not None and int(mqa.shape[1]) != r + rope:
+            raise CheckpointError(
+                f"{self.folder}: tensor 'blk.0.attn_kv_a_mqa.weight' has {int(mqa.shape[1])} rows, "
+                f"not {self.arch_name}.attention.kv_lora_rank {r} + rope.dimension_count {rope}"
+            )
+        rope_parameters = dict(cfg["rope_parameters"])
+        log_mul = self._arch_key("rope.scaling.yarn_log_multiplier", None)
+        if rope_parameters["rope_type"] == "yarn" and log_mul is not None:
+            # the converter writes 0.1 * mscale_all_dim; llama.cpp takes mscale equal to it
+            m = _f32(_f32(log_mul) / 0.1)
+            rope_parameters.update(mscale=m, mscale_all_dim=m)
+        return {
+            **self._grouped_sigmoid_fields(cfg, dense_layers, n_exp),
+            "num_key_value_heads": heads,  # MLA expands the latent to every head
+            "head_dim": rope,
+            "q_lora_rank": None if q_lora is None else int(q_lora),
+            "kv_lora_rank": r,
+            "qk_rope_head_dim": rope,
+            "qk_nope_head_dim": qk - rope,
+            "v_head_dim": int(vd),
+            "rope_interleave": True,  # llama.cpp's deepseek2 rotates adjacent pairs
+            "rope_parameters": rope_parameters,
+        }
+
+    def _qwen35_fields(self, cfg: dict[str, Any]) -> dict:
+        """qwen35moe: which layers are Gated DeltaNet (`attention.recurrent_layers`, else every
+        full_attention_interval-th is full attention), their dims under `ssm.*`, the shared
+        expert's width, the rotary share of each head."""
+        n = cfg["num_hidden_layers"]
+        recurrent = self._arch_key("attention.recurrent_layers", None)
+        if recurrent is None:
+            every = int(self._arch_key("full_attention_interval", 4))
+            recurrent = [(i + 1) % every != 0 for i in range(n)]
+        recurrent = list(recurrent)[:n]  # MTP layers, after the trunk, are not recurrent
+        n_v = int(self._arch_key("ssm.time_step_rank"))
+        inner = int(self._arch_key("ssm.inner_size"))
+        shexp = self._tensors.get("blk.0.ffn_gate_shexp.weight")
+        return {
+            "layer_types": ["linear_attention" if x else "full_attention" for x in recurrent],
+            "linear_conv_kernel_dim": int(self._arch_key("ssm.conv_kernel")),
+            "linear_num_key_heads": int(self._arch_key("ssm.group_count")),
+            "linear_num_value_heads": n_v,
+            "linear_key_head_dim": int(self._arch_key("ssm.state_size")),
+            "linear_value_head_dim": inner // n_v,
+            "shared_expert_intermediate_size": 0 if shexp is None else int(shexp.shape[1]),
+            "partial_rotary_factor": int(self._arch_key("rope.dimension_count")) / cfg["head_dim"],
         }
 
     def _rope(self) -> dict[str, Any]:
@@ -418,6 +530,9 @@ class GGUFCheckpoint:
             rope["original_max_position_embeddings"] = int(
                 self._arch_key("rope.scaling.original_context_length")
             )
+            for ours in ("beta_fast", "beta_slow"):  # llama.cpp's defaults (32, 1) as HF's
+                if (v := self._arch_key(f"rope.scaling.yarn_{ours}", None)) is not None:
+                    rope[ours] = _f32(v)
         return rope
 
     def _eos_ids(self) -> list[int] | None:
@@ -442,6 +557,8 @@ class GGUFCheckpoint:
                 continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] in _SECOND_HALF:
+                continue  # read by tensor() with its first half
             elif m and m[2] in own:
                 self._add_dense(f"model.layers.{m[1]}.{own[m[2]]}", name)
             elif m and m[2] in _BLOCK:
@@ -453,6 +570,7 @@ class GGUFCheckpoint:
                     f"{self.folder}: tensor {name!r} is not one moestream maps for GGUF "
                     f"architecture {self._key('general.architecture')!r}"
                 )
+        self._check_halves()
         if "token_embd.weight" not in self._tensors:
             raise CheckpointError(f"{self.folder}: tensor 'token_embd.weight' is missing")
         if not self._experts:
@@ -460,7 +578,26 @@ class GGUFCheckpoint:
                 f"{self.folder}: no expert tensors (blk.N.ffn_gate_exps): not a MoE model"
             )
 
+    def _check_halves(self) -> None:
+        """Each half of a split tensor (deepseek2's attn_k_b / attn_v_b) has the other beside it."""
+        for second, first in _SECOND_HALF.items():
+            for name in self._tensors:
+                m = _BLK.match(name)
+                if m is None or int(m[1]) >= self.n_layers or m[2] not in (first, second):
+                    continue
+                other = f"blk.{m[1]}.{second if m[2] == first else first}"
+                if other not in self._tensors:
+                    raise CheckpointError(
+                        f"{self.folder}: tensor {name!r} has no {other!r} beside it (llama.cpp "
+                        "writes both halves of kv_b_proj); the file is incomplete: convert again"
+                    )
+
     def _add_dense(self, hf: str, src: str) -> None:
+        if hf in self._dense_src:
+            raise CheckpointError(
+                f"{self.folder}: tensors {self._dense_src[hf]!r} and {src!r} both hold {hf!r}; "
+                "the file mixes two converter versions: convert the model again"
+            )
         self.dense_names.append(hf)
         self._dense_src[hf] = src
 
@@ -528,12 +665,31 @@ class GGUFCheckpoint:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
         t = self._tensors[src]
         out = self._as_torch(t, t.data)
+        if src.endswith("attn_k_b.weight"):
+            out = self._kv_b(name, out, src)
+        if self.arch_name == "qwen35moe":
+            out = qwen35_values(name, out)
+            if (order := qwen35_order(name, self.args)) is not None:
+                out = out.index_select(*order)
         if name.endswith("shared_expert_gate.weight"):
             out = out.reshape(1, -1)  # stored 1-D by some converters; HF's [1, D]
         if name.endswith("conv.conv.weight") and out.dim() == 2:
             out = out.unsqueeze(1)  # llama.cpp squeezes the depthwise conv's [D, 1, L]
         if self.arch.permuted_qk:
             out = self._unpermute(name, out)
+        return out
+
+    def _kv_b(self, name: str, k_b: torch.Tensor, src: str) -> torch.Tensor:
+        """kv_b_proj from llama.cpp's two halves (attn_k_b, attn_v_b), checked against the dims."""
+        v = self._tensors[src.replace("attn_k_b", "attn_v_b")]
+        a = self.args
+        out = kv_b(k_b, self._as_torch(v, v.data))
+        want = [a.num_attention_heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank]
+        if list(out.shape) != want:
+            raise CheckpointError(
+                f"{self.folder}: tensors {src!r} and {v.name!r} give {name} of shape "
+                f"{list(out.shape)}, the metadata implies {want}"
+            )
         return out
 
     def _unpermute(self, name: str, w: torch.Tensor) -> torch.Tensor:
@@ -620,9 +776,14 @@ class GGUFCheckpoint:
             return None
         if prefer is None or not _is_exact(kind, prefer):
             prefer = make_scheme(EXACT[kind])
+        order = qwen35_order(name, self.args) if self.arch_name == "qwen35moe" else None
+        if order is not None and order[0] != 0:
+            return None  # columns reordered inside the blocks: dequantized instead
         secs = _sections(kind, t.data, prefer.name)
         if self.arch.permuted_qk:  # rows permuted; quantization runs along K, so per section
             secs = {k: self._unpermute(name, v) for k, v in secs.items()}
+        if order is not None:  # whole rows reordered: the same per section
+            secs = {k: v.index_select(0, order[1]) for k, v in secs.items()}
         return prefer, {k: v.contiguous() for k, v in secs.items()}
 
     # ---- what convert does to the experts -----------------------------------------------------
