@@ -71,7 +71,12 @@ class DecodeGraph:
         self.events = [torch.cuda.Event() for _ in range(self.AHEAD)]
         self.graph: torch.cuda.CUDAGraph | None = None
         self.logits: torch.Tensor | None = None
-        self._fn = torch.compile(self._forward, dynamic=False) if compiled else self._forward
+        # emulate_precision_casts: inductor rounds to bf16 where eager does (a fused kernel
+        # would otherwise keep fp32 between ops, and the logits drift from eager's by more than
+        # rounding: a near-tied router flips an expert)
+        self._fn = (torch.compile(self._forward, dynamic=False,
+                                  options={"emulate_precision_casts": True})
+                    if compiled else self._forward)  # fmt: skip
 
     def _forward(self) -> torch.Tensor:
         return self.model(self.tok, self.cache, self.cache.pos, last_only=True)[-1]
