@@ -46,7 +46,10 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument(
-        "--quant", nargs="+", default=["int8", "int4"], choices=["int8", "int4", "q4_0", "int4_rows"]
+        "--quant",
+        nargs="+",
+        default=["int8", "int4"],
+        choices=["int8", "int4", "q4_0", "int4_rows"],
     )
     ap.add_argument("--tokens", nargs="+", type=int, default=[1])
     ap.add_argument("--calls", type=int, default=16, help="calls per captured graph (at least)")
@@ -140,9 +143,7 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
     import torch.nn.functional as F
 
     from moestream.kernels.ref import dequantize
-    from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
-
-    from moestream.kernels.triton.dense import int4_rows
+    from moestream.kernels.triton.dense import gemv_candidates, gemv_impl, int4_rows
 
     stored = "int4" if quant == "int4_rows" else quant  # int4_rows: the GPU's repack of int4
     secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))

@@ -53,6 +53,9 @@ def sweep(quant: str, D: int, I: int) -> list:
     tune_gpu_decode.py), the other family (tensor cores / CUDA cores), tiles, and the programmatic
     dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time."""
     d = default(quant, D, I)
+    if quant == "int4r":  # int4 in the pool's row layout: CUDA cores only, no one-launch ablation
+        return [d, replace(d, pdl=False), replace(d, bk=256), replace(d, bn=8, bn_d=16),
+                replace(d, bn=8, bk=256, bn_d=16, warps_d=4)]  # fmt: skip
     return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
             replace(d, mma=False, **_CUDA_CORES[quant]), *(replace(d, **t) for t in _TILES[quant]),
             replace(d, fused=True), *(replace(d, fused=True, **f) for f in _FUSED[quant])]  # fmt: skip
@@ -95,7 +98,10 @@ def read_routed(ex: StackedExperts, ids, out):
 
 
 def random_layer(quant: str, D: int, I: int, E: int) -> StackedExperts:
-    """Random sections of E experts in the store layout, on the GPU."""
+    """Random sections of E experts in the store layout, on the GPU ("int4r": int4 repacked into
+    the GPU pool's row layout, as the provider holds it)."""
+    if quant == "int4r":
+        return random_layer("int4", D, I, E).to_rows()
     scheme, secs = make_scheme(quant), {}
     for name, n, k in (("w13", 2 * I, D), ("w2", D, I)):
         for sname, dtype, shape in tensor_sections(scheme, name, n, k):
@@ -161,7 +167,8 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         roof_ms = routed_bytes / bw * 1e3
         times = {}
         d = default(quant, D, I)
-        for cfg in sweep(quant, D, I) if T == 1 else [d, replace(d, fused=True)]:
+        more = [] if quant == "int4r" else [replace(d, fused=True)]
+        for cfg in sweep(quant, D, I) if T == 1 else [d, *more]:
             if check_shapes(quant, D, I, 32, cfg):
                 continue
 

@@ -499,6 +499,36 @@ def unpack_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.where(hi[:, None], byte >> 4, byte & 0xF)
 
 
+def int4_to_rows(
+    q: torch.Tensor, sz: torch.Tensor, group: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int4 sections of [m] stacked weights (q [m, N, K/2] in 64-row blocks, sz [m, K/G, N, 2]
+    bf16; m may be absent) -> the GPU's row-major layout: (rows [m, N, K/2] uint8, per 32 inputs
+    16 bytes, input i low nibble, i + 16 high, as q4_0; words [m, N, K/G] int32, the (scale, zero)
+    bf16 pair of each row's group). The same numbers, moved (int4_from_rows inverts it)."""
+    one = q.dim() == 2
+    q, sz = (q[None], sz[None]) if one else (q, sz)
+    m, n, k2 = q.shape
+    if n % INT4_BLOCK_N == 0:  # whole blocks: records unpack as one tall weight
+        v = unpack_int4(q.reshape(m * n, k2))
+    else:
+        v = torch.cat([unpack_int4(r) for r in q])
+    v = v.view(m, n, k2 // 16, 2, 16)
+    rows = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(m, n, k2).contiguous()
+    words = sz.contiguous().view(torch.int32).view(m, -1, n).transpose(1, 2).contiguous()
+    return (rows[0], words[0]) if one else (rows, words)
+
+
+def int4_from_rows(rows: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of int4_to_rows for one weight: (rows [N, K/2], words [N, K/G]) -> (q [N, K/2] in
+    64-row blocks, sz [K/G, N, 2] bf16)."""
+    n, k2 = rows.shape
+    b = rows.view(n, k2 // 16, 1, 16)
+    v = torch.cat([b & 0xF, b >> 4], 2).reshape(n, 2 * k2)
+    sz = words.t().contiguous().view(torch.bfloat16).view(-1, n, 2)
+    return pack_int4(v), sz
+
+
 def quantize_expert(
     layout: RecordLayout,
     w13: torch.Tensor,

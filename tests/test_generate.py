@@ -301,6 +301,10 @@ def test_decode_ahead_gives_the_step_by_step_tokens(rt, n):
             assert positions == list(range(len(ids), len(ids) + len(positions)))
             assert log == [] or log[0][1] == want.ids[0]  # only the first launch takes a token
             assert all(t is None for _, t, _ in log[1:]) and all(k <= 2 for *_, k in log)
-            assert len(want.ids) - 1 <= len(positions) <= min(len(want.ids) + 1, cfg.max_new_tokens - 1)
+            assert (
+                len(want.ids) - 1
+                <= len(positions)
+                <= min(len(want.ids) + 1, cfg.max_new_tokens - 1)
+            )
     finally:
         gen.eos_ids, gen.graphs = saved, None

@@ -90,8 +90,9 @@ def check_pool(p: GpuExperts) -> None:
     for (layer, e), slot in p.table.resident().items():
         want[p.layer_index[layer], e] = slot
         rec = torch.frombuffer(bytearray(p.store.read_record(layer, e)), dtype=torch.uint8)
+        held = p.pool.expert(slot)  # in the store layout (an int4 rows pool unpacked back)
         for name, t in p.store.layout.views(rec).items():
-            assert torch.equal(p.pool.sections[name][slot].cpu(), t), (layer, e, name)
+            assert torch.equal(held[name].cpu(), t), (layer, e, name)
     assert torch.equal(p.slot_map.cpu(), want.cpu())
 
 
@@ -184,11 +185,13 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch):
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant):
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
-    pool of 5 slots): one-token calls read absent experts from the mirror and the table admits
+    pool of 3 slots): one-token calls read absent experts from the mirror and the table admits
     them between steps; the tokens and log-probs are the resident run's, the counters say what
-    the kernels read, and the pool holds what slot_map says."""
+    the kernels read, and the pool holds what slot_map says (int4: repacked into the kernels' row
+    layout in the pool and the mirror)."""
     pytest.importorskip("triton")
     from tiny_models import perturbed_model, save
 
@@ -197,7 +200,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch):
 
     hf = save(perturbed_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[],
                               moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
-    store = convert(hf, tmp_path / "int8", make_scheme("int8"), False)
+    store = convert(hf, tmp_path / quant, make_scheme(quant), False)
     # one tile per layer (the H200's tiles fitted to this shape take the interpreter 13x longer);
     # both runs use it
     from moestream.kernels.triton import decode
@@ -209,6 +212,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch):
     (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", 10, 3)
     p = rt.provider
     assert p.device_misses and p.describe()["misses"] == "device"
+    assert p.pool.rows == p.mirror.rows == (quant == "int4")
     for a, b in zip(want, got):
         assert a.ids == b.ids and a.logprobs == b.logprobs
     s = p.stats()

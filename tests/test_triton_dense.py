@@ -161,8 +161,9 @@ def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(qu
     held = {name for name, _ in lin.named_buffers()}
     rows = {"rows_q", "rows_sz"} if quant == "int4" else set()
     assert held == {"bias", "qweight.q", f"qweight.{w.suffixes[1]}"} | rows
-    assert sum(lin.get_buffer(b).nbytes for b in rows) == sum(
-        t.nbytes for t in w.buffers()) * (quant == "int4")  # the repack: the sections' size
+    assert sum(lin.get_buffer(b).nbytes for b in rows) == sum(t.nbytes for t in w.buffers()) * (
+        quant == "int4"
+    )  # the repack: the sections' size
 
 
 def test_kernels_other_than_triton_never_take_the_gemv():

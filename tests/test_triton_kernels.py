@@ -32,13 +32,15 @@ except ImportError:
     HAS_TRITON = False
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (gpu extra)")
-QUANTS = ["bf16", "int8", "int4"]
+QUANTS = ["bf16", "int8", "int4", "int4r"]  # int4r: int4 in the GPU pool's row layout
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
 def _layer(quant, E, D, I, device, gen):
     w13 = torch.randn(E, 2 * I, D, generator=gen).to(device) / D**0.5
     w2 = torch.randn(E, D, I, generator=gen).to(device) / I**0.5
+    if quant == "int4r":
+        return quantize_stacked(make_scheme("int4"), w13, w2).to_rows()
     return quantize_stacked(make_scheme(quant), w13, w2)
 
 
@@ -65,7 +67,7 @@ def _check(fn, quant, E, D, I, T, K, dtype, device, seed, **kw):
 
 
 # ---- no triton needed ------------------------------------------------------------------------
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
 def test_stacked_sections_are_store_records(quant):
     """StackedExperts.expert(e) holds the same sections as the store's record for expert e."""
     gen = torch.Generator().manual_seed(1)
@@ -79,6 +81,24 @@ def test_stacked_sections_are_store_records(quant):
         for name in ("w13", "w2"):
             a = dequantize(ex.expert(e), name, 32, torch.float32)
             assert torch.equal(a, dequantize(recs[e], name, 32, torch.float32))
+
+
+def test_int4_rows_hold_the_store_numbers():
+    """The pool's int4 row layout (layout.rows_sections) holds the store's numbers: each expert
+    unpacked back equals its record byte for byte, whole-block and short-block row counts."""
+    gen = torch.Generator().manual_seed(3)
+    for D, I in ((64, 64), (96, 32)):  # w2 with D = 96 rows: a short last 64-row block
+        w13, w2 = torch.randn(3, 2 * I, D, generator=gen), torch.randn(3, D, I, generator=gen)
+        ex = quantize_stacked(make_scheme("int4"), w13, w2)
+        rows = ex.to_rows()
+        assert (
+            rows.rows and rows.kernel_quant == "int4r" and rows.expert_bytes() == ex.expert_bytes()
+        )
+        assert rows.sections["w13.rz"].shape == (3, 2 * I, D // 32)
+        for e in range(3):
+            got, want = rows.expert(e), ex.expert(e)
+            assert got.keys() == want.keys()
+            assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_biased_records_are_refused():
@@ -96,7 +116,7 @@ def test_biased_records_are_refused():
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", QUANTS)
 def test_decode_interpreter(quant):
-    from moestream.kernels.triton.decode import DecodeConfig, moe_decode
+    from moestream.kernels.triton.decode import DecodeConfig, check_shapes, moe_decode
 
     bn = 64 if quant == "int4" else 8
     for split in (2, 1):
@@ -104,6 +124,20 @@ def test_decode_interpreter(quant):
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
+    if quant == "int4r":  # CUDA cores only (check_shapes refuses mma)
+        cfg = DecodeConfig(bn=16, bk=64, bn_d=16, bk_d=32, mma=True)
+        assert "CUDA-core" in check_shapes("int4r", 128, 64, 32, cfg)
+        # groups of 64: two 32-input blocks share a (scale, zero) word
+        gen = torch.Generator().manual_seed(6)
+        w13, w2 = torch.randn(3, 128, 128, generator=gen), torch.randn(3, 128, 64, generator=gen)
+        ex = quantize_stacked(make_scheme("int4", 64), w13 / 11, w2 / 8).to_rows()
+        x = torch.randn(2, 128, generator=gen)
+        ids, w = _routing(2, 3, 2, "cpu", gen)
+        cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=64)
+        want = moe_stacked_ref(x.double(), ids, w.double(), ex)
+        got = moe_decode(x, ids, w, ex, cfg).double()
+        assert ((got - want).norm() / want.norm()).item() <= TOL[torch.float32]
+        return
     # tensor cores (fp32 "ieee" dots here): one K step, a D split, a pipelined K loop
     for split, bk, stages in ((1, 64, 0), (2, 32, 0), (1, 32, 2)):
         cfg = DecodeConfig(bn=64 if quant == "int4" else 16, bk=bk, split=split,
@@ -149,6 +183,8 @@ def test_host_reads_give_the_pool_bits(quant, mma):
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
     from moestream.kernels.triton.layout import StackedExperts
 
+    if quant == "int4r" and mma:
+        pytest.skip("int4 rows run on CUDA cores only")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 128, 64, 3
     gen = torch.Generator().manual_seed(40 + mma)
@@ -177,7 +213,7 @@ def test_host_reads_give_the_pool_bits(quant, mma):
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
-@pytest.mark.parametrize("quant", ["int8", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "int4", "int4r"])
 def test_prefill_interpreter(quant):
     """fp32 only: the interpreter's bf16 tl.dot is wrong (triton 3.6), the GPU test covers bf16."""
     from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill
@@ -228,6 +264,8 @@ def test_decode_mma_cuda(quant, case, T):
     byte-to-bf16 conversions, tiles fitted to each shape."""
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
 
+    if quant == "int4r":
+        pytest.skip("int4 rows run on CUDA cores only")
     (E, D, I, K), dtype = case
     cfg = fit_config(quant, D, I, 32, DecodeConfig(**MMA_TILES[quant], mma=True))
     for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined

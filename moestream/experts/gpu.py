@@ -24,6 +24,9 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
   admitted records are copied mirror -> slot on the copy stream (kernels/triton/copy.py) behind
   the running step, and a key's slot is published in `slot_map` once its copy is done. Prompts
   (T > 1) take the per-layer host path above, after every pending copy is published.
+- int4 records enter the pool (and the mirror) repacked into the kernels' row layout
+  (kernels/triton/layout.py: `rows_sections`; the same numbers, moved): the decode kernels then
+  run int8's CUDA-core structure on half the bytes instead of the store's k-major 64-row blocks.
 - `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI); with
   `kernel="triton"` the interpreter runs the device-side misses on CPU tensors.
 """
@@ -40,7 +43,7 @@ from moestream.experts.base import ExpertProvider
 from moestream.experts.config import GpuConfig, slot_count
 from moestream.kernels.dispatch import moe_kernel
 from moestream.kernels.triton import SCHEMES, combine_pairs, moe_pairs, unsupported
-from moestream.kernels.triton.layout import StackedExperts
+from moestream.kernels.triton.layout import StackedExperts, pool_shapes, rows_sections
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
 from moestream.store.policy import PolicyError, SlotTable, make_policy
@@ -94,14 +97,11 @@ class GpuExperts(ExpertProvider):
         self.E, self.K = a.num_experts, a.num_experts_per_tok
         self.n_slots = slot_count(store, cfg)
         self.size = layout.size
-        # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id).
-        self.pool = StackedExperts(
-            store.scheme,
-            {
-                s.name: torch.empty((self.n_slots, *s.shape), dtype=s.dtype, device=self.device)
-                for s in layout.sections
-            },
-        )
+        # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id), int4
+        # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
+        self.rows = (store.scheme.name == "int4" and store.scheme.group_size % 32 == 0
+                     and cfg.kernel == "triton")  # fmt: skip
+        self.pool = StackedExperts(store.scheme, self._sections((self.n_slots,), self.device))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
         self.syncs = 0
@@ -147,6 +147,20 @@ class GpuExperts(ExpertProvider):
         self._meta_np = self._meta.numpy()
         self._meta_at = 0
 
+    def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
+        """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
+        shapes = {s.name: s.shape for s in self.store.layout.sections}
+        dtypes = {s.name: s.dtype for s in self.store.layout.sections}
+        if not self.rows:
+            return {n: torch.empty((*lead, *sh), dtype=dtypes[n], device=device, pin_memory=pin)
+                    for n, sh in shapes.items()}  # fmt: skip
+        return {n: torch.empty((*lead, *sh), dtype=dt or dtypes[n], device=device, pin_memory=pin)
+                for n, (sh, dt) in pool_shapes(self.store.scheme, shapes).items()}  # fmt: skip
+
+    def _pool_layout(self, secs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Store-layout sections [m, ...] -> the pool's layout (int4: repacked into rows)."""
+        return rows_sections(self.store.scheme, secs) if self.rows else secs
+
     def _absent(self, rows):
         """slot_map's code for mirror rows (layer index * E + expert) not in VRAM."""
         return -1 - rows if self.device_misses else torch.full_like(rows, -1)
@@ -157,16 +171,16 @@ class GpuExperts(ExpertProvider):
         pool's layout, so the kernels index it like the pool)."""
         layout, E = self.store.layout, self.E
         n = len(self.layers) * E
-        secs = {s.name: torch.empty((n, *s.shape), dtype=s.dtype, pin_memory=self.cuda)
-                for s in layout.sections}  # fmt: skip
+        secs = self._sections((n,), "cpu", pin=self.cuda)
         stage = PinnedPool(self.size, E, pin=False)
         reader = RecordReader(self.store, stage, self.cfg.io)
         try:
             for i, layer in enumerate(self.layers):
                 reader.read(layer, [(e, e) for e in range(E)])
-                for s in layout.sections:
-                    raw = stage.buf[:, s.offset : s.offset + s.nbytes].contiguous()
-                    secs[s.name][i * E : (i + 1) * E] = raw.view(s.dtype).view(E, *s.shape)
+                got = {s.name: stage.buf[:, s.offset : s.offset + s.nbytes].contiguous()
+                       .view(s.dtype).view(E, *s.shape) for s in layout.sections}  # fmt: skip
+                for name, t in self._pool_layout(got).items():
+                    secs[name][i * E : (i + 1) * E] = t
         finally:
             reader.close()
         self.mirror = StackedExperts(self.store.scheme, secs)
@@ -329,9 +343,10 @@ class GpuExperts(ExpertProvider):
     def _scatter(self, records: torch.Tensor, slots: torch.Tensor) -> None:
         """records [m, size] uint8 on the device -> the pool's section tensors at `slots` [m]."""
         m = records.shape[0]
-        for s in self.store.layout.sections:
-            src = records[:, s.offset : s.offset + s.nbytes].contiguous().view(s.dtype)
-            self.pool.sections[s.name].index_copy_(0, slots, src.view(m, *s.shape))
+        secs = {s.name: records[:, s.offset : s.offset + s.nbytes].contiguous().view(s.dtype)
+                .view(m, *s.shape) for s in self.store.layout.sections}  # fmt: skip
+        for name, t in self._pool_layout(secs).items():
+            self.pool.sections[name].index_copy_(0, slots, t)
 
     def _load_misses(self, li: int, layer: int, misses: list[tuple[int, int]], evicted) -> None:
         """Fill the VRAM slots of misses [(expert, slot)] and bring slot_map up to date: evicted

@@ -86,7 +86,9 @@ class QuantLinear(nn.Module):
             self._triton = triton_dense
         if self.rows_layout:  # made here, not at the first call (that may be inside a compile)
             n, k = weight.shape
-            rows, words = self._triton.int4_rows(weight.q, weight.sz, n, k, weight.scheme.group_size)
+            rows, words = self._triton.int4_rows(
+                weight.q, weight.sz, n, k, weight.scheme.group_size
+            )
             self.register_buffer("rows_q", rows, persistent=False)
             self.register_buffer("rows_sz", words, persistent=False)
 

@@ -28,14 +28,12 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     """Why the Triton path cannot take this layer at this token count (None when it can)."""
     from moestream.kernels.triton import decode, prefill, tuned
 
-    s, D, I = experts.scheme, experts.hidden, experts.inter
+    s, D, I, q = experts.scheme, experts.hidden, experts.inter, experts.kernel_quant
     device = tuned.device_name(next(iter(experts.sections.values())).device)
     if tokens <= DECODE_MAX_TOKENS:
-        cfg = decode.default_config(s.name, D, I, s.group_size, device)
+        cfg = decode.default_config(q, D, I, s.group_size, device)
         return None if cfg else f"no decode tile fits D={D}, I={I}"
-    return prefill.check_shapes(
-        s.name, D, I, s.group_size, prefill.default_config(s.name, D, I, device)
-    )
+    return prefill.check_shapes(q, D, I, s.group_size, prefill.default_config(q, D, I, device))
 
 
 def moe_experts(

@@ -34,7 +34,7 @@ import triton.language as tl
 from moestream.kernels.triton import tuned
 from moestream.kernels.triton.layout import StackedExperts
 
-QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2}
+QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 
 
@@ -136,6 +136,9 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 1:
         kk = tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NG, G]
+    elif QUANT == 3:  # each 32-input block's first 16 (low nibbles); the high ones are at + 16
+        kk = tl.arange(0, BK // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NB, 16]
     else:
         return tl.arange(0, BK // G)[:, None, None] * G + tl.arange(0, G)[None, :, None]
 
@@ -150,6 +153,9 @@ def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
         return a, a
     elif QUANT == 1:
         a = tl.zeros([BN, BK // G], tl.float32)
+        return a, a
+    elif QUANT == 3:
+        a = tl.zeros([BN, BK // 32], tl.float32)
         return a, a
     elif ELEM:
         a = tl.zeros([BK // G, G, 32], tl.float32)
@@ -170,6 +176,11 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         r = n0 + tl.arange(0, BN)[:, None, None]
         kk = k0 + tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.load(q_ptr + e * (N * K) + r * K + kk)  # [BN, NG, G]
+    elif QUANT == 3:
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        kb = k0 // 32 + tl.arange(0, BK // 32)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        return tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + kb * 16 + j)  # [BN, NB, 16]
     else:
         base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
         kk = k0 + _k_offsets(QUANT, G, 1, BK)
@@ -177,10 +188,11 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
 
 
 @triton.jit
-def _step(w, s_ptr, e, n0, k0, xv, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
+def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
           G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
           FAST: tl.constexpr):  # fmt: skip
-    """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments."""
+    """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments.
+    xh: int4 rows' high-nibble inputs (xv's + 16); the other layouts ignore it."""
     NG: tl.constexpr = BK // G
     if QUANT == 0:
         p = w.to(tl.float32) * xv
@@ -189,6 +201,16 @@ def _step(w, s_ptr, e, n0, k0, xv, N: tl.constexpr, K: tl.constexpr, QUANT: tl.c
         r = n0 + tl.arange(0, BN)[:, None]
         s = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
         p = tl.sum(_s8_f32(w, FAST) * xv, 2) * s  # [BN, NG]
+        return p, p
+    elif QUANT == 3:  # s (q - 8) + z summed per 32-block as s * dot + z * sum(x)
+        NB: tl.constexpr = BK // 32
+        lo, hi = _u4_f32(w, FAST)  # q - 8, [BN, NB, 16]
+        r = n0 + tl.arange(0, BN)[:, None]
+        kg = (k0 + tl.arange(0, NB)[None, :] * 32) // G
+        v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg)  # (scale, zero) words [BN, NB]
+        sc = (v << 16).to(tl.float32, bitcast=True)
+        zp = (v & -65536).to(tl.float32, bitcast=True)
+        p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
         return p, p
     else:
         lo, hi = _u4_f32(w, FAST)  # q - 8, [NG, G, 32]
@@ -331,10 +353,14 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
         wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
         wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
         xv = tl.load(xrow + kb + koff).to(tl.float32)
-        a, b = _step(wg, s_ptr, e, n0, k0, xv, N, D, QUANT, G, BN, BK, ELEM, FAST)
+        if QUANT == 3:
+            xh = tl.load(xrow + kb + koff + 16).to(tl.float32)
+        else:
+            xh = xv
+        a, b = _step(wg, s_ptr, e, n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST)
         ga += a
         gb += b
-        a, b = _step(wu, s_ptr, e, I + n0, k0, xv, N, D, QUANT, G, BN, BK, ELEM, FAST)
+        a, b = _step(wu, s_ptr, e, I + n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST)
         ua += a
         ub += b
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
@@ -395,7 +421,11 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
         else:
             w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
         hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
-        a, b = _step(w, s_ptr, e, n0, k0, hv, D, I, QUANT, G, BN, BK, ELEM, FAST)
+        if QUANT == 3:
+            hh = tl.load(h_ptr + p * I + k0 + koff + 16).to(tl.float32)
+        else:
+            hh = hv
+        a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST)
         acc_a += a
         acc_b += b
     ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
@@ -639,6 +669,8 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     if quant == "int4":
         if inter % INT4_ROWS or hidden % INT4_ROWS or cfg.bn != 64 or cfg.bn_d != 64:
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
+    if quant == "int4r" and (group % 32 or cfg.mma):
+        return f"int4 rows need groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
@@ -730,7 +762,7 @@ class Launch:
     @classmethod
     def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
               host: StackedExperts | None = None) -> Launch:  # fmt: skip
-        quant = experts.scheme.name
+        quant = experts.kernel_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
         why = check_shapes(quant, D, I, G, cfg)
@@ -741,7 +773,7 @@ class Launch:
             for k, v in sec.items():
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
                 assert far[k].is_contiguous(), f"host {k} must be contiguous"
-        scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
+        scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
         ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, x.dtype)
         if out is None and combine:
             out = torch.empty(T, D, device=x.device, dtype=x.dtype)
@@ -794,7 +826,7 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
     `combine_pairs` of them gives the bits of the combined call. `host`: a second set of expert
     sections (pinned host memory on CUDA); an id e < 0 reads its record -1 - e."""
-    quant, (_, D), I, G = experts.scheme.name, x.shape, experts.inter, experts.scheme.group_size
+    quant, (_, D), I, G = experts.kernel_quant, x.shape, experts.inter, experts.scheme.group_size
     cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
     assert cfg is not None, f"no decode tile fits D={D}, I={I}"
     launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host)

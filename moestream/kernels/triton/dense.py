@@ -93,14 +93,12 @@ def rows_layout(quant: str, n: int, group: int) -> bool:
 
 
 def int4_rows(q: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int):
-    """The store's int4 sections (q [N, K/2] in 64-row blocks, sz [K/G, N, 2] bf16) -> (rows
-    [N, K/2] uint8: per 32 inputs 16 bytes, input i low nibble, i + 16 high, as q4_0; sz words
-    [N, K/G] int32). Exact: the same numbers, moved."""
-    from moestream.quant import unpack_int4
+    """The store's int4 sections of one [n, k] weight -> (rows [n, k/2] uint8, words [n, k/G]
+    int32): quant.int4_to_rows, the GPU's row-major layout."""
+    from moestream.quant import int4_to_rows
 
-    v = unpack_int4(q).view(n, k // 32, 2, 16)
-    rows = (v[:, :, 0] | (v[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    words = sz.contiguous().view(torch.int32).view(k // group, n).t().contiguous()
+    rows, words = int4_to_rows(q, sz, group)
+    assert rows.shape == (n, k // 2) and words.shape == (n, k // group)
     return rows, words
 
 

@@ -4,9 +4,14 @@
   bf16: w13.q bf16 [E, 2I, D]              w2.q bf16 [E, D, I]
   int8: w13.q int8 [E, 2I, D], w13.s fp32 [E, 2I, D/g]   (w2 likewise)
   int4: w13.q uint8 [E, 2I, D/2] in the store's packed layout, w13.sz bf16 [E, D/g, 2I, 2]
-The int4 bytes stay in the store layout (no repack): per block of 64 rows the bytes are [K, 32]
-with row d in the low and row d + 32 in the high nibble, so a K-tile of one block is BK*32
-contiguous bytes (coalesced) and a record can be copied from host to a VRAM slot as it is.
+  int4 rows (the GPU pool's layout, `kernel_quant` "int4r"): w13.q uint8 [E, 2I, D/2] row-major,
+        per 32 inputs 16 bytes (input i low nibble, i + 16 high, as q4_0), w13.rz int32
+        [E, 2I, D/g] the (scale, zero) bf16 pair of each row's group (quant.int4_to_rows)
+In the store layout a block of 64 rows is [K, 32] bytes with row d in the low and row d + 32 in
+the high nibble: a K-tile of one block is BK*32 contiguous bytes, but a thread then holds one
+input of 32 rows and needs every row's scale and zero per weight (the kernels ran at 0.2 of
+their roofline). The row layout is the int8 kernels' structure with half the bytes; records are
+repacked once as they enter the pool or its pinned mirror (`rows_sections`).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.kernels.ref import dequantize, moe_ref
-from moestream.quant import QuantScheme, quantize
+from moestream.quant import QuantScheme, int4_from_rows, int4_to_rows, quantize
 
 NAMES = ("w13", "w2")
 
@@ -51,9 +56,31 @@ class StackedExperts:
     def inter(self) -> int:
         return self.sections["w13.q"].shape[1] // 2
 
+    @property
+    def rows(self) -> bool:
+        """int4 in the GPU's row layout (w13.rz) rather than the store's."""
+        return "w13.rz" in self.sections
+
+    @property
+    def kernel_quant(self) -> str:
+        """The layout the kernels read: the scheme's name, or "int4r" for int4 rows."""
+        return "int4r" if self.rows else self.scheme.name
+
     def expert(self, e: int) -> dict[str, torch.Tensor]:
-        """Section views of expert e, as a record's `RecordLayout.views` gives them."""
-        return {name: t[e] for name, t in self.sections.items()}
+        """Expert e's sections in the store layout, as a record's `RecordLayout.views` gives them
+        (views; an int4 rows pool's are unpacked back, a copy)."""
+        if not self.rows:
+            return {name: t[e] for name, t in self.sections.items()}
+        out = {}
+        for n in NAMES:
+            q, sz = int4_from_rows(self.sections[f"{n}.q"][e], self.sections[f"{n}.rz"][e])
+            out.update({f"{n}.q": q, f"{n}.sz": sz})
+        return out
+
+    def to_rows(self) -> StackedExperts:
+        """This int4 layer in the GPU's row layout (the same numbers)."""
+        assert self.scheme.name == "int4" and not self.rows
+        return StackedExperts(self.scheme, rows_sections(self.scheme, self.sections))
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's sections (what a kernel must read per routed expert)."""
@@ -61,6 +88,36 @@ class StackedExperts:
 
     def to(self, device) -> StackedExperts:
         return StackedExperts(self.scheme, {k: v.to(device) for k, v in self.sections.items()})
+
+
+def rows_sections(
+    scheme: QuantScheme, sections: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Stacked sections [m, ...] in the store layout -> the kernels' pool layout: int4's q and sz
+    as rows and rz (quant.int4_to_rows); other schemes as they are."""
+    if scheme.name != "int4":
+        return sections
+    out = {}
+    for n in NAMES:
+        out[f"{n}.q"], out[f"{n}.rz"] = int4_to_rows(
+            sections[f"{n}.q"], sections[f"{n}.sz"], scheme.group_size
+        )
+    return out
+
+
+def pool_shapes(scheme: QuantScheme, shapes: dict[str, tuple]) -> dict[str, tuple]:
+    """A record's section shapes in the pool layout (rows_sections) -> name -> (shape, dtype
+    override or None): int4's sz [K/G, N, 2] becomes rz [N, K/G] int32."""
+    if scheme.name != "int4":
+        return {n: (sh, None) for n, sh in shapes.items()}
+    out = {}
+    for n, sh in shapes.items():
+        if n.endswith(".sz"):
+            kg, rows, _ = sh
+            out[n[:-3] + ".rz"] = ((rows, kg), torch.int32)
+        else:
+            out[n] = (sh, None)
+    return out
 
 
 def stack_records(scheme: QuantScheme, records: list[dict[str, torch.Tensor]]) -> StackedExperts:

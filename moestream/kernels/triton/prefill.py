@@ -80,6 +80,27 @@ def _w_tiles(
         s_hi = tl.load(sp + 64).to(tl.float32)
         w_lo = ((b & 15).to(tl.float32) - 8.0) * s_lo + tl.load(sp + 1).to(tl.float32)
         w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi + tl.load(sp + 65).to(tl.float32)
+    elif (
+        QUANT == 3
+    ):  # int4 rows: input k of row r in byte (k // 32) * 16 + k % 16, nibble k % 32 >= 16
+        r_lo = n0 + di
+        r_hi = r_lo + HALF
+        byte = (kk // 32) * 16 + kk % 16
+        sh = (kk % 32) // 16 * 4
+        w = q_ptr + e * (N * (K // 2)) + byte
+        b_lo = tl.load(w + r_lo * (K // 2), mask=r_lo < n_end, other=0).to(tl.int32)
+        b_hi = tl.load(w + r_hi * (K // 2), mask=r_hi < n_end, other=0).to(tl.int32)
+        sp = s_ptr + e * (N * (K // G)) + kk // G  # (scale, zero) words [N, K/G]
+        v_lo = tl.load(sp + r_lo * (K // G), mask=r_lo < n_end, other=0)
+        v_hi = tl.load(sp + r_hi * (K // G), mask=r_hi < n_end, other=0)
+        q_lo = ((b_lo >> sh) & 15).to(tl.float32) - 8.0
+        q_hi = ((b_hi >> sh) & 15).to(tl.float32) - 8.0
+        w_lo = q_lo * (v_lo << 16).to(tl.float32, bitcast=True) + (v_lo & -65536).to(
+            tl.float32, bitcast=True
+        )
+        w_hi = q_hi * (v_hi << 16).to(tl.float32, bitcast=True) + (v_hi & -65536).to(
+            tl.float32, bitcast=True
+        )
     else:
         r_lo = n0 + di
         r_hi = r_lo + HALF
@@ -203,6 +224,8 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillCo
         return f"D={hidden} and I={inter} must be multiples of BK={cfg.bk} (itself of G={group})"
     if quant == "int4" and (inter % INT4_ROWS or hidden % INT4_ROWS or cfg.half != 32):
         return f"int4 needs D and I multiples of {INT4_ROWS} and half=32"
+    if quant == "int4r" and (group % 32 or cfg.bk % 32):
+        return f"int4 rows need groups and BK of a multiple of 32 (G={group}, BK={cfg.bk})"
     return None
 
 
@@ -213,7 +236,7 @@ def moe_prefill(
     `combine=False` returns the fp32 pair rows [T * K, D] (weight times expert output): each row
     is computed alone (a row of the dot never meets another row), so rows from chunks of pairs,
     added by `combine_pairs`, give the bits of one call. No atomics: deterministic."""
-    quant = experts.scheme.name
+    quant = experts.kernel_quant
     T, D = x.shape
     K = ids.shape[1]
     P, I, G = T * K, experts.inter, experts.scheme.group_size
@@ -221,8 +244,8 @@ def moe_prefill(
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
     pair_of_row, block_expert = align_blocks(ids, experts.num_experts, cfg.block_m)
-    sec = experts.sections
-    scale = {"bf16": "q", "int8": "s", "int4": "sz"}[quant]
+    sec = {k: v.view(torch.int32) if k.endswith(".rz") else v for k, v in experts.sections.items()}
+    scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
     gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
     y = torch.empty(P, D, device=x.device, dtype=torch.float32)
     x, weights = x.contiguous(), weights.contiguous()
