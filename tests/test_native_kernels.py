@@ -252,3 +252,33 @@ def test_the_first_build_says_so_once_and_a_cached_one_says_nothing(monkeypatch,
         assert native.module() == "cached" and capsys.readouterr().err == ""
     finally:
         native.module.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4_1_under_the_isa_variable_equals_the_spec(isa, tmp_path):
+    """MOESTREAM_NATIVE_ISA (read once per process) caps the variant: a q4_1 record's layer op
+    and projections in a fresh process under each value give the spec's projection bits and
+    the layer bits the explicit-ISA call gives here."""
+    import os
+    import subprocess
+    import sys
+
+    secs = records("q4_1", 352, 96, 2, seed=6)
+    x, w = torch.randn(5, 352, generator=torch.Generator().manual_seed(7)), torch.rand(5, 2)
+    torch.save({"secs": secs, "x": x, "w": w}, tmp_path / "case.pt")
+    code = (
+        "import sys, torch; from moestream.kernels import native; "
+        "c = torch.load(sys.argv[1]); s = c['secs']; "
+        "y = [native.linear(c['x'], s[0], 'w13'), native.moe(c['x'], s, c['w'])]; "
+        "torch.save(y, sys.argv[2]); print(native._isa(None))"
+    )
+    env = {**os.environ, "MOESTREAM_NATIVE_ISA": isa}
+    out = tmp_path / "out.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", code, tmp_path / "case.pt", out],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.stdout.split() == [str(native.ISAS[isa])]  # the variable was read
+    lin, layer = torch.load(out)
+    assert torch.equal(lin, qlinear_q8(x, secs[0], "w13"))
+    assert torch.equal(layer, native.moe(x, secs, w, isa))
