@@ -174,10 +174,20 @@ def _add_store_args(p) -> None:
     g.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],  # quant.SCHEMES
+        choices=[
+            "bf16",
+            "int8",
+            "int4",
+            "q4_0",
+            "q4_1",
+            "q8_0",
+            "q4_k",
+            "q5_k",
+            "q6_k",
+        ],  # quant.SCHEMES
         help="expert quantization when converting a Hugging Face folder (default bf16) or a "
-        "GGUF file (default: its experts' type when all are one of Q8_0 / Q4_0 / Q4_K / Q5_K / "
-        "Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
+        "GGUF file (default: its experts' type when all are one of Q8_0 / Q4_0 / Q4_1 / Q4_K / "
+        "Q5_K / Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
     )
     g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
     g.add_argument(
@@ -366,13 +376,24 @@ def _add_convert(sub) -> None:
     p.add_argument(
         "--quant",
         default=None,
-        choices=["bf16", "int8", "int4", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k"],  # quant.SCHEMES
+        choices=[
+            "bf16",
+            "int8",
+            "int4",
+            "q4_0",
+            "q4_1",
+            "q8_0",
+            "q4_k",
+            "q5_k",
+            "q6_k",
+        ],  # quant.SCHEMES
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
-        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_k / q5_k / q6_k "
-        "when its experts are all Q4_0 / Q4_K / Q5_K / Q6_K (kept exactly, CPU only), int8 when "
+        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_1 / q4_k / q5_k / "
+        "q6_k when its experts are all Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K (kept exactly, CPU "
+        "only), int8 when "
         "they have >= 8 bits (Q8_0 kept exactly), else int4; q8_0 = int8 with fp16 scales "
         "(llama.cpp's Q8_0: a Q8_0 GGUF kept exactly in fewer bytes than int8; CPU only); "
-        "int8/int4/q4_0/q8_0 from floats are "
+        "int8/int4/q4_0/q4_1/q8_0 from floats are "
         "lossy: measure them with eval; the K-quants only keep a GGUF's blocks)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
@@ -381,9 +402,9 @@ def _add_convert(sub) -> None:
         default="auto",
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
-        "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 / Q4_K / "
-        "Q5_K / Q6_K tensors kept exactly as int8 (q8_0 under --quant q8_0) / q4_0 / q4_k / "
-        "q5_k / q6_k, its other "
+        "--quant format (4-bit: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 / Q4_1 / "
+        "Q4_K / Q5_K / Q6_K tensors kept exactly as int8 (q8_0 under --quant q8_0) / q4_0 / "
+        "q4_1 / q4_k / q5_k / q6_k, its other "
         "quantized types dequantized), float = as in the "
         "checkpoint (dequantized), int8 / int4; "
         "norms, routers, biases and small tensors stay float",

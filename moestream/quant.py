@@ -2,7 +2,8 @@
 
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
 "sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE), `q4_0`
-(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored), `q8_0`
+(llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored), `q4_1`
+(llama.cpp's Q4_1: 4-bit blocks of 32 with an fp16 scale and an fp16 minimum), `q8_0`
 (llama.cpp's Q8_0: int8 as `int8` with the scale in fp16, 8.5 bits per weight against int8's 9) and
 the K-quants `q4_k`, `q5_k`, `q6_k` (llama.cpp's super-blocks of 256 as a GGUF stores them; GGUF
 only: `quantize` does not write them). Every
@@ -18,6 +19,8 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   q4_0: `q` uint8 [N, K/2], per row and block of 32 the block's 16 GGUF bytes (byte i: element i
         in the low nibble, element i + 16 in the high one), `d` fp16 [N, K/32]   w = (q - 8) * d
         (row-major like int8: the native kernel streams each row front to back)
+  q4_1: `q` as q4_0 (a GGUF's Q4_1 nibbles), `dm` fp16 [N, K/32, 2] (per block d, then m, as
+        block_q4_1 holds them)   w = (q * d) + m
   q4_k / q5_k / q6_k: `q` uint8 [N, K/256, B], each row's GGUF blocks byte for byte (B = 144 /
         176 / 210: block_q4_K {d, dmin fp16, scales[12] (6-bit sc and m of 8 sub-blocks of 32),
         qs[128]}, block_q5_K {d, dmin, scales[12], qh[32], qs[128]}, block_q6_K {ql[128],
@@ -48,8 +51,8 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
-SCHEMES = ("bf16", "int8", "int4", "q4_0", "q8_0", "q4_k", "q5_k", "q6_k")
-Q4_0_BLOCK = 32  # llama.cpp's QK4_0 (and QK8_0)
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+Q4_0_BLOCK = 32  # llama.cpp's QK4_0 (and QK4_1, QK8_0)
 QK_K = 256  # llama.cpp's K-quant super-block; a K-quant scheme's group_size
 KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per super-block of 256
 KQUANT_OF_BYTES = {b: name for name, b in KQUANT_BYTES.items()}
@@ -68,6 +71,8 @@ class QuantScheme:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
         if self.name in ("q4_0", "q8_0") and (self.group_size != Q4_0_BLOCK or not self.symmetric):
             raise ConfigError(f"{self.name} is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
+        if self.name == "q4_1" and (self.group_size != Q4_0_BLOCK or self.symmetric):
+            raise ConfigError(f"q4_1 is blocks of {Q4_0_BLOCK} with a minimum; drop --group-size")
         if self.name in KQUANT_BYTES and (self.group_size != QK_K or not self.symmetric):
             raise ConfigError(f"{self.name} is super-blocks of {QK_K}; drop --group-size")
 
@@ -76,10 +81,13 @@ class QuantScheme:
 
 
 def make_scheme(name: str, group_size: int = 32) -> QuantScheme:
-    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric, q4_0 its own blocks;
-    a K-quant's group is its super-block: the default 32 means it, another size is refused)."""
+    """The scheme a `--quant` name means (int4 asymmetric, int8 symmetric, q4_0 / q4_1 their own
+    blocks; a K-quant's group is its super-block: the default 32 means it, another size is
+    refused)."""
     if name in KQUANT_BYTES and group_size == 32:
         group_size = QK_K
+    if name == "q4_1":
+        return QuantScheme(name, group_size, symmetric=False)
     return QuantScheme(name, group_size, symmetric=name != "int4" or INT4_CHOICE == "symmetric")
 
 
@@ -128,8 +136,8 @@ class DenseQuant:
     output: QuantScheme | None = None
     min_params: int = MIN_DENSE_PARAMS
     # A source weight that is already quantized (a GGUF's) is never rounded again: kept in its
-    # blocks where a store scheme holds them exactly (Q8_0 -> int8, Q4_0 -> q4_0), else
-    # dequantized to float (--dense auto); float source weights follow `weights` / `output`.
+    # blocks where a store scheme holds them exactly (Q8_0 -> int8, Q4_0 / Q4_1 -> q4_0 / q4_1),
+    # else dequantized to float (--dense auto); float source weights follow `weights` / `output`.
     keep_source: bool = False
 
     def __post_init__(self):
@@ -185,7 +193,9 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     if name in ("float", "bf16"):
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)
-    output = make_scheme("int8", experts.group_size) if name in ("int4", "q4_0") else weights
+    output = (
+        make_scheme("int8", experts.group_size) if name in ("int4", "q4_0", "q4_1") else weights
+    )
     return DenseQuant(weights, output, keep_source=mode == "auto")
 
 
@@ -228,6 +238,11 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.s", torch.float32, (n, k // g))]
     if scheme.name == "q4_0":
         return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.d", torch.float16, (n, k // g))]
+    if scheme.name == "q4_1":
+        return [
+            (f"{name}.q", torch.uint8, (n, k // 2)),
+            (f"{name}.dm", torch.float16, (n, k // g, 2)),
+        ]
     if scheme.name == "q8_0":
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
@@ -239,7 +254,7 @@ def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
     """K of a weight from its `q` section (4-bit schemes pack two values per byte)."""
     if scheme.name in KQUANT_BYTES:
         return q.shape[1] * QK_K
-    return q.shape[1] * (2 if scheme.name in ("int4", "q4_0") else 1)
+    return q.shape[1] * (2 if scheme.name in ("int4", "q4_0", "q4_1") else 1)
 
 
 PROJECTIONS = ("w13", "w2")  # an expert record's weights, in record order
@@ -346,6 +361,8 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"q": q.view(n, k), "s": s}
     if scheme.name == "q4_0":
         return quantize_q4_0(blocks)
+    if scheme.name == "q4_1":
+        return quantize_q4_1(blocks)
     if scheme.name == "q8_0":
         return quantize_q8_0(blocks)
     return _quantize_int4(scheme, blocks)
@@ -371,6 +388,19 @@ def quantize_q4_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.clamp((blocks * inv[..., None] + 8.5).trunc(), max=15).to(torch.uint8)
     return {"q": pack_q4_0(q.view(n, kg * g)), "d": d.to(torch.float16)}
+
+
+def quantize_q4_1(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, K/32, 32] -> q4_1 sections, as llama.cpp's quantize_row_q4_1_ref: d = (max -
+    min) / 15, m = min, q = min(15, trunc((x - min) * (1 / d) + 0.5)) with the fp32 d and min,
+    both kept fp16."""
+    n, kg, g = blocks.shape
+    lo, hi = blocks.amin(-1), blocks.amax(-1)  # [N, K/32]
+    d = (hi - lo) / 15.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp(((blocks - lo[..., None]) * inv[..., None] + 0.5).trunc(), max=15)
+    dm = torch.stack([d, lo], -1).to(torch.float16)  # [N, K/32, 2]
+    return {"q": pack_q4_0(q.to(torch.uint8).view(n, kg * g)), "dm": dm}
 
 
 def pack_q4_0(q: torch.Tensor) -> torch.Tensor:

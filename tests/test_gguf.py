@@ -1,4 +1,4 @@
-"""GGUF files: metadata and tensor names -> native models, Q8_0 / Q4_0 experts and dense weights
+"""GGUF files: metadata and tensor names -> native models, Q8_0 / Q4_0 / Q4_1 experts and dense weights
 kept exactly, other types requantized and said so, the vocabulary -> tokenizer.json, the CLI, bad input; transformers on
 the same (dequantized) weights is the oracle. GGUF files are written in-test (tests/gguf_models);
 test_gguf_llama_cpp.py runs llama.cpp's own converter where its source is present."""
@@ -21,13 +21,14 @@ from moestream.engine.tokenizer import Tokenizer
 from moestream.experts.config import StreamConfig, min_budget
 from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
-from moestream.store.format import VERSION, Store
+from moestream.store.format import MIXED_VERSION, VERSION, Store
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe", "deepseek_v3",
          "qwen3_5_moe_text")  # fmt: skip
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
+Q41 = ("Q4_1",) * 3
 FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 
 
@@ -144,7 +145,8 @@ def test_q8_0_gguf_kept_as_q8_0_blocks(tmp_path, capsys):
 
 def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
     """Per-tensor types in one file (Q8_0, Q4_0, F16, Q4_1, a Q8_0 dense embedding): each expert
-    projection whose type a scheme holds keeps its blocks (Q8_0 as int8, Q4_0 as q4_0, per layer),
+    projection whose type a scheme holds keeps its blocks (Q8_0 as int8, Q4_0 as q4_0, Q4_1 as
+    q4_1, per layer),
     the rest is requantized into the default (int4: some tensors have < 8 bits); convert prints,
     per type, what it did. `--quant int8` puts every expert in int8 (Q8_0 kept)."""
     hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
@@ -158,7 +160,7 @@ def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
     assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
     assert "2 Q4_0 expert tensor(s): kept exactly as q4_0" in err
     assert "2 F16 expert tensor(s): dequantized and requantized to int4" in err
-    assert "1 Q4_1 expert tensor(s): dequantized and requantized to int4" in err
+    assert "1 Q4_1 expert tensor(s): kept exactly as q4_1 (same values)" in err
     # Dense Q8_0 weights are kept exactly as int8 sections (routers, which have no quantized
     # form, dequantized).
     assert "Q8_0 dense tensor(s): kept exactly as int8" in err
@@ -172,17 +174,22 @@ def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
     assert torch.equal(got, stored[name])
     assert_records_are(s, stored, {0: ("int8", "int8"), 1: ("q4_0", "int8")}, layers=[0, 1])
     buf = torch.frombuffer(bytearray(s.read_record(2, 3)), dtype=torch.uint8)
-    assert [x.name for x in s.layouts[2].schemes] == ["int4", "int4"]
-    w2 = dequantize(s.layouts[2].views(buf), "w2", 32, torch.float32)
-    src = stored[expert_name("qwen3_moe", 2, 3, "down")]
+    assert [x.name for x in s.layouts[2].schemes] == ["int4", "q4_1"]
+    sec = s.layouts[2].views(buf)
+    assert torch.equal(
+        dequantize(sec, "w2", 32, torch.float32), stored[expert_name("qwen3_moe", 2, 3, "down")]
+    )
+    w13, I = dequantize(sec, "w13", 32, torch.float32), s.args.moe_intermediate_size
+    src = stored[expert_name("qwen3_moe", 2, 3, "up")]  # F16: requantized to int4
     step = (src.view(-1, 32).amax(-1) - src.view(-1, 32).amin(-1)) / 15
-    assert ((w2 - src).view(-1, 32).abs().amax(-1) <= step * 0.51 + 1e-2).all()
+    assert ((w13[I:] - src).view(-1, 32).abs().amax(-1) <= step * 0.51 + 1e-2).all()
     # With --quant int8 the Q8_0 tensors are exact again and the rest requantized to int8.
     capsys.readouterr()
     convert(path, tmp_path / "store8", source_scheme(path, "int8"), False)
     err = capsys.readouterr().err
     assert "4 Q8_0 expert tensor(s): kept exactly as int8" in err
     assert "2 Q4_0 expert tensor(s): dequantized and requantized to int8" in err
+    assert "1 Q4_1 expert tensor(s): dequantized and requantized to int8" in err
     assert not Store(tmp_path / "store8").mixed
 
 
@@ -238,6 +245,96 @@ def test_q4_0_store_streams_the_resident_bits_and_refuses_the_gpu(q4, capsys):
     assert torch.equal(want, got)
     with pytest.raises(ConfigError, match="q4_0 experts, which have no GPU kernel.*--quant int4"):
         load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def q41(tmp_path_factory):
+    """arch -> (HF folder, all-Q4_1 GGUF (experts and dense), values stored, its store, convert's
+    stderr), built once."""
+    root = tmp_path_factory.mktemp("gguf-q41")
+    cache = {}
+
+    def get(arch: str, capsys):
+        if arch not in cache:
+            hf = hf_checkpoint(arch, root / f"{arch}-hf")
+            path = root / f"{arch}.gguf"
+            stored = write_gguf(hf, path, {layer: Q41 for layer in range(3)}, dense_type="Q4_1")
+            capsys.readouterr()
+            store = convert(path, root / f"{arch}-store", source_scheme(path, None), False)
+            cache[arch] = (hf, path, stored, store, capsys.readouterr().err)
+        return cache[arch]
+
+    return get
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_q4_1_gguf_is_kept_exactly(q41, arch, tmp_path, capsys):
+    """Q4_1 experts and dense weights go into q4_1 sections byte for byte (the default for an
+    all-Q4_1 file; no second rounding): every record and dense section dequantizes to the
+    GGUF's values, the logits are transformers' on those values, and convert says so. A scheme
+    version 4 readers do not know: the store is version 5."""
+    hf, _, stored, store, err = q41(arch, capsys)
+    s = Store(store)
+    assert s.scheme.name == "q4_1" and s.manifest["version"] == MIXED_VERSION
+    assert "9 Q4_1 expert tensor(s): kept exactly as q4_1 (same values)" in err
+    assert "Q4_1 dense tensor(s): kept exactly as q4_1 (same values)" in err
+    assert_records_are(s, stored)
+    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
+        assert s.dense_scheme(name).name == "q4_1"
+        sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
+        assert torch.equal(dequantize(sec, "w", 32, torch.float32), stored[name])
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    # the native kernels (Q8_0 activations): the activation rounding (3.2-4.2% measured; all-Q4_0
+    # and all-Q8_0 files of qwen3_moe: 2.6%, 3.0%)
+    native = our_logits(store, StreamConfig(resident=True))
+    assert (want - native).abs().max().item() < 0.05 * want.abs().max().item()
+
+
+def test_q4_1_store_streams_the_resident_bits_and_refuses_the_gpu(q41, capsys):
+    """On the native kernel streaming at the minimum budget gives the resident bits; the GPU
+    provider, which has no q4_1 kernel, refuses it by name."""
+    from moestream.config import ConfigError
+    from moestream.experts.config import GpuConfig
+
+    store = q41("qwen3_moe", capsys)[3]
+    want = our_logits(store, StreamConfig(resident=True))
+    got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
+    assert torch.equal(want, got)
+    with pytest.raises(ConfigError, match="q4_1 experts, which have no GPU kernel.*--quant int4"):
+        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+
+
+def test_mixed_q4_1_records_are_kept_and_run_natively(tmp_path, capsys):
+    """Q4_1 beside Q8_0 and Q4_0 projections (per layer: Q4_1 gate/up + Q8_0 down, Q4_0 gate/up
+    + Q4_1 down, all Q4_1): each kept in its own scheme, the logits transformers' on the file's
+    values, each mixed record's projections equal to the native spec bit for bit, and streaming
+    at the minimum budget gives the resident bits on the native kernels."""
+    from moestream.kernels import native
+    from moestream.kernels.ref import qlinear_q8
+
+    hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "mixed.gguf"
+    types = {0: ("Q4_1", "Q4_1", "Q8_0"), 1: ("Q4_0", "Q4_0", "Q4_1"), 2: Q41}
+    stored = write_gguf(hf, path, types, dense_type="Q8_0")
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    assert "6 Q4_1 expert tensor(s): kept exactly as q4_1" in capsys.readouterr().err
+    s = Store(store)
+    schemes = {0: ("q4_1", "int8"), 1: ("q4_0", "q4_1"), 2: ("q4_1", "q4_1")}
+    assert_records_are(s, stored, schemes)
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    x = torch.randn(3, s.args.hidden_size, generator=torch.Generator().manual_seed(9))
+    for layer in (0, 1):
+        buf = torch.frombuffer(bytearray(s.read_record(layer, 1)), dtype=torch.uint8)
+        sec = s.layouts[layer].views(buf)
+        h = x[:, : s.args.moe_intermediate_size]
+        for name, xin in (("w13", x), ("w2", h)):
+            for isa in ("scalar", native.best_isa()):
+                assert torch.equal(native.linear(xin, sec, name, isa), qlinear_q8(xin, sec, name))
+    resident = our_logits(store, StreamConfig(resident=True))
+    streamed = our_logits(store, StreamConfig(memory_budget=min_budget(s)))
+    assert torch.equal(resident, streamed)
 
 
 def _qwen2_style_tokenizer(folder) -> None:

@@ -1,7 +1,7 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py) from tiny random
 checkpoints, and quantized by its llama-quantize: moestream's logits on the GGUF-derived store
-match transformers on the same (dequantized) weights (Q8_0, Q4_0, the K-quants and Q4_K_M's mix
-of them: kept exactly), and greedy tokens equal llama-completion's
+match transformers on the same (dequantized) weights (Q8_0, Q4_0, Q4_1, the K-quants and
+Q4_K_M's mix of them: kept exactly), and greedy tokens equal llama-completion's
 on the reference model by the margin rule. Skipped where llama.cpp is absent (it is not in CI):
 set MOESTREAM_LLAMA_CPP to a folder holding src/convert_hf_to_gguf.py, venv/ and build/bin/ (see
 ../shared/peers/README.md), or keep it at .cache/peers/llama in the checkout."""
@@ -196,6 +196,43 @@ def test_llama_quantize_q4_0_is_kept_exactly(tmp_path, arch, capsys):
     assert "Q4_0 dense tensor(s): kept exactly as q4_0" in err
     want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+@needs_build
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_llama_quantize_q4_1_is_kept_exactly(tmp_path, arch, capsys):
+    """llama-quantize Q4_1: q4_1 experts and dense weights (its blocks as they are: every record
+    dequantizes to the file's values, read by the gguf package), the other types it keeps for
+    some tensors dequantized; within 1e-4 of transformers on the GGUF's values (kernel ref); the
+    native kernels give their spec's bits on llama.cpp's blocks (a record, a dense weight)."""
+    from gguf_models import assert_records_are
+
+    from moestream.kernels import native
+    from moestream.kernels.ref import qlinear_q8
+
+    hf = tiny(arch, tmp_path / "hf")
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = llama_quantize(f32, tmp_path / "q4_1.gguf", "Q4_1")
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    s = Store(store)
+    assert s.scheme.name == "q4_1"
+    assert "Q4_1 expert tensor(s): kept exactly as q4_1" in err
+    assert "Q4_1 dense tensor(s): kept exactly as q4_1" in err
+    values = dequantized_state(path, hf)
+    assert_records_are(s, values)
+    want = hf_logits(hf, values, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert s.dense_scheme(name).name == "q4_1"
+    layer = s.args.moe_layer_ids[0]
+    buf = torch.frombuffer(bytearray(s.read_record(layer, 0)), dtype=torch.uint8)
+    secs = [(s.layouts[layer].views(buf), "w13"), (s.layouts[layer].views(buf), "w2")]
+    secs.append(({f"w.{k}": v for k, v in s.dense_sections(name).items()}, "w"))
+    for sec, n in secs:
+        x = torch.randn(3, sec[f"{n}.q"].shape[1] * 2)
+        assert torch.equal(native.linear(x, sec, n), qlinear_q8(x, sec, n))
 
 
 @needs_build

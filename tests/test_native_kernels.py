@@ -58,7 +58,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-CASES = [(s, D, I) for s in ("int4", "int8", "q4_0", "q8_0") for D, I in SHAPES]
+ROW_MAJOR = ("int4", "int8", "q4_0", "q4_1", "q8_0")  # schemes with a quantizer (and int4)
+CASES = [(s, D, I) for s in ROW_MAJOR for D, I in SHAPES]
 CASES += [(s, D, I) for s in KQUANTS for D, I in K_SHAPES]
 
 
@@ -106,7 +107,7 @@ def token_tile(n: int):
 
 # (D, I): D 352 has 11 blocks of 32 (8 in lanes, then a tail of 3), I 96 has 3 (a tail only)
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ("int4", "int8", "q4_0", "q8_0")
+@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ROW_MAJOR
                                         for D, I in ((352, 96), (2048, 768))])  # fmt: skip
 def test_token_tiles_give_the_one_row_bits(scheme, D, I, isa):
     """Every tile width (4, 3, 2 rows and the last single one of T = 10) against one row per pass."""
@@ -146,7 +147,7 @@ def grouped_native(x, secs, ids, w, isa=None):
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q8_0", "q4_k"])
+@pytest.mark.parametrize("scheme", [*ROW_MAJOR, "q4_k"])
 def test_grouped_prefill_is_the_per_expert_calls(scheme, isa):
     """One call for a prompt's experts gives the bits of one call per expert over its rows,
     weighted and index_add_-ed in ascending expert id (StoreExperts._grouped without `_flat`)."""
@@ -190,15 +191,17 @@ def test_one_expert_is_the_layer_term():
     assert torch.equal(acc, native.moe(x, secs, w))
 
 
-def test_threads_do_not_change_bits():
-    secs = records("int8", 2048, 768, 2)
-    x, w = torch.randn(1, 2048), torch.rand(1, 2)
+@pytest.mark.parametrize("scheme", ["int8", "q4_1"])
+def test_threads_do_not_change_bits(scheme):
+    secs = records(scheme, 2048, 768, 2)
+    x, w = torch.randn(5, 2048), torch.rand(5, 2)
     n = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native.moe(x, secs, w)
+        one = [native.moe(x[:1], secs, w[:1]), native.moe(x, secs, w)]  # decode and prompt
         torch.set_num_threads(2)
-        assert torch.equal(native.moe(x, secs, w), one)
+        assert torch.equal(native.moe(x[:1], secs, w[:1]), one[0])
+        assert torch.equal(native.moe(x, secs, w), one[1])
     finally:
         torch.set_num_threads(n)
 
@@ -207,6 +210,9 @@ def test_bad_sections_are_refused():
     sec = records("int8", 160, 96, 1)[0]
     with pytest.raises(RuntimeError, match="wrong size"):
         native.linear(torch.randn(1, 160), {"w13.q": sec["w13.q"], "w13.s": sec["w2.s"]}, "w13")
+    sec = records("q4_1", 160, 96, 1)[0]
+    with pytest.raises(RuntimeError, match="wrong size"):
+        native.linear(torch.randn(1, 160), {"w13.q": sec["w13.q"], "w13.dm": sec["w2.dm"]}, "w13")
 
 
 def test_store_providers_default_to_native(tiny_dir, tmp_path):
@@ -246,3 +252,33 @@ def test_the_first_build_says_so_once_and_a_cached_one_says_nothing(monkeypatch,
         assert native.module() == "cached" and capsys.readouterr().err == ""
     finally:
         native.module.cache_clear()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_q4_1_under_the_isa_variable_equals_the_spec(isa, tmp_path):
+    """MOESTREAM_NATIVE_ISA (read once per process) caps the variant: a q4_1 record's layer op
+    and projections in a fresh process under each value give the spec's projection bits and
+    the layer bits the explicit-ISA call gives here."""
+    import os
+    import subprocess
+    import sys
+
+    secs = records("q4_1", 352, 96, 2, seed=6)
+    x, w = torch.randn(5, 352, generator=torch.Generator().manual_seed(7)), torch.rand(5, 2)
+    torch.save({"secs": secs, "x": x, "w": w}, tmp_path / "case.pt")
+    code = (
+        "import sys, torch; from moestream.kernels import native; "
+        "c = torch.load(sys.argv[1]); s = c['secs']; "
+        "y = [native.linear(c['x'], s[0], 'w13'), native.moe(c['x'], s, c['w'])]; "
+        "torch.save(y, sys.argv[2]); print(native._isa(None))"
+    )
+    env = {**os.environ, "MOESTREAM_NATIVE_ISA": isa}
+    out = tmp_path / "out.pt"
+    run = subprocess.run(
+        [sys.executable, "-c", code, tmp_path / "case.pt", out],
+        check=True, env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert run.stdout.split() == [str(native.ISAS[isa])]  # the variable was read
+    lin, layer = torch.load(out)
+    assert torch.equal(lin, qlinear_q8(x, secs[0], "w13"))
+    assert torch.equal(layer, native.moe(x, secs, w, isa))

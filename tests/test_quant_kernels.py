@@ -1,6 +1,6 @@
 """Quantizers and CPU kernels against kernels/ref.py.
 
-Tolerances: int8, bf16 and q4_0 CPU kernels are the reference math (exact). int4 uses torch's packed
+Tolerances: int8, bf16, q4_0 and q4_1 CPU kernels are the reference math (exact). int4 uses torch's packed
 kernel, which accumulates in another order: max abs error <= 1e-4 * sqrt(K) * max|y| relative."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_int4_layout_is_torchs_cpu_layout():
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q8_0"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q4_1", "q8_0"])
 @pytest.mark.parametrize("shape", [(64, 64), (128, 256), (1536, 2048)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cpu_kernel_matches_reference(quant, shape, T):
@@ -57,7 +57,8 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
 
 @pytest.mark.parametrize(
     "quant,bound",
-    [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095), ("q8_0", 0.008)],
+    [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095), ("q4_1", 0.09)]
+    + [("q8_0", 0.008)],
 )
 def test_quantization_error_is_bounded(quant, bound):
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
@@ -102,6 +103,30 @@ def test_q4_0_is_llama_cpps_q4_0():
     assert torch.equal(dequantize(_sections(make_scheme("q4_0"), w), "w", 32, torch.float32), want)
     with pytest.raises(ConfigError, match="q4_0 is symmetric blocks of 32"):
         make_scheme("q4_0", 64)
+
+
+def test_q4_1_is_llama_cpps_q4_1():
+    """quantize(q4_1) writes the bytes llama.cpp's Q4_1 quantizer writes (the gguf package's port
+    of quantize_row_q4_1_ref), split into the nibbles and the (d, m) pairs, and dequantizes to its
+    values bit for bit."""
+    import gguf
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType.Q4_1
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(6))
+    w[0, :32] = 0.25  # a constant block: d = 0, every q = 0, m the value
+    w[1, 32:64] = torch.rand(32, generator=torch.Generator().manual_seed(7)) + 3.0  # all positive
+    sec = quantize(make_scheme("q4_1"), w)
+    theirs = gguf.quants.quantize(w.numpy(), T).reshape(48, -1, 20)  # fp16 d, fp16 m, 16 bytes
+    assert np.array_equal(theirs[..., :4].copy().view(np.float16), sec["dm"].numpy())
+    assert np.array_equal(theirs[..., 4:].reshape(48, -1), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs.reshape(48, -1), T))
+    got = dequantize(_sections(make_scheme("q4_1"), w), "w", 32, torch.float32)
+    assert torch.equal(got, want)
+    assert got[0, :32].eq(0.25).all() and sec["dm"][0, 0, 0] == 0
+    assert make_scheme("q4_1").symmetric is False
+    with pytest.raises(ConfigError, match="q4_1 is blocks of 32"):
+        make_scheme("q4_1", 64)
 
 
 def test_q8_0_is_llama_cpps_q8_0():

@@ -166,6 +166,18 @@ def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(qu
     )  # the repack: the sections' size
 
 
+def test_q4_1_dense_weights_run_the_reference_under_triton():
+    """The GEMV does not read q4_1 (a GGUF's Q4_1 dense weights kept exactly): kernel "triton"
+    says so and runs dequantize + F.linear, the bits of a float layer holding those values."""
+    n, k = 96, 128
+    w = _weight("q4_1", n, k, seed=4).to(DEVICE)
+    lin = QuantLinear(w, None, "triton")
+    assert "q4_1 weights have no GEMV" in lin.gemv_unsupported(1)
+    x = torch.randn(1, 2, k).to(DEVICE, ACT)
+    assert lin.resolved_kernel(x.device, 2) == "ref"
+    assert torch.equal(lin(x)[0], F.linear(x[0], dequantize(w.sections(), "w", 32, ACT)))
+
+
 def test_kernels_other_than_triton_never_take_the_gemv():
     w = _weight("int8", 64, 64, seed=1)
     for kernel in ("native", "cpu", "ref"):

@@ -6,8 +6,8 @@ tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's arch
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
 it (`ARCHS`: which llama.cpp architecture runs as which model file); where llama.cpp's converter
 rewrote a tensor (deepseek2's split kv_b, qwen35moe's shifted norms, A = -exp(A_log) and tiled
-value heads) `gguf_inverse` gives the Hugging Face tensor back. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
-Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
+value heads) `gguf_inverse` gives the Hugging Face tensor back. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1,
+Q4_K / Q5_K / Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
 weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
 its own type (`record_layouts`: per layer, w13's and w2's scheme), so mixed files (Q4_K_M) stay
 exact. Other expert types are dequantized and requantized, and `conversion_notes` says so per
@@ -162,13 +162,20 @@ GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 _INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
 # Sources of at least 8 bits per weight default to int8 experts, lower ones to int4.
 _INT8_BITS = 8.0
-# GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 (blocks of 32, fp16 d, then the
-# quants: split into the scheme's sections) and the K-quants (their blocks as they are).
-EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+# GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 / Q4_1 (blocks of 32, fp16 d (Q4_1:
+# and m), then the quants: split into the scheme's sections) and the K-quants (their blocks as
+# they are).
+EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+EXACT.update({"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"})
 # Q8_0 is also q8_0 exactly (its fp16 d kept: 8.5 bits per weight against int8's 9); int8 stays
 # its default scheme, the one the GPU kernels read.
 EXACT_ALSO = {"Q8_0": "q8_0"}
-_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, **{k.upper(): b for k, b in KQUANT_BYTES.items()}}
+_BLOCK_BYTES = {
+    "Q8_0": 34,
+    "Q4_0": 18,
+    "Q4_1": 20,
+    **{k.upper(): b for k, b in KQUANT_BYTES.items()},
+}
 
 
 def _f32(v: float) -> float:
@@ -796,7 +803,7 @@ class GGUFCheckpoint:
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
         """The experts' own scheme when every expert tensor has one type a scheme holds exactly
-        (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
+        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
         per weight, else int4: the scheme of the store, and of what convert requantizes (the
         other types kept, `ExpertQuant.keep_source`)."""
         types = set(self.expert_type_counts())
@@ -857,13 +864,16 @@ def _sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
     as stored); Q4_0 -> q uint8 [N, K/2]
-    (the 16 nibble bytes as stored), d fp16 [N, K/32]; K-quants -> q uint8 [N, K/256, B], the
-    blocks as stored."""
+    (the 16 nibble bytes as stored), d fp16 [N, K/32]; Q4_1 -> q as Q4_0's, dm fp16 [N, K/32, 2]
+    (d, m as stored); K-quants -> q uint8 [N, K/256, B], the blocks as stored."""
     raw = np.ascontiguousarray(raw)
     n = raw.shape[0]
     if kind.lower() in KQUANT_BYTES:
         return {"q": torch.from_numpy(raw.reshape(n, -1, _BLOCK_BYTES[kind]).copy())}
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
+    if kind == "Q4_1":  # fp16 d, fp16 m, then the nibbles
+        dm = torch.from_numpy(blocks[..., :4].copy().view(np.float16))  # [N, K/32, 2]
+        return {"q": torch.from_numpy(blocks[..., 4:].copy().reshape(n, -1)), "dm": dm}
     d = torch.from_numpy(blocks[..., :2].copy().view(np.float16)[..., 0])
     qs = blocks[..., 2:].copy().reshape(n, -1)
     if kind == "Q8_0":

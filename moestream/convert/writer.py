@@ -172,7 +172,7 @@ def _write_store(src: Path, tmp: Path, eq: ExpertQuant, dense: DenseQuant, progr
     )
     manifest = {
         "format": FORMAT,
-        "version": VERSION if uniform and not _uses_q8_0(layouts, formats) else MIXED_VERSION,
+        "version": VERSION if uniform and not _uses_v5_scheme(layouts, formats) else MIXED_VERSION,
         "model_type": a.model_type,
         "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
         "quant": scheme.to_json(),
@@ -321,7 +321,8 @@ def _write_dense(ckpt: Checkpoint, out: Path, dense: DenseQuant) -> tuple[dict, 
     """Non-expert tensors -> (crc32, dtype and shape per stored tensor, the quantized ones'
     formats). A tensor `dense` gives a scheme is stored as its sections `{name}.q`, `.s` / `.sz` /
     `.d`; under `keep_source` a quantized GGUF weight is never rounded again: its blocks go in as
-    they are where a store scheme holds them (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K), else it is dequantized (float32). The
+    they are where a store scheme holds them (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K), else it is
+    dequantized (float32). The
     rest as in the source (dtype kept). The crc covers bytes only: a header relabelling dtype or
     shape keeps them, so both are recorded too."""
     roles = _dense_roles(ckpt)
@@ -424,8 +425,8 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _uses_q8_0(layouts: dict, formats: dict) -> bool:
-    """A q8_0 expert projection or dense tensor: a scheme version 4 readers do not know."""
+def _uses_v5_scheme(layouts: dict, formats: dict) -> bool:
+    """A q8_0 or q4_1 expert projection or dense tensor: schemes version 4 readers do not know."""
     names = {s.name for lay in layouts.values() for s in lay.schemes}
     names |= {f["scheme"]["name"] for f in formats.values()}
-    return "q8_0" in names
+    return bool(names & {"q8_0", "q4_1"})

@@ -37,9 +37,9 @@ class StoreExperts(ExpertProvider):
         self.store, self.cfg = store, cfg
         self.groups = {layer: lay.groups for layer, lay in store.layouts.items()}  # (w13, w2)
         self.act = ExpertActivation.from_args(store.args)
-        # kernel "native": the C++ layer op where it reads this store's records (int4/int8/q4_0,
-        # K-quants, each projection its own; plain SwiGLU, no biases) and it built; otherwise,
-        # and for "cpu"/"ref", the torch kernels.
+        # kernel "native": the C++ layer op where it reads this store's records (int4/int8/q4_0/
+        # q4_1, K-quants, each projection its own; plain SwiGLU, no biases) and it built;
+        # otherwise, and for "cpu"/"ref", the torch kernels.
         layouts = store.layouts.values()
         bias = any(sec.name.startswith("b") for lay in layouts for sec in lay.sections)
         self.native = (

@@ -7,7 +7,7 @@
   per K-block of 32, so int8 dequantizes (one fused multiply) and calls F.linear; this is the
   reference math, so it is exact.
 - bf16: cast to the activation dtype and F.linear, as the reference.
-- q4_0: dequantize (reference math) and F.linear; its fast path is the native kernel.
+- q4_0 / q4_1: dequantize (reference math) and F.linear; their fast path is the native kernel.
 
 `int4_kernel_ok()` checks once that this machine's torch packs int4 the way the store does
 (other vector widths pack differently); when it does not, dispatch falls back to the reference.

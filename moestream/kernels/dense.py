@@ -1,5 +1,6 @@
-"""Quantized dense layers: the store's int4 / int8 / q4_0 sections of a dense weight (quant.DenseQuant) in
-place of nn.Linear / nn.Embedding. The loader builds them from the store; models only call them.
+"""Quantized dense layers: the store's int4 / int8 / q4_0 / q4_1 / K-quant sections of a dense
+weight (quant.DenseQuant) in place of nn.Linear / nn.Embedding. The loader builds them from the
+store; models only call them.
 
 Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and device):
   native: the C++ `linear` (kernels/native.py; Q8_0 activations, spec `ref.qlinear_q8`), where it
@@ -31,8 +32,8 @@ DENSE_KERNELS = ("native", "cpu", "triton", "ref")
 
 
 class QuantWeight(nn.Module):
-    """One quantized [N, K] weight as buffers `q` and `s` (int8), `sz` (int4) or `d` (q4_0), as
-    quant.tensor_sections says. Shared by a tied embedding and lm_head (moved once)."""
+    """One quantized [N, K] weight as buffers `q` and `s` (int8), `sz` (int4), `d` (q4_0) or `dm`
+    (q4_1), as quant.tensor_sections says. Shared by a tied embedding and lm_head (moved once)."""
 
     def __init__(
         self, scheme: QuantScheme, shape: tuple[int, int], sections: dict[str, torch.Tensor]

@@ -92,6 +92,8 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
         return q.to(dtype)
     if q.dim() == 3:  # K-quant blocks [N, K/256, B]
         return dequantize_kquant(q).to(dtype)
+    if f"{name}.dm" in sec:
+        return dequantize_q4_1(q, sec[f"{name}.dm"]).to(dtype)
     if q.dtype == torch.int8 or f"{name}.d" in sec:  # int8 / q8_0, or q4_0 as (q - 8) and its d
         q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
@@ -118,6 +120,8 @@ def dequantize_rows(
         return q[rows].to(dtype)
     if q.dim() == 3:
         return dequantize_kquant(q[rows]).to(dtype)
+    if f"{name}.dm" in sec:
+        return dequantize_q4_1(q[rows], sec[f"{name}.dm"][rows]).to(dtype)
     if q.dtype == torch.int8 or f"{name}.d" in sec:
         q, s = _symmetric({k: v[rows] for k, v in sec.items() if k.startswith(f"{name}.")}, name)
         t, k = q.shape
@@ -128,6 +132,18 @@ def dequantize_rows(
     s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
     w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)
     return w.to(dtype)
+
+
+def dequantize_q4_1(q: torch.Tensor, dm: torch.Tensor) -> torch.Tensor:
+    """q4_1 nibbles q uint8 [N, K/2] and dm fp16 [N, K/32, 2] -> fp32 [N, K] with llama.cpp's
+    roundings (dequantize_row_q4_1): (q * d) + m, the product rounded to fp32 first."""
+    from moestream.quant import unpack_q4_0
+
+    w = unpack_q4_0(q).float()
+    n, k = w.shape
+    dmf = dm.float()  # fp16 widened: exact
+    w = w.view(n, k // 32, 32) * dmf[..., 0:1] + dmf[..., 1:2]
+    return w.view(n, k)
 
 
 def dequantize_kquant(q: torch.Tensor) -> torch.Tensor:
@@ -206,11 +222,12 @@ def qlinear_q8(
     int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
     < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
     per block int8, q8_0 (its fp16 d widened) and q4_0 (its weights q - 8, scale d): (s * d) *
-    dot; int4:
+    dot; q4_1 (nibbles q, fp16 d and m widened): (d * dx) * dot + (m * dx) * sum q, each
+    product rounded to fp32, then the sum; int4:
     d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
     super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
     sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *
-    sum q); added in block order, except int8 and q4_0 (the row-major schemes, whose AVX2 rows
+    sum q); added in block order, except int8, q4_0 and q4_1 (the row-major schemes, whose AVX2 rows
     keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b mod 8, the
     lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order."""
     from moestream.quant import unpack_int4
@@ -221,6 +238,8 @@ def qlinear_q8(
     wq = sec[f"{name}.q"]
     if wq.dim() == 3:
         terms = _kquant_terms(q8, d, wq)
+    elif f"{name}.dm" in sec:
+        return _lane_sum(_q4_1_terms(q8, d, wq, sec[f"{name}.dm"]))
     elif wq.dtype == torch.int8 or f"{name}.d" in sec:  # q4_0: weights q - 8, scale d
         wq, ws = _symmetric(sec, name)
         n, k = wq.shape
@@ -257,6 +276,22 @@ def _lane_sum(terms: torch.Tensor) -> torch.Tensor:
     for b in range(m, nb):
         y = y + terms[..., b]
     return y
+
+
+def _q4_1_terms(q8: torch.Tensor, d: torch.Tensor, wq: torch.Tensor, dm: torch.Tensor):
+    """Per block the fp32 terms [T, N, K/32] of q4_1 weights (qlinear_q8): the dot of the
+    nibbles 0..15 with the int8 activations and the activations' sum are exact integers
+    (<= 15 * 127 * 32 < 2**24), then (d * dx) * dot + (m * dx) * sum."""
+    from moestream.quant import unpack_q4_0
+
+    w = unpack_q4_0(wq).float()
+    n, k = w.shape
+    dots = torch.einsum("tbg,nbg->tnb", q8, w.view(n, k // 32, 32))
+    sq = q8.sum(-1)[:, None, :]  # [T, 1, nb]
+    dmf = dm.float()
+    dw, mw = dmf[..., 0][None], dmf[..., 1][None]  # [1, N, nb]
+    dx = d[:, None, :]  # [T, 1, nb]
+    return (dw * dx) * dots + (mw * dx) * sq
 
 
 def _kquant_terms(q8: torch.Tensor, d: torch.Tensor, wq: torch.Tensor) -> torch.Tensor:

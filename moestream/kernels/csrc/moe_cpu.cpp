@@ -1,10 +1,10 @@
-// Native CPU kernels for moestream's int4 / int8 / q4_0 expert records, read in place (no repack).
+// Native CPU kernels for moestream's int4 / int8 / q4_0 / q4_1 expert records, read in place (no repack).
 // Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
 //   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
 //   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
 //   d = amax / 32767); each block's integer dot with the
-//   weights is exact (int32); blocks are combined in fp32 in a fixed order (int4 ascending; int8 and
-//   q4_0 in 8 lanes, BlockLanes) with the same
+//   weights is exact (int32); blocks are combined in fp32 in a fixed order (int4 ascending; int8,
+//   q4_0 and q4_1 in 8 lanes, BlockLanes) with the same
 //   rounding steps as the reference, so every ISA variant gives the reference's bits for one linear.
 // Build flags include -ffp-contract=off: no fused multiply-add may change those roundings.
 #include <ATen/Parallel.h>
@@ -104,11 +104,12 @@ void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
   }
 }
 
-enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2 };
+// The K-quants (kquant_cpu.h) are kinds 3..5.
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6 };
 
 // One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], int8 q [N, K] + s fp32
-// [N, K/32], or q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
-// d fp16 [N, K/32].
+// [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
+// d fp16 [N, K/32], or q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m).
 struct Weight {
   const uint8_t* q;
   const void* s;
@@ -227,6 +228,33 @@ void q4_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
       }
       acc.add(j, (fp16(d[(size_t)r * nb + j]) * a.dr(t)[j]) * (float)dot);
     }
+    y[r - r0] = acc.sum();
+  }
+}
+
+// q4_1 (w = q * d + m, q the nibbles 0..15): per block, in this order, a = (d_w * d_x) * dot and
+// b = (m_w * d_x) * sum(x), each rounded to fp32, then a + b (ref.qlinear_q8); dot = sum(q * x) and
+// sum(x) are exact integers (<= 15 * 127 * 32).
+int32_t q4_1_dot(const uint8_t* q, const int8_t* xq) {  // one block: 16 bytes, 32 activations
+  int32_t dot = 0;
+  for (int i = 0; i < G / 2; ++i) dot += (q[i] & 15) * xq[i] + (q[i] >> 4) * xq[G / 2 + i];
+  return dot;
+}
+
+float q4_1_term(const uint16_t* dm, float dx, int32_t dot, int32_t sx) {
+  return (fp16(dm[0]) * dx) * (float)dot + (fp16(dm[1]) * dx) * (float)sx;
+}
+
+void q4_1_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const uint16_t* dm = (const uint16_t*)w.s;
+  const int8_t* xq = a.qr(t);
+  for (int r = r0; r < r0 + n; ++r) {
+    const uint8_t* q = w.q + (size_t)r * w.K / 2;
+    BlockLanes acc(nb);
+    for (int j = 0; j < nb; ++j)
+      acc.add(j, q4_1_term(dm + ((size_t)r * nb + j) * 2, a.dr(t)[j], q4_1_dot(q + j * G / 2, xq + j * G),
+                           a.sr(t)[j]));
     y[r - r0] = acc.sum();
   }
 }
@@ -412,6 +440,61 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   *y = acc;
 }
 
+// q4_1's (d, m) fp16 pairs of eight blocks -> d and m widened to fp32, lane b: block b.
+__attribute__((target("avx2,f16c"))) void q4_1_scales8(const uint16_t* dm, __m256* d, __m256* m) {
+  const __m256i h = _mm256_loadu_si256((const __m256i*)dm);  // d0 m0 d1 m1 ... d7 m7
+  const __m256i sh = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15,  //
+                                      0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15);
+  // per 128-bit half: d0..d3 m0..m3 | d4..d7 m4..m7; then the 64-bit quarters to d0..d7 m0..m7
+  const __m256i p = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(h, sh), _MM_SHUFFLE(3, 1, 2, 0));
+  *d = _mm256_cvtph_ps(_mm256_castsi256_si128(p));
+  *m = _mm256_cvtph_ps(_mm256_extracti128_si256(p, 1));
+}
+
+// Eight blocks' q4_1 terms (q4_1_term's steps, lane b: block b) from their exact dots and sums.
+__attribute__((target("avx2,fma,f16c"))) __m256 q4_1_terms8(const uint16_t* dm, const float* dx, __m256i dots,
+                                                             const int32_t* sx) {
+  __m256 wd, wm;
+  q4_1_scales8(dm, &wd, &wm);
+  const __m256 x = _mm256_loadu_ps(dx);
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)sx));
+  return _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(wd, x), _mm256_cvtepi32_ps(dots)),
+                       _mm256_mul_ps(_mm256_mul_ps(wm, x), s));
+}
+
+// q4_1, one row front to back: q4_0_row_avx2's nibbles and maddubs (no - 8: the nibbles are the
+// weights' integers), the eight blocks' terms added into their 8 lanes.
+__attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int r, const QAct& a, int t,
+                                                            float* y) {
+  const int nb = w.K / G;
+  const uint8_t* q = w.q + (size_t)r * w.K / 2;
+  const uint16_t* dm = (const uint16_t*)w.s + (size_t)r * nb * 2;
+  const int8_t* xq = a.qr(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  const __m128i m4 = _mm_set1_epi8(15);
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch)
+      for (int c = 0; c < 8 * G / 2; c += 64)
+        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+    __m256i p[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+      const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
+    }
+    accv = _mm256_add_ps(accv, q4_1_terms8(dm + 2 * j, a.dr(t) + j, hsum8(p), a.sr(t) + j));
+  }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  float acc = lanes_sum(l);
+  for (; j < nb; ++j)  // the last blocks: the scalar path's arithmetic
+    acc = acc + q4_1_term(dm + 2 * j, a.dr(t)[j], q4_1_dot(q + j * G / 2, xq + j * G), a.sr(t)[j]);
+  *y = acc;
+}
+
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
 // Each kernel below reads a weight block once for up to kTile activation rows and gives every
 // output element the bits of the one-row kernel above: the same exact integer block dots, then
@@ -487,6 +570,30 @@ void q4_0_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
       }
       const float dw = fp16(d[(size_t)r * nb + j]);
       for (int i = 0; i < nt; ++i) acc[i].add(j, (dw * a.dr(ts[i])[j]) * (float)dot[i]);
+    }
+    for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
+  }
+}
+
+void q4_1_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                         size_t ys) {
+  const int nb = w.K / G;
+  const uint16_t* dm = (const uint16_t*)w.s;
+  for (int r = r0; r < r0 + n; ++r) {
+    const uint8_t* q = w.q + (size_t)r * w.K / 2;
+    BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
+    for (int j = 0; j < nb; ++j) {
+      int32_t dot[kTile] = {};
+      for (int k = 0; k < G / 2; ++k) {
+        const int lo = q[j * G / 2 + k] & 15, hi = q[j * G / 2 + k] >> 4;
+        for (int i = 0; i < nt; ++i) {
+          const int8_t* xq = a.qr(ts[i]);
+          dot[i] += lo * xq[j * G + k];
+          dot[i] += hi * xq[j * G + G / 2 + k];
+        }
+      }
+      const uint16_t* dmj = dm + ((size_t)r * nb + j) * 2;
+      for (int i = 0; i < nt; ++i) acc[i].add(j, q4_1_term(dmj, a.dr(ts[i])[j], dot[i], a.sr(ts[i])[j]));
     }
     for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
   }
@@ -684,6 +791,46 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, 
   }
 }
 
+// q4_1, one row x NT activation rows: eight blocks' nibbles unpacked once, q4_0_row_avx2_nt's int16
+// sums (a half block's 16 products of nibbles and int8 <= 30480), q4_1_row_avx2's terms.
+template <int NT>
+__attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
+                                                                float* y, size_t ys) {
+  const int nb = w.K / G;
+  const uint8_t* q = w.q + (size_t)r * w.K / 2;
+  const uint16_t* dm = (const uint16_t*)w.s + (size_t)r * nb * 2;
+  const __m128i m4 = _mm_set1_epi8(15);
+  __m256 accv[NT];
+  for (auto& v : accv) v = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    if (g_prefetch)
+      for (int c = 0; c < 8 * G / 2; c += 64)
+        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+    __m256i wv[8];
+    for (int b = 0; b < 8; ++b) {
+      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+      wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    }
+    for (int i = 0; i < NT; ++i) {
+      const int8_t* xq = a.qr(ts[i]);
+      __m256i m[8];
+      for (int b = 0; b < 8; ++b)
+        m[b] = _mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G)));
+      accv[i] = _mm256_add_ps(accv[i], q4_1_terms8(dm + 2 * j, a.dr(ts[i]) + j, hsum8_16(m), a.sr(ts[i]) + j));
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    float l[8];
+    _mm256_storeu_ps(l, accv[i]);
+    float acc = lanes_sum(l);
+    const int t = ts[i];
+    for (int jj = j; jj < nb; ++jj)
+      acc = acc + q4_1_term(dm + 2 * jj, a.dr(t)[jj], q4_1_dot(q + jj * G / 2, a.qr(t) + jj * G), a.sr(t)[jj]);
+    y[i * ys] = acc;
+  }
+}
+
 bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
@@ -702,6 +849,13 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
       for (int i = 0; i < n; ++i) q4_0_row_avx2(w, r0 + i, a, t, y + i);
     else
       q4_0_rows_scalar(w, r0, n, a, t, y);
+    return;
+  }
+  if (w.kind == kQ4_1) {
+    if (isa >= kAvx2)
+      for (int i = 0; i < n; ++i) q4_1_row_avx2(w, r0 + i, a, t, y + i);
+    else
+      q4_1_rows_scalar(w, r0, n, a, t, y);
     return;
   }
   if (isa >= kAvx2)
@@ -723,6 +877,11 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
   if (w.kind == kQ4_0) {
     if (isa < kAvx2) return q4_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
     for (int i = 0; i < n; ++i) q4_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    return;
+  }
+  if (w.kind == kQ4_1) {
+    if (isa < kAvx2) return q4_1_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
+    for (int i = 0; i < n; ++i) q4_1_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
     return;
   }
   if (isa < kAvx2)
@@ -754,7 +913,7 @@ void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, i
 }
 
 // The scheme is told by the section dtypes: int8 q + fp32 s, uint8 q + bf16 sz (int4), uint8 q +
-// fp16 d (q4_0).
+// fp16 d (q4_0), uint8 q + fp16 dm [N, K/32, 2] (q4_1).
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
   const auto qt = q.scalar_type(), st = s.scalar_type();
@@ -770,13 +929,15 @@ Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   else if (qt == torch::kUInt8 && st == torch::kBFloat16)
     kind = kInt4;
   else if (qt == torch::kUInt8 && st == torch::kHalf)
-    kind = kQ4_0;
+    kind = s.dim() == 3 ? kQ4_1 : kQ4_0;
   else
     TORCH_CHECK(false,
-                "weights must be int8 + fp32 or fp16 (q8_0), int4 (uint8) + bf16, or q4_0 (uint8) + fp16");
+                "weights must be int8 + fp32 or fp16 (q8_0), int4 (uint8) + bf16, q4_0 (uint8) + fp16, or q4_1 "
+                "(uint8) + fp16 [N, K/32, 2]");
   const int N = (int)q.size(0), K = (int)q.size(1) * (kind == kInt8 ? 1 : 2);
   TORCH_CHECK(K % G == 0 && (kind != kInt4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
-  TORCH_CHECK(s.numel() == (int64_t)N * K / G * (kind == kInt4 ? 2 : 1), "scale section has the wrong size");
+  const int per_block = kind == kInt4 || kind == kQ4_1 ? 2 : 1;  // (scale, zero) / (d, m) pairs
+  TORCH_CHECK(s.numel() == (int64_t)N * K / G * per_block, "scale section has the wrong size");
   const bool s16 = kind == kInt8 && st == torch::kHalf;
   TORCH_CHECK(!s16 || K / G <= kMaxBlocks, "q8_0 rows are at most ", kMaxBlocks * G, " wide");
   return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, kind, s16};
@@ -1412,7 +1573,7 @@ class DecodeStep {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0 weight -> [T, N] fp32");
+  m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0/q4_1 weight -> [T, N] fp32");
   m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32", py::arg("x"), py::arg("secs"),
         py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
   m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32");

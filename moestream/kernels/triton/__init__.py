@@ -21,7 +21,7 @@ import torch
 from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
-SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0: CPU only)
+SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0, q4_1: CPU only)
 
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:
