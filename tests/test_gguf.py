@@ -24,7 +24,7 @@ from moestream.loader import load_model
 from moestream.store.format import VERSION, Store
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe", "deepseek_v3",
-         "qwen3_5_moe_text")  # fmt: skip
+         "qwen3_5_moe_text", "gpt_oss")  # fmt: skip
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
@@ -36,6 +36,7 @@ FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 # config's norm_eps, which transformers reads, and rms_norm_eps, which the converter writes).
 # DeepSeek's yarn: llama.cpp keeps only mscale_all_dim (as yarn_log_multiplier) and takes mscale
 # equal to it; its converter writes the sigmoid gating from config.json's scoring_func.
+# gpt-oss: llama.cpp fixes the SwiGLU clamp at 7 and rounds yarn's correction dims (truncate).
 GGUF_FORM = {
     "qwen3_moe": {"mlp_only_layers": []},
     "lfm2_moe": dict(conv_bias=False, tie_word_embeddings=True, routed_scaling_factor=1.0,
@@ -43,12 +44,20 @@ GGUF_FORM = {
     "deepseek_v3": dict(scoring_func="sigmoid", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         mscale=0.8, mscale_all_dim=0.8)),
+    "gpt_oss": dict(swiglu_limit=7.0, rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+        truncate=True, original_max_position_embeddings=64)),
 }  # fmt: skip
 
 
 def hf_checkpoint(arch: str, folder, **extra):
     over = {**GGUF_FORM.get(arch, {}), **extra}
-    return save(perturbed_model(arch, seed=2, **over), folder, "per_expert")
+    model = perturbed_model(arch, seed=2, **over)
+    if arch == "gpt_oss":  # a clamp at 7 binds: gate / up pre-activations of std ~4
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(4.0)
+    return save(model, folder, "per_expert")
 
 
 @pytest.fixture(scope="module")

@@ -89,7 +89,11 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     model_type = {v: k for k, v in GGUF_ARCH.items()}[arch]
     names = gguf.get_tensor_name_map(gguf_arch(arch), meta[f"{arch}.block_count"])
     out = {}
+    if arch == "gpt-oss":
+        out.update(gpt_oss_experts(tensors, meta[f"{arch}.block_count"]))
     for name, w in tensors.items():
+        if "_exps." in name and arch == "gpt-oss":
+            continue
         if "_exps." in name:  # blk.L.ffn_{gate,up,down}_exps.weight: [E, N, K]
             layer, role = int(name.split(".")[1]), name.split(".")[2][4:-5]
             for e in range(w.shape[0]):
@@ -109,6 +113,21 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
             n = meta[f"{arch}.attention.{kv}"]
             w = w.reshape(n, w.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
         out[key] = torch.tensor(w)
+    return out
+
+
+def gpt_oss_experts(tensors: dict, n_layers: int) -> dict[str, torch.Tensor]:
+    """gpt-oss: the fused HF expert tensors (and biases) of every layer from the GGUF's."""
+    from gguf_models import gpt_oss_fused
+
+    out = {}
+    for layer in range(n_layers):
+        parts = [
+            torch.tensor(tensors[f"blk.{layer}.ffn_{r}_exps.{p}"])
+            for p in ("weight", "bias")
+            for r in ("gate", "up", "down")
+        ]
+        out.update(gpt_oss_fused(layer, *parts))
     return out
 
 
@@ -152,9 +171,10 @@ def qwen35_hf_values(w, key: str, meta: dict):
             "lfm2_moe",
             "deepseek_v3",
             "qwen3_5_moe_text",
+            "gpt_oss",
         )
     ]
-    + [(a, "f32") for a in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text")],
+    + [(a, "f32") for a in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text", "gpt_oss")],
 )
 def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):
     hf = tiny(arch, tmp_path / "hf")

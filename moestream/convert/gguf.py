@@ -56,6 +56,8 @@ class GgufArch:
     # Our names where a model file spells a block differently (lfm2_moe: feed_forward, its norms
     # operator_norm / ffn_norm, the final norm written as token_embd_norm): GGUF name -> ours.
     names: tuple[tuple[str, str], ...] = ()
+    # Block tensors every MoE layer must hold (gpt-oss: sinks and biases), checked by name.
+    per_layer: tuple[str, ...] = ()
 
 
 # The llama.cpp architectures read so far; `llama` runs as mixtral when it has experts.
@@ -115,6 +117,21 @@ ARCHS = {
             ("ssm_out.weight", "linear_attn.out_proj.weight"),
         ),
     ),
+    # gpt-oss: attention sinks, sliding / full layers, router and experts with biases
+    "gpt-oss": GgufArch(
+        "gpt_oss",
+        norm_topk_prob=False,  # llama.cpp's SOFTMAX_WEIGHT: softmax over the k picked logits
+        names=(
+            ("attn_sinks.weight", "self_attn.sinks"),
+            ("ffn_gate_inp.weight", "mlp.router.weight"),
+            ("ffn_gate_inp.bias", "mlp.router.bias"),
+        ),
+        per_layer=(
+            "attn_sinks.weight",
+            "ffn_gate_inp.bias",
+            *(f"ffn_{r}_exps.bias" for r in ("gate", "up", "down")),
+        ),
+    ),
 }
 # The second half of a tensor llama.cpp splits in two (deepseek2's kv_b): read with the first.
 _SECOND_HALF = {"attn_v_b.weight": "attn_k_b.weight"}
@@ -155,7 +172,11 @@ _EXPERTS = {
     "ffn_up_exps.weight": "up",
     "ffn_down_exps.weight": "down",
 }
+# gpt-oss's expert biases, stacked [E, I] (gate, up) and [E, D] (down)
+_EXPERT_BIASES = {f"ffn_{r}_exps.bias": r for r in ("gate", "up", "down")}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's gpt-oss constants (llm_graph's LLM_FFN_SWIGLU_OAI_MOE): no GGUF key holds them.
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 # Types kept as they are in the dense file; every other weight type is dequantized to fp32.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -272,6 +293,7 @@ class GGUFCheckpoint:
         self.dense_names: list[str] = []
         self._dense_src: dict[str, str] = {}  # HF name -> GGUF name
         self._experts: dict[int, dict[str, str]] = {}  # layer -> gate/up/down -> GGUF name
+        self._expert_biases: dict[int, dict[str, str]] = {}  # the same, of their biases
         self._classify()
         self._check_types()
         self.config = self._hf_config()
@@ -376,6 +398,8 @@ class GGUFCheckpoint:
             cfg.update(self._deepseek2_fields(cfg, dense_layers, n_exp))
         if mt == "qwen3_5_moe_text":
             cfg.update(self._qwen35_fields(cfg))
+        if mt == "gpt_oss":
+            cfg.update(self._gpt_oss_fields(cfg, dense_layers))
         return cfg
 
     def _lead_dense(self, dense_layers: list[int]) -> int:
@@ -515,6 +539,41 @@ class GGUFCheckpoint:
             "partial_rotary_factor": int(self._arch_key("rope.dimension_count")) / cfg["head_dim"],
         }
 
+    def _gpt_oss_fields(self, cfg: dict[str, Any], dense_layers: list[int]) -> dict:
+        """gpt-oss: which layers slide (`attention.sliding_window_pattern`: per-layer flags, or a
+        period whose last layer is full; absent: llama.cpp's 2, every even layer slides), the
+        window, the SwiGLU constants llama.cpp fixes. Yarn as llama.cpp computes it: correction
+        dims rounded (`truncate`, our default), where gpt-oss's config.json says false."""
+        n = cfg["num_hidden_layers"]
+        if dense_layers:
+            raise CheckpointError(
+                f"{self.folder}: gpt-oss layer(s) {dense_layers} have no experts (every gpt-oss "
+                "layer is MoE)"
+            )
+        pattern = self._arch_key("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) < n:
+                raise CheckpointError(
+                    f"{self.folder}: {self.arch_name}.attention.sliding_window_pattern has "
+                    f"{len(pattern)} entries for {n} layers"
+                )
+            slides = [bool(x) for x in pattern[:n]]
+        else:
+            p = int(pattern)
+            slides = [p == 0 or i % p < p - 1 for i in range(n)]
+        base_swa = self._arch_key("rope.freq_base_swa", None)
+        if base_swa is not None and _f32(base_swa) != cfg["rope_parameters"]["rope_theta"]:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.rope.freq_base_swa {_f32(base_swa)} differs "
+                "from rope.freq_base: gpt_oss has one RoPE base for every layer"
+            )
+        return {
+            "num_local_experts": cfg["num_experts"],
+            "sliding_window": int(self._arch_key("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if x else "full_attention" for x in slides],
+            **GPT_OSS_SWIGLU,
+        }
+
     def _rope(self) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_theta": _f32(self._arch_key("rope.freq_base", 10000.0))}
         kind = self._arch_key("rope.scaling.type", "none")
@@ -557,6 +616,8 @@ class GGUFCheckpoint:
                 continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] in _EXPERT_BIASES and self.arch.model_type == "gpt_oss":
+                self._expert_biases.setdefault(int(m[1]), {})[_EXPERT_BIASES[m[2]]] = name
             elif m and m[2] in _SECOND_HALF:
                 continue  # read by tensor() with its first half
             elif m and m[2] in own:
@@ -571,12 +632,23 @@ class GGUFCheckpoint:
                     f"architecture {self._key('general.architecture')!r}"
                 )
         self._check_halves()
+        self._check_per_layer()
         if "token_embd.weight" not in self._tensors:
             raise CheckpointError(f"{self.folder}: tensor 'token_embd.weight' is missing")
         if not self._experts:
             raise CheckpointError(
                 f"{self.folder}: no expert tensors (blk.N.ffn_gate_exps): not a MoE model"
             )
+
+    def _check_per_layer(self) -> None:
+        """Every MoE layer holds the block tensors its architecture needs (`GgufArch.per_layer`)."""
+        for layer in sorted(self._experts):
+            for part in self.arch.per_layer:
+                if f"blk.{layer}.{part}" not in self._tensors:
+                    raise CheckpointError(
+                        f"{self.folder}: tensor 'blk.{layer}.{part}' is missing ({self.arch_name} "
+                        "layers need it); the file is incomplete: convert it again"
+                    )
 
     def _check_halves(self) -> None:
         """Each half of a split tensor (deepseek2's attn_k_b / attn_v_b) has the other beside it."""
@@ -641,12 +713,18 @@ class GGUFCheckpoint:
                         f"{self.folder}: layer {layer}: tensor 'blk.{layer}.ffn_{role}_exps.weight' "
                         "is missing"
                     )
-                got = [int(x) for x in self._tensors[name].shape]
-                if got != shape:
-                    raise CheckpointError(
-                        f"{self.folder}: tensor {name!r} has shape {got} (GGUF order), the "
-                        f"metadata implies {shape}"
-                    )
+                self._check_shape(name, shape)
+        for roles in self._expert_biases.values():  # ne [I, E] (gate, up), [D, E]
+            for role, name in roles.items():
+                self._check_shape(name, [D if role == "down" else I, E])
+
+    def _check_shape(self, name: str, shape: list[int]) -> None:
+        got = [int(x) for x in self._tensors[name].shape]
+        if got != shape:
+            raise CheckpointError(
+                f"{self.folder}: tensor {name!r} has shape {got} (GGUF order), the metadata "
+                f"implies {shape}"
+            )
 
     def _as_torch(self, t, data: np.ndarray) -> torch.Tensor:
         """A tensor's (or one expert slice's) stored data -> torch, dequantized unless float."""
@@ -715,8 +793,15 @@ class GGUFCheckpoint:
         """(gate [I, D], up [I, D], down [D, I]) of one expert, dequantized."""
         return tuple(self._expert_slice(layer, r, e) for r in ("gate", "up", "down"))
 
-    def expert_biases(self, layer: int, e: int) -> None:
-        return None  # no supported GGUF architecture has expert biases
+    def expert_biases(
+        self, layer: int, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [I], up [I], down [D]) biases of one expert in fp32 (gpt-oss), else None."""
+        roles = self._expert_biases.get(layer)
+        if roles is None:
+            return None
+        parts = (self._tensors[roles[r]] for r in ("gate", "up", "down"))
+        return tuple(self._as_torch(t, t.data[e]).float() for t in parts)
 
     def _exact(self, scheme: QuantScheme, layer: int, roles: tuple[str, ...]) -> bool:
         """The experts' blocks are `scheme` exactly (EXACT)."""
@@ -758,6 +843,9 @@ class GGUFCheckpoint:
             w = torch.cat([self._expert_slice(layer, r, e).float() for r in roles])  # [N, K]
             for suffix, t in quantize(scheme, w).items():
                 out[f"{name}.{suffix}"] = t
+        if self.args.expert_bias:  # fp32 sections after the weights, as quantize_expert's
+            b_gate, b_up, out["b2"] = self.expert_biases(layer, e)
+            out["b13"] = torch.cat([b_gate, b_up])
         return out
 
     def dense_type(self, name: str) -> str:
