@@ -287,21 +287,47 @@ def _llama3_style_tokenizer(folder) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(doc))
 
 
+def _o200k_style_tokenizer(folder) -> None:
+    """The tiny tokenizer with o200k's pre-tokenizer (GPT-4o, gpt-oss: its split regex, then
+    bytes; no normalizer), and a merge `n F` across the lower -> upper case boundary o200k splits
+    at (Llama 3's regex does not: `xnFoo` would encode differently)."""
+    from tiny_models import VOCAB
+
+    from moestream.convert.gguf_vocab import _O200K
+
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    assert len(doc["model"]["vocab"]) < VOCAB
+    doc["model"]["vocab"]["nF"] = len(doc["model"]["vocab"])
+    doc["model"]["merges"].append(["n", "F"])
+    doc["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _O200K}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
+        ],
+    }  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+
+
 TEXTS = [
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
     "<|user|>hi there<|end|><|assistant|>",
     "  spaces   and\ttabs\n\n\nnewlines 12345 3.14 don't WE'LL",
     "unicode: café naïve 東京 🙂 e\u0301",
+    "CamelCaseWord xnFoo HTTPServer I'M x/y/z\n/path 1234567",  # o200k's case split
 ]
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "lfm2"])
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "lfm2", "gpt-4o"])
 def test_tokenizer_encodes_like_the_hf_tokenizer(tmp_path, pre):
     hf = hf_checkpoint("olmoe", tmp_path / "hf")
     if pre == "qwen2":
         _qwen2_style_tokenizer(hf)
     if pre in ("llama-bpe", "glm4", "lfm2"):
         _llama3_style_tokenizer(hf)
+    if pre == "gpt-4o":
+        _o200k_style_tokenizer(hf)
     write_gguf(hf, tmp_path / "m.gguf", pre=pre)
     out = tmp_path / "files"
     out.mkdir()
