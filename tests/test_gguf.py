@@ -545,3 +545,82 @@ def test_qwen35moe_ssm_key_missing_is_named(tmp_path, capsys):
     write_gguf(hf, tmp_path / "m.gguf", skip_key="ssm_time_step_rank")
     err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
     assert "'qwen35moe.ssm.time_step_rank' is missing" in err
+
+
+# ---- gpt-oss ------------------------------------------------------------------------------------
+def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
+    """Q8_0 experts kept as int8 exactly, each record's fp32 b13 / b2 the file's F32 biases
+    (ffn_{gate,up,down}_exps.bias), and streaming at the minimum budget gives the resident bits
+    (the torch path: biases and the clamped SwiGLU)."""
+    _, _, stored, store = q8("gpt_oss")
+    s = Store(store)
+    for layer in s.args.moe_layer_ids:
+        pre = f"model.layers.{layer}.mlp.experts"
+        gate_up = stored[f"{pre}.gate_up_proj"].transpose(1, 2)  # [E, 2I, D], interleaved
+        down, b13, b2 = (stored[f"{pre}.{k}"] for k in ("down_proj", "gate_up_proj_bias",
+                                                         "down_proj_bias"))  # fmt: skip
+        layout = s.layouts[layer]
+        for e in range(s.args.num_experts):
+            sec = layout.views(
+                torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            )
+            w13 = dequantize(sec, "w13", layout.groups[0], torch.float32)
+            assert torch.equal(w13, torch.cat([gate_up[e, ::2], gate_up[e, 1::2]]))
+            assert torch.equal(dequantize(sec, "w2", layout.groups[1], torch.float32), down[e].T)
+            assert torch.equal(sec["b13"], torch.cat([b13[e, ::2], b13[e, 1::2]]))
+            assert torch.equal(sec["b2"], b2[e])
+    want = our_logits(store, StreamConfig(resident=True))
+    assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=min_budget(s))))
+
+
+def test_gpt_oss_mxfp4_experts_are_requantized_and_said(tmp_path, capsys):
+    """MXFP4 experts (what gpt-oss files hold; no store scheme keeps them): dequantized by the
+    gguf package (every value exact in fp32) and requantized, by default to int4, said per type;
+    the records are the int4 of the file's values (the int4 store of a Hugging Face folder
+    holding them, bit for bit). bf16 holds every MXFP4 value: `--quant bf16` is within 1e-4 of
+    transformers on the file's values and says it is exact."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moestream.quant import DenseQuant, make_scheme
+
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf")
+    path = tmp_path / "m.gguf"
+    stored = write_gguf(hf, path, {layer: ("MXFP4",) * 3 for layer in range(3)})
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False, DenseQuant())
+    err = capsys.readouterr().err
+    assert Store(store).scheme.name == "int4"
+    assert "9 MXFP4 expert tensor(s): dequantized and requantized to int4 g32 (lossy" in err
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
+    assert torch.equal(our_logits(store), our_logits(theirs))
+    exact = convert(path, tmp_path / "bf16", make_scheme("bf16"), False)
+    assert "9 MXFP4 expert tensor(s): dequantized into bf16 (exact" in capsys.readouterr().err
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(exact)).abs().max().item() < FP32_TOL
+
+
+def _gpt_oss_error(q8, tmp_path, capsys, drop: str) -> str:
+    _, path, _, _ = q8("gpt_oss")
+    _without_tensor(path, tmp_path / "x.gguf", drop)
+    return _convert_error(capsys, tmp_path / "x.gguf", tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    "drop", ["blk.1.attn_sinks.weight", "blk.2.ffn_down_exps.bias", "blk.0.ffn_gate_inp.bias"]
+)
+def test_gpt_oss_missing_sinks_or_bias_names_it(q8, tmp_path, capsys, drop):
+    err = _gpt_oss_error(q8, tmp_path, capsys, drop)
+    assert f"tensor {drop!r} is missing (gpt-oss layers need it)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_gpt_oss_missing_sliding_window_is_named(tmp_path, capsys):
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", skip_key="sliding_window")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "'gpt-oss.attention.sliding_window' is missing" in err

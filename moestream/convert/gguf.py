@@ -189,6 +189,9 @@ EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K":
 # Q8_0 is also q8_0 exactly (its fp16 d kept: 8.5 bits per weight against int8's 9); int8 stays
 # its default scheme, the one the GPU kernels read.
 EXACT_ALSO = {"Q8_0": "q8_0"}
+# Types a float scheme holds every value of: dequantized into it, nothing rounded (MXFP4's e2m1
+# values times a power of two, gpt-oss's experts, are bf16 numbers).
+HELD_BY = {"bf16": ("BF16", "MXFP4")}
 _BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, **{k.upper(): b for k, b in KQUANT_BYTES.items()}}
 
 
@@ -909,19 +912,20 @@ class GGUFCheckpoint:
                 scheme, kinds = layout.scheme_of(name), [self.expert_type(layer, r) for r in roles]
                 kept = all(_is_exact(k, scheme) for k in kinds)
                 for kind in kinds:
-                    done[kind, not kept, scheme] += 1
+                    held = kind in HELD_BY.get(scheme.name, ())
+                    done[kind, "kept" if kept else "held" if held else "lossy", scheme] += 1
                 if keep and len(set(kinds)) > 1 and all(k in EXACT for k in kinds):
                     lines.append(
                         f"layer {layer}: gate {kinds[0]} and up {kinds[1]} differ (one w13 "
                         f"section holds both): that layer's w13 requantized to {scheme.name}"
                     )
-        for (kind, lossy, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
-            what = (
-                f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
-                "a second rounding; measure with `moestream eval`)"
-                if lossy
-                else f"kept exactly as {scheme.name} (same values)"
-            )
+        for (kind, how, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
+            what = {
+                "kept": f"kept exactly as {scheme.name} (same values)",
+                "held": f"dequantized into {scheme.name} (exact: it holds every {kind} value)",
+                "lossy": f"dequantized and requantized to {scheme.name} g{scheme.group_size} "
+                "(lossy: a second rounding; measure with `moestream eval`)",
+            }[how]
             lines.append(f"{n} {kind} expert tensor(s): {what}")
         return lines
 
