@@ -554,6 +554,13 @@ def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
     (the torch path: biases and the clamped SwiGLU)."""
     _, _, stored, store = q8("gpt_oss")
     s = Store(store)
+    _gpt_oss_records_are(s, stored)
+    want = our_logits(store, StreamConfig(resident=True))
+    assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=min_budget(s))))
+
+
+def _gpt_oss_records_are(s, stored: dict) -> None:
+    """Every record of gpt-oss store `s` dequantizes (fp32) to `stored`'s fused HF tensors."""
     for layer in s.args.moe_layer_ids:
         pre = f"model.layers.{layer}.mlp.experts"
         gate_up = stored[f"{pre}.gate_up_proj"].transpose(1, 2)  # [E, 2I, D], interleaved
@@ -561,24 +568,21 @@ def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
                                                          "down_proj_bias"))  # fmt: skip
         layout = s.layouts[layer]
         for e in range(s.args.num_experts):
-            sec = layout.views(
-                torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
-            )
+            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            sec = layout.views(buf)
             w13 = dequantize(sec, "w13", layout.groups[0], torch.float32)
             assert torch.equal(w13, torch.cat([gate_up[e, ::2], gate_up[e, 1::2]]))
             assert torch.equal(dequantize(sec, "w2", layout.groups[1], torch.float32), down[e].T)
             assert torch.equal(sec["b13"], torch.cat([b13[e, ::2], b13[e, 1::2]]))
             assert torch.equal(sec["b2"], b2[e])
-    want = our_logits(store, StreamConfig(resident=True))
-    assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=min_budget(s))))
 
 
-def test_gpt_oss_mxfp4_experts_are_requantized_and_said(tmp_path, capsys):
-    """MXFP4 experts (what gpt-oss files hold; no store scheme keeps them): dequantized by the
-    gguf package (every value exact in fp32) and requantized, by default to int4, said per type;
-    the records are the int4 of the file's values (the int4 store of a Hugging Face folder
-    holding them, bit for bit). bf16 holds every MXFP4 value: `--quant bf16` is within 1e-4 of
-    transformers on the file's values and says it is exact."""
+def test_gpt_oss_mxfp4_experts_are_int8_exactly(tmp_path, capsys):
+    """MXFP4 experts (what gpt-oss files hold) go into int8 exactly by default (q = 2x the e2m1
+    value, s = half the e8m0 scale), said so: the records are the file's values bit for bit, the
+    logits within 1e-4 of transformers on them. `--quant int4` requantizes (said lossy): the
+    int4 store of a Hugging Face folder holding the file's values, bit for bit; `--quant bf16`
+    holds every MXFP4 value too (said exact)."""
     import shutil
 
     from safetensors.torch import save_file
@@ -589,19 +593,23 @@ def test_gpt_oss_mxfp4_experts_are_requantized_and_said(tmp_path, capsys):
     path = tmp_path / "m.gguf"
     stored = write_gguf(hf, path, {layer: ("MXFP4",) * 3 for layer in range(3)})
     capsys.readouterr()
-    store = convert(path, tmp_path / "store", source_scheme(path, None), False, DenseQuant())
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    assert "9 MXFP4 expert tensor(s): kept exactly as int8 (same values)" in capsys.readouterr().err
+    assert Store(store).scheme.name == "int8"
+    _gpt_oss_records_are(Store(store), stored)
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    int4 = convert(path, tmp_path / "int4", make_scheme("int4"), False, DenseQuant())
     err = capsys.readouterr().err
-    assert Store(store).scheme.name == "int4"
     assert "9 MXFP4 expert tensor(s): dequantized and requantized to int4 g32 (lossy" in err
     folder = tmp_path / "values"
     shutil.copytree(hf, folder)
     save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
     theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
-    assert torch.equal(our_logits(store), our_logits(theirs))
-    exact = convert(path, tmp_path / "bf16", make_scheme("bf16"), False)
+    assert torch.equal(our_logits(int4), our_logits(theirs))
+    bf16 = convert(path, tmp_path / "bf16", make_scheme("bf16"), False)
     assert "9 MXFP4 expert tensor(s): dequantized into bf16 (exact" in capsys.readouterr().err
-    want = hf_logits(hf, stored, tmp_path)
-    assert (want - our_logits(exact)).abs().max().item() < FP32_TOL
+    _gpt_oss_records_are(Store(bf16), stored)
 
 
 def _gpt_oss_error(q8, tmp_path, capsys, drop: str) -> str:
