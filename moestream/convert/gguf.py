@@ -6,8 +6,10 @@ tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's arch
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
 it (`ARCHS`: which llama.cpp architecture runs as which model file); where llama.cpp's converter
 rewrote a tensor (deepseek2's split kv_b, qwen35moe's shifted norms, A = -exp(A_log) and tiled
-value heads) `gguf_inverse` gives the Hugging Face tensor back. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K /
-Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
+value heads) `gguf_inverse` gives the Hugging Face tensor back; gpt-oss's expert biases
+(`ffn_*_exps.bias`) go into the records' b13 / b2. GGUF blocks a store scheme holds exactly
+(`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_K / Q5_K / Q6_K -> q4_k / q5_k / q6_k; MXFP4 -> int8,
+its values rewritten exactly) are copied byte for byte, experts (`expert_sections`) and dense
 weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
 its own type (`record_layouts`: per layer, w13's and w2's scheme), so mixed files (Q4_K_M) stay
 exact. Other expert types are dequantized and requantized, and `conversion_notes` says so per
@@ -895,7 +897,7 @@ class GGUFCheckpoint:
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
         """The experts' own scheme when every expert tensor has one type a scheme holds exactly
-        (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
+        (Q8_0, Q4_0, Q4_K, Q5_K, Q6_K, MXFP4: kept exactly), else int8 when every one has >= 8 bits
         per weight, else int4: the scheme of the store, and of what convert requantizes (the
         other types kept, `ExpertQuant.keep_source`)."""
         types = set(self.expert_type_counts())
@@ -956,7 +958,7 @@ def _is_exact(kind: str, scheme: QuantScheme) -> bool:
 def _sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str, torch.Tensor]:
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
-    as stored); Q4_0 -> q uint8 [N, K/2]
+    as stored); MXFP4 -> int8 q, s (`_mxfp4_int8`); Q4_0 -> q uint8 [N, K/2]
     (the 16 nibble bytes as stored), d fp16 [N, K/32]; K-quants -> q uint8 [N, K/256, B], the
     blocks as stored."""
     raw = np.ascontiguousarray(raw)
