@@ -16,7 +16,7 @@ import torch
 GGUF_ARCH = {
     "qwen3_moe": "qwen3moe", "qwen2_moe": "qwen2moe", "olmoe": "olmoe", "mixtral": "llama",
     "glm4_moe": "glm4moe", "lfm2_moe": "lfm2moe", "deepseek_v3": "deepseek2",
-    "qwen3_5_moe_text": "qwen35moe",
+    "qwen3_5_moe_text": "qwen35moe", "gpt_oss": "gpt-oss",
 }  # fmt: skip
 # qwen35moe norms llama.cpp's converter writes as 1 + w (zero-centred in Hugging Face's)
 SHIFTED_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight", "model.norm.weight",
@@ -35,6 +35,8 @@ def gguf_key(hf: str) -> str:
     qwen35moe's dt_bias)."""
     hf = hf.replace("e_score_correction_bias", "e_score_correction.bias")
     hf = hf.replace("linear_attn.dt_bias", "linear_attn.dt_proj.bias")
+    if hf.endswith(".self_attn.sinks"):  # gpt-oss: the converter names it sinks.weight
+        hf += ".weight"
     return hf.replace(".expert_bias", ".expert_bias.bias")
 
 
@@ -136,6 +138,9 @@ def write_gguf(
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
     for hf, w in state.items():
         parts = hf.split(".")
+        if mt == "gpt_oss" and ".experts." in hf:
+            _gpt_oss_experts(writer, hf, w, experts, stored)
+            continue
         if ".experts." in hf:
             layer, e, role = int(parts[2]), int(parts[5]), parts[6]
             role = (_MIXTRAL_ROLES if mt in ("mixtral", "lfm2_moe") else _EXPERT_ROLES)[role]
@@ -167,6 +172,9 @@ def write_gguf(
         w = np.stack([by_e[e] for e in range(len(by_e))])  # [E, N, K]
         kind = dict(zip(("gate", "up", "down"), types.get(layer, ("F32",) * 3)))[role]
         vals = _store(writer, f"blk.{layer}.ffn_{role}_exps.weight", w, T[kind])
+        if mt == "gpt_oss":
+            stored[f"{layer}.{role}"] = torch.from_numpy(np.ascontiguousarray(vals))
+            continue
         for e in range(len(by_e)):
             stored[expert_name(mt, layer, e, role)] = torch.from_numpy(
                 np.ascontiguousarray(vals[e])
@@ -175,7 +183,54 @@ def write_gguf(
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    if mt == "gpt_oss":
+        _gpt_oss_fused(stored, n)
     return stored
+
+
+def _gpt_oss_experts(writer, hf: str, w: np.ndarray, experts: dict, stored: dict) -> None:
+    """gpt_oss's fused experts as llama.cpp's GptOssModel writes a float checkpoint: gate_up_proj
+    [E, D, 2I] (x @ W, gate and up interleaved along 2I) -> gate / up [E, I, D], down_proj
+    [E, I, D] -> [E, D, I]; the biases split alike, written F32 as `ffn_*_exps.bias`."""
+    layer, key = int(hf.split(".")[2]), hf.split(".")[-1]
+    if key.endswith("_bias"):
+        parts = {"gate": w[:, ::2], "up": w[:, 1::2]} if "gate_up" in key else {"down": w}
+        for role, b in parts.items():
+            writer.add_tensor(f"blk.{layer}.ffn_{role}_exps.bias", np.ascontiguousarray(b))
+        stored[hf] = torch.from_numpy(w.copy())
+        return
+    t = w.transpose(0, 2, 1)  # [E, out, in]
+    parts = {"gate": t[:, ::2], "up": t[:, 1::2]} if "gate_up" in key else {"down": t}
+    for role, m in parts.items():
+        experts[(layer, role)] = dict(enumerate(np.ascontiguousarray(m)))
+
+
+def _gpt_oss_fused(stored: dict, n_layers: int) -> None:
+    """The stored gate / up / down values [E, out, in] back into gpt_oss's fused HF tensors."""
+    for layer in range(n_layers):
+        stored.update(gpt_oss_fused(layer, *(stored.pop(f"{layer}.{r}") for r in _ROLES)))
+
+
+_ROLES = ("gate", "up", "down")
+
+
+def gpt_oss_fused(layer: int, gate, up, down, b_gate=None, b_up=None, b_down=None) -> dict:
+    """gpt_oss's fused HF expert tensors of one layer from GGUF-ordered values: gate / up [E, I,
+    D], down [E, D, I] (biases [E, I], [E, D]) -> gate_up_proj [E, D, 2I], gate and up
+    interleaved, down_proj [E, I, D] (gate_up_proj_bias [E, 2I], down_proj_bias [E, D])."""
+
+    def interleave(a, b):
+        return torch.stack([a, b], dim=2).flatten(1, 2)
+
+    pre = f"model.layers.{layer}.mlp.experts"
+    out = {
+        f"{pre}.gate_up_proj": interleave(gate, up).transpose(1, 2).contiguous(),
+        f"{pre}.down_proj": down.transpose(1, 2).contiguous(),
+    }
+    if b_gate is not None:
+        out[f"{pre}.gate_up_proj_bias"] = interleave(b_gate, b_up).contiguous()
+        out[f"{pre}.down_proj_bias"] = b_down
+    return out
 
 
 def _store_kv_b(writer, name: str, w: np.ndarray, cfg: dict, kind) -> torch.Tensor:
@@ -255,6 +310,17 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
     }
     if "moe_intermediate_size" in cfg:
         adds["expert_feed_forward_length"] = cfg["moe_intermediate_size"]
+    if cfg["model_type"] == "gpt_oss":  # as llama.cpp's GptOssModel (+ TextModel's yarn keys)
+        rp = cfg["rope_parameters"]
+        adds.update(
+            expert_feed_forward_length=cfg["intermediate_size"],
+            sliding_window=cfg["sliding_window"],
+            rope_scaling_type=gguf.RopeScalingType.YARN,
+            rope_scaling_factor=rp["factor"],
+            rope_scaling_orig_ctx_len=rp["original_max_position_embeddings"],
+            rope_scaling_yarn_beta_fast=rp["beta_fast"],
+            rope_scaling_yarn_beta_slow=rp["beta_slow"],
+        )
     if cfg.get("shared_expert_intermediate_size"):
         adds["expert_shared_feed_forward_length"] = cfg["shared_expert_intermediate_size"]
     if cfg["model_type"] == "olmoe" and cfg.get("clip_qkv"):

@@ -24,7 +24,7 @@ from moestream.loader import load_model
 from moestream.store.format import MIXED_VERSION, VERSION, Store
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe", "deepseek_v3",
-         "qwen3_5_moe_text")  # fmt: skip
+         "qwen3_5_moe_text", "gpt_oss")  # fmt: skip
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
 Q4 = ("Q4_0",) * 3
@@ -37,6 +37,7 @@ FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 # config's norm_eps, which transformers reads, and rms_norm_eps, which the converter writes).
 # DeepSeek's yarn: llama.cpp keeps only mscale_all_dim (as yarn_log_multiplier) and takes mscale
 # equal to it; its converter writes the sigmoid gating from config.json's scoring_func.
+# gpt-oss: llama.cpp fixes the SwiGLU clamp at 7 and rounds yarn's correction dims (truncate).
 GGUF_FORM = {
     "qwen3_moe": {"mlp_only_layers": []},
     "lfm2_moe": dict(conv_bias=False, tie_word_embeddings=True, routed_scaling_factor=1.0,
@@ -44,12 +45,20 @@ GGUF_FORM = {
     "deepseek_v3": dict(scoring_func="sigmoid", rope_parameters=dict(
         rope_type="yarn", rope_theta=10000.0, factor=4.0, original_max_position_embeddings=64,
         mscale=0.8, mscale_all_dim=0.8)),
+    "gpt_oss": dict(swiglu_limit=7.0, rope_parameters=dict(
+        rope_type="yarn", rope_theta=150000.0, factor=4.0, beta_fast=32.0, beta_slow=1.0,
+        truncate=True, original_max_position_embeddings=64)),
 }  # fmt: skip
 
 
 def hf_checkpoint(arch: str, folder, **extra):
     over = {**GGUF_FORM.get(arch, {}), **extra}
-    return save(perturbed_model(arch, seed=2, **over), folder, "per_expert")
+    model = perturbed_model(arch, seed=2, **over)
+    if arch == "gpt_oss":  # a clamp at 7 binds: gate / up pre-activations of std ~4
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.experts.gate_up_proj.mul_(4.0)
+    return save(model, folder, "per_expert")
 
 
 @pytest.fixture(scope="module")
@@ -375,21 +384,47 @@ def _llama3_style_tokenizer(folder) -> None:
     (folder / "tokenizer.json").write_text(json.dumps(doc))
 
 
+def _o200k_style_tokenizer(folder) -> None:
+    """The tiny tokenizer with o200k's pre-tokenizer (GPT-4o, gpt-oss: its split regex, then
+    bytes; no normalizer), and a merge `n F` across the lower -> upper case boundary o200k splits
+    at (Llama 3's regex does not: `xnFoo` would encode differently)."""
+    from tiny_models import VOCAB
+
+    from moestream.convert.gguf_vocab import _O200K
+
+    doc = json.loads((folder / "tokenizer.json").read_text())
+    assert len(doc["model"]["vocab"]) < VOCAB
+    doc["model"]["vocab"]["nF"] = len(doc["model"]["vocab"])
+    doc["model"]["merges"].append(["n", "F"])
+    doc["pre_tokenizer"] = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": _O200K}, "behavior": "Isolated", "invert": False},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
+             "use_regex": False},
+        ],
+    }  # fmt: skip
+    (folder / "tokenizer.json").write_text(json.dumps(doc))
+
+
 TEXTS = [
     "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1)",
     "<|user|>hi there<|end|><|assistant|>",
     "  spaces   and\ttabs\n\n\nnewlines 12345 3.14 don't WE'LL",
     "unicode: café naïve 東京 🙂 e\u0301",
+    "CamelCaseWord xnFoo HTTPServer I'M x/y/z\n/path 1234567",  # o200k's case split
 ]
 
 
-@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "lfm2"])
+@pytest.mark.parametrize("pre", ["gpt-2", "qwen2", "llama-bpe", "glm4", "lfm2", "gpt-4o"])
 def test_tokenizer_encodes_like_the_hf_tokenizer(tmp_path, pre):
     hf = hf_checkpoint("olmoe", tmp_path / "hf")
     if pre == "qwen2":
         _qwen2_style_tokenizer(hf)
     if pre in ("llama-bpe", "glm4", "lfm2"):
         _llama3_style_tokenizer(hf)
+    if pre == "gpt-4o":
+        _o200k_style_tokenizer(hf)
     write_gguf(hf, tmp_path / "m.gguf", pre=pre)
     out = tmp_path / "files"
     out.mkdir()
@@ -607,3 +642,90 @@ def test_qwen35moe_ssm_key_missing_is_named(tmp_path, capsys):
     write_gguf(hf, tmp_path / "m.gguf", skip_key="ssm_time_step_rank")
     err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
     assert "'qwen35moe.ssm.time_step_rank' is missing" in err
+
+
+# ---- gpt-oss ------------------------------------------------------------------------------------
+def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
+    """Q8_0 experts kept as int8 exactly, each record's fp32 b13 / b2 the file's F32 biases
+    (ffn_{gate,up,down}_exps.bias), and streaming at the minimum budget gives the resident bits
+    (the torch path: biases and the clamped SwiGLU)."""
+    _, _, stored, store = q8("gpt_oss")
+    s = Store(store)
+    _gpt_oss_records_are(s, stored)
+    want = our_logits(store, StreamConfig(resident=True))
+    assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=min_budget(s))))
+
+
+def _gpt_oss_records_are(s, stored: dict) -> None:
+    """Every record of gpt-oss store `s` dequantizes (fp32) to `stored`'s fused HF tensors."""
+    for layer in s.args.moe_layer_ids:
+        pre = f"model.layers.{layer}.mlp.experts"
+        gate_up = stored[f"{pre}.gate_up_proj"].transpose(1, 2)  # [E, 2I, D], interleaved
+        down, b13, b2 = (stored[f"{pre}.{k}"] for k in ("down_proj", "gate_up_proj_bias",
+                                                         "down_proj_bias"))  # fmt: skip
+        layout = s.layouts[layer]
+        for e in range(s.args.num_experts):
+            buf = torch.frombuffer(bytearray(s.read_record(layer, e)), dtype=torch.uint8)
+            sec = layout.views(buf)
+            w13 = dequantize(sec, "w13", layout.groups[0], torch.float32)
+            assert torch.equal(w13, torch.cat([gate_up[e, ::2], gate_up[e, 1::2]]))
+            assert torch.equal(dequantize(sec, "w2", layout.groups[1], torch.float32), down[e].T)
+            assert torch.equal(sec["b13"], torch.cat([b13[e, ::2], b13[e, 1::2]]))
+            assert torch.equal(sec["b2"], b2[e])
+
+
+def test_gpt_oss_mxfp4_experts_are_int8_exactly(tmp_path, capsys):
+    """MXFP4 experts (what gpt-oss files hold) go into int8 exactly by default (q = 2x the e2m1
+    value, s = half the e8m0 scale), said so: the records are the file's values bit for bit, the
+    logits within 1e-4 of transformers on them. `--quant int4` requantizes (said lossy): the
+    int4 store of a Hugging Face folder holding the file's values, bit for bit; `--quant bf16`
+    holds every MXFP4 value too (said exact)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moestream.quant import DenseQuant, make_scheme
+
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf")
+    path = tmp_path / "m.gguf"
+    stored = write_gguf(hf, path, {layer: ("MXFP4",) * 3 for layer in range(3)})
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    assert "9 MXFP4 expert tensor(s): kept exactly as int8 (same values)" in capsys.readouterr().err
+    assert Store(store).scheme.name == "int8"
+    _gpt_oss_records_are(Store(store), stored)
+    want = hf_logits(hf, stored, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    int4 = convert(path, tmp_path / "int4", make_scheme("int4"), False, DenseQuant())
+    err = capsys.readouterr().err
+    assert "9 MXFP4 expert tensor(s): dequantized and requantized to int4 g32 (lossy" in err
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
+    assert torch.equal(our_logits(int4), our_logits(theirs))
+    bf16 = convert(path, tmp_path / "bf16", make_scheme("bf16"), False)
+    assert "9 MXFP4 expert tensor(s): dequantized into bf16 (exact" in capsys.readouterr().err
+    _gpt_oss_records_are(Store(bf16), stored)
+
+
+def _gpt_oss_error(q8, tmp_path, capsys, drop: str) -> str:
+    _, path, _, _ = q8("gpt_oss")
+    _without_tensor(path, tmp_path / "x.gguf", drop)
+    return _convert_error(capsys, tmp_path / "x.gguf", tmp_path / "s")
+
+
+@pytest.mark.parametrize(
+    "drop", ["blk.1.attn_sinks.weight", "blk.2.ffn_down_exps.bias", "blk.0.ffn_gate_inp.bias"]
+)
+def test_gpt_oss_missing_sinks_or_bias_names_it(q8, tmp_path, capsys, drop):
+    err = _gpt_oss_error(q8, tmp_path, capsys, drop)
+    assert f"tensor {drop!r} is missing (gpt-oss layers need it)" in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_gpt_oss_missing_sliding_window_is_named(tmp_path, capsys):
+    hf = hf_checkpoint("gpt_oss", tmp_path / "hf")
+    write_gguf(hf, tmp_path / "m.gguf", skip_key="sliding_window")
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert "'gpt-oss.attention.sliding_window' is missing" in err

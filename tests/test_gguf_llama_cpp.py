@@ -23,6 +23,7 @@ from test_gguf import FP32_TOL, hf_checkpoint, hf_logits, our_logits
 from tiny_models import perturbed_model, save
 
 from moestream.convert.writer import convert, source_scheme
+from moestream.kernels.ref import dequantize
 from moestream.quant import make_scheme
 from moestream.store.format import Store
 
@@ -89,7 +90,11 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
     model_type = {v: k for k, v in GGUF_ARCH.items()}[arch]
     names = gguf.get_tensor_name_map(gguf_arch(arch), meta[f"{arch}.block_count"])
     out = {}
+    if arch == "gpt-oss":
+        out.update(gpt_oss_experts(tensors, meta[f"{arch}.block_count"]))
     for name, w in tensors.items():
+        if "_exps." in name and arch == "gpt-oss":
+            continue
         if "_exps." in name:  # blk.L.ffn_{gate,up,down}_exps.weight: [E, N, K]
             layer, role = int(name.split(".")[1]), name.split(".")[2][4:-5]
             for e in range(w.shape[0]):
@@ -109,6 +114,21 @@ def dequantized_state(path: Path, hf: Path) -> dict[str, torch.Tensor]:
             n = meta[f"{arch}.attention.{kv}"]
             w = w.reshape(n, w.shape[0] // n // 2, 2, -1).swapaxes(1, 2).reshape(w.shape)
         out[key] = torch.tensor(w)
+    return out
+
+
+def gpt_oss_experts(tensors: dict, n_layers: int) -> dict[str, torch.Tensor]:
+    """gpt-oss: the fused HF expert tensors (and biases) of every layer from the GGUF's."""
+    from gguf_models import gpt_oss_fused
+
+    out = {}
+    for layer in range(n_layers):
+        parts = [
+            torch.tensor(tensors[f"blk.{layer}.ffn_{r}_exps.{p}"])
+            for p in ("weight", "bias")
+            for r in ("gate", "up", "down")
+        ]
+        out.update(gpt_oss_fused(layer, *parts))
     return out
 
 
@@ -152,9 +172,10 @@ def qwen35_hf_values(w, key: str, meta: dict):
             "lfm2_moe",
             "deepseek_v3",
             "qwen3_5_moe_text",
+            "gpt_oss",
         )
     ]
-    + [(a, "f32") for a in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text")],
+    + [(a, "f32") for a in ("qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe_text", "gpt_oss")],
 )
 def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):
     hf = tiny(arch, tmp_path / "hf")
@@ -384,3 +405,46 @@ def test_greedy_tokens_equal_llama_completion_by_the_margin_rule(tmp_path):
     disagree = mine != theirs
     assert len(pos) >= 24 and disagree.sum() <= 2, disagree.nonzero()[:, 0].tolist()
     assert not (disagree & (gap >= MARGIN)).any(), gap[disagree].tolist()
+
+
+def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
+    """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
+    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
+    exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
+    (its own reader, tested against transformers; both hold every value), and the logits are
+    within 1e-4 of transformers on the GGUF's values."""
+    from safetensors.torch import load_file, save_file
+    from test_mxfp4 import _random_mxfp4
+
+    hf = tiny("gpt_oss", tmp_path / "hf")
+    quant = tmp_path / "mxfp4"
+    shutil.copytree(hf, quant)
+    tensors = load_file(str(quant / "model.safetensors"))
+    for i, name in enumerate(n for n in list(tensors) if n.endswith(("gate_up_proj", "down_proj"))):
+        E, n_in, n_out = tensors.pop(name).shape
+        blocks, scales = _random_mxfp4((E, n_out, n_in // 32), seed=10 + i)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+    save_file(tensors, str(quant / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((quant / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
+    (quant / "config.json").write_text(json.dumps(cfg))
+    path = llama_convert(quant, tmp_path / "m.gguf", "q8_0")
+    assert gguf_types(path)["MXFP4"] == 9
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    assert "9 MXFP4 expert tensor(s): kept exactly as int8" in capsys.readouterr().err
+    theirs = convert(quant, tmp_path / "hf-store", make_scheme("bf16"), False)
+    a, b = Store(store), Store(theirs)
+    for layer in a.args.moe_layer_ids:
+        for e in range(a.args.num_experts):
+            recs = [(s.layouts[layer], bytearray(s.read_record(layer, e))) for s in (a, b)]
+            secs = [lay.views(torch.frombuffer(buf, dtype=torch.uint8)) for lay, buf in recs]
+            for name, g in (("w13", 0), ("w2", 1)):
+                x, y = (dequantize(sec, name, lay.groups[g], torch.float32)
+                        for sec, (lay, _) in zip(secs, recs))  # fmt: skip
+                assert torch.equal(x, y), (layer, e, name)
+            assert torch.equal(secs[0]["b13"], secs[1]["b13"])
+    # the float folder's non-expert weights with the GGUF's values: transformers is the oracle
+    want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL

@@ -6,8 +6,10 @@ tokenizer.json, tokenizer_config.json) built from the metadata. llama.cpp's arch
 metadata keys become a Hugging Face config dict, so each model file's own `config_fields` maps
 it (`ARCHS`: which llama.cpp architecture runs as which model file); where llama.cpp's converter
 rewrote a tensor (deepseek2's split kv_b, qwen35moe's shifted norms, A = -exp(A_log) and tiled
-value heads) `gguf_inverse` gives the Hugging Face tensor back. GGUF blocks a store scheme holds exactly (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1,
-Q4_K / Q5_K / Q6_K -> q4_k / q5_k / q6_k) are copied byte for byte, experts (`expert_sections`) and dense
+value heads) `gguf_inverse` gives the Hugging Face tensor back; gpt-oss's expert biases
+(`ffn_*_exps.bias`) go into the records' b13 / b2. GGUF blocks a store scheme holds exactly
+(`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1, Q4_K / Q5_K / Q6_K -> q4_k / q5_k / q6_k;
+MXFP4 -> int8, its values rewritten exactly) are copied byte for byte, experts (`expert_sections`) and dense
 weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
 its own type (`record_layouts`: per layer, w13's and w2's scheme), so mixed files (Q4_K_M) stay
 exact. Other expert types are dequantized and requantized, and `conversion_notes` says so per
@@ -56,6 +58,8 @@ class GgufArch:
     # Our names where a model file spells a block differently (lfm2_moe: feed_forward, its norms
     # operator_norm / ffn_norm, the final norm written as token_embd_norm): GGUF name -> ours.
     names: tuple[tuple[str, str], ...] = ()
+    # Block tensors every MoE layer must hold (gpt-oss: sinks and biases), checked by name.
+    per_layer: tuple[str, ...] = ()
 
 
 # The llama.cpp architectures read so far; `llama` runs as mixtral when it has experts.
@@ -115,6 +119,21 @@ ARCHS = {
             ("ssm_out.weight", "linear_attn.out_proj.weight"),
         ),
     ),
+    # gpt-oss: attention sinks, sliding / full layers, router and experts with biases
+    "gpt-oss": GgufArch(
+        "gpt_oss",
+        norm_topk_prob=False,  # llama.cpp's SOFTMAX_WEIGHT: softmax over the k picked logits
+        names=(
+            ("attn_sinks.weight", "self_attn.sinks"),
+            ("ffn_gate_inp.weight", "mlp.router.weight"),
+            ("ffn_gate_inp.bias", "mlp.router.bias"),
+        ),
+        per_layer=(
+            "attn_sinks.weight",
+            "ffn_gate_inp.bias",
+            *(f"ffn_{r}_exps.bias" for r in ("gate", "up", "down")),
+        ),
+    ),
 }
 # The second half of a tensor llama.cpp splits in two (deepseek2's kv_b): read with the first.
 _SECOND_HALF = {"attn_v_b.weight": "attn_k_b.weight"}
@@ -155,7 +174,11 @@ _EXPERTS = {
     "ffn_up_exps.weight": "up",
     "ffn_down_exps.weight": "down",
 }
+# gpt-oss's expert biases, stacked [E, I] (gate, up) and [E, D] (down)
+_EXPERT_BIASES = {f"ffn_{r}_exps.bias": r for r in ("gate", "up", "down")}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+# llama.cpp's gpt-oss constants (llm_graph's LLM_FFN_SWIGLU_OAI_MOE): no GGUF key holds them.
+GPT_OSS_SWIGLU = {"swiglu_alpha": 1.702, "swiglu_limit": 7.0}
 
 # Types kept as they are in the dense file; every other weight type is dequantized to fp32.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -167,13 +190,20 @@ _INT8_BITS = 8.0
 # they are).
 EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 EXACT.update({"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"})
+# MXFP4 (gpt-oss's experts) is int8 exactly too: twice each e2m1 value is an integer in [-12, 12]
+# and half the e8m0 scale a power of two (9 bits per weight against the file's 4.25).
+EXACT["MXFP4"] = "int8"
 # Q8_0 is also q8_0 exactly (its fp16 d kept: 8.5 bits per weight against int8's 9); int8 stays
 # its default scheme, the one the GPU kernels read.
 EXACT_ALSO = {"Q8_0": "q8_0"}
+# Types a float scheme holds every value of: dequantized into it, nothing rounded (MXFP4's e2m1
+# values times a power of two, gpt-oss's experts, are bf16 numbers).
+HELD_BY = {"bf16": ("BF16", "MXFP4")}
 _BLOCK_BYTES = {
     "Q8_0": 34,
     "Q4_0": 18,
     "Q4_1": 20,
+    "MXFP4": 17,
     **{k.upper(): b for k, b in KQUANT_BYTES.items()},
 }
 
@@ -279,6 +309,7 @@ class GGUFCheckpoint:
         self.dense_names: list[str] = []
         self._dense_src: dict[str, str] = {}  # HF name -> GGUF name
         self._experts: dict[int, dict[str, str]] = {}  # layer -> gate/up/down -> GGUF name
+        self._expert_biases: dict[int, dict[str, str]] = {}  # the same, of their biases
         self._classify()
         self._check_types()
         self.config = self._hf_config()
@@ -383,6 +414,8 @@ class GGUFCheckpoint:
             cfg.update(self._deepseek2_fields(cfg, dense_layers, n_exp))
         if mt == "qwen3_5_moe_text":
             cfg.update(self._qwen35_fields(cfg))
+        if mt == "gpt_oss":
+            cfg.update(self._gpt_oss_fields(cfg, dense_layers))
         return cfg
 
     def _lead_dense(self, dense_layers: list[int]) -> int:
@@ -522,6 +555,41 @@ class GGUFCheckpoint:
             "partial_rotary_factor": int(self._arch_key("rope.dimension_count")) / cfg["head_dim"],
         }
 
+    def _gpt_oss_fields(self, cfg: dict[str, Any], dense_layers: list[int]) -> dict:
+        """gpt-oss: which layers slide (`attention.sliding_window_pattern`: per-layer flags, or a
+        period whose last layer is full; absent: llama.cpp's 2, every even layer slides), the
+        window, the SwiGLU constants llama.cpp fixes. Yarn as llama.cpp computes it: correction
+        dims rounded (`truncate`, our default), where gpt-oss's config.json says false."""
+        n = cfg["num_hidden_layers"]
+        if dense_layers:
+            raise CheckpointError(
+                f"{self.folder}: gpt-oss layer(s) {dense_layers} have no experts (every gpt-oss "
+                "layer is MoE)"
+            )
+        pattern = self._arch_key("attention.sliding_window_pattern", 2)
+        if isinstance(pattern, list):
+            if len(pattern) < n:
+                raise CheckpointError(
+                    f"{self.folder}: {self.arch_name}.attention.sliding_window_pattern has "
+                    f"{len(pattern)} entries for {n} layers"
+                )
+            slides = [bool(x) for x in pattern[:n]]
+        else:
+            p = int(pattern)
+            slides = [p == 0 or i % p < p - 1 for i in range(n)]
+        base_swa = self._arch_key("rope.freq_base_swa", None)
+        if base_swa is not None and _f32(base_swa) != cfg["rope_parameters"]["rope_theta"]:
+            raise CheckpointError(
+                f"{self.folder}: {self.arch_name}.rope.freq_base_swa {_f32(base_swa)} differs "
+                "from rope.freq_base: gpt_oss has one RoPE base for every layer"
+            )
+        return {
+            "num_local_experts": cfg["num_experts"],
+            "sliding_window": int(self._arch_key("attention.sliding_window")),
+            "layer_types": ["sliding_attention" if x else "full_attention" for x in slides],
+            **GPT_OSS_SWIGLU,
+        }
+
     def _rope(self) -> dict[str, Any]:
         rope: dict[str, Any] = {"rope_theta": _f32(self._arch_key("rope.freq_base", 10000.0))}
         kind = self._arch_key("rope.scaling.type", "none")
@@ -564,6 +632,8 @@ class GGUFCheckpoint:
                 continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] in _EXPERT_BIASES and self.arch.model_type == "gpt_oss":
+                self._expert_biases.setdefault(int(m[1]), {})[_EXPERT_BIASES[m[2]]] = name
             elif m and m[2] in _SECOND_HALF:
                 continue  # read by tensor() with its first half
             elif m and m[2] in own:
@@ -578,12 +648,23 @@ class GGUFCheckpoint:
                     f"architecture {self._key('general.architecture')!r}"
                 )
         self._check_halves()
+        self._check_per_layer()
         if "token_embd.weight" not in self._tensors:
             raise CheckpointError(f"{self.folder}: tensor 'token_embd.weight' is missing")
         if not self._experts:
             raise CheckpointError(
                 f"{self.folder}: no expert tensors (blk.N.ffn_gate_exps): not a MoE model"
             )
+
+    def _check_per_layer(self) -> None:
+        """Every MoE layer holds the block tensors its architecture needs (`GgufArch.per_layer`)."""
+        for layer in sorted(self._experts):
+            for part in self.arch.per_layer:
+                if f"blk.{layer}.{part}" not in self._tensors:
+                    raise CheckpointError(
+                        f"{self.folder}: tensor 'blk.{layer}.{part}' is missing ({self.arch_name} "
+                        "layers need it); the file is incomplete: convert it again"
+                    )
 
     def _check_halves(self) -> None:
         """Each half of a split tensor (deepseek2's attn_k_b / attn_v_b) has the other beside it."""
@@ -648,12 +729,18 @@ class GGUFCheckpoint:
                         f"{self.folder}: layer {layer}: tensor 'blk.{layer}.ffn_{role}_exps.weight' "
                         "is missing"
                     )
-                got = [int(x) for x in self._tensors[name].shape]
-                if got != shape:
-                    raise CheckpointError(
-                        f"{self.folder}: tensor {name!r} has shape {got} (GGUF order), the "
-                        f"metadata implies {shape}"
-                    )
+                self._check_shape(name, shape)
+        for roles in self._expert_biases.values():  # ne [I, E] (gate, up), [D, E]
+            for role, name in roles.items():
+                self._check_shape(name, [D if role == "down" else I, E])
+
+    def _check_shape(self, name: str, shape: list[int]) -> None:
+        got = [int(x) for x in self._tensors[name].shape]
+        if got != shape:
+            raise CheckpointError(
+                f"{self.folder}: tensor {name!r} has shape {got} (GGUF order), the metadata "
+                f"implies {shape}"
+            )
 
     def _as_torch(self, t, data: np.ndarray) -> torch.Tensor:
         """A tensor's (or one expert slice's) stored data -> torch, dequantized unless float."""
@@ -722,8 +809,15 @@ class GGUFCheckpoint:
         """(gate [I, D], up [I, D], down [D, I]) of one expert, dequantized."""
         return tuple(self._expert_slice(layer, r, e) for r in ("gate", "up", "down"))
 
-    def expert_biases(self, layer: int, e: int) -> None:
-        return None  # no supported GGUF architecture has expert biases
+    def expert_biases(
+        self, layer: int, e: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(gate [I], up [I], down [D]) biases of one expert in fp32 (gpt-oss), else None."""
+        roles = self._expert_biases.get(layer)
+        if roles is None:
+            return None
+        parts = (self._tensors[roles[r]] for r in ("gate", "up", "down"))
+        return tuple(self._as_torch(t, t.data[e]).float() for t in parts)
 
     def _exact(self, scheme: QuantScheme, layer: int, roles: tuple[str, ...]) -> bool:
         """The experts' blocks are `scheme` exactly (EXACT)."""
@@ -765,6 +859,9 @@ class GGUFCheckpoint:
             w = torch.cat([self._expert_slice(layer, r, e).float() for r in roles])  # [N, K]
             for suffix, t in quantize(scheme, w).items():
                 out[f"{name}.{suffix}"] = t
+        if self.args.expert_bias:  # fp32 sections after the weights, as quantize_expert's
+            b_gate, b_up, out["b2"] = self.expert_biases(layer, e)
+            out["b13"] = torch.cat([b_gate, b_up])
         return out
 
     def dense_type(self, name: str) -> str:
@@ -803,7 +900,7 @@ class GGUFCheckpoint:
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
         """The experts' own scheme when every expert tensor has one type a scheme holds exactly
-        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K: kept exactly), else int8 when every one has >= 8 bits
+        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4: kept exactly), else int8 when every one has >= 8 bits
         per weight, else int4: the scheme of the store, and of what convert requantizes (the
         other types kept, `ExpertQuant.keep_source`)."""
         types = set(self.expert_type_counts())
@@ -828,19 +925,20 @@ class GGUFCheckpoint:
                 scheme, kinds = layout.scheme_of(name), [self.expert_type(layer, r) for r in roles]
                 kept = all(_is_exact(k, scheme) for k in kinds)
                 for kind in kinds:
-                    done[kind, not kept, scheme] += 1
+                    held = kind in HELD_BY.get(scheme.name, ())
+                    done[kind, "kept" if kept else "held" if held else "lossy", scheme] += 1
                 if keep and len(set(kinds)) > 1 and all(k in EXACT for k in kinds):
                     lines.append(
                         f"layer {layer}: gate {kinds[0]} and up {kinds[1]} differ (one w13 "
                         f"section holds both): that layer's w13 requantized to {scheme.name}"
                     )
-        for (kind, lossy, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
-            what = (
-                f"dequantized and requantized to {scheme.name} g{scheme.group_size} (lossy: "
-                "a second rounding; measure with `moestream eval`)"
-                if lossy
-                else f"kept exactly as {scheme.name} (same values)"
-            )
+        for (kind, how, scheme), n in sorted(done.items(), key=lambda kv: kv[0][:2]):
+            what = {
+                "kept": f"kept exactly as {scheme.name} (same values)",
+                "held": f"dequantized into {scheme.name} (exact: it holds every {kind} value)",
+                "lossy": f"dequantized and requantized to {scheme.name} g{scheme.group_size} "
+                "(lossy: a second rounding; measure with `moestream eval`)",
+            }[how]
             lines.append(f"{n} {kind} expert tensor(s): {what}")
         return lines
 
@@ -863,11 +961,13 @@ def _is_exact(kind: str, scheme: QuantScheme) -> bool:
 def _sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str, torch.Tensor]:
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
-    as stored); Q4_0 -> q uint8 [N, K/2]
+    as stored); MXFP4 -> int8 q, s (`_mxfp4_int8`); Q4_0 -> q uint8 [N, K/2]
     (the 16 nibble bytes as stored), d fp16 [N, K/32]; Q4_1 -> q as Q4_0's, dm fp16 [N, K/32, 2]
     (d, m as stored); K-quants -> q uint8 [N, K/256, B], the blocks as stored."""
     raw = np.ascontiguousarray(raw)
     n = raw.shape[0]
+    if kind == "MXFP4":
+        return _mxfp4_int8(raw.reshape(n, -1, _BLOCK_BYTES[kind]))
     if kind.lower() in KQUANT_BYTES:
         return {"q": torch.from_numpy(raw.reshape(n, -1, _BLOCK_BYTES[kind]).copy())}
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
@@ -880,3 +980,19 @@ def _sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str
         q = torch.from_numpy(qs.view(np.int8))
         return {"q": q, "d": d} if scheme == "q8_0" else {"q": q, "s": d.float()}
     return {"q": torch.from_numpy(qs), "d": d}
+
+
+# e2m1 codes -> twice their value (sign bit 3): llama.cpp's kvalues_mxfp4
+_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
+
+
+def _mxfp4_int8(blocks: np.ndarray) -> dict[str, torch.Tensor]:
+    """MXFP4 blocks uint8 [N, G, 17] (e8m0 exponent e, then 16 bytes: element j in the low nibble
+    of byte j, element j + 16 in the high one) -> int8 sections, exactly: q int8 [N, G * 32] = 2x
+    the e2m1 values, s fp32 [N, G] = 2^(e - 128) (half the block scale; e < 2 gives the
+    subnormals llama.cpp's e8m0_to_fp32_half gives)."""
+    n, g, _ = blocks.shape
+    qs = blocks[..., 1:]
+    q = np.concatenate([_E2M1_X2[qs & 0x0F], _E2M1_X2[qs >> 4]], axis=-1)  # [N, G, 32]
+    s = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
+    return {"q": torch.from_numpy(q.reshape(n, g * 32)), "s": torch.from_numpy(s)}

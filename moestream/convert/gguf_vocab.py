@@ -24,6 +24,13 @@ _LLAMA3 = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
     r"\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+# o200k (GPT-4o, gpt-oss): cased letter runs with optional contractions, digits in threes
+_O200K = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+"
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+"
+    r"[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+"
+    r"[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 # llama.cpp token types (llama_token_type): control tokens are special, user-defined ones are
 # added but not special; unused ones keep their id and never match text.
 _CONTROL, _USER_DEFINED = 3, 4
@@ -48,6 +55,8 @@ _PRE = {
     "olmo": lambda: (_gpt2(), False, False),
     "qwen2": lambda: (_split_then_bytes(_QWEN2), True, False),
     "llama-bpe": lambda: (_split_then_bytes(_LLAMA3), False, True),
+    # llama.cpp's GPT4O pre-type: no normalizer, merges applied (no ignore_merges)
+    "gpt-4o": lambda: (_split_then_bytes(_O200K), False, False),
 }
 # llama.cpp gives these Llama 3's regex and ignore_merges too (llama-vocab.cpp: lfm2 is a LLAMA3
 # pre-type; glm4 / glm5 are CHATGLM4, whose regex is Llama 3's)
