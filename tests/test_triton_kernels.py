@@ -186,7 +186,9 @@ def test_host_reads_give_the_pool_bits(quant, mma):
     from moestream.kernels.triton.layout import StackedExperts
 
     if quant == "int4r" and (mma or not CUDA):  # interpreter: the provider's device-miss test
-        pytest.skip("int4 rows run on CUDA cores only; on the CPU test_cpu_device_misses covers them")
+        pytest.skip(
+            "int4 rows run on CUDA cores only; on the CPU test_cpu_device_misses covers them"
+        )
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 128, 64, 3
     gen = torch.Generator().manual_seed(40 + mma)
