@@ -97,6 +97,14 @@ def test_text_stream_never_emits_half_characters_or_stop_prefixes():
     assert "\ufffd" not in "".join(out)
     assert "".join(out) == "é ok "  # "EN" is held back: it may become "END"
     assert ts.push(ord("D")) == "" and ts.stopped and ts.text == "é ok "
+    # A stop string whose next character is still half decoded: its prefix is held as well
+    # (it was emitted once the text ended in U+FFFD, then the stop matched before it).
+    ts = TextStream(_ByteTok(), stop=("amé",))
+    out = [ts.push(b) for b in "x am".encode() + "é!".encode()]
+    assert ts.stopped and ts.text == "x " and "".join(out) == "x "
+    ts = TextStream(_ByteTok(), stop=("amé",))
+    out = [ts.push(b) for b in "x amè".encode()] + [ts.flush()]  # not the stop: all of it
+    assert not ts.stopped and "".join(out) == ts.text == "x amè"
 
 
 def test_chat_template_applied(rt):

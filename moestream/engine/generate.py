@@ -87,15 +87,17 @@ class TextStream:
         self.text = text
         if self.stopped:
             return self.flush()
+        # Trailing U+FFFD may be an incomplete UTF-8 sequence that a later token turns into a
+        # character (possibly of a stop string): never emitted yet, and the stop prefixes are
+        # looked for before it ("am" of a stop "amé" is held while the é is half decoded).
+        stable = text.rstrip("\ufffd")
         hold = 0  # longest tail that is the start of a stop string
         for s in self.stop:
-            for n in range(min(len(s) - 1, len(text)), 0, -1):
-                if text.endswith(s[:n]):
+            for n in range(min(len(s) - 1, len(stable)), 0, -1):
+                if stable.endswith(s[:n]):
                     hold = max(hold, n)
                     break
-        safe = len(text) - hold
-        if text[:safe].endswith("\ufffd"):  # an incomplete UTF-8 sequence so far
-            safe -= 1
+        safe = len(stable) - hold
         out = text[self.emitted : max(safe, self.emitted)]
         self.emitted = max(safe, self.emitted)
         return out
