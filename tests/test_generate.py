@@ -100,7 +100,7 @@ def test_text_stream_never_emits_half_characters_or_stop_prefixes():
     # A stop string whose next character is still half decoded: its prefix is held as well
     # (it was emitted once the text ended in U+FFFD, then the stop matched before it).
     ts = TextStream(_ByteTok(), stop=("amé",))
-    out = [ts.push(b) for b in "x am".encode() + "é!".encode()]
+    out = [ts.push(b) for b in "x amé!".encode()]
     assert ts.stopped and ts.text == "x " and "".join(out) == "x "
     ts = TextStream(_ByteTok(), stop=("amé",))
     out = [ts.push(b) for b in "x amè".encode()] + [ts.flush()]  # not the stop: all of it
