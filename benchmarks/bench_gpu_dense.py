@@ -143,7 +143,8 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
     import torch.nn.functional as F
 
     from moestream.kernels.ref import dequantize
-    from moestream.kernels.triton.dense import gemv_candidates, gemv_impl, int4_rows
+    from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
+    from moestream.quant import int4_to_rows
 
     stored = "int4" if quant == "int4_rows" else quant  # int4_rows: the GPU's repack of int4
     secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))
@@ -152,7 +153,7 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
     ref = F.linear(x, dequantize({"w.q": secs[0][0], f"w.{suffix}": secs[0][1]}, "w", 32,
                                  x.dtype)).float()  # fmt: skip
     if quant == "int4_rows":
-        secs = [int4_rows(q, sz, n, k, 32) for q, sz in secs]
+        secs = [int4_to_rows(q, sz, 32) for q, sz in secs]
     q, scales = secs[0]
     nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
     configs = gemv_candidates(quant, n, k, 32, x.shape[0])

@@ -10,6 +10,9 @@ from pathlib import Path
 
 from moestream.config import SamplingConfig
 
+# quant.SCHEMES, spelled here so --help does not import torch (tests/test_cli_modes.py checks they match)
+QUANT_CHOICES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+
 # Measured with torch 2.13 on the dev CPU (AVX512-BF16/AMX present): a bf16 GEMV at one token
 # reads 7 GB/s against fp32's 19 GB/s at D=2048, so fp32 decodes faster despite twice the bytes.
 DTYPE_HELP = (
@@ -174,17 +177,7 @@ def _add_store_args(p) -> None:
     g.add_argument(
         "--quant",
         default=None,
-        choices=[
-            "bf16",
-            "int8",
-            "int4",
-            "q4_0",
-            "q4_1",
-            "q8_0",
-            "q4_k",
-            "q5_k",
-            "q6_k",
-        ],  # quant.SCHEMES
+        choices=QUANT_CHOICES,
         help="expert quantization when converting a Hugging Face folder (default bf16) or a "
         "GGUF file (default: its experts' type when all are one of Q8_0 / Q4_0 / Q4_1 / Q4_K / "
         "Q5_K / Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
@@ -376,17 +369,7 @@ def _add_convert(sub) -> None:
     p.add_argument(
         "--quant",
         default=None,
-        choices=[
-            "bf16",
-            "int8",
-            "int4",
-            "q4_0",
-            "q4_1",
-            "q8_0",
-            "q4_k",
-            "q5_k",
-            "q6_k",
-        ],  # quant.SCHEMES
+        choices=QUANT_CHOICES,
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
         "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_1 / q4_k / q5_k / "
         "q6_k when its experts are all Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K (kept exactly, CPU "

@@ -415,3 +415,11 @@ def test_serve_takes_the_model_as_its_first_argument(capsys):
     assert _model_folder(build_parser().parse_args(["serve", "-m", "some/dir"])) == "some/dir"
     assert "give the model folder" in refused(capsys, ["serve"])
     assert "two models given" in refused(capsys, ["serve", "a", "-m", "b"])
+
+
+def test_the_cli_quant_choices_are_the_schemes():
+    """--quant's choices (spelled in cli.py so --help stays light) are quant.SCHEMES, in order."""
+    from moestream.cli import QUANT_CHOICES
+    from moestream.quant import SCHEMES
+
+    assert QUANT_CHOICES == SCHEMES

@@ -27,7 +27,6 @@ ARCHS = ("qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "glm4_moe", "lfm2_moe", "
          "qwen3_5_moe_text", "gpt_oss")  # fmt: skip
 PROMPT = torch.randint(0, 320, (12,), generator=torch.Generator().manual_seed(5))
 Q8 = ("Q8_0",) * 3
-Q4 = ("Q4_0",) * 3
 Q41 = ("Q4_1",) * 3
 FP32_TOL = 1e-4  # the fp32 parity tolerance of tests/test_parity.py
 
@@ -202,115 +201,75 @@ def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
     assert not Store(tmp_path / "store8").mixed
 
 
+# GGUF type -> (the scheme it is kept as, the store version: q4_1 is a scheme version 4 readers
+# do not know, so its stores are version 5)
+NIBBLE_KEPT = {"Q4_0": ("q4_0", VERSION), "Q4_1": ("q4_1", MIXED_VERSION)}
+
+
 @pytest.fixture(scope="module")
-def q4(tmp_path_factory):
-    """arch -> (HF folder, all-Q4_0 GGUF (experts and dense), values stored, its store, convert's
-    stderr), built once."""
-    root = tmp_path_factory.mktemp("gguf-q4")
+def nibbles(tmp_path_factory):
+    """(arch, Q4_0 or Q4_1) -> (HF folder, GGUF with every expert and dense tensor of that type,
+    values stored, its store, convert's stderr), built once."""
+    root = tmp_path_factory.mktemp("gguf-nibbles")
     cache = {}
 
-    def get(arch: str, capsys):
-        if arch not in cache:
-            hf = hf_checkpoint(arch, root / f"{arch}-hf")
-            path = root / f"{arch}.gguf"
-            stored = write_gguf(hf, path, {layer: Q4 for layer in range(3)}, dense_type="Q4_0")
+    def get(arch: str, kind: str, capsys):
+        if (arch, kind) not in cache:
+            hf = hf_checkpoint(arch, root / f"{arch}-{kind}-hf")
+            path = root / f"{arch}-{kind}.gguf"
+            stored = write_gguf(hf, path, {layer: (kind,) * 3 for layer in range(3)},
+                                dense_type=kind)  # fmt: skip
             capsys.readouterr()
-            store = convert(path, root / f"{arch}-store", source_scheme(path, None), False)
-            cache[arch] = (hf, path, stored, store, capsys.readouterr().err)
-        return cache[arch]
+            store = convert(path, root / f"{arch}-{kind}-store", source_scheme(path, None), False)
+            cache[arch, kind] = (hf, path, stored, store, capsys.readouterr().err)
+        return cache[arch, kind]
 
     return get
 
 
+@pytest.mark.parametrize("kind", list(NIBBLE_KEPT))
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_q4_0_gguf_is_kept_exactly(q4, arch, tmp_path, capsys):
-    """Q4_0 experts and dense weights go into q4_0 sections byte for byte (no second rounding):
-    every record and dense section dequantizes to the GGUF's values, the logits are
-    transformers' on those values, and convert says so."""
-    hf, _, stored, store, err = q4(arch, capsys)
+def test_nibble_gguf_is_kept_exactly(nibbles, arch, kind, tmp_path, capsys):
+    """Q4_0 / Q4_1 experts and dense weights go into q4_0 / q4_1 sections byte for byte (the
+    default for a file of that one type; no second rounding): every record and dense section
+    dequantizes to the GGUF's values, the logits are transformers' on those values, and convert
+    says so (Q4_1: a version 5 store)."""
+    hf, _, stored, store, err = nibbles(arch, kind, capsys)
+    scheme, version = NIBBLE_KEPT[kind]
     s = Store(store)
-    assert s.scheme.name == "q4_0" and s.manifest["version"] == VERSION
-    assert "9 Q4_0 expert tensor(s): kept exactly as q4_0 (same values)" in err
-    assert "Q4_0 dense tensor(s): kept exactly as q4_0 (same values)" in err
+    assert s.scheme.name == scheme and s.manifest["version"] == version
+    assert f"9 {kind} expert tensor(s): kept exactly as {scheme} (same values)" in err
+    assert f"{kind} dense tensor(s): kept exactly as {scheme} (same values)" in err
     assert_records_are(s, stored)
     # q_proj: mixtral's rows were permuted by the converter; the reader undoes it per section.
     for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
-        assert s.dense_scheme(name).name == "q4_0"
+        assert s.dense_scheme(name).name == scheme
         sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
         assert torch.equal(dequantize(sec, "w", 32, torch.float32), stored[name])
     want = hf_logits(hf, stored, tmp_path)
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    if kind == "Q4_1":
+        # the native kernels (Q8_0 activations): the activation rounding (3.2-4.2% measured;
+        # all-Q4_0 and all-Q8_0 files of qwen3_moe: 2.6%, 3.0%)
+        native = our_logits(store, StreamConfig(resident=True))
+        assert (want - native).abs().max().item() < 0.05 * want.abs().max().item()
 
 
-def test_q4_0_store_streams_the_resident_bits_and_refuses_the_gpu(q4, capsys):
-    """On the native kernel (q4_0 x Q8_0 activations) streaming at the minimum budget gives the
-    resident bits; the GPU provider, which has no q4_0 kernel, refuses it by name."""
+@pytest.mark.parametrize("kind", list(NIBBLE_KEPT))
+def test_nibble_store_streams_the_resident_bits_and_refuses_the_gpu(nibbles, kind, capsys):
+    """On the native kernel (q4_0 / q4_1 x Q8_0 activations) streaming at the minimum budget
+    gives the resident bits; the GPU provider, which has no kernel for either, refuses it by
+    name."""
     from moestream.config import ConfigError
     from moestream.experts.config import GpuConfig
 
-    store = q4("qwen3_moe", capsys)[3]
+    store = nibbles("qwen3_moe", kind, capsys)[3]
+    scheme = NIBBLE_KEPT[kind][0]
     want = our_logits(store, StreamConfig(resident=True))
     got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
     assert torch.equal(want, got)
-    with pytest.raises(ConfigError, match="q4_0 experts, which have no GPU kernel.*--quant int4"):
-        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
-
-
-@pytest.fixture(scope="module")
-def q41(tmp_path_factory):
-    """arch -> (HF folder, all-Q4_1 GGUF (experts and dense), values stored, its store, convert's
-    stderr), built once."""
-    root = tmp_path_factory.mktemp("gguf-q41")
-    cache = {}
-
-    def get(arch: str, capsys):
-        if arch not in cache:
-            hf = hf_checkpoint(arch, root / f"{arch}-hf")
-            path = root / f"{arch}.gguf"
-            stored = write_gguf(hf, path, {layer: Q41 for layer in range(3)}, dense_type="Q4_1")
-            capsys.readouterr()
-            store = convert(path, root / f"{arch}-store", source_scheme(path, None), False)
-            cache[arch] = (hf, path, stored, store, capsys.readouterr().err)
-        return cache[arch]
-
-    return get
-
-
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_q4_1_gguf_is_kept_exactly(q41, arch, tmp_path, capsys):
-    """Q4_1 experts and dense weights go into q4_1 sections byte for byte (the default for an
-    all-Q4_1 file; no second rounding): every record and dense section dequantizes to the
-    GGUF's values, the logits are transformers' on those values, and convert says so. A scheme
-    version 4 readers do not know: the store is version 5."""
-    hf, _, stored, store, err = q41(arch, capsys)
-    s = Store(store)
-    assert s.scheme.name == "q4_1" and s.manifest["version"] == MIXED_VERSION
-    assert "9 Q4_1 expert tensor(s): kept exactly as q4_1 (same values)" in err
-    assert "Q4_1 dense tensor(s): kept exactly as q4_1 (same values)" in err
-    assert_records_are(s, stored)
-    for name in ("model.layers.1.self_attn.q_proj.weight", "model.embed_tokens.weight"):
-        assert s.dense_scheme(name).name == "q4_1"
-        sec = {f"w.{k}": v for k, v in s.dense_sections(name).items()}
-        assert torch.equal(dequantize(sec, "w", 32, torch.float32), stored[name])
-    want = hf_logits(hf, stored, tmp_path)
-    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
-    # the native kernels (Q8_0 activations): the activation rounding (3.2-4.2% measured; all-Q4_0
-    # and all-Q8_0 files of qwen3_moe: 2.6%, 3.0%)
-    native = our_logits(store, StreamConfig(resident=True))
-    assert (want - native).abs().max().item() < 0.05 * want.abs().max().item()
-
-
-def test_q4_1_store_streams_the_resident_bits_and_refuses_the_gpu(q41, capsys):
-    """On the native kernel streaming at the minimum budget gives the resident bits; the GPU
-    provider, which has no q4_1 kernel, refuses it by name."""
-    from moestream.config import ConfigError
-    from moestream.experts.config import GpuConfig
-
-    store = q41("qwen3_moe", capsys)[3]
-    want = our_logits(store, StreamConfig(resident=True))
-    got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
-    assert torch.equal(want, got)
-    with pytest.raises(ConfigError, match="q4_1 experts, which have no GPU kernel.*--quant int4"):
+    match = f"{scheme} experts, which have no GPU kernel.*--quant int4"
+    with pytest.raises(ConfigError, match=match):
         load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
 
 

@@ -21,7 +21,7 @@ except ImportError:
 
 from moestream.kernels.dense import QuantLinear, QuantWeight
 from moestream.kernels.ref import dequantize
-from moestream.quant import make_scheme, quantize, unpack_int4, unpack_q4_0
+from moestream.quant import int4_to_rows, make_scheme, quantize, unpack_int4, unpack_q4_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTS = ["int8", "int4", "q4_0", "int4_rows"]
@@ -43,7 +43,7 @@ def _weight(quant: str, n: int, k: int, seed: int, group: int = 32) -> QuantWeig
 def _operands(w: QuantWeight, quant: str):
     """(q, scales) the GEMV of `quant` reads: the sections, or int4's row-major GPU repack."""
     if quant == "int4_rows":
-        return tdense.int4_rows(w.q, w.sz, *w.shape, w.scheme.group_size)
+        return int4_to_rows(w.q, w.sz, w.scheme.group_size)
     return w.q, getattr(w, w.suffixes[1])
 
 

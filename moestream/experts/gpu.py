@@ -149,13 +149,11 @@ class GpuExperts(ExpertProvider):
 
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
         """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
-        shapes = {s.name: s.shape for s in self.store.layout.sections}
-        dtypes = {s.name: s.dtype for s in self.store.layout.sections}
-        if not self.rows:
-            return {n: torch.empty((*lead, *sh), dtype=dtypes[n], device=device, pin_memory=pin)
-                    for n, sh in shapes.items()}  # fmt: skip
-        return {n: torch.empty((*lead, *sh), dtype=dt or dtypes[n], device=device, pin_memory=pin)
-                for n, (sh, dt) in pool_shapes(self.store.scheme, shapes).items()}  # fmt: skip
+        shapes = {s.name: (s.shape, s.dtype) for s in self.store.layout.sections}
+        if self.rows:  # int4's sz -> rz [N, K/G] int32
+            shapes = pool_shapes(self.store.scheme, shapes)
+        return {n: torch.empty((*lead, *sh), dtype=dt, device=device, pin_memory=pin)
+                for n, (sh, dt) in shapes.items()}  # fmt: skip
 
     def _pool_layout(self, secs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Store-layout sections [m, ...] -> the pool's layout (int4: repacked into rows)."""

@@ -26,7 +26,7 @@ from torch import nn
 from moestream.kernels import native
 from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
-from moestream.quant import QuantScheme, pack_int4, unpack_int4
+from moestream.quant import QuantScheme, int4_to_rows, pack_int4, unpack_int4
 
 DENSE_KERNELS = ("native", "cpu", "triton", "ref")
 
@@ -86,10 +86,7 @@ class QuantLinear(nn.Module):
 
             self._triton = triton_dense
         if self.rows_layout:  # made here, not at the first call (that may be inside a compile)
-            n, k = weight.shape
-            rows, words = self._triton.int4_rows(
-                weight.q, weight.sz, n, k, weight.scheme.group_size
-            )
+            rows, words = int4_to_rows(weight.q, weight.sz, weight.scheme.group_size)
             self.register_buffer("rows_q", rows, persistent=False)
             self.register_buffer("rows_sz", words, persistent=False)
 

@@ -394,6 +394,19 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
   *y = acc;
 }
 
+// Eight 32-input blocks of q4_0 / q4_1 nibbles from block j on (16 bytes each: input i low nibble,
+// i + 16 high) -> wv[b] = the block's 32 u8 values in input order; rows of a work item are
+// contiguous, so the bytes g_prefetch ahead are prefetched (one stream).
+__attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q, int j, __m256i* wv) {
+  if (g_prefetch)
+    for (int c = 0; c < 8 * G / 2; c += 64) _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+  const __m128i m4 = _mm_set1_epi8(15);
+  for (int b = 0; b < 8; ++b) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+    wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+  }
+}
+
 // q4_0, one row front to back: a block's 16 bytes -> 32 u8 nibbles in element order, maddubs with
 // the int8 activations (<= 2 * 15 * 127: no saturation), eight blocks' dots reduced to int32 at
 // once, minus 8 * sum x (exactly sum (q - 8) x); the fp32 terms added into their 8 lanes.
@@ -406,20 +419,13 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   const float* d = a.dr(t);
   const int32_t* sx = a.sr(t);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i m4 = _mm_set1_epi8(15);
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)  // rows of a work item are contiguous: one stream, read g_prefetch ahead
-      for (int c = 0; c < 8 * G / 2; c += 64)
-        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
-    __m256i p[8];
-    for (int b = 0; b < 8; ++b) {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
-      const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
-      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-    }
+    __m256i wv[8], p[8];
+    nibble_blocks8(q, j, wv);
+    for (int b = 0; b < 8; ++b)
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
     const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(sx + j)), 3);
     const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
@@ -471,20 +477,13 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int
   const uint16_t* dm = (const uint16_t*)w.s + (size_t)r * nb * 2;
   const int8_t* xq = a.qr(t);
   const __m256i ones = _mm256_set1_epi16(1);
-  const __m128i m4 = _mm_set1_epi8(15);
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)
-      for (int c = 0; c < 8 * G / 2; c += 64)
-        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
-    __m256i p[8];
-    for (int b = 0; b < 8; ++b) {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
-      const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G));
-      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-    }
+    __m256i wv[8], p[8];
+    nibble_blocks8(q, j, wv);
+    for (int b = 0; b < 8; ++b)
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
     accv = _mm256_add_ps(accv, q4_1_terms8(dm + 2 * j, a.dr(t) + j, hsum8(p), a.sr(t) + j));
   }
   float l[8];
@@ -749,19 +748,12 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, 
   const int nb = w.K / G;
   const uint8_t* q = w.q + (size_t)r * w.K / 2;
   const uint16_t* dw = (const uint16_t*)w.s + (size_t)r * nb;
-  const __m128i m4 = _mm_set1_epi8(15);
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)
-      for (int c = 0; c < 8 * G / 2; c += 64)
-        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
     __m256i wv[8];
-    for (int b = 0; b < 8; ++b) {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
-      wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
+    nibble_blocks8(q, j, wv);
     const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
     for (int i = 0; i < NT; ++i) {
       const int8_t* xq = a.qr(ts[i]);
@@ -799,19 +791,12 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
   const int nb = w.K / G;
   const uint8_t* q = w.q + (size_t)r * w.K / 2;
   const uint16_t* dm = (const uint16_t*)w.s + (size_t)r * nb * 2;
-  const __m128i m4 = _mm_set1_epi8(15);
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)
-      for (int c = 0; c < 8 * G / 2; c += 64)
-        _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
     __m256i wv[8];
-    for (int b = 0; b < 8; ++b) {
-      const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
-      wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    }
+    nibble_blocks8(q, j, wv);
     for (int i = 0; i < NT; ++i) {
       const int8_t* xq = a.qr(ts[i]);
       __m256i m[8];

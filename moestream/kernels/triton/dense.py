@@ -50,7 +50,7 @@ from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
-# int4_rows: int4 weights repacked row-major on the GPU (`int4_rows`), one-token GEMV only
+# int4_rows: int4 weights repacked row-major (quant.int4_to_rows), 1-8 tokens on the fma kernel
 QUANT_CODE = {"int8": 1, "int4": 2, "q4_0": 3, "int4_rows": 4}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 M = 16  # token rows of one dot (tl.dot's minimum; T <= MAX_TOKENS of them are used)
@@ -81,25 +81,15 @@ class GemvConfig:
 # store's int4 layout (64-row blocks, k-major: a thread holds one k of 32 rows, so every weight
 # needs its row's scale and zero) ran at 0.54-0.79x of bf16 at the attention shapes and 1.17x on
 # the output layer (e8ec9b1). So int4 weights are repacked once into q4_0's row-major nibble
-# order with their (scale, zero) words row-major (`int4_rows`, the sections' size), and the GEMV
+# order with their (scale, zero) words row-major (`quant.int4_to_rows`, the sections' size), and the GEMV
 # runs q4_0's loop with the zero term per group (s * sum((q - 8) x) + z * sum(x)): 311579e,
 # q 4096x2048 5.2 us (bf16 7.1, store layout 11.3), o 6.5 (9.3, 12.4), output layer 151936
 # rows 87.2 (149.9, 127.6).
 
 
 def rows_layout(quant: str, n: int, group: int) -> bool:
-    """Whether an [n, K] weight of this scheme runs from the row-major repack (`int4_rows`)."""
+    """Whether an [n, K] weight of this scheme runs from the row-major repack (quant.int4_to_rows)."""
     return quant == "int4" and group % 32 == 0
-
-
-def int4_rows(q: torch.Tensor, sz: torch.Tensor, n: int, k: int, group: int):
-    """The store's int4 sections of one [n, k] weight -> (rows [n, k/2] uint8, words [n, k/G]
-    int32): quant.int4_to_rows, the GPU's row-major layout."""
-    from moestream.quant import int4_to_rows
-
-    rows, words = int4_to_rows(q, sz, group)
-    assert rows.shape == (n, k // 2) and words.shape == (n, k // group)
-    return rows, words
 
 
 def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | None:

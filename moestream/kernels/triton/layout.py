@@ -106,17 +106,17 @@ def rows_sections(
 
 
 def pool_shapes(scheme: QuantScheme, shapes: dict[str, tuple]) -> dict[str, tuple]:
-    """A record's section shapes in the pool layout (rows_sections) -> name -> (shape, dtype
-    override or None): int4's sz [K/G, N, 2] becomes rz [N, K/G] int32."""
+    """A record's sections name -> (shape, dtype) in the pool layout (rows_sections): int4's sz
+    [K/G, N, 2] bf16 becomes rz [N, K/G] int32; other schemes as they are."""
     if scheme.name != "int4":
-        return {n: (sh, None) for n, sh in shapes.items()}
+        return shapes
     out = {}
-    for n, sh in shapes.items():
+    for n, (sh, dt) in shapes.items():
         if n.endswith(".sz"):
             kg, rows, _ = sh
             out[n[:-3] + ".rz"] = ((rows, kg), torch.int32)
         else:
-            out[n] = (sh, None)
+            out[n] = (sh, dt)
     return out
 
 
