@@ -231,6 +231,7 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
         from moestream.experts.gpu import GpuExperts
 
         model = model.to(cfg.device)
+        model.set_gpu_decode(cfg.kernel == "triton" and torch.device(cfg.device).type == "cuda")
         provider: ExpertProvider = GpuExperts(store, cfg)
     elif cfg.mmap:
         from moestream.experts.mmap import MmapExperts

@@ -54,3 +54,40 @@ def test_router_topk_ties_take_the_lower_id():
     s = torch.tensor([[0.1, 0.3, 0.2, 0.3, 0.1]], device=DEVICE)
     top, ids = topk_rows(s, 3)
     assert ids.tolist() == [[1, 3, 2]] and top[0].tolist() == pytest.approx([0.3, 0.3, 0.2])
+
+
+def _moe_block(E: int, k: int, renorm: bool, act_dtype: bool):
+    import transformers as T
+
+    from moestream.models import model_args_from_dict
+    from moestream.models.layers import SparseMoe
+
+    cfg = T.Qwen3MoeConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                           moe_intermediate_size=32, num_experts=E, num_experts_per_tok=k,
+                           norm_topk_prob=renorm)  # fmt: skip
+    torch.manual_seed(E + k)
+    return SparseMoe(model_args_from_dict(cfg.to_dict()), 0, weights_in_act_dtype=act_dtype)
+
+
+# The interpreter casts to bf16 by truncation: bf16 weights are checked on CUDA only.
+DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("E,k,T,renorm", [(128, 8, 1, True), (60, 4, 3, False), (256, 8, 8, True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_route_rows_matches_the_block_rule(E, k, T, renorm, dtype):
+    """route_rows on the router's logits = SparseMoe.route + the combine cast (the torch code):
+    the same ids, weights within fp32 summation order (then the same bits once cast)."""
+    from moestream.kernels.triton.router import route_rows
+
+    block = _moe_block(E, k, renorm, act_dtype=True).to(DEVICE, dtype)
+    x = torch.randn(T, 64, device=DEVICE, dtype=dtype)
+    with torch.inference_mode():
+        want_w, want_ids = block.route(x)
+        want_w = block._combine_dtype(want_w, x)
+        w, ids = route_rows(block.gate(x), k, renorm, dtype)
+    assert torch.equal(ids, want_ids)
+    assert w.dtype == want_w.dtype
+    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: at most a rounding step apart
+    torch.testing.assert_close(w.float(), want_w.float(), rtol=rtol, atol=1e-6)

@@ -1,5 +1,6 @@
 """Pick the quantized-linear kernel (CPU kernels by default, the reference when asked), the
-whole-MoE kernel (reference or Triton on CUDA) and the router's top-k."""
+whole-MoE kernel (reference or Triton on CUDA), the router's top-k and the one-token attention
+core on CUDA."""
 
 from __future__ import annotations
 
@@ -51,3 +52,30 @@ def topk(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         else:
             return topk_rows(s, k)
     return torch.topk(s, k, dim=-1)
+
+
+def attend_unsupported(
+    heads: int, kv_heads: int, head_dim: int, rotary_dim: int, dtype
+) -> str | None:
+    """Why the one-token Triton attention cannot take these shapes (or triton is missing)."""
+    try:
+        from moestream.kernels.triton.attention import unsupported
+    except ImportError:
+        return "triton is not installed"
+    return unsupported(heads, kv_heads, head_dim, rotary_dim, dtype)
+
+
+def decode_attend(*args) -> torch.Tensor:
+    """One token's q/k head norm, RoPE, cache write and attention on CUDA
+    (kernels/triton/attention.py; its reference is the model's torch code)."""
+    from moestream.kernels.triton.attention import decode_attend as attend
+
+    return attend(*args)
+
+
+def route_rows(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype):
+    """The softmax top-k rule of a few router rows on CUDA in one launch
+    (kernels/triton/router.py; its reference is SparseMoe.route) -> (weights in dtype, ids)."""
+    from moestream.kernels.triton.router import route_rows as route
+
+    return route(logits, k, renorm, dtype)

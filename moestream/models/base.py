@@ -79,6 +79,15 @@ class MoeCausalLM(nn.Module):
         self.fused_decode = on
         self.modules_changed()
 
+    def set_gpu_decode(self, on: bool) -> None:
+        """Run a one-token CUDA step's attention core (q/k norm, RoPE, cache write, attention)
+        and a decode step's routing rule after the router GEMM as one Triton launch each, where
+        each module's rule allows (the loader turns it on for the GPU's Triton kernels). Off: the
+        torch code, the kernels' reference."""
+        for m in self.modules():
+            if isinstance(m, (Attention, SparseMoe)):
+                m.gpu_decode = on
+
     def modules_changed(self) -> None:
         """The provider, observers or adapters changed: the native decode step is rebuilt (or
         found not to qualify) at the next one-token step."""

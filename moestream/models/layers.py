@@ -17,7 +17,13 @@ from torch import nn
 from moestream.config import ModelArgs, RopeArgs
 from moestream.kernels import native
 from moestream.kernels.dense import QuantLinear, RowsOf
-from moestream.kernels.dispatch import topk
+from moestream.kernels.dispatch import (
+    TOPK_TRITON_MAX_TOKENS,
+    attend_unsupported,
+    decode_attend,
+    route_rows,
+    topk,
+)
 
 
 def _cpu_fp32(x: torch.Tensor) -> bool:
@@ -192,6 +198,9 @@ class Attention(nn.Module):
     # Set by MoeCausalLM.set_fused_decode: a one-token fp32 CPU step runs everything between the
     # q/k/v and o projections (q/k head norm, RoPE, cache write, attention) as one native.attend.
     fused_decode = False
+    # Set by MoeCausalLM.set_gpu_decode: a one-token CUDA step runs the same span as one Triton
+    # launch (kernels/triton/attention.py), reading only the valid cache positions.
+    gpu_decode = False
 
     def __init__(
         self,
@@ -249,6 +258,9 @@ class Attention(nn.Module):
                 qk_w, eps = self._qk_norm_weight(), self.q_norm.eps
             out = native.attend(qkv, qk_w, eps, cos[0], sin[0], kc, vc, start, self.scaling,
                                 self.window, H, Hkv)  # fmt: skip
+            return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
+        if self.gpu_decode and T == 1 and qkv.is_cuda and self._gpu_fusable(qkv, cos):
+            out = self._attend_gpu(qkv, cos, sin, cache, start)
             return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
         if self.qk_norm == "full" or self.clip_qkv is not None:
             q, k, v = qkv.split((H * hd, Hkv * hd, Hkv * hd), dim=-1)
@@ -353,6 +365,24 @@ class Attention(nn.Module):
             and hasattr(cache, "buffers")  # engine/kv_cache.py: KVCache (int positions)
             and cache.k[self.layer].dtype == torch.float32
         )
+
+    def _gpu_fusable(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
+        """decode_attend's case: this module's rule, and a shape and dtype the kernel takes."""
+        return self._attend_rule and (
+            attend_unsupported(self.H, self.Hkv, self.hd, cos.shape[-1], qkv.dtype) is None
+        )
+
+    def _attend_gpu(self, qkv: torch.Tensor, cos, sin, cache, start) -> torch.Tensor:
+        """q/k head norm, RoPE, cache write and attention of one token in one launch -> [1, H*hd]."""
+        if isinstance(start, int):
+            (kc, vc), pos_t, pos = cache.buffers(self.layer, start + 1), None, start
+        else:  # a captured step's device position (StaticKVCache)
+            (kc, vc), pos_t, pos = (cache.k[self.layer], cache.v[self.layer]), start, 0
+        qk_w, eps = (None, 0.0)
+        if self.qk_norm == "head":
+            qk_w, eps = self._qk_norm_weight(), self.q_norm.eps
+        return decode_attend(qkv, qk_w, cos, sin, kc, vc, pos_t, pos, eps, self.scaling,
+                             self.window or 0, self.H, self.Hkv)  # fmt: skip
 
     def _qk_norm_weight(self) -> torch.Tensor:
         """q_norm's and k_norm's weights side by side, [H + Hkv, hd], remade when either changes."""
@@ -527,6 +557,9 @@ class SparseMoe(nn.Module):
     # Set by MoeCausalLM.set_fused_decode: one token's softmax top-k routing as one native.route
     # where the block keeps this class's rule and a bias-free fp32 router.
     fused_decode = False
+    # Set by MoeCausalLM.set_gpu_decode: on CUDA, a few decode rows' softmax, top-k,
+    # renormalisation and cast after the router's GEMM in one Triton launch (route_rows).
+    gpu_decode = False
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, E]: what selection and weighting read."""
@@ -563,6 +596,15 @@ class SparseMoe(nn.Module):
         w = self.gate.weight
         return self._route_rule and _cpu_fp32(x) and w.dtype == torch.float32 and w.is_contiguous()
 
+    def _route_gpu_fusable(self, x: torch.Tensor) -> bool:
+        """route_rows' case: the base rule on a few decode rows of at most 1024 experts."""
+        return (
+            self._route_rule
+            and x.shape[0] <= TOPK_TRITON_MAX_TOKENS
+            and self.gate.out_features <= 1024
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        )
+
     def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """Gate weights [T, K] (in the dtype the experts get) of a given expert set ids [T, K]."""
         return self._combine_dtype(self.weigh(self.scores(x).gather(1, ids)), x)
@@ -571,8 +613,12 @@ class SparseMoe(nn.Module):
         return w.to(x.dtype) if self.weights_in_act_dtype and w.dtype != x.dtype else w
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, ids = self.route(x)  # [T, K] each
-        w = self._combine_dtype(w, x)
+        if self.gpu_decode and x.is_cuda and self._route_gpu_fusable(x):
+            dtype = x.dtype if self.weights_in_act_dtype else torch.float32
+            w, ids = route_rows(self.gate(x), self.k, self.renorm, dtype)
+        else:
+            w, ids = self.route(x)  # [T, K] each
+            w = self._combine_dtype(w, x)
         if self.observer is not None:
             self.observer(self.layer, ids, w, x)
         out = self.provider.experts(self.layer, x, ids, w)

@@ -1,0 +1,160 @@
+"""One decode token's attention core in one Triton launch (`decode_attend`): the q/k head norm,
+RoPE, the KV cache write and GQA attention over the valid positions only.
+
+The torch code (`models/layers.Attention.forward`: `_head_norm`, `apply_rope`, `cache.update`,
+`gqa_attention`) is the reference. A captured step ran it as ~8 kernels per layer (a norm + RoPE
+kernel, two cache writes, two cuBLAS GEMMs and the mask/softmax kernels), its GEMMs over the whole
+KV bucket with later positions masked. Here one program per query head:
+- normalises and rotates its q head and its group's new k head, rounding where the torch code
+  rounds (norm in fp32, cast, times the weight, cast; x*cos and roll(x)*sin cast, then added);
+- the first head of each group writes the new k and v rows at `pos`;
+- scores of positions [lo, pos) from the cache, the new key from registers (no program reads
+  the row being written), each rounded like bmm's output and its scaling;
+- softmax in fp32 in two passes (max and sum, then the probabilities rounded to the cache dtype
+  before they weight V, as `softmax_fp32` then bmm).
+Sums run in another order than cuBLAS's, so outputs differ from the torch code's in the last bits.
+The position is an int (eager) or a device tensor [1] (a captured step: the loop bounds are read
+on the device, so the step reads only the valid length whatever the bucket).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_S = 64  # cache positions per step of a program's loop
+_TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _round(x, DT: tl.constexpr):
+    """x rounded to the activation dtype, back in fp32 (the torch code's casts)."""
+    return x.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _norm_rope(x_ptr, w_ptr, cos_ptr, sin_ptr, eps, HD: tl.constexpr, HAS_NORM: tl.constexpr,
+               DT: tl.constexpr):  # fmt: skip
+    """One head [HD]: w * rms_norm(x) then x*cos + roll(x, HD/2)*sin (sin signed: layers.Rope)."""
+    d = tl.arange(0, HD)
+    dr = (d + HD // 2) % HD  # roll by HD/2: out[i] = x[(i + HD/2) mod HD]
+    x = tl.load(x_ptr + d).to(tl.float32)
+    xr = tl.load(x_ptr + dr).to(tl.float32)
+    if HAS_NORM:
+        inv = tl.rsqrt(tl.sum(x * x, 0) / HD + eps)
+        x = _round(tl.load(w_ptr + d).to(tl.float32) * _round(x * inv, DT), DT)
+        xr = _round(tl.load(w_ptr + dr).to(tl.float32) * _round(xr * inv, DT), DT)
+    c = tl.load(cos_ptr + d).to(tl.float32)
+    s = tl.load(sin_ptr + d).to(tl.float32)
+    return _round(_round(x * c, DT) + _round(xr * s, DT), DT)
+
+
+@triton.jit
+def _scores(k_row_ptr, q, idx, ok, scaling, HD: tl.constexpr, DT: tl.constexpr):
+    """Scores [BLOCK] of cache rows idx against q, rounded as bmm's output times the scaling;
+    -inf where not ok."""
+    d = tl.arange(0, HD)
+    k = tl.load(k_row_ptr + idx[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+    s = _round(_round(tl.sum(k.to(tl.float32) * q[None, :], 1), DT) * scaling, DT)
+    return tl.where(ok, s, float("-inf"))
+
+
+@triton.jit
+def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
+                          pos_arg, window, cap, eps, scaling, H: tl.constexpr, HKV: tl.constexpr,
+                          HD: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr,
+                          POS_PTR: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    h = tl.program_id(0)
+    kvh = h // (H // HKV)
+    d = tl.arange(0, HD)
+    if POS_PTR:
+        pos = tl.load(pos_ptr).to(tl.int32)
+    else:
+        pos = pos_arg
+    q = _norm_rope(qkv_ptr + h * HD, w_ptr + h * HD, cos_ptr, sin_ptr, eps, HD, HAS_NORM, DT)
+    kn = _norm_rope(qkv_ptr + (H + kvh) * HD, w_ptr + (H + kvh) * HD, cos_ptr, sin_ptr, eps, HD,
+                    HAS_NORM, DT)  # fmt: skip
+    vn = tl.load(qkv_ptr + (H + HKV + kvh) * HD + d).to(tl.float32)
+    k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
+    v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
+    if h % (H // HKV) == 0:  # one writer per group; nobody reads row pos from memory
+        tl.store(k_rows + pos * HD + d, kn.to(DT))
+        tl.store(v_rows + pos * HD + d, vn.to(DT))
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # keys past the window
+    s_new = _round(_round(tl.sum(kn * q, 0), DT) * scaling, DT)
+    m = s_new
+    total = s_new * 0.0 + 1.0  # sum of exp(s - m): the new key's term
+    j = tl.arange(0, BS)
+    for b in range(lo, pos, BS):  # pass 1: max and sum
+        idx = b + j
+        s = _scores(k_rows, q, idx, idx < pos, scaling, HD, DT)
+        m_next = tl.maximum(m, tl.max(s, 0))
+        total = total * tl.exp(m - m_next) + tl.sum(tl.exp(s - m_next), 0)
+        m = m_next
+    acc = _round(tl.exp(s_new - m) / total, DT) * vn
+    for b in range(lo, pos, BS):  # pass 2: probabilities rounded, then times V
+        idx = b + j
+        ok = idx < pos
+        p = _round(tl.exp(_scores(k_rows, q, idx, ok, scaling, HD, DT) - m) / total, DT)
+        v = tl.load(v_rows + idx[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(p[:, None] * v.to(tl.float32), 0)
+    tl.store(out_ptr + h * HD + d, acc.to(DT))
+
+
+def unsupported(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, dtype) -> str | None:
+    """Why `decode_attend` cannot take this attention (None when it can)."""
+    if head_dim & (head_dim - 1) or head_dim < 16:
+        return f"head dim {head_dim} is not a power of two >= 16"
+    if rotary_dim != head_dim:
+        return "partial rotary"
+    if heads % kv_heads:
+        return "query heads not a multiple of the KV heads"
+    if dtype not in _TL:
+        return f"activations in {dtype}"
+    return None
+
+
+def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                pos_t: torch.Tensor | None, pos: int, eps: float, scaling: float, window: int,
+                heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """qkv [1, (H + 2 Hkv) hd] (q heads, k heads, v heads), qk_w [H + Hkv, hd] (q_norm's rows,
+    then k_norm's) or None, cos/sin [1, hd] of the position, the layer's cache kc/vc
+    [Hkv, capacity, hd] -> [1, H hd] in qkv's dtype; writes k/v at the position (`pos_t` [1] on
+    the device, else `pos`). window: the sliding window, 0 for none."""
+    hd, cap = kc.shape[-1], kc.shape[1]
+    assert (
+        qkv.shape == (1, (heads + 2 * kv_heads) * hd) and kc.is_contiguous() and vc.is_contiguous()
+    )
+    assert kc.dtype == vc.dtype == qkv.dtype == cos.dtype, "one activation dtype throughout"
+    out = torch.empty(1, heads * hd, dtype=qkv.dtype, device=qkv.device)
+    qkv = qkv.contiguous()
+    w = qkv if qk_w is None else qk_w.contiguous()
+    _decode_attend_kernel[(heads,)](
+        qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t, out,
+        pos, window, cap, eps, scaling, H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S,
+        HAS_NORM=qk_w is not None, POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+@torch.library.custom_op("moestream::decode_attend", mutates_args=("kc", "vc"))
+def decode_attend_op(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
+                     sin: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+                     pos_t: torch.Tensor | None, pos: int, eps: float, scaling: float,
+                     window: int, heads: int, kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """`attend_impl` as one opaque op for torch.compile (it writes the cache in place)."""
+    return attend_impl(qkv, qk_w, cos, sin, kc, vc, pos_t, pos, eps, scaling, window, heads,
+                       kv_heads)  # fmt: skip
+
+
+@decode_attend_op.register_fake
+def _(qkv, qk_w, cos, sin, kc, vc, pos_t, pos, eps, scaling, window, heads, kv_heads):
+    return qkv.new_empty((1, heads * kc.shape[-1]))
+
+
+def decode_attend(*args) -> torch.Tensor:
+    """The custom op inside a compiled step, the plain function eagerly (as dense.gemv)."""
+    fn = decode_attend_op if torch.compiler.is_compiling() else attend_impl
+    return fn(*args)
