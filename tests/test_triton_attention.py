@@ -73,10 +73,15 @@ def run(a: ModelArgs, qk_norm, window, dtype, device, prompt: int, steps: int, s
 
 
 @pytest.mark.parametrize("static", [False, True])
-def test_decode_attend_matches_the_torch_attention_interpreter(static):
+def test_decode_attend_matches_the_torch_attention_interpreter(static, monkeypatch):
+    """Short blocks, so the steps cover the first block alone and the loops past it."""
+    from moestream.kernels.triton import attention
+
     if torch.cuda.is_available():
         pytest.skip("the CUDA cases below cover it")
-    run(args(), "head", None, torch.float32, "cpu", prompt=3, steps=3, static=static, capacity=80)
+    monkeypatch.setattr(attention, "FIRST", 8)
+    monkeypatch.setattr(attention, "BLOCK_S", 4)
+    run(args(), "head", None, torch.float32, "cpu", prompt=6, steps=9, static=static, capacity=40)
 
 
 @pytest.mark.cuda

@@ -74,20 +74,52 @@ def _moe_block(E: int, k: int, renorm: bool, act_dtype: bool):
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
-@pytest.mark.parametrize("E,k,T,renorm", [(128, 8, 1, True), (60, 4, 3, False), (256, 8, 8, True)])
+@pytest.mark.parametrize("E,k,T,renorm", [(128, 8, 1, True), (61, 4, 3, False), (256, 8, 8, True)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_route_rows_matches_the_block_rule(E, k, T, renorm, dtype):
-    """route_rows on the router's logits = SparseMoe.route + the combine cast (the torch code):
-    the same ids, weights within fp32 summation order (then the same bits once cast)."""
-    from moestream.kernels.triton.router import route_rows
+@pytest.mark.parametrize("gemm", [False, True])
+def test_routing_kernels_match_the_block_rule(E, k, T, renorm, dtype, gemm):
+    """route_rows on the router's logits, and route_decode from x (its GEMM too, called twice:
+    its counter resets) = SparseMoe.route + the combine cast (the torch code): the same ids,
+    weights within fp32 summation order (then the same bits once cast)."""
+    from moestream.kernels.triton.router import route_decode, route_rows
 
     block = _moe_block(E, k, renorm, act_dtype=True).to(DEVICE, dtype)
-    x = torch.randn(T, 64, device=DEVICE, dtype=dtype)
+    for _ in range(2 if gemm else 1):
+        x = torch.randn(T, 64, device=DEVICE, dtype=dtype)
+        with torch.inference_mode():
+            want_w, want_ids = block.route(x)
+            want_w = block._combine_dtype(want_w, x)
+            if gemm:
+                w, ids = route_decode(x, block.gate.weight, k, renorm, dtype)
+            else:
+                w, ids = route_rows(block.gate(x), k, renorm, dtype)
+        assert torch.equal(ids, want_ids)
+        assert w.dtype == want_w.dtype
+        rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: at most a rounding step apart
+        torch.testing.assert_close(w.float(), want_w.float(), rtol=rtol, atol=1e-6)
+
+
+# The interpreter rounds fp16 as CUDA does (and truncates bf16): bf16 runs on CUDA only.
+NORM_DTYPES = [torch.float16] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("T,D", [(1, 2048), (3, 96), (8, 37)])
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+def test_rms_norm_rows_matches_the_module(T, D, dtype):
+    """rms_norm_rows = RMSNorm.forward's torch code (norm in fp32, cast, times the weight): at
+    most one rounding step apart (the sum of squares in another order)."""
+    from moestream.kernels.triton.norm import rms_norm_rows
+    from moestream.models.layers import RMSNorm
+
+    torch.manual_seed(T * D)
+    m = RMSNorm(D, 1e-6).to(DEVICE, dtype)
+    with torch.no_grad():
+        m.weight.copy_(torch.randn(D) + 1)
+    x = (torch.randn(T, D) * 3).to(DEVICE, dtype)
     with torch.inference_mode():
-        want_w, want_ids = block.route(x)
-        want_w = block._combine_dtype(want_w, x)
-        w, ids = route_rows(block.gate(x), k, renorm, dtype)
-    assert torch.equal(ids, want_ids)
-    assert w.dtype == want_w.dtype
-    rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: at most a rounding step apart
-    torch.testing.assert_close(w.float(), want_w.float(), rtol=rtol, atol=1e-6)
+        want = m(x)
+        got = rms_norm_rows(x, m.weight, m.eps)
+    assert got.dtype == want.dtype
+    step = 2**-8 if dtype == torch.bfloat16 else 2**-10
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 * step, atol=0)
+    assert (got != want).float().mean() < 0.05  # rounding flips, not a different function

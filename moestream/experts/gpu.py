@@ -119,6 +119,13 @@ class GpuExperts(ExpertProvider):
         if cfg.resident:
             self.reader, self.host = None, None
             self._fill_resident()
+            # each layer's experts as a view: its routed ids are its slots (no offset kernel)
+            E = self.E
+            self.layer_pools = [
+                StackedExperts(store.scheme, {k: v[i * E : (i + 1) * E] for k, v in
+                                              self.pool.sections.items()})
+                for i in range(len(self.layers))
+            ]  # fmt: skip
             return
         self.table = SlotTable(self.n_slots, make_policy(cfg.policy, layers=self.layers), self.K)
         # slot_map[layer index, expert] = slot, or the absent code when not resident (kept equal
@@ -412,8 +419,6 @@ class GpuExperts(ExpertProvider):
     # ---- compute -------------------------------------------------------------------------------
     def _slot_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
         li = self.layer_index[layer]
-        if self.cfg.resident:
-            return ids + li * self.E  # on the device, no sync
         t0 = time.perf_counter()
         host_ids = ids.cpu()  # the one synchronisation per layer: misses are resolved on the host
         self.sync_seconds += time.perf_counter() - t0
@@ -438,6 +443,9 @@ class GpuExperts(ExpertProvider):
             if x.shape[0] == 1:
                 return self._device_call(self.layer_index[layer], x, ids, weights)
             self._drain()  # a prompt: the host path reads slot_map, so it must be current
+        if self.cfg.resident:
+            pool = self.layer_pools[self.layer_index[layer]]
+            return self.kernel(x, ids, weights, pool, expert_ids=ids)
         slots = self._slot_ids(layer, ids)
         if slots is None:
             return self._chunked(layer, x, ids, weights)

@@ -5,6 +5,7 @@ core on CUDA."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import qlinear_ref
@@ -73,9 +74,20 @@ def decode_attend(*args) -> torch.Tensor:
     return attend(*args)
 
 
-def route_rows(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype):
-    """The softmax top-k rule of a few router rows on CUDA in one launch
-    (kernels/triton/router.py; its reference is SparseMoe.route) -> (weights in dtype, ids)."""
-    from moestream.kernels.triton.router import route_rows as route
+def route_decode(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype):
+    """The router's GEMM and softmax top-k rule of a few decode rows on CUDA in one launch
+    (kernels/triton/router.py; its reference is SparseMoe.route) -> (weights in dtype, ids).
+    A hidden size the kernel's K step does not divide takes the GEMM, then route_rows."""
+    from moestream.kernels.triton import router
 
-    return route(logits, k, renorm, dtype)
+    if router.router_block(x.shape[-1]):
+        return router.route_decode(x, gate, k, renorm, dtype)
+    return router.route_rows(F.linear(x, gate), k, renorm, dtype)
+
+
+def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """A few bf16/fp16 rows' RMSNorm on CUDA in one launch (kernels/triton/norm.py; its
+    reference is RMSNorm.forward)."""
+    from moestream.kernels.triton.norm import rms_norm_rows as norm
+
+    return norm(x, weight, eps)

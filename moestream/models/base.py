@@ -80,12 +80,12 @@ class MoeCausalLM(nn.Module):
         self.modules_changed()
 
     def set_gpu_decode(self, on: bool) -> None:
-        """Run a one-token CUDA step's attention core (q/k norm, RoPE, cache write, attention)
-        and a decode step's routing rule after the router GEMM as one Triton launch each, where
-        each module's rule allows (the loader turns it on for the GPU's Triton kernels). Off: the
-        torch code, the kernels' reference."""
+        """Run a one-token CUDA step's attention core (q/k norm, RoPE, cache write, attention),
+        a decode step's routing (router GEMM, softmax top-k) and, outside a compiled step, its
+        bf16 norms as one Triton launch each, where each module's rule allows (the loader turns
+        it on for the GPU's Triton kernels). Off: the torch code, the kernels' reference."""
         for m in self.modules():
-            if isinstance(m, (Attention, SparseMoe)):
+            if isinstance(m, (Attention, SparseMoe, RMSNorm)):
                 m.gpu_decode = on
 
     def modules_changed(self) -> None:

@@ -21,7 +21,8 @@ from moestream.kernels.dispatch import (
     TOPK_TRITON_MAX_TOKENS,
     attend_unsupported,
     decode_attend,
-    route_rows,
+    rms_norm_rows,
+    route_decode,
     topk,
 )
 
@@ -41,6 +42,9 @@ class RMSNorm(nn.Module):
     # Set by MoeCausalLM.set_fused_decode: fp32 rows on the CPU through native.rmsnorm (one call
     # instead of torch's six ops; same math, its own summation order).
     fused_decode = False
+    # Set by MoeCausalLM.set_gpu_decode: a few bf16/fp16 rows on CUDA, outside a compiled step
+    # (inductor fuses the norm there, with the residual add), as one Triton launch.
+    gpu_decode = False
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -50,12 +54,25 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # One fused op in fp32; other dtypes normalise in fp32 and cast back before the weight,
         # as transformers does.
+        if self.gpu_decode and x.is_cuda and self._gpu_fusable(x):
+            return rms_norm_rows(x, self.weight, self.eps)
         if x.dtype == torch.float32:
             if self.fused_decode and x.dim() == 2 and _cpu_fp32(x) and self.weight.dtype == x.dtype:
                 return native.rmsnorm(x, self.weight, self.eps)
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
+
+    def _gpu_fusable(self, x: torch.Tensor) -> bool:
+        """rms_norm_rows' case: decode rows in bf16/fp16 with the weight in that dtype, eagerly."""
+        return (
+            type(self).forward is RMSNorm.forward  # (gpt-oss multiplies before its cast)
+            and x.dim() == 2
+            and x.shape[0] <= TOPK_TRITON_MAX_TOKENS
+            and x.dtype in (torch.bfloat16, torch.float16)
+            and self.weight.dtype == x.dtype
+            and not torch.compiler.is_compiling()
+        )
 
 
 def rope_inv_freq(
@@ -557,8 +574,8 @@ class SparseMoe(nn.Module):
     # Set by MoeCausalLM.set_fused_decode: one token's softmax top-k routing as one native.route
     # where the block keeps this class's rule and a bias-free fp32 router.
     fused_decode = False
-    # Set by MoeCausalLM.set_gpu_decode: on CUDA, a few decode rows' softmax, top-k,
-    # renormalisation and cast after the router's GEMM in one Triton launch (route_rows).
+    # Set by MoeCausalLM.set_gpu_decode: on CUDA, a few decode rows' router GEMM, softmax, top-k,
+    # renormalisation and cast in one Triton launch (route_decode).
     gpu_decode = False
 
     def scores(self, x: torch.Tensor) -> torch.Tensor:
@@ -597,12 +614,13 @@ class SparseMoe(nn.Module):
         return self._route_rule and _cpu_fp32(x) and w.dtype == torch.float32 and w.is_contiguous()
 
     def _route_gpu_fusable(self, x: torch.Tensor) -> bool:
-        """route_rows' case: the base rule on a few decode rows of at most 1024 experts."""
+        """route_decode's case: the base rule on a few decode rows of at most 1024 experts."""
         return (
             self._route_rule
             and x.shape[0] <= TOPK_TRITON_MAX_TOKENS
             and self.gate.out_features <= 1024
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and self.gate.weight.dtype == x.dtype
         )
 
     def weights_for(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -615,7 +633,7 @@ class SparseMoe(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gpu_decode and x.is_cuda and self._route_gpu_fusable(x):
             dtype = x.dtype if self.weights_in_act_dtype else torch.float32
-            w, ids = route_rows(self.gate(x), self.k, self.renorm, dtype)
+            w, ids = route_decode(x, self.gate.weight, self.k, self.renorm, dtype)
         else:
             w, ids = self.route(x)  # [T, K] each
             w = self._combine_dtype(w, x)

@@ -10,8 +10,10 @@ KV bucket with later positions masked. Here one program per query head:
 - the first head of each group writes the new k and v rows at `pos`;
 - scores of positions [lo, pos) from the cache, the new key from registers (no program reads
   the row being written), each rounded like bmm's output and its scaling;
-- softmax in fp32 in two passes (max and sum, then the probabilities rounded to the cache dtype
-  before they weight V, as `softmax_fp32` then bmm).
+- softmax in fp32 with the probabilities rounded to the cache dtype before they weight V (as
+  `softmax_fp32` then bmm): the first FIRST positions are loaded up front, before q is known,
+  and held in registers, so a context that short takes one round trip to memory; positions past
+  them take two loops (max and sum, then probabilities times V).
 Sums run in another order than cuBLAS's, so outputs differ from the torch code's in the last bits.
 The position is an int (eager) or a device tensor [1] (a captured step: the loop bounds are read
 on the device, so the step reads only the valid length whatever the bucket).
@@ -23,7 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK_S = 64  # cache positions per step of a program's loop
+FIRST = 128  # cache positions loaded up front (a context this long takes one round trip)
+BLOCK_S = 64  # cache positions per step of the loops over longer contexts
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -63,8 +66,9 @@ def _scores(k_row_ptr, q, idx, ok, scaling, HD: tl.constexpr, DT: tl.constexpr):
 @triton.jit
 def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
                           pos_arg, window, cap, eps, scaling, H: tl.constexpr, HKV: tl.constexpr,
-                          HD: tl.constexpr, BS: tl.constexpr, HAS_NORM: tl.constexpr,
-                          POS_PTR: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                          HD: tl.constexpr, FIRST: tl.constexpr, BS: tl.constexpr,
+                          HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
+                          DT: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
     kvh = h // (H // HKV)
     d = tl.arange(0, HD)
@@ -72,28 +76,39 @@ def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_pt
         pos = tl.load(pos_ptr).to(tl.int32)
     else:
         pos = pos_arg
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # keys past the window
+    k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
+    v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
+    # The first FIRST cached keys and values, loaded before q is known (a short context is done
+    # in one round trip); longer ones take the loops below, BS positions a step.
+    i0 = lo + tl.arange(0, FIRST)
+    ok0 = i0 < pos
+    k0 = tl.load(k_rows + i0[:, None] * HD + d[None, :], mask=ok0[:, None], other=0.0)
+    v0 = tl.load(v_rows + i0[:, None] * HD + d[None, :], mask=ok0[:, None], other=0.0)
     q = _norm_rope(qkv_ptr + h * HD, w_ptr + h * HD, cos_ptr, sin_ptr, eps, HD, HAS_NORM, DT)
     kn = _norm_rope(qkv_ptr + (H + kvh) * HD, w_ptr + (H + kvh) * HD, cos_ptr, sin_ptr, eps, HD,
                     HAS_NORM, DT)  # fmt: skip
     vn = tl.load(qkv_ptr + (H + HKV + kvh) * HD + d).to(tl.float32)
-    k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
-    v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
     if h % (H // HKV) == 0:  # one writer per group; nobody reads row pos from memory
         tl.store(k_rows + pos * HD + d, kn.to(DT))
         tl.store(v_rows + pos * HD + d, vn.to(DT))
-    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # keys past the window
     s_new = _round(_round(tl.sum(kn * q, 0), DT) * scaling, DT)
-    m = s_new
-    total = s_new * 0.0 + 1.0  # sum of exp(s - m): the new key's term
+    s0 = _round(_round(tl.sum(k0.to(tl.float32) * q[None, :], 1), DT) * scaling, DT)
+    s0 = tl.where(ok0, s0, float("-inf"))
+    m = tl.maximum(s_new, tl.max(s0, 0))
+    total = tl.exp(s_new - m) + tl.sum(tl.exp(s0 - m), 0)  # sum of exp(s - m)
     j = tl.arange(0, BS)
-    for b in range(lo, pos, BS):  # pass 1: max and sum
+    for b in range(lo + FIRST, pos, BS):  # pass 1 over later keys: max and sum
         idx = b + j
         s = _scores(k_rows, q, idx, idx < pos, scaling, HD, DT)
         m_next = tl.maximum(m, tl.max(s, 0))
         total = total * tl.exp(m - m_next) + tl.sum(tl.exp(s - m_next), 0)
         m = m_next
+    # probabilities rounded to the activation dtype, then times V (softmax_fp32, then bmm)
     acc = _round(tl.exp(s_new - m) / total, DT) * vn
-    for b in range(lo, pos, BS):  # pass 2: probabilities rounded, then times V
+    p0 = _round(tl.exp(s0 - m) / total, DT)
+    acc += tl.sum(p0[:, None] * v0.to(tl.float32), 0)
+    for b in range(lo + FIRST, pos, BS):  # pass 2 over later keys
         idx = b + j
         ok = idx < pos
         p = _round(tl.exp(_scores(k_rows, q, idx, ok, scaling, HD, DT) - m) / total, DT)
@@ -133,8 +148,8 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
     w = qkv if qk_w is None else qk_w.contiguous()
     _decode_attend_kernel[(heads,)](
         qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t, out,
-        pos, window, cap, eps, scaling, H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S,
-        HAS_NORM=qk_w is not None, POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=4,
+        pos, window, cap, eps, scaling, H=heads, HKV=kv_heads, HD=hd, FIRST=FIRST, BS=BLOCK_S,
+        HAS_NORM=qk_w is not None, POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=8,
     )  # fmt: skip
     return out
 

@@ -3,7 +3,10 @@ kernels (a radix select and a bitonic sort, ~9 us per MoE layer on the H200 at 1
 than the layer's attention GEMMs); here one program per row takes the maximum k times.
 `route_rows` does the whole softmax top-k rule after the router's GEMM in that one launch: the
 fp32 softmax, the top-k, the renormalisation and the cast to the combine dtype (three more
-kernels in a captured step). Its reference is `SparseMoe.route` (models/layers.py).
+kernels in a captured step). `route_decode` also does the router's GEMM (cuBLAS took ~5 us for
+[1, 2048] x [2048, 128] on the H200): programs of RB router rows each, and the last program to
+finish (an int32 counter, reset by it) routes. Their reference is `SparseMoe.route`
+(models/layers.py): the logits rounded to the activation dtype, as the router's nn.Linear.
 
 Order: descending score; equal scores in ascending expert id (torch.topk leaves ties unspecified;
 softmax probabilities of a trained router are practically never equal). Reference: torch.topk.
@@ -41,11 +44,13 @@ def topk_rows(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @triton.jit
-def _route_kernel(x_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                  RENORM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    t = tl.program_id(0)
+def _route_row(x_ptr, w_ptr, ids_ptr, t, E, K: tl.constexpr, KP: tl.constexpr,
+               EP: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """Row t of logits x -> its K weights (fp32 softmax, top-k, renormalised if asked, in DT)
+    and ids."""
     j = tl.arange(0, EP)
-    x = tl.load(x_ptr + t * E + j, mask=j < E, other=float("-inf")).to(tl.float32)
+    x = tl.load(x_ptr + t * E + j, mask=j < E, other=float("-inf"), cache_modifier=".cg")
+    x = x.to(tl.float32)
     e = tl.exp(x - tl.max(x, 0))
     p = tl.where(j < E, e / tl.sum(e, 0), float("-inf"))  # softmax in fp32, as the torch rule
     r = tl.arange(0, KP)
@@ -61,6 +66,34 @@ def _route_kernel(x_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, KP: tl.constexpr, E
     tl.store(w_ptr + t * K + r, picked.to(DT), mask=r < K)
 
 
+@triton.jit
+def _route_kernel(x_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
+                  RENORM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    _route_row(x_ptr, w_ptr, ids_ptr, tl.program_id(0), E, K, KP, EP, RENORM, DT)
+
+
+@triton.jit
+def _router_kernel(x_ptr, g_ptr, logit_ptr, cnt_ptr, w_ptr, ids_ptr, E, T: tl.constexpr,
+                   D: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
+                   KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
+                   XDT: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    r = tl.program_id(0) * RB + tl.arange(0, RB)
+    rl = tl.minimum(r, E - 1)  # rows past E load row E - 1 (unstored)
+    kk = tl.arange(0, BK)
+    for t in tl.static_range(T):
+        acc = tl.zeros([RB, BK], tl.float32)
+        for k0 in tl.range(0, D, BK):
+            g = tl.load(g_ptr + rl[:, None] * D + k0 + kk[None, :]).to(tl.float32)
+            acc += g * tl.load(x_ptr + t * D + k0 + kk).to(tl.float32)[None, :]
+        logit = tl.sum(acc, 1).to(XDT).to(tl.float32)  # as the router's output, in x's dtype
+        tl.store(logit_ptr + t * E + r, logit, mask=r < E)
+    tl.debug_barrier()  # every thread's logits are stored before the release below
+    if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
+        for t in tl.static_range(T):
+            _route_row(logit_ptr, w_ptr, ids_ptr, t, E, K, KP, EP, RENORM, DT)
+        tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
+
+
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -72,5 +105,61 @@ def route_rows(logits: torch.Tensor, k: int, renorm: bool,
     w = torch.empty(T, k, dtype=dtype, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     _route_kernel[(T,)](logits.contiguous(), w, ids, E, K=k, KP=triton.next_power_of_2(k),
-                        EP=triton.next_power_of_2(E), RENORM=renorm, DT=_TL[dtype])  # fmt: skip
+                        EP=triton.next_power_of_2(E), RENORM=renorm, DT=_TL[dtype],
+                        num_warps=1)  # fmt: skip
     return w, ids
+
+
+ROUTER_ROWS = 2  # router rows per program of route_decode (E / 2 programs: 64 at 128 experts)
+_SCRATCH: dict = {}  # (device, E) -> (fp32 logits [8, E], int32 counter): zero, reset by use
+
+
+def router_block(hidden: int) -> int:
+    """route_decode's K step: the largest power of two <= 512 dividing D (0: D too odd)."""
+    bk = min(512, hidden & -hidden)
+    return bk if bk >= 16 else 0
+
+
+def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
+                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """x [T, D] (T <= 8) and the router weight gate [E, D] in x's dtype -> (weights [T, k] in
+    dtype, ids [T, k] int64): the router's GEMM and route_rows' rule in one launch."""
+    T, D = x.shape
+    E = gate.shape[0]
+    assert T <= 8 and gate.dtype == x.dtype and router_block(D), (T, D, gate.dtype, x.dtype)
+    key = (str(x.device), E)
+    if key not in _SCRATCH:
+        _SCRATCH[key] = (
+            torch.empty(8, E, device=x.device),
+            torch.zeros(1, device=x.device, dtype=torch.int32),
+        )
+    logits, cnt = _SCRATCH[key]
+    w = torch.empty(T, k, dtype=dtype, device=x.device)
+    ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
+    _router_kernel[(triton.cdiv(E, ROUTER_ROWS),)](
+        x.contiguous(), gate.contiguous(), logits, cnt, w, ids, E, T=T, D=D, RB=ROUTER_ROWS,
+        BK=router_block(D), K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
+        RENORM=renorm, XDT=_TL[x.dtype], DT=_TL[dtype], num_warps=4,
+    )  # fmt: skip
+    return w, ids
+
+
+@torch.library.custom_op("moestream::route_decode", mutates_args=())
+def route_decode_op(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`route_decode_impl` as one opaque op for torch.compile (its scratch and counter are its
+    own, allocated at the first eager call)."""
+    return route_decode_impl(x, gate, k, renorm, dtype)
+
+
+@route_decode_op.register_fake
+def _(x, gate, k, renorm, dtype):
+    T = x.shape[0]
+    return x.new_empty((T, k), dtype=dtype), x.new_empty((T, k), dtype=torch.int64)
+
+
+def route_decode(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The custom op inside a compiled step, the plain function eagerly (as dense.gemv)."""
+    fn = route_decode_op if torch.compiler.is_compiling() else route_decode_impl
+    return fn(x, gate, k, renorm, dtype)
