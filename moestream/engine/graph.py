@@ -5,9 +5,11 @@ against 2.4 ms of GPU work on the H200).
 A `DecodeGraph` owns a `StaticKVCache` of one capacity bucket, its static token and position
 tensors and the graph of one step `model(tok, cache, pos)`. The prompt runs eagerly into the same
 cache; the first decode step runs eagerly too (compiling every kernel at these shapes), then the
-step is captured and replayed. Attention reads the whole bucket with later positions masked, so
-the logits can differ from eager decode in the last bits (a longer masked reduction); the tokens
-are checked against eager and the CPU by the margin rule (tests/test_gpu_provider.py).
+step is captured and replayed. The Triton attention (kernels/triton/attention.py) reads the
+position from the device and only the valid cache rows; the torch attention (its reference, and
+the path of modules it does not take) reads the whole bucket with later positions masked, so its
+logits can differ from eager decode in the last bits (a longer masked reduction); the tokens are
+checked against eager and the CPU by the margin rule (tests/test_gpu_provider.py).
 
 Only models whose every layer is plain attention qualify (recurrent layers decide on the host when
 a sequence starts), with every expert resident in VRAM or streamed with device-side misses (a pool

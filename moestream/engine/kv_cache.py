@@ -3,8 +3,9 @@ layer (MLA: [H, max_len, qk_nope+qk_rope] keys and [H, max_len, v_head_dim] valu
 reallocation; and a state slot per recurrent layer (linear attention: conv + recurrent state).
 
 `StaticKVCache` is the same cache for a captured decode step (engine/graph.py): the position is a
-device tensor and attention reads the whole buffer, later positions masked, so every step has the
-same shapes and nothing is decided on the host."""
+device tensor and the torch attention reads the whole buffer, later positions masked (the Triton
+attention reads the position on the device), so every step has the same shapes and nothing is
+decided on the host."""
 
 from __future__ import annotations
 
