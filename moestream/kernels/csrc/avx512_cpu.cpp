@@ -1,0 +1,204 @@
+// AVX-512 VNNI rows for moe_cpu.cpp's dispatch (Isa kAvx512). Each computes the AVX2 row's exact
+// integer block dots with vpdpbusd / vpdpwssd, then applies the same fp32 steps in the same order
+// (cpu_rows.h), so the bits equal the scalar and AVX2 variants' (tests/test_native_kernels.py).
+// vpdpbusd multiplies unsigned by signed bytes: int8 weights enter as w + 128 (w ^ 0x80) and the
+// 128 * sum(x) term is taken off again; int4 / q4_0 nibbles are unsigned already.
+#include <immintrin.h>
+
+#include "cpu_rows.h"
+
+namespace moestream_cpu {
+
+#define MS_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512vbmi,avx2,fma,f16c")))
+
+bool cpu_has_avx512() {
+  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni") &&
+         __builtin_cpu_supports("avx512vbmi") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+         __builtin_cpu_supports("f16c");
+}
+
+namespace {
+
+// Four vectors of 16 int32 lanes, vector i holding blocks 2i (lanes 0-7) and 2i + 1 (8-15) ->
+// the eight block sums in block order (exact: integer adds in any order).
+MS_AVX512 inline __m256i block_sums8x8(const __m512i* z) {
+  const __m512i u01 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[0], z[1]), _mm512_unpackhi_epi32(z[0], z[1]));
+  const __m512i u23 = _mm512_add_epi32(_mm512_unpacklo_epi32(z[2], z[3]), _mm512_unpackhi_epi32(z[2], z[3]));
+  // per 128-bit quarter q: [z0, z1, z2, z3] summed over q's four lanes
+  const __m512i v = _mm512_add_epi32(_mm512_unpacklo_epi64(u01, u23), _mm512_unpackhi_epi64(u01, u23));
+  // quarters 0 + 1: blocks 0, 2, 4, 6; quarters 2 + 3: blocks 1, 3, 5, 7
+  const __m512i s = _mm512_add_epi32(v, _mm512_shuffle_i32x4(v, v, _MM_SHUFFLE(2, 3, 0, 1)));
+  const __m512i idx = _mm512_setr_epi32(0, 8, 1, 9, 2, 10, 3, 11, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, s));
+}
+
+// Two vectors of 16 int32 lanes, each 128-bit quarter q one block's four partials (a: blocks
+// 0-3, b: blocks 4-7) -> the eight block sums in block order.
+MS_AVX512 inline __m256i block_sums8x4(__m512i a, __m512i b) {
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+  const __m512i v = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_BADC));  // lane 0: a, lane 1: b
+  const __m512i idx = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, v));
+}
+
+MS_AVX512 inline void prefetch(const void* p, int bytes) {
+  if (g_prefetch)
+    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+}
+
+}  // namespace
+
+// int4, one full block of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
+// Four k's of a group are two 64-byte loads; vpermt2b gathers each row's four nibbles into one
+// 32-bit lane, so one vpdpbusd adds 16 rows' four products (0..15 x int8: exact). Rows land in
+// order: acc[i] holds rows 16 i .. 16 i + 15. The fp32 steps are int4_block_avx2's.
+MS_AVX512 void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) {
+  const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
+  const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
+  const int8_t* xq = a.qr(t);
+  const __m512i m4 = _mm512_set1_epi8(15), zmask = _mm512_set1_epi32((int)0xFFFF0000u);
+  alignas(64) uint8_t ix[2][64];  // lane r's bytes: rows r (+16) of k, k + 1 (A), k + 2, k + 3 (B)
+  for (int h = 0; h < 2; ++h)
+    for (int r = 0; r < 16; ++r)
+      for (int i = 0; i < 4; ++i) ix[h][4 * r + i] = (uint8_t)(32 * i + 16 * h + r);
+  const __m512i idx0 = _mm512_load_si512(ix[0]), idx1 = _mm512_load_si512(ix[1]);
+  __m512 yacc[4];
+  for (auto& v : yacc) v = _mm512_setzero_ps();
+  for (int j = 0; j < w.K / G; ++j) {
+    const uint8_t* p = blk + (size_t)j * G * 32;
+    prefetch(p, G * 32);
+    // (s, z) sit N * 4 bytes apart per group, where no streamer follows: this group's of the next
+    // block (the item's next, mostly this thread's), or for the last block the group that far on
+    if (g_prefetch && r0 + BN < w.N)
+      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)j * w.N + r0 + BN + c * 16), _MM_HINT_T0);
+    else if (const int ja = j + (int)(g_prefetch / (G * 32)); g_prefetch && ja < w.K / G)
+      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+    __m512i acc[4];
+    for (auto& v : acc) v = _mm512_setzero_si512();
+    for (int k = 0; k < G; k += 4) {
+      const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
+      const __m512i al = _mm512_and_si512(A, m4), ah = _mm512_and_si512(_mm512_srli_epi16(A, 4), m4);
+      const __m512i bl = _mm512_and_si512(B, m4), bh = _mm512_and_si512(_mm512_srli_epi16(B, 4), m4);
+      int32_t x4;
+      std::memcpy(&x4, xq + j * G + k, 4);
+      const __m512i xv = _mm512_set1_epi32(x4);
+      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_permutex2var_epi8(al, idx0, bl), xv);
+      acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_permutex2var_epi8(al, idx1, bl), xv);
+      acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_permutex2var_epi8(ah, idx0, bh), xv);
+      acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_permutex2var_epi8(ah, idx1, bh), xv);
+    }
+    const int32_t sq = a.sr(t)[j];
+    const __m512i off = _mm512_set1_epi32(8 * sq);
+    const __m512 sqf = _mm512_set1_ps((float)sq), dv = _mm512_set1_ps(a.dr(t)[j]);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(sz + (size_t)j * w.N + r0 + 16 * i);
+      const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+      const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i], off));
+      const __m512 tt = _mm512_add_ps(_mm512_mul_ps(s, dot), _mm512_mul_ps(z, sqf));
+      yacc[i] = _mm512_add_ps(yacc[i], _mm512_mul_ps(dv, tt));
+    }
+  }
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(y + 16 * i, yacc[i]);
+}
+
+// int8, one row front to back: two blocks per 64-byte vector, (w + 128) x x in vpdpbusd, eight
+// blocks' sums at once minus 128 * sum x; their fp32 terms into the 8 lanes (int8_row_avx2's).
+MS_AVX512 void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  float sbuf[kMaxBlocks];
+  const float* s = row_scales(w, r, nb, sbuf);
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
+  const int32_t* sx = a.sr(t);
+  const __m512i bias = _mm512_set1_epi8((char)0x80);
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    prefetch(q + j * G, 8 * G);
+    __m512i z[4];
+    for (int i = 0; i < 4; ++i) {
+      const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(q + (j + 2 * i) * G), bias);
+      z[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv, _mm512_loadu_si512(xq + (j + 2 * i) * G));
+    }
+    const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(sx + j)), 7);
+    const __m256i dots = _mm256_sub_epi32(block_sums8x8(z), off);
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+  }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  *y = int8_tail(lanes_sum(l), q, s, xq, d, j, nb);
+}
+
+// int8 weights x int16 activations: sign-extended weights in vpdpwssd (exact in int32).
+MS_AVX512 void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* q = (const int8_t*)w.q + (size_t)r * w.K;
+  float sbuf[kMaxBlocks];
+  const float* s = row_scales(w, r, nb, sbuf);
+  const int16_t* xq = a.q16r(t);
+  const float* d = a.dr(t);
+  __m256 accv = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    prefetch(q + j * G, 8 * G);
+    __m512i z[4];  // vector i: blocks 2i, 2i + 1, each block's 32 products in 8 lanes
+    for (int i = 0; i < 4; ++i) {
+      __m512i acc = _mm512_setzero_si512();
+      for (int h = 0; h < 2; ++h) {  // block 2i + h -> lanes 8h .. 8h + 7
+        const int b = j + 2 * i + h;
+        const __m512i w16 = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(q + b * G)));
+        const __m512i p = _mm512_dpwssd_epi32(_mm512_setzero_si512(), w16, _mm512_loadu_si512(xq + b * G));
+        // 16 lanes -> 8: lanes 8h.. of acc take p's two halves added
+        const __m256i half = _mm256_add_epi32(_mm512_castsi512_si256(p), _mm512_extracti64x4_epi64(p, 1));
+        acc = _mm512_inserti64x4(acc, half, h);
+      }
+      z[i] = acc;
+    }
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_loadu_ps(d + j));
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(block_sums8x8(z))));
+  }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  *y = int8_tail(lanes_sum(l), q, s, xq, d, j, nb);
+}
+
+// q4_0, one row front to back: four blocks' 64 bytes per vector, low nibbles (elements 0-15 of
+// each block) and high (16-31) against the activations' matching halves, minus 8 * sum x; the
+// fp32 terms are q4_0_row_avx2's.
+MS_AVX512 void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const uint8_t* q = w.q + (size_t)r * w.K / 2;
+  const uint16_t* dw = (const uint16_t*)w.s + (size_t)r * nb;
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
+  const int32_t* sx = a.sr(t);
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    prefetch(q + j * G / 2, 8 * G / 2);
+    __m512i part[2];  // blocks j..j+3, j+4..j+7: 128-bit quarter = one block's four partials
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = _mm512_loadu_si512(q + (j + 4 * h) * G / 2);
+      const __m512i x0 = _mm512_loadu_si512(xq + (j + 4 * h) * G), x1 = _mm512_loadu_si512(xq + (j + 4 * h + 2) * G);
+      const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));  // elements 0-15
+      const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));  // elements 16-31
+      const __m512i lo = _mm512_and_si512(v, m4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, xlo), hi, xhi);
+    }
+    const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(sx + j)), 3);
+    const __m256i dots = _mm256_sub_epi32(block_sums8x4(part[0], part[1]), off);
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dw + j)));
+    const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(d + j));
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+  }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  *y = q4_0_tail(lanes_sum(l), q, dw, xq, d, j, nb);
+}
+
+}  // namespace moestream_cpu
