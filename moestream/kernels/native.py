@@ -33,7 +33,8 @@ from moestream.config import ext_cache_root
 from moestream.quant import is_kquant
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp", _CSRC / "avx512_cpu.cpp")  # compiled and linked together
+# compiled and linked together
+SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp", _CSRC / "avx512_cpu.cpp")
 HASHED = (*SOURCES, _CSRC / "kquant_cpu.h", _CSRC / "cpu_rows.h")  # every file the build key covers
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx_vnni")
