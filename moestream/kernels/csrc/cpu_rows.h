@@ -103,5 +103,16 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);
 void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
+// The same for activation rows ts[0, NT) (NT = 2, 3, 4) -> y[i * ys + (0, n)]: the weights read once.
+template <int NT>
+void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts, float* y, size_t ys);
+template <int NT>
+void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+template <int NT>
+void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+// Blocks [b0, b1) of an activation row (x its start; q8 or q16 and d, s, pr the row's own) quantized
+// as moe_cpu.cpp's quantize_blocks does, bit for bit; pr may be null.
+void quantize_blocks_avx512(const float* x, int b0, int b1, float qmax, int8_t* q8, int16_t* q16, float* d,
+                            int32_t* s, int32_t* pr);
 
 }  // namespace moestream_cpu

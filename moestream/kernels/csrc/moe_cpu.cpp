@@ -80,6 +80,13 @@ void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax, int b0, i
 
 void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
   if (b1 < 0) b1 = a.K / G;
+  static const bool v512 = cpu_has_avx512();  // the same bits (test_native_kernels: the spec's)
+  if (v512) {
+    const size_t o = (size_t)r * a.K;
+    return quantize_blocks_avx512(x, b0, b1, a.wide ? 32767.f : 127.f, a.wide ? nullptr : a.q.data() + o,
+                                  a.wide ? a.q16.data() + o : nullptr, a.d.data() + o / G, a.s.data() + o / G,
+                                  a.wide ? nullptr : a.pr.data() + o / 2);
+  }
   if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f, b0, b1);
   int8_t* q = a.q.data() + (size_t)r * a.K;
   quantize_blocks(x, a, r, q, 127.f, b0, b1);
@@ -804,12 +811,14 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
 template <int NT>
 void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
   if (w.kind == kInt4) {
+    if (isa >= kAvx512 && n == BN) return int4_block_avx512_nt<NT>(w, r0, a, ts, y, ys);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2_nt<NT>(w, r0, a, ts, y, ys);
     return int4_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
   }
   if (w.kind == kQ4_0) {
     if (isa < kAvx2) return q4_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
-    for (int i = 0; i < n; ++i) q4_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    for (int i = 0; i < n; ++i)
+      (isa >= kAvx512 ? q4_0_row_avx512_nt<NT> : q4_0_row_avx2_nt<NT>)(w, r0 + i, a, ts, y + i, ys);
     return;
   }
   if (w.kind == kQ4_1) {
@@ -821,7 +830,8 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
     return a.wide ? int8_rows_scalar_nt<int16_t>(w, r0, n, a, ts, NT, y, ys)
                   : int8_rows_scalar_nt<int8_t>(w, r0, n, a, ts, NT, y, ys);
   for (int i = 0; i < n; ++i)
-    (a.wide ? int8_row_avx2_nt<NT, true> : int8_row_avx2_nt<NT, false>)(w, r0 + i, a, ts, y + i, ys);
+    (a.wide ? int8_row_avx2_nt<NT, true> : isa >= kAvx512 ? int8_row_avx512_nt<NT> : int8_row_avx2_nt<NT, false>)(
+        w, r0 + i, a, ts, y + i, ys);
 }
 
 // Activation rows ts[0, cnt) through rows [r0, r0 + n) of w -> y[i * ys + (0, n)], token_tile()
