@@ -221,7 +221,7 @@ def gguf_store(gguf: Path, work: Path) -> Path:
 
     scheme = source_scheme(gguf, None)  # Q8_0 -> int8, Q4_0 -> q4_0: the blocks kept exactly
     dst = work / "stores" / f"{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{VERSION}"
-    return convert(gguf, dst, scheme, False, dense=make_dense("auto", scheme), reuse=True)
+    return convert(gguf, dst, scheme, False, dense=make_dense("auto", scheme.scheme), reuse=True)
 
 
 def open_store(store: Path, kernel: str, threads: int):

@@ -52,10 +52,10 @@ void parallel_items(int64_t n, const F& f, int64_t bytes) {
 }
 
 
-// Work items of one token's expert rows: each expert's `blocks` 64-row blocks in chunks of contiguous
+// Work items over weight rows: each of E weights' `blocks` 64-row blocks in chunks of contiguous
 // blocks (every restart of a stream costs a DRAM latency), enough of them for nt threads to share
-// (4 each over E experts: with K = 8 one item per expert; one expert alone, as the slot cache calls
-// it, in 8). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
+// (4 each: K = 8 experts, one item per expert; one weight, as a dense projection or a lone expert
+// of the slot cache, in 4 nt). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
 int row_chunks(int blocks, int E, int nt) { return std::min(blocks, std::max(1, (4 * nt + E - 1) / E)); }
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
@@ -911,8 +911,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   const int nblk = (w.N + BN - 1) / BN;
   std::vector<int> ts(a.rows);
   for (int t = 0; t < a.rows; ++t) ts[t] = t;
-  parallel_items(nblk, [&](int64_t b) {
-    rows_tokens(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, ts.data(), a.rows, yp + b * BN, w.N, isa);
+  const int nc = row_chunks(nblk, 1, std::max(1, at::get_num_threads()));
+  parallel_items(nc, [&](int64_t c) {
+    for (int b = nblk * (int)c / nc; b < nblk * ((int)c + 1) / nc; ++b)
+      rows_tokens(w, b * BN, std::min(BN, w.N - b * BN), a, ts.data(), a.rows, yp + (size_t)b * BN, w.N, isa);
   }, q.nbytes());
   return y;
 }
@@ -1413,7 +1415,8 @@ class DecodeStep {
     const bool group_blocks = (G * hd) % kG == 0;
     constexpr int kPhasesPerLayer = 8;
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
-    const int nbd = (D + BN - 1) / BN, cd = row_chunks(nbd, k, std::max(1, at::get_num_threads()));
+    const int nts = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN, cd = row_chunks(nbd, k, nts);
+    const int nbqkv = (Nqkv + BN - 1) / BN, cqkv = row_chunks(nbqkv, 1, nts), cd1 = row_chunks(nbd, 1, nts);
     double expert_s = 0;
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
@@ -1432,11 +1435,13 @@ class DecodeStep {
           rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
           quantize_row(h.data(), aq, 0);
         };
-        w.items((Nqkv + BN - 1) / BN, norm_in, [&](int64_t b) {
-          const int r0 = (int)b * BN, n = std::min(BN, Nqkv - r0);
-          rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
-          if (l.qkv_b)
-            for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+        w.items(cqkv, norm_in, [&](int64_t c) {
+          for (int b = nbqkv * (int)c / cqkv; b < nbqkv * ((int)c + 1) / cqkv; ++b) {
+            const int r0 = b * BN, n = std::min(BN, Nqkv - r0);
+            rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
+            if (l.qkv_b)
+              for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+          }
         });
         // native.attend per KV group: its k head normed, rotated and written with v at pos, then
         // its q heads normed, rotated and attending keys [lo, pos]
@@ -1458,11 +1463,13 @@ class DecodeStep {
           if (group_blocks) quantize_row(att.data(), ao, 0, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0); });
-        w.items((D + BN - 1) / BN, [&](int64_t b) {
-          float t2[BN];
-          const int r0 = (int)b * BN, n = std::min(BN, D - r0);
-          rows(l.o, r0, n, ao, 0, t2, isa);
-          for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
+        w.items(cd1, [&](int64_t c) {
+          for (int b = nbd * (int)c / cd1; b < nbd * ((int)c + 1) / cd1; ++b) {
+            float t2[BN];
+            const int r0 = b * BN, n = std::min(BN, D - r0);
+            rows(l.o, r0, n, ao, 0, t2, isa);
+            for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
+          }
         });
         // post-attention norm and the router: native.rmsnorm, then native.route
         bool normed = false, picked = false;
