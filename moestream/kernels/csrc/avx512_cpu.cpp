@@ -53,15 +53,16 @@ inline void prefetch(const void* p, int bytes) {
 }  // namespace
 
 // int4, one full block of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
-// Four k's of a group are two 64-byte loads; vpermt2b gathers each row's four nibbles into one
-// 32-bit lane, so one vpdpbusd adds 16 rows' four products (0..15 x int8: exact). Rows land in
-// order: acc[i] holds rows 16 i .. 16 i + 15. The fp32 steps are int4_block_avx2's.
+// Four k's of a group are two 64-byte loads; vpermt2b gathers each byte column's four bytes (k ..
+// k + 3) into one 32-bit lane, whose low nibbles are row c's and high nibbles row c + 32's, so one
+// vpdpbusd adds 16 rows' four products (0..15 x int8: exact). Rows land in order: acc[i] holds
+// rows 16 i .. 16 i + 15. The fp32 steps are int4_block_avx2's.
 void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) {
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
   const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
   const int8_t* xq = a.qr(t);
   const __m512i m4 = _mm512_set1_epi8(15), zmask = _mm512_set1_epi32((int)0xFFFF0000u);
-  alignas(64) uint8_t ix[2][64];  // lane r's bytes: rows r (+16) of k, k + 1 (A), k + 2, k + 3 (B)
+  alignas(64) uint8_t ix[2][64];  // lane r: byte column r (+16) of k, k + 1 (A), k + 2, k + 3 (B)
   for (int h = 0; h < 2; ++h)
     for (int r = 0; r < 16; ++r)
       for (int i = 0; i < 4; ++i) ix[h][4 * r + i] = (uint8_t)(32 * i + 16 * h + r);
@@ -81,15 +82,15 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) 
     for (auto& v : acc) v = _mm512_setzero_si512();
     for (int k = 0; k < G; k += 4) {
       const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
-      const __m512i al = _mm512_and_si512(A, m4), ah = _mm512_and_si512(_mm512_srli_epi16(A, 4), m4);
-      const __m512i bl = _mm512_and_si512(B, m4), bh = _mm512_and_si512(_mm512_srli_epi16(B, 4), m4);
+      // the bytes of rows 0-15 (low nibbles) and 32-47 (high), then of 16-31 and 48-63
+      const __m512i P0 = _mm512_permutex2var_epi8(A, idx0, B), P1 = _mm512_permutex2var_epi8(A, idx1, B);
       int32_t x4;
       std::memcpy(&x4, xq + j * G + k, 4);
       const __m512i xv = _mm512_set1_epi32(x4);
-      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_permutex2var_epi8(al, idx0, bl), xv);
-      acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_permutex2var_epi8(al, idx1, bl), xv);
-      acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_permutex2var_epi8(ah, idx0, bh), xv);
-      acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_permutex2var_epi8(ah, idx1, bh), xv);
+      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_and_si512(P0, m4), xv);
+      acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(P1, m4), xv);
+      acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
+      acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
     }
     const int32_t sq = a.sr(t)[j];
     const __m512i off = _mm512_set1_epi32(8 * sq);
@@ -262,10 +263,9 @@ void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts,
       for (auto& v : r) v = _mm512_setzero_si512();
     for (int k = 0; k < G; k += 4) {
       const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
-      const __m512i al = _mm512_and_si512(A, m4), ah = _mm512_and_si512(_mm512_srli_epi16(A, 4), m4);
-      const __m512i bl = _mm512_and_si512(B, m4), bh = _mm512_and_si512(_mm512_srli_epi16(B, 4), m4);
-      const __m512i P[4] = {_mm512_permutex2var_epi8(al, idx0, bl), _mm512_permutex2var_epi8(al, idx1, bl),
-                            _mm512_permutex2var_epi8(ah, idx0, bh), _mm512_permutex2var_epi8(ah, idx1, bh)};
+      const __m512i P0 = _mm512_permutex2var_epi8(A, idx0, B), P1 = _mm512_permutex2var_epi8(A, idx1, B);
+      const __m512i P[4] = {_mm512_and_si512(P0, m4), _mm512_and_si512(P1, m4),
+                            _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4)};
       for (int i = 0; i < NT; ++i) {
         int32_t x4;
         std::memcpy(&x4, a.qr(ts[i]) + j * G + k, 4);
