@@ -32,6 +32,7 @@ from moestream.kernels import native  # noqa: E402
 from moestream.kernels.dispatch import qlinear  # noqa: E402
 from moestream.kernels.ref import expert_ffn_q  # noqa: E402
 from moestream.quant import RecordLayout, make_scheme, quantize_expert, record_bytes  # noqa: E402
+from moestream.store.io import record_memory  # noqa: E402
 
 N_RECORDS, K = 128, 8
 
@@ -45,8 +46,16 @@ def make_records(scheme: str, D: int, I: int) -> tuple[RecordLayout, list[dict]]
                                              torch.randn(D, I, generator=g) / I**0.5))
         for _ in range(K)
     ]  # fmt: skip
-    bufs = [torch.frombuffer(bytearray(bases[i % K]), dtype=torch.uint8) for i in range(N_RECORDS)]
-    return layout, [layout.views(b) for b in bufs]
+    # one allocation as the engine's slot pool holds them (store.io.record_memory)
+    mem = record_memory(N_RECORDS * layout.size)
+    pool = torch.frombuffer(mem, dtype=torch.uint8, count=N_RECORDS * layout.size)
+    for i in range(N_RECORDS):
+        pool[i * layout.size : (i + 1) * layout.size] = torch.frombuffer(
+            bytearray(bases[i % K]), dtype=torch.uint8
+        )
+    return layout, [
+        layout.views(pool[i * layout.size : (i + 1) * layout.size]) for i in range(N_RECORDS)
+    ]
 
 
 def torch_layer(x, secs, w):
@@ -57,7 +66,13 @@ def torch_layer(x, secs, w):
     return out
 
 
-VARIANTS = {"torch": torch_layer, "native": native.moe}
+def variants(names: list[str]) -> dict:
+    """torch, and the native layer op at each ISA this CPU runs (avx2, avx512...), by name."""
+    out = {"torch": torch_layer} if "torch" in names else {}
+    for isa in native.isas()[1:]:  # scalar: the spec's twin, not a speed path
+        if f"native-{isa}" in names or "native" in names:
+            out[f"native-{isa}"] = lambda x, secs, w, isa=isa: native.moe(x, secs, w, isa)
+    return out
 
 
 def ceiling_gbps(big: torch.Tensor) -> float:
@@ -66,15 +81,15 @@ def ceiling_gbps(big: torch.Tensor) -> float:
     return big.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor) -> list[dict]:
+def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: dict) -> list[dict]:
     layout, recs = make_records(scheme, D, I)
     x, w = torch.randn(1, D), torch.rand(1, K)
-    times = {(v, n): [] for v in VARIANTS for n in (1, K)}
+    times = {(v, n): [] for v in fns for n in (1, K)}
     ceil, nxt = [], 0
     with torch.inference_mode():
         for rep in range(reps + 1):  # rep 0 warms up
             for n in (1, K):
-                for v, fn in VARIANTS.items():  # interleaved: both see the same machine state
+                for v, fn in fns.items():  # interleaved: all see the same machine state
                     secs = [recs[(nxt + i) % N_RECORDS] for i in range(n)]
                     nxt += n
                     t0 = time.perf_counter()
@@ -94,9 +109,14 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor) -> li
             "gbps": round(nbytes / dt / 1e9, 2), "dram_ceiling_gbps": round(c, 2),
             "of_ceiling": round(nbytes / dt / 1e9 / c, 3),
         })  # fmt: skip
-    for n in (1, K):  # native vs torch, same run
-        t, nat = (r for r in rows if r["K"] == n)
-        nat["speedup_vs_torch"] = round(t["us"] / nat["us"], 2)
+    for n in (1, K):  # each native variant vs torch and vs the first native one, same run
+        same = {r["variant"]: r for r in rows if r["K"] == n}
+        first = next((r for v, r in same.items() if v.startswith("native")), None)
+        for v, r in same.items():
+            if v.startswith("native") and "torch" in same:
+                r["speedup_vs_torch"] = round(same["torch"]["us"] / r["us"], 2)
+            if v.startswith("native") and first is not None and r is not first:
+                r[f"speedup_vs_{first['variant']}"] = round(first["us"] / r["us"], 2)
     return rows
 
 
@@ -105,21 +125,32 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=15)
     p.add_argument("--schemes", default="int4,int8")
+    p.add_argument(
+        "--variants", default="torch,native", help="torch, native (every ISA), native-avx2, ..."
+    )
     p.add_argument("--out", default=None, help="append JSON rows here")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     if not native.available():
         sys.exit("native kernels did not build: nothing to compare")
-    big = torch.ones(2**28)  # 1 GiB fp32: the DRAM read ceiling
+    # 1 GiB fp32 in the records' kind of memory (huge pages): the DRAM read ceiling
+    big = torch.frombuffer(record_memory(2**30), dtype=torch.float32).fill_(1.0)
+    fns = variants(a.variants.split(","))
     rows = []
     for scheme in a.schemes.split(","):
         for I in (768, 512):
-            for row in bench_shape(scheme, 2048, I, a.reps, big):
-                row.update(threads=a.threads, isa=native.best_isa())
+            for row in bench_shape(scheme, 2048, I, a.reps, big, fns):
+                row.update(threads=a.threads, isa=row["variant"].removeprefix("native-"))
                 print({k: row[k] for k in ("op", "scheme", "I", "variant", "us", "gbps",
                                            "dram_ceiling_gbps", "of_ceiling")})  # fmt: skip
                 rows.append(row)
-    config = {"threads": a.threads, "reps": a.reps, "D": 2048, "I": [768, 512]}
+    config = {
+        "threads": a.threads,
+        "reps": a.reps,
+        "D": 2048,
+        "I": [768, 512],
+        "variants": list(fns),
+    }
     write_rows(a.out, [bench_row("cpu_kernels", config, r) for r in rows])
 
 

@@ -3,11 +3,14 @@ moestream's quantized stores and llama.cpp's Q8_0 / Q4_0 files scored on the sam
 
 One run (conversions cached under --work, never committed):
 
-1. The text: the first --bytes (9,000) bytes of the corpus' held-out split as this machine
-   rebuilds it: the installed `libpython3.11-minimal` .py files that `scripts/build_corpus.py`
-   puts in the validation split (`is_valid`, 2 %), sorted by path, cleaned (`read_text`) and
-   joined with `<|endoftext|>` lines as that script joins documents (data/corpus is not in the
-   checkout). Its sha256 is in every row.
+1. The text: the first --bytes (9,000) bytes of the corpus' held-out split, `data/corpus/valid.txt`
+   as `python scripts/build_corpus.py --out data/corpus` rebuilds it from Debian and PyPI (the model
+   card's corpus, file for file: 9,803 train / 214 validation files; issue 21's text, on which its
+   "today" figures were measured; sha256 of its first 9,000 bytes 5e8cab43...). Without that
+   folder: the installed `libpython3.11-minimal` .py files that `scripts/build_corpus.py` puts in the
+   validation split (`is_valid`, 2 %), sorted by path, cleaned (`read_text`) and joined with
+   `<|endoftext|>` lines as that script joins documents (not issue 21's text). `--text` names any
+   file. Its sha256 is in every row.
 2. moestream, gate layout (`moestream eval`'s own, as issue 21's thresholds are stated): windows
    of --ctx 256 over the first --max-tokens 2048 tokens, fresh KV cache per window, every next
    token scored (8 x 255 = 2,040), `quality.eval.evaluate` against the fp32 oracle (the Hugging
@@ -221,7 +224,7 @@ def gguf_store(gguf: Path, work: Path) -> Path:
 
     scheme = source_scheme(gguf, None)  # Q8_0 -> int8, Q4_0 -> q4_0: the blocks kept exactly
     dst = work / "stores" / f"{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{VERSION}"
-    return convert(gguf, dst, scheme, False, dense=make_dense("auto", scheme), reuse=True)
+    return convert(gguf, dst, scheme, False, dense=make_dense("auto", scheme.scheme), reuse=True)
 
 
 def open_store(store: Path, kernel: str, threads: int):
@@ -278,9 +281,13 @@ def main(argv=None) -> int:
     hf, work, llama = Path(a.model).resolve(), Path(a.work).resolve(), Path(a.llama).resolve()
     bin_dir = Path(a.llama_bin).resolve() if a.llama_bin else llama / "build/bin"
     work.mkdir(parents=True, exist_ok=True)
+    corpus = ROOT / "data/corpus/valid.txt"  # scripts/build_corpus.py: the model card's corpus
     text_path = Path(a.text) if a.text else work / f"heldout-{a.bytes}.txt"
-    if not a.text:
-        text_path.write_text(held_out_text(a.bytes), encoding="utf-8")
+    if not a.text:  # issue 21's text is `head -c 9000 data/corpus/valid.txt`
+        text = (
+            corpus.read_bytes()[: a.bytes] if corpus.is_file() else held_out_text(a.bytes).encode()
+        )
+        text_path.write_bytes(text)
     text = text_path.read_text(encoding="utf-8")
     t0 = time.perf_counter()
     rows, checks = run(a, hf, work, llama, bin_dir, text_path, text)

@@ -194,7 +194,7 @@ def test_mixed_record_native_kernel_is_the_spec(mixed):
             for e in (1, 4)]  # fmt: skip
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(2, 256, generator=g), torch.rand(2, 2, generator=g)
-    isas = ["scalar"] + (["avx2"] if native.best_isa() == "avx2" else [])
+    isas = native.isas()
     for isa in isas:
         for name in ("w13", "w2"):
             assert torch.equal(native.linear(x, secs[0], name, isa), qlinear_q8(x, secs[0], name))

@@ -25,7 +25,7 @@ from moestream.kernels.ref import expert_ffn_q, group_by_expert, moe_q8_ref, qli
 from moestream.quant import KQUANT_BYTES, RecordLayout, make_scheme, quantize_expert
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels did not build here")
-ISAS = ["scalar"] + (["avx2"] if native.available() and native.best_isa() == "avx2" else [])
+ISAS = native.isas() or ["scalar"]
 SHAPES = [(160, 96), (2048, 768)]  # (D, I): 160 ends in a partial int4 block of 32 rows
 K_SHAPES = [(256, 256), (2048, 768)]  # K-quants: K a multiple of 256
 KQUANTS = tuple(KQUANT_BYTES)

@@ -16,7 +16,7 @@ from moestream.kernels import native
 from moestream.models import native_step
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels did not build here")
-ISAS = ["scalar"] + (["avx2"] if native.available() and native.best_isa() == "avx2" else [])
+ISAS = native.isas() or ["scalar"]
 
 
 def _store(tmp_path, arch: str, scheme: str, dense: str = "all", **over):

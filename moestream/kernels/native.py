@@ -11,8 +11,8 @@ and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 / 
 ref.qlinear_q8), so one projection gives the reference's bits on
 every ISA and for any number of rows (a prompt's rows pass over the weights in tiles of up to 4,
 each element the one-row kernel's bits); a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
-activation's rounding. Variants: AVX2+FMA and portable scalar, picked at run time;
-MOESTREAM_NATIVE_ISA=scalar|avx2 caps the choice (tests, benchmarks).
+activation's rounding. Variants: AVX-512 VNNI (with VBMI), AVX2+FMA and portable scalar, picked at run time;
+MOESTREAM_NATIVE_ISA=scalar|avx2|avx512 caps the choice (tests, benchmarks).
 If the build fails (no compiler, no ninja), `module()` says so once on stderr and returns None:
 callers keep the torch kernels.
 """
@@ -33,10 +33,11 @@ from moestream.config import ext_cache_root
 from moestream.quant import is_kquant
 
 _CSRC = Path(__file__).parent / "csrc"
-SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp")  # compiled and linked together
-HASHED = (*SOURCES, _CSRC / "kquant_cpu.h")  # every file the build key covers
-ISAS = {"scalar": 0, "avx2": 1}
-_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni")
+# compiled and linked together
+SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp", _CSRC / "avx512_cpu.cpp")
+HASHED = (*SOURCES, _CSRC / "kquant_cpu.h", _CSRC / "cpu_rows.h")  # every file the build key covers
+ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
+_FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx_vnni")
 # No FMA contraction: the reference's roundings hold. -fopenmp: at::parallel_for is a header
 # template that runs serially unless the extension itself is built with OpenMP (it then shares
 # torch's libgomp.so.1, loaded first, so torch.set_num_threads applies).
@@ -155,6 +156,13 @@ def _isa(isa: str | None) -> int:
 
 def best_isa() -> str:
     return {v: k for k, v in ISAS.items()}[module().best_isa()]
+
+
+def isas() -> list[str]:
+    """Every variant this CPU runs (scalar up to the best): what tests compare bit for bit."""
+    if not available():
+        return []
+    return [k for k, v in ISAS.items() if v <= ISAS[best_isa()]]
 
 
 def _pair(sec: dict, name: str) -> list[torch.Tensor]:

@@ -130,13 +130,23 @@ class RecordRead:
         return self.fut.result(timeout)
 
 
+def record_memory(nbytes: int) -> mmap.mmap:
+    """Page-aligned anonymous memory for expert records: private, and asking for transparent huge
+    pages (a decode streams ~20 MB of records per layer; 4 KiB pages cost a TLB walk each and stop
+    the prefetchers at every page: the layer op ran ~10% faster on huge pages, docs/cpu.md)."""
+    mem = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        mem.madvise(mmap.MADV_HUGEPAGE)
+    return mem
+
+
 class SlotPool:
     """n_slots record buffers of the store's largest record size in one aligned allocation;
     `views(layer, slot)` = typed section views of that layer's record layout over the slot."""
 
     def __init__(self, store: Store, n_slots: int):
         self.size = store.slot_size
-        self.mem = mmap.mmap(-1, max(n_slots * self.size, 1))
+        self.mem = record_memory(n_slots * self.size)
         self.buf = torch.frombuffer(self.mem, dtype=torch.uint8, count=n_slots * self.size)
         self._layouts = list(dict.fromkeys(store.layouts.values()))  # distinct, usually one
         self._layout_of = {layer: self._layouts.index(v) for layer, v in store.layouts.items()}

@@ -23,19 +23,17 @@
 #include <memory>
 #include <vector>
 
+#include "cpu_rows.h"
 #include "kquant_cpu.h"
 
-namespace {
-
-constexpr int G = 32;   // weight group = activation block
-constexpr int kG = G;  // (for code where G names a head group)
-constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm layout)
-
-enum Isa : int64_t { kScalar = 0, kAvx2 = 1 };
-
-// Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
-// bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
+namespace moestream_cpu {
 int64_t g_prefetch = 4096;  // bench A/B at 2 threads: 0 -> 2048 +15%, 4096 ~ 8192 ~ 2048
+}  // namespace moestream_cpu
+
+namespace {
+using namespace moestream_cpu;
+
+
 // f(i) for i in [0, n) over torch's threads, items handed out one at a time: on a shared machine a
 // thread that loses its core holds up one item, not a static half. No result depends on who ran it.
 // Below kSerialBytes of weights a call runs on the calling thread: waking a sleeping OpenMP thread
@@ -53,25 +51,72 @@ void parallel_items(int64_t n, const F& f, int64_t bytes) {
   });
 }
 
-// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
-// or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.
-struct QAct {
-  int rows = 0, K = 0;
-  bool wide = false;
-  std::vector<int8_t> q;    // [rows, K]
-  std::vector<int16_t> q16; // [rows, K] when wide
-  std::vector<float> d;     // [rows, K/32]
-  std::vector<int32_t> s;   // [rows, K/32] sum of q (the int4 zero-point term)
-  std::vector<int32_t> pr;  // [rows, K/2] int8 (q[2i], q[2i+1]) twice per u32: int4's broadcast
-  QAct(int r, int k, bool w = false)
-      : rows(r), K(k), wide(w), q(w ? 0 : (size_t)r * k), q16(w ? (size_t)r * k : 0), d((size_t)r * k / G),
-        s((size_t)r * k / G), pr(w ? 0 : (size_t)r * k / 2) {}
-  const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
-  const int16_t* q16r(int r) const { return q16.data() + (size_t)r * K; }
-  const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
-  const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
-  const int32_t* prr(int r) const { return pr.data() + (size_t)r * K / 2; }
+
+// The threads of one parallel region go through the same phases. A phase is n items handed out
+// through a counter; the next phase starts once every item is done (its done counter reaches n),
+// not once every thread has arrived: a thread that lost its core to another process holds up only
+// the item it took, and catches up through phases already done. What a thread needs for its items
+// it computes itself when it takes its first one (`prep`: a norm, the router's pick, a quantized
+// activation), from data the finished phases wrote and no open phase writes yet; a thread that
+// takes no item of a phase skips that work. Nothing inside the region may throw (an exception
+// there ends the process): run() checks every shape and flag before it starts.
+struct Phases {
+  std::unique_ptr<std::atomic<int64_t>[]> taken, done;  // one pair per phase of the whole step
+  explicit Phases(int64_t count) : taken(new std::atomic<int64_t>[count]), done(new std::atomic<int64_t>[count]) {
+    for (int64_t i = 0; i < count; ++i) taken[i].store(0), done[i].store(0);
+  }
 };
+
+struct Worker {
+  Phases& ph;
+  int tid, phase = 0;
+  template <typename P, typename F>
+  void items(int64_t n, const P& prep, const F& f) {
+    std::atomic<int64_t>&t = ph.taken[phase], &d = ph.done[phase];
+    bool first = true;
+    for (int64_t i = t++; i < n; i = t++) {
+      if (first) prep(), first = false;
+      f(i);
+      d.fetch_add(1, std::memory_order_release);
+    }
+    for (int spin = 0; d.load(std::memory_order_acquire) < n; ++spin) {
+      if (spin < (1 << 12))
+        _mm_pause();
+      else
+        sched_yield();  // an item is microseconds: longer means its thread lost the core
+    }
+    ++phase;
+  }
+  template <typename F>
+  void items(int64_t n, const F& f) {
+    items(n, [] {}, f);
+  }
+};
+
+// Two phases of items in one parallel region: the sleeping threads wake once, not once per phase
+// (a K = 8 layer op at 2 threads ran ~10% faster with spinning threads); serial below kSerialBytes.
+template <typename F1, typename F2>
+void two_phases(int64_t n1, const F1& f1, int64_t n2, const F2& f2, int64_t bytes) {
+  const int nt = std::max(1, at::get_num_threads());
+  if (bytes < kSerialBytes || nt == 1) {
+    for (int64_t i = 0; i < n1; ++i) f1(i);
+    for (int64_t i = 0; i < n2; ++i) f2(i);
+    return;
+  }
+  Phases ph(2);
+#pragma omp parallel num_threads(nt)
+  {
+    Worker w{ph, omp_get_thread_num()};
+    w.items(n1, f1);
+    w.items(n2, f2);
+  }
+}
+
+// Work items over weight rows: each of E weights' `blocks` 64-row blocks in chunks of contiguous
+// blocks (every restart of a stream costs a DRAM latency), enough of them for nt threads to share
+// (4 each: K = 8 experts, one item per expert; one weight, as a dense projection or a lone expert
+// of the slot cache, in 4 nt). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
+int row_chunks(int blocks, int E, int nt) { return std::min(blocks, std::max(1, (4 * nt + E - 1) / E)); }
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
 template <typename Q>
@@ -95,6 +140,13 @@ void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax, int b0, i
 
 void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
   if (b1 < 0) b1 = a.K / G;
+  static const bool v512 = cpu_has_avx512();  // the same bits (test_native_kernels: the spec's)
+  if (v512) {
+    const size_t o = (size_t)r * a.K;
+    return quantize_blocks_avx512(x, b0, b1, a.wide ? 32767.f : 127.f, a.wide ? nullptr : a.q.data() + o,
+                                  a.wide ? a.q16.data() + o : nullptr, a.d.data() + o / G, a.s.data() + o / G,
+                                  a.wide ? nullptr : a.pr.data() + o / 2);
+  }
   if (a.wide) return quantize_blocks(x, a, r, a.q16.data() + (size_t)r * a.K, 32767.f, b0, b1);
   int8_t* q = a.q.data() + (size_t)r * a.K;
   quantize_blocks(x, a, r, q, 127.f, b0, b1);
@@ -104,23 +156,7 @@ void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
   }
 }
 
-// The K-quants (kquant_cpu.h) are kinds 3..5.
-enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6 };
 
-// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], int8 q [N, K] + s fp32
-// [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
-// d fp16 [N, K/32], or q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m).
-struct Weight {
-  const uint8_t* q;
-  const void* s;
-  int N, K;
-  Kind kind;
-  bool s16 = false;  // int8 with fp16 scales (q8_0: llama.cpp's Q8_0 blocks), else fp32
-};
-
-float fp16(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
-
-constexpr int kMaxBlocks = 1024;  // K <= 32768 for fp16-scaled int8 rows (checked in weight())
 
 __attribute__((target("avx2,f16c"))) void fp16_row_f16c(const uint16_t* h, int n, float* out) {
   int i = 0;
@@ -130,9 +166,11 @@ __attribute__((target("avx2,f16c"))) void fp16_row_f16c(const uint16_t* h, int n
 
 bool cpu_has_avx2();
 
+}  // namespace
+
 // Row r's nb int8 scales as fp32: the section itself (fp32), or widened into buf (fp16: exact,
 // so a q8_0 row computes what the int8 row holding the same values computes).
-const float* row_scales(const Weight& w, int r, int nb, float* buf) {
+const float* moestream_cpu::row_scales(const Weight& w, int r, int nb, float* buf) {
   if (!w.s16) return (const float*)w.s + (size_t)r * nb;
   const uint16_t* h = (const uint16_t*)w.s + (size_t)r * nb;
   static const bool f16c = cpu_has_avx2();
@@ -143,16 +181,9 @@ const float* row_scales(const Weight& w, int r, int nb, float* buf) {
   return buf;
 }
 
-float bf16(uint16_t v) {
-  uint32_t u = (uint32_t)v << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+namespace {
 
-// Eight float partials summed in one fixed order (the row-major schemes' block sums, the fused
-// ops' dots): ((0+1)+(2+3))+((4+5)+(6+7)).
-float lanes_sum(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
 
 // The row-major schemes (int8, q4_0) add a row's per-block fp32 terms in 8 lanes: block j of the
 // first nb - nb % 8 goes to lane j mod 8 (in order), the lanes are summed by lanes_sum, then the
@@ -351,13 +382,7 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
   }
   float l[8];
   _mm256_storeu_ps(l, accv);
-  float acc = lanes_sum(l);
-  for (; j < nb; ++j) {
-    int32_t dot = 0;
-    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
-    acc = acc + (s[j] * d[j]) * (float)dot;
-  }
-  *y = acc;
+  *y = int8_tail(lanes_sum(l), q, s, xq, d, j, nb);
 }
 
 // int8 weights x int16 activations: sign-extended weights in madd_epi16 (exact in int32).
@@ -385,13 +410,7 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
   }
   float l[8];
   _mm256_storeu_ps(l, accv);
-  float acc = lanes_sum(l);
-  for (; j < nb; ++j) {
-    int32_t dot = 0;
-    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
-    acc = acc + (s[j] * d[j]) * (float)dot;
-  }
-  *y = acc;
+  *y = int8_tail(lanes_sum(l), q, s, xq, d, j, nb);
 }
 
 // Eight 32-input blocks of q4_0 / q4_1 nibbles from block j on (16 bytes each: input i low nibble,
@@ -434,16 +453,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   }
   float l[8];
   _mm256_storeu_ps(l, accv);
-  float acc = lanes_sum(l);
-  for (; j < nb; ++j) {  // the last blocks: the scalar path's arithmetic
-    int32_t dot = 0;
-    for (int i = 0; i < G / 2; ++i) {
-      dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
-      dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
-    }
-    acc = acc + (fp16(dw[j]) * d[j]) * (float)dot;
-  }
-  *y = acc;
+  *y = q4_0_tail(lanes_sum(l), q, dw, xq, d, j, nb);
 }
 
 // q4_1's (d, m) fp16 pairs of eight blocks -> d and m widened to fp32, lane b: block b.
@@ -826,11 +836,14 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
   if (moestream_kquant::is_kquant(w.kind))
     return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), isa >= kAvx2, y);
   if (w.kind == kInt4) {
+    if (isa >= kAvx512 && n == BN) return int4_block_avx512(w, r0, a, t, y);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
   }
   if (w.kind == kQ4_0) {
-    if (isa >= kAvx2)
+    if (isa >= kAvx512)
+      for (int i = 0; i < n; ++i) q4_0_row_avx512(w, r0 + i, a, t, y + i);
+    else if (isa >= kAvx2)
       for (int i = 0; i < n; ++i) q4_0_row_avx2(w, r0 + i, a, t, y + i);
     else
       q4_0_rows_scalar(w, r0, n, a, t, y);
@@ -843,7 +856,9 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
       q4_1_rows_scalar(w, r0, n, a, t, y);
     return;
   }
-  if (isa >= kAvx2)
+  if (isa >= kAvx512)
+    for (int i = 0; i < n; ++i) (a.wide ? int8_row16_avx512 : int8_row_avx512)(w, r0 + i, a, t, y + i);
+  else if (isa >= kAvx2)
     for (int i = 0; i < n; ++i) (a.wide ? int8_row16_avx2 : int8_row_avx2)(w, r0 + i, a, t, y + i);
   else if (a.wide)
     int8_rows_scalar(w, r0, n, a, t, y, a.q16r(t));
@@ -856,12 +871,14 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
 template <int NT>
 void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
   if (w.kind == kInt4) {
+    if (isa >= kAvx512 && n == BN) return int4_block_avx512_nt<NT>(w, r0, a, ts, y, ys);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2_nt<NT>(w, r0, a, ts, y, ys);
     return int4_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
   }
   if (w.kind == kQ4_0) {
     if (isa < kAvx2) return q4_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
-    for (int i = 0; i < n; ++i) q4_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    for (int i = 0; i < n; ++i)
+      (isa >= kAvx512 ? q4_0_row_avx512_nt<NT> : q4_0_row_avx2_nt<NT>)(w, r0 + i, a, ts, y + i, ys);
     return;
   }
   if (w.kind == kQ4_1) {
@@ -873,7 +890,8 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
     return a.wide ? int8_rows_scalar_nt<int16_t>(w, r0, n, a, ts, NT, y, ys)
                   : int8_rows_scalar_nt<int8_t>(w, r0, n, a, ts, NT, y, ys);
   for (int i = 0; i < n; ++i)
-    (a.wide ? int8_row_avx2_nt<NT, true> : int8_row_avx2_nt<NT, false>)(w, r0 + i, a, ts, y + i, ys);
+    (a.wide ? int8_row_avx2_nt<NT, true> : isa >= kAvx512 ? int8_row_avx512_nt<NT> : int8_row_avx2_nt<NT, false>)(
+        w, r0 + i, a, ts, y + i, ys);
 }
 
 // Activation rows ts[0, cnt) through rows [r0, r0 + n) of w -> y[i * ys + (0, n)], token_tile()
@@ -929,7 +947,7 @@ Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
 }
 
 int64_t resolve(int64_t isa) {
-  const int64_t best = cpu_has_avx2() ? kAvx2 : kScalar;
+  static const int64_t best = cpu_has_avx512() ? kAvx512 : cpu_has_avx2() ? kAvx2 : kScalar;
   return isa < 0 ? best : std::min(isa, best);
 }
 
@@ -953,8 +971,10 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   const int nblk = (w.N + BN - 1) / BN;
   std::vector<int> ts(a.rows);
   for (int t = 0; t < a.rows; ++t) ts[t] = t;
-  parallel_items(nblk, [&](int64_t b) {
-    rows_tokens(w, (int)b * BN, std::min(BN, w.N - (int)b * BN), a, ts.data(), a.rows, yp + b * BN, w.N, isa);
+  const int nc = row_chunks(nblk, 1, std::max(1, at::get_num_threads()));
+  parallel_items(nc, [&](int64_t c) {
+    for (int b = nblk * (int)c / nc; b < nblk * ((int)c + 1) / nc; ++b)
+      rows_tokens(w, b * BN, std::min(BN, w.N - b * BN), a, ts.data(), a.rows, yp + (size_t)b * BN, w.N, isa);
   }, q.nbytes());
   return y;
 }
@@ -1040,34 +1060,40 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     }
     return moe_pairs(xf, w13, w2, tok, off, pw, b13, b2, isa);
   }
+  // One token (T == 1): the gate|up rows of each expert, its SiLU*up quantized by the thread that
+  // finished its last chunk; then the down rows per (expert, chunk) into y[e], summed per output
+  // row in list order at the end (out = 0 + w_0 y_0 + w_1 y_1 ..., the order moe_q8_ref adds).
+  // Items are long runs of contiguous rows: each restart of a stream costs a DRAM latency.
   const QAct ax = quantize(xf, false);
-  std::vector<float> h((size_t)E * T * N13);
+  std::vector<float> h((size_t)E * N13), y((size_t)E * D);
+  const int nt = std::max(1, at::get_num_threads());
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
-  int64_t b13 = 0, b2 = 0;  // weight bytes read by each half (serial below kSerialBytes)
+  const int c13 = row_chunks(nb13, E, nt), cd = row_chunks(nbd, E, nt);
+  int64_t b13 = 0, b2 = 0;  // weight bytes read (serial below kSerialBytes)
   for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
-  parallel_items((int64_t)E * nb13, [&](int64_t i) {
-    const int e = (int)(i / nb13), r0 = (int)(i % nb13) * BN;
-    for (int t = 0; t < T; ++t)
-      rows(w13[e], r0, std::min(BN, N13 - r0), ax, t, h.data() + ((size_t)e * T + t) * N13 + r0, isa);
-  }, b13);
-  QAct act(E * T, I, w2[0].kind == kInt8);  // row e * T + t
-  // One token's SiLU*up is a few thousand exps: threads only for a prompt's many rows.
-  parallel_items((int64_t)E * T, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r); },
-                 (int64_t)E * T * I * 16);
+  QAct act(E, I, w2[0].kind == kInt8);
+  std::vector<std::atomic<int>> left(E);
+  for (auto& v : left) v.store(c13);
+  auto gate_up = [&](int64_t i) {
+    const int e = (int)(i / c13), c = (int)(i % c13);
+    for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
+      rows(w13[e], b * BN, std::min(BN, N13 - b * BN), ax, 0, h.data() + (size_t)e * N13 + b * BN, isa);
+    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(h.data(), I, act, e);
+  };
+  auto down = [&](int64_t i) {
+    const int e = (int)(i / cd), c = (int)(i % cd);
+    for (int b = nbd * c / cd; b < nbd * (c + 1) / cd; ++b)
+      rows(w2[e], b * BN, std::min(BN, D - b * BN), act, e, y.data() + (size_t)e * D + b * BN, isa);
+  };
+  two_phases((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
   float* op = out.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
-  parallel_items(nbd, [&](int64_t b) {
-    float tmp[BN];
-    const int r0 = (int)b * BN, n = std::min(BN, D - r0);
-    for (int t = 0; t < T; ++t)
-      for (int e = 0; e < E; ++e) {  // each row's experts in list order: the bits do not depend on threads
-        rows(w2[e], r0, n, act, e * T + t, tmp, isa);
-        float* o = op + (size_t)t * D + r0;
-        const float we = wp[t * Ew + (cols.empty() ? e : (int)cols[e])];
-        for (int i = 0; i < n; ++i) o[i] = o[i] + we * tmp[i];
-      }
-  }, b2);
+  for (int e = 0; e < E; ++e) {  // list order: the bits do not depend on threads
+    const float we = wp[cols.empty() ? e : (int)cols[e]];
+    const float* ye = y.data() + (size_t)e * D;
+    for (int i = 0; i < D; ++i) op[i] = op[i] + we * ye[i];
+  }
   return out;
 }
 
@@ -1296,47 +1322,6 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
 // element is computed by exactly the code the per-module path runs, so the bits are that path's
 // (tests/test_native_step.py), whatever the thread count.
 
-// The threads of one parallel region go through the same phases. A phase is n items handed out
-// through a counter; the next phase starts once every item is done (its done counter reaches n),
-// not once every thread has arrived: a thread that lost its core to another process holds up only
-// the item it took, and catches up through phases already done. What a thread needs for its items
-// it computes itself when it takes its first one (`prep`: a norm, the router's pick, a quantized
-// activation), from data the finished phases wrote and no open phase writes yet; a thread that
-// takes no item of a phase skips that work. Nothing inside the region may throw (an exception
-// there ends the process): run() checks every shape and flag before it starts.
-struct Phases {
-  std::unique_ptr<std::atomic<int64_t>[]> taken, done;  // one pair per phase of the whole step
-  explicit Phases(int64_t count) : taken(new std::atomic<int64_t>[count]), done(new std::atomic<int64_t>[count]) {
-    for (int64_t i = 0; i < count; ++i) taken[i].store(0), done[i].store(0);
-  }
-};
-
-struct Worker {
-  Phases& ph;
-  int tid, phase = 0;
-  template <typename P, typename F>
-  void items(int64_t n, const P& prep, const F& f) {
-    std::atomic<int64_t>&t = ph.taken[phase], &d = ph.done[phase];
-    bool first = true;
-    for (int64_t i = t++; i < n; i = t++) {
-      if (first) prep(), first = false;
-      f(i);
-      d.fetch_add(1, std::memory_order_release);
-    }
-    for (int spin = 0; d.load(std::memory_order_acquire) < n; ++spin) {
-      if (spin < (1 << 12))
-        _mm_pause();
-      else
-        sched_yield();  // an item is microseconds: longer means its thread lost the core
-    }
-    ++phase;
-  }
-  template <typename F>
-  void items(int64_t n, const F& f) {
-    items(n, [] {}, f);
-  }
-};
-
 // One decoder layer's weights (views of the model's tensors, kept alive by `keep`).
 struct StepLayer {
   std::vector<torch::Tensor> keep;
@@ -1443,12 +1428,14 @@ class DecodeStep {
     // Shared between the threads: the q/k/v, attention, score, expert and output buffers. The
     // norms, the router's pick and the activations entering q/k/v and the experts are each
     // thread's own (Worker's prep: the same code on the same data, so the same bits).
-    std::vector<float> qkv(Nqkv), qk((size_t)(H + Hkv) * hd), att((size_t)H * hd), sc(E), hx((size_t)k * N13), y(D);
+    std::vector<float> qkv(Nqkv), qk((size_t)(H + Hkv) * hd), att((size_t)H * hd), sc(E), hx((size_t)k * N13), y(D), yk((size_t)k * D);
     QAct ao(1, H * hd, L[0].o_wide), act(k, I, L[0].w2[0].kind == kInt8);
     // o's activation blocks line up with a KV group's heads: each group quantizes its own
     const bool group_blocks = (G * hd) % kG == 0;
-    constexpr int kPhasesPerLayer = 7;
+    constexpr int kPhasesPerLayer = 8;
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
+    const int nts = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN, cd = row_chunks(nbd, k, nts);
+    const int nbqkv = (Nqkv + BN - 1) / BN, cqkv = row_chunks(nbqkv, 1, nts), cd1 = row_chunks(nbd, 1, nts);
     double expert_s = 0;
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
@@ -1467,11 +1454,13 @@ class DecodeStep {
           rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
           quantize_row(h.data(), aq, 0);
         };
-        w.items((Nqkv + BN - 1) / BN, norm_in, [&](int64_t b) {
-          const int r0 = (int)b * BN, n = std::min(BN, Nqkv - r0);
-          rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
-          if (l.qkv_b)
-            for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+        w.items(cqkv, norm_in, [&](int64_t c) {
+          for (int b = nbqkv * (int)c / cqkv; b < nbqkv * ((int)c + 1) / cqkv; ++b) {
+            const int r0 = b * BN, n = std::min(BN, Nqkv - r0);
+            rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
+            if (l.qkv_b)
+              for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+          }
         });
         // native.attend per KV group: its k head normed, rotated and written with v at pos, then
         // its q heads normed, rotated and attending keys [lo, pos]
@@ -1493,11 +1482,13 @@ class DecodeStep {
           if (group_blocks) quantize_row(att.data(), ao, 0, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0); });
-        w.items((D + BN - 1) / BN, [&](int64_t b) {
-          float t2[BN];
-          const int r0 = (int)b * BN, n = std::min(BN, D - r0);
-          rows(l.o, r0, n, ao, 0, t2, isa);
-          for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
+        w.items(cd1, [&](int64_t c) {
+          for (int b = nbd * (int)c / cd1; b < nbd * ((int)c + 1) / cd1; ++b) {
+            float t2[BN];
+            const int r0 = b * BN, n = std::min(BN, D - r0);
+            rows(l.o, r0, n, ao, 0, t2, isa);
+            for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
+          }
         });
         // post-attention norm and the router: native.rmsnorm, then native.route
         bool normed = false, picked = false;
@@ -1530,14 +1521,20 @@ class DecodeStep {
             rows(w13, r0, std::min(BN, N13 - r0), ax, 0, hx.data() + (size_t)e * N13 + r0, isa);
           act_quantize(hx.data(), I, act, (int)e);
         });
-        w.items((D + BN - 1) / BN, pick, [&](int64_t b) {
-          float t2[BN];
+        // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
+        // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
+        w.items((int64_t)k * cd, pick, [&](int64_t i) {
+          const int e = (int)(i / cd), c = (int)(i % cd);
+          const Weight& w2 = l.w2[ids[order[e]]];
+          for (int b = nbd * c / cd; b < nbd * (c + 1) / cd; ++b)
+            rows(w2, b * BN, std::min(BN, D - b * BN), act, e, yk.data() + (size_t)e * D + b * BN, isa);
+        });
+        w.items(nbd, pick, [&](int64_t b) {
           const int r0 = (int)b * BN, n = std::min(BN, D - r0);
           float* o = y.data() + r0;
           std::fill(o, o + n, 0.f);
           for (int e = 0; e < k; ++e) {
-            rows(l.w2[ids[order[e]]], r0, n, act, e, t2, isa);
-            const float wt = we[order[e]];
+            const float wt = we[order[e]], *t2 = yk.data() + (size_t)e * D + r0;
             for (int i = 0; i < n; ++i) o[i] = o[i] + wt * t2[i];
           }
           for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + o[i];
@@ -1573,5 +1570,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &DecodeStep::run)
       .def_property_readonly("layers", &DecodeStep::layers)
       .def_readonly("expert_seconds", &DecodeStep::expert_seconds);
-  m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2");
+  m.def("best_isa", [] { return resolve(-1); }, "0 scalar, 1 avx2, 2 avx512 (VNNI + VBMI)");
 }

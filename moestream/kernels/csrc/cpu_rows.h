@@ -1,0 +1,118 @@
+// The record and activation types every CPU row kernel shares (moe_cpu.cpp: scalar and AVX2 rows,
+// the layer ops; avx512_cpu.cpp: the AVX-512 VNNI rows), and the rules their sums follow.
+#pragma once
+#include <c10/util/Half.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace moestream_cpu {
+
+constexpr int G = 32;   // weight group = activation block
+constexpr int kG = G;  // (for code where G names a head group)
+constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm layout)
+
+enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+
+// Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
+// bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
+extern int64_t g_prefetch;
+
+// Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
+// or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.
+struct QAct {
+  int rows = 0, K = 0;
+  bool wide = false;
+  std::vector<int8_t> q;    // [rows, K]
+  std::vector<int16_t> q16; // [rows, K] when wide
+  std::vector<float> d;     // [rows, K/32]
+  std::vector<int32_t> s;   // [rows, K/32] sum of q (the int4 zero-point term)
+  std::vector<int32_t> pr;  // [rows, K/2] int8 (q[2i], q[2i+1]) twice per u32: int4's broadcast
+  QAct(int r, int k, bool w = false)
+      : rows(r), K(k), wide(w), q(w ? 0 : (size_t)r * k), q16(w ? (size_t)r * k : 0), d((size_t)r * k / G),
+        s((size_t)r * k / G), pr(w ? 0 : (size_t)r * k / 2) {}
+  const int8_t* qr(int r) const { return q.data() + (size_t)r * K; }
+  const int16_t* q16r(int r) const { return q16.data() + (size_t)r * K; }
+  const float* dr(int r) const { return d.data() + (size_t)r * K / G; }
+  const int32_t* sr(int r) const { return s.data() + (size_t)r * K / G; }
+  const int32_t* prr(int r) const { return pr.data() + (size_t)r * K / 2; }
+};
+
+// The K-quants (kquant_cpu.h) are kinds 3..5.
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6 };
+
+// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], int8 q [N, K] + s fp32
+// [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
+// d fp16 [N, K/32], or q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m).
+struct Weight {
+  const uint8_t* q;
+  const void* s;
+  int N, K;
+  Kind kind;
+  bool s16 = false;  // int8 with fp16 scales (q8_0: llama.cpp's Q8_0 blocks), else fp32
+};
+
+inline float fp16(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
+
+constexpr int kMaxBlocks = 1024;  // K <= 32768 for fp16-scaled int8 rows (checked in weight())
+
+inline float bf16(uint16_t v) {
+  uint32_t u = (uint32_t)v << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// Eight float partials summed in one fixed order (the row-major schemes' block sums, the fused
+// ops' dots): ((0+1)+(2+3))+((4+5)+(6+7)).
+inline float lanes_sum(const float* l) { return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7])); }
+
+// A row's last nb % 8 blocks after its 8 lanes were summed into acc: the scalar path's arithmetic,
+// in order (int8 weights x int8 or int16 activations; q4_0 as int8 weights q - 8).
+template <typename X>
+inline float int8_tail(float acc, const int8_t* q, const float* s, const X* xq, const float* d, int j, int nb) {
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int k = j * G; k < (j + 1) * G; ++k) dot += q[k] * xq[k];
+    acc = acc + (s[j] * d[j]) * (float)dot;
+  }
+  return acc;
+}
+
+inline float q4_0_tail(float acc, const uint8_t* q, const uint16_t* dw, const int8_t* xq, const float* d, int j,
+                       int nb) {
+  for (; j < nb; ++j) {
+    int32_t dot = 0;
+    for (int i = 0; i < G / 2; ++i) {
+      dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
+      dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
+    }
+    acc = acc + (fp16(dw[j]) * d[j]) * (float)dot;
+  }
+  return acc;
+}
+
+// Row r's nb int8 scales as fp32: the section itself (fp32), or widened into buf (fp16, exact).
+const float* row_scales(const Weight& w, int r, int nb, float* buf);
+
+// ---- AVX-512 VNNI rows (avx512_cpu.cpp): the AVX2 rows' exact integer block dots from vpdpbusd,
+// then the same fp32 steps in the same order, so every variant gives the same bits.
+bool cpu_has_avx512();  // avx512 f, bw, vl, vnni, vbmi (vpermt2b) and the AVX2 set
+void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);  // 64 full rows
+void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
+void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
+void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
+// The same for activation rows ts[0, NT) (NT = 2, 3, 4) -> y[i * ys + (0, n)]: the weights read once.
+template <int NT>
+void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts, float* y, size_t ys);
+template <int NT>
+void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+template <int NT>
+void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+// Blocks [b0, b1) of an activation row (x its start; q8 or q16 and d, s, pr the row's own) quantized
+// as moe_cpu.cpp's quantize_blocks does, bit for bit; pr may be null.
+void quantize_blocks_avx512(const float* x, int b0, int b1, float qmax, int8_t* q8, int16_t* q16, float* d,
+                            int32_t* s, int32_t* pr);
+
+}  // namespace moestream_cpu
