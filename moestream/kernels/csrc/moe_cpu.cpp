@@ -114,9 +114,13 @@ void two_phases(int64_t n1, const F1& f1, int64_t n2, const F2& f2, int64_t byte
 
 // Work items over weight rows: each of E weights' `blocks` 64-row blocks in chunks of contiguous
 // blocks (every restart of a stream costs a DRAM latency), enough of them for nt threads to share
-// (4 each: K = 8 experts, one item per expert; one weight, as a dense projection or a lone expert
-// of the slot cache, in 4 nt). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
-int row_chunks(int blocks, int E, int nt) { return std::min(blocks, std::max(1, (4 * nt + E - 1) / E)); }
+// (8 each: K = 8 experts at 2 threads, two items per expert, so the last items of a phase are
+// short; one weight, as a dense projection or a lone expert of the slot cache, in 8 nt; 4 and 16
+// each measured slower at K = 8, 2 threads). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
+int64_t g_items_per_thread = 8;  // benchmarks may set it (_set_items_per_thread)
+int row_chunks(int blocks, int E, int nt) {
+  return std::min(blocks, std::max(1, (int)((g_items_per_thread * nt + E - 1) / E)));
+}
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
 template <typename Q>
@@ -1436,6 +1440,9 @@ class DecodeStep {
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
     const int nts = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN, cd = row_chunks(nbd, k, nts);
     const int nbqkv = (Nqkv + BN - 1) / BN, cqkv = row_chunks(nbqkv, 1, nts), cd1 = row_chunks(nbd, 1, nts);
+    const int nb13 = (N13 + BN - 1) / BN, c13 = row_chunks(nb13, k, nts);
+    std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[L.size() * k]);  // chunks left per layer, expert
+    for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed);
     double expert_s = 0;
     const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
@@ -1515,11 +1522,13 @@ class DecodeStep {
           pick();
           quantize_row(h.data(), ax, 0);
         };
-        w.items(k, expert_in, [&](int64_t e) {
+        // gate|up per (expert, chunk of c13); its SiLU*up by the thread that finishes its last chunk
+        w.items((int64_t)k * c13, expert_in, [&](int64_t i) {
+          const int e = (int)(i / c13), c = (int)(i % c13);
           const Weight& w13 = l.w13[ids[order[e]]];
-          for (int r0 = 0; r0 < N13; r0 += BN)
-            rows(w13, r0, std::min(BN, N13 - r0), ax, 0, hx.data() + (size_t)e * N13 + r0, isa);
-          act_quantize(hx.data(), I, act, (int)e);
+          for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
+            rows(w13, b * BN, std::min(BN, N13 - b * BN), ax, 0, hx.data() + (size_t)e * N13 + b * BN, isa);
+          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(hx.data(), I, act, e);
         });
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
@@ -1560,6 +1569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
   m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32");
   m.def("_set_token_tile", [](int64_t n) { g_token_tile = n; }, "activation rows per pass, 0 default (benchmarks)");
+  m.def("_set_items_per_thread", [](int64_t n) { g_items_per_thread = n; }, "work items per thread over a weight set (benchmarks)");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
   m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
