@@ -142,10 +142,10 @@ void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax, int b0, i
   }
 }
 
-void quantize_row(const float* x, QAct& a, int r, int b0 = 0, int b1 = -1) {
+// isa: the resolved variant (resolve()); the AVX-512 quantizer gives the same bits (the spec's).
+void quantize_row(const float* x, QAct& a, int r, int64_t isa, int b0 = 0, int b1 = -1) {
   if (b1 < 0) b1 = a.K / G;
-  static const bool v512 = cpu_has_avx512();  // the same bits (test_native_kernels: the spec's)
-  if (v512) {
+  if (isa >= kAvx512) {
     const size_t o = (size_t)r * a.K;
     return quantize_blocks_avx512(x, b0, b1, a.wide ? 32767.f : 127.f, a.wide ? nullptr : a.q.data() + o,
                                   a.wide ? a.q16.data() + o : nullptr, a.d.data() + o / G, a.s.data() + o / G,
@@ -955,10 +955,10 @@ int64_t resolve(int64_t isa) {
   return isa < 0 ? best : std::min(isa, best);
 }
 
-QAct quantize(const torch::Tensor& x, bool wide) {
+QAct quantize(const torch::Tensor& x, bool wide, int64_t isa) {
   QAct a((int)x.size(0), (int)x.size(1), wide);
   TORCH_CHECK(a.K % G == 0, "activation width must be a multiple of 32");
-  for (int r = 0; r < a.rows; ++r) quantize_row(x.data_ptr<float>() + (size_t)r * a.K, a, r);
+  for (int r = 0; r < a.rows; ++r) quantize_row(x.data_ptr<float>() + (size_t)r * a.K, a, r, isa);
   return a;
 }
 
@@ -968,8 +968,8 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   const Weight w = weight(q, s);
   const auto xf = x.to(torch::kFloat).contiguous();
   TORCH_CHECK(xf.dim() == 2 && xf.size(1) == w.K, "x must be [T, K]");
-  const QAct a = quantize(xf, wide);
   isa = resolve(isa);
+  const QAct a = quantize(xf, wide, isa);
   auto y = torch::empty({a.rows, w.N}, xf.options());
   float* yp = y.data_ptr<float>();
   const int nblk = (w.N + BN - 1) / BN;
@@ -984,11 +984,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
 }
 
 // silu(gate) * up of h [rows, 2I] quantized per row.
-void act_quantize(const float* h, int I, QAct& act, int r) {
+void act_quantize(const float* h, int I, QAct& act, int r, int64_t isa) {
   std::vector<float> v(I);
   const float* g = h + (size_t)r * 2 * I;
   for (int i = 0; i < I; ++i) v[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
-  quantize_row(v.data(), act, r);
+  quantize_row(v.data(), act, r, isa);
 }
 
 // A layer's (expert, token) pairs: expert e (w13[e], w2[e]) takes the rows tok[off[e], off[e+1])
@@ -999,7 +999,7 @@ torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13,
                         const std::vector<int>& tok, const std::vector<int64_t>& off, const std::vector<float>& pw,
                         int64_t b13, int64_t b2, int64_t isa) {
   const int D = (int)xf.size(1), E = (int)w13.size(), N13 = w13[0].N, I = N13 / 2, P = (int)tok.size();
-  const QAct ax = quantize(xf, false);
+  const QAct ax = quantize(xf, false, isa);
   std::vector<float> h((size_t)P * N13);  // row p: pair p's gate|up
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
   parallel_items((int64_t)E * nb13, [&](int64_t i) {
@@ -1008,7 +1008,7 @@ torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13,
                 h.data() + (size_t)off[e] * N13 + r0, N13, isa);
   }, b13);
   QAct act(P, I, w2[0].kind == kInt8);  // row p: pair p
-  parallel_items(P, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r); }, (int64_t)P * I * 16);
+  parallel_items(P, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r, isa); }, (int64_t)P * I * 16);
   std::vector<int> pid(P);
   for (int p = 0; p < P; ++p) pid[p] = p;
   auto out = torch::zeros({xf.size(0), D}, xf.options());
@@ -1068,7 +1068,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   // finished its last chunk; then the down rows per (expert, chunk) into y[e], summed per output
   // row in list order at the end (out = 0 + w_0 y_0 + w_1 y_1 ..., the order moe_q8_ref adds).
   // Items are long runs of contiguous rows: each restart of a stream costs a DRAM latency.
-  const QAct ax = quantize(xf, false);
+  const QAct ax = quantize(xf, false, isa);
   std::vector<float> h((size_t)E * N13), y((size_t)E * D);
   const int nt = std::max(1, at::get_num_threads());
   const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
@@ -1082,7 +1082,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     const int e = (int)(i / c13), c = (int)(i % c13);
     for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
       rows(w13[e], b * BN, std::min(BN, N13 - b * BN), ax, 0, h.data() + (size_t)e * N13 + b * BN, isa);
-    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(h.data(), I, act, e);
+    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(h.data(), I, act, e, isa);
   };
   auto down = [&](int64_t i) {
     const int e = (int)(i / cd), c = (int)(i % cd);
@@ -1459,7 +1459,7 @@ class DecodeStep {
         // input norm, q/k/v (+ bias): native.rmsnorm, then QuantLinear -> native.linear
         auto norm_in = [&] {
           rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
-          quantize_row(h.data(), aq, 0);
+          quantize_row(h.data(), aq, 0, isa);
         };
         w.items(cqkv, norm_in, [&](int64_t c) {
           for (int b = nbqkv * (int)c / cqkv; b < nbqkv * ((int)c + 1) / cqkv; ++b) {
@@ -1486,9 +1486,9 @@ class DecodeStep {
             attend_head(qk.data() + (size_t)hi * hd, kp + kv, vp + kv, S, hd, l.scaling, att.data() + (size_t)hi * hd,
                         isa);
           }
-          if (group_blocks) quantize_row(att.data(), ao, 0, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
+          if (group_blocks) quantize_row(att.data(), ao, 0, isa, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
         });
-        w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0); });
+        w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0, isa); });
         w.items(cd1, [&](int64_t c) {
           for (int b = nbd * (int)c / cd1; b < nbd * ((int)c + 1) / cd1; ++b) {
             float t2[BN];
@@ -1520,7 +1520,7 @@ class DecodeStep {
         auto expert_in = [&] {
           norm_post();
           pick();
-          quantize_row(h.data(), ax, 0);
+          quantize_row(h.data(), ax, 0, isa);
         };
         // gate|up per (expert, chunk of c13); its SiLU*up by the thread that finishes its last chunk
         w.items((int64_t)k * c13, expert_in, [&](int64_t i) {
@@ -1528,7 +1528,7 @@ class DecodeStep {
           const Weight& w13 = l.w13[ids[order[e]]];
           for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
             rows(w13, b * BN, std::min(BN, N13 - b * BN), ax, 0, hx.data() + (size_t)e * N13 + b * BN, isa);
-          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(hx.data(), I, act, e);
+          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(hx.data(), I, act, e, isa);
         });
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
