@@ -381,7 +381,7 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "attention_bias": "blk.0.attn_q.bias" in self._tensors,
             "hidden_act": "silu",
-            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "bos_token_id": self._special_id("bos"),
             "eos_token_id": self._eos_ids(),
         }
         if int(self._arch_key("expert_count", n_exp)) != n_exp:
@@ -611,9 +611,18 @@ class GGUFCheckpoint:
         return rope
 
     def _eos_ids(self) -> list[int] | None:
-        ids = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+        ids = [self._special_id(k) for k in ("eos", "eot", "eom")]
+        ids = list(dict.fromkeys(i for i in ids if i is not None))
         return ids or None
+
+    def _special_id(self, which: str) -> int | None:
+        from moestream.convert.gguf_vocab import special_token_id
+
+        n = len(self.meta.get("tokenizer.ggml.tokens") or [])
+        try:
+            return special_token_id(self.meta, which, n)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from e
 
     # ---- tensors ------------------------------------------------------------------------------
     def _classify(self) -> None:
