@@ -104,6 +104,31 @@ def test_spm_encodes_and_decodes_as_llama_cpp(mixtral, flags, tmp_path):
         assert ours.decode(llama_cpp_encode(v, "hi")) == "hi"  # llama.cpp: " hi"
 
 
+def test_spm_random_texts_encode_as_llama_cpp(mixtral, tmp_path):
+    """300 random texts of corpus words and pieces of them cut anywhere, spaces, newlines,
+    U+2581, characters without a token and the special tokens: llama.cpp's ids on every one."""
+    import random
+
+    from spm_models import CORPUS
+
+    path = mixtral[2]
+    ours = _tokenizer(dict(GGUFCheckpoint(path).meta), tmp_path / "tok")
+    v = spm_vocab(VOCAB)
+    rng = random.Random(0)
+    corpus = " ".join(CORPUS)
+    words = corpus.split() + list(SPECIALS) + ["\n", "\u2581", "東", "é", "  "]
+
+    def piece() -> str:
+        if rng.random() < 0.5:
+            return rng.choice(words)
+        i = rng.randrange(len(corpus))
+        return corpus[i : i + rng.randint(1, 12)]
+
+    for _ in range(300):
+        text = "".join(piece() + rng.choice(["", " ", "  "]) for _ in range(8))
+        assert ours.encode(text) == llama_cpp_encode(v, text), text
+
+
 def test_spm_store_files_and_transformers_gguf_tokenizer(mixtral, tmp_path):
     """The store's tokenizer (GGUFCheckpoint.write_files): llama.cpp's ids on every text, BOS /
     EOS / UNK named; transformers' own GGUF tokenizer gives the same ids and text on the texts
