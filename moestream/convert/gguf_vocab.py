@@ -159,8 +159,9 @@ def _sentencepiece(meta: dict[str, Any], tokens: list[str], vocab: dict, where: 
 def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
     """Every split of a token into two tokens, the best-scored token's first: BPE applying them in
     this order joins the pair llama.cpp's SPM session joins (the adjacent pair whose join is the
-    best-scored token, the leftmost of equals). Two different tokens of equal score rank by id
-    here, where llama.cpp takes the leftmost pair; SentencePiece's scores are distinct."""
+    best-scored token, the leftmost of equals). Joins of equal score rank by id and split point
+    here, where llama.cpp takes the leftmost: two tokens of one score (SentencePiece's differ) or
+    two overlapping splits of one token (`ab|a`, `a|ba` in `[ab][a][ba]`)."""
     known = set(tokens)
     found = [
         (-scores[i], i, k)
