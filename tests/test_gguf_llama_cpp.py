@@ -491,10 +491,10 @@ def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path):
     """A real SentencePiece BPE model (trained in-test with byte fallback and [INST] / [/INST]
     control symbols) in a tiny Mixtral folder, through llama.cpp's converter (its SentencePiece
     vocabulary: tokens, scores, token types): the store's tokenizer gives llama-completion's
-    prompt ids on every text of test_gguf_spm, and SentencePiece's own (after BOS) on those
-    without special tokens (SentencePiece never reads control symbols from text)."""
+    prompt ids on every text of test_gguf_spm and 40 random ones, and SentencePiece's own (after
+    BOS) on those without special tokens (SentencePiece never reads control symbols from text)."""
     from spm_models import CORPUS
-    from test_gguf_spm import SPECIALS, TEXTS
+    from test_gguf_spm import SPECIALS, TEXTS, random_texts
 
     from moestream.convert.gguf import GGUFCheckpoint
     from moestream.engine.tokenizer import Tokenizer
@@ -512,7 +512,7 @@ def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path):
     out.mkdir()
     GGUFCheckpoint(path).write_files(out)
     ours = Tokenizer(out)
-    texts = [t for t in TEXTS if t]  # llama-completion refuses an empty prompt
+    texts = [t for t in TEXTS if t] + random_texts(40, seed=1)  # (llama.cpp: no empty prompt)
     enc = subprocess.run([str(PYTHON), "-c", SPM_ENCODE, f"{prefix}.model"], input=json.dumps(texts),
                          capture_output=True, text=True, check=True)  # fmt: skip
     for text, sp_ids in zip(texts, json.loads(enc.stdout)):

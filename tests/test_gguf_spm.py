@@ -104,17 +104,14 @@ def test_spm_encodes_and_decodes_as_llama_cpp(mixtral, flags, tmp_path):
         assert ours.decode(llama_cpp_encode(v, "hi")) == "hi"  # llama.cpp: " hi"
 
 
-def test_spm_random_texts_encode_as_llama_cpp(mixtral, tmp_path):
-    """300 random texts of corpus words and pieces of them cut anywhere, spaces, newlines,
-    U+2581, characters without a token and the special tokens: llama.cpp's ids on every one."""
+def random_texts(n: int, seed: int = 0) -> list[str]:
+    """Texts of corpus words and pieces of them cut anywhere, spaces, newlines, U+2581,
+    characters without a token and the special tokens."""
     import random
 
     from spm_models import CORPUS
 
-    path = mixtral[2]
-    ours = _tokenizer(dict(GGUFCheckpoint(path).meta), tmp_path / "tok")
-    v = spm_vocab(VOCAB)
-    rng = random.Random(0)
+    rng = random.Random(seed)
     corpus = " ".join(CORPUS)
     words = corpus.split() + list(SPECIALS) + ["\n", "\u2581", "東", "é", "  "]
 
@@ -124,8 +121,13 @@ def test_spm_random_texts_encode_as_llama_cpp(mixtral, tmp_path):
         i = rng.randrange(len(corpus))
         return corpus[i : i + rng.randint(1, 12)]
 
-    for _ in range(300):
-        text = "".join(piece() + rng.choice(["", " ", "  "]) for _ in range(8))
+    return ["".join(piece() + rng.choice(["", " ", "  "]) for _ in range(8)) for _ in range(n)]
+
+
+def test_spm_random_texts_encode_as_llama_cpp(mixtral, tmp_path):
+    ours = _tokenizer(dict(GGUFCheckpoint(mixtral[2]).meta), tmp_path / "tok")
+    v = spm_vocab(VOCAB)
+    for text in random_texts(300):
         assert ours.encode(text) == llama_cpp_encode(v, text), text
 
 
