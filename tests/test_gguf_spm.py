@@ -187,6 +187,18 @@ def test_mixtral_spm_gguf_end_to_end(mixtral, tmp_path, capsys):
     assert chat["prompt_ids"][:2] == [1, v.ids["[INST]"]]
 
 
+def test_equal_scores_are_said(mixtral, tmp_path, capsys):
+    """Scores of -1000 for every token (llama.cpp's converter on a vocabulary read from
+    tokenizer.json alone): llama.cpp joins equal scores leftmost first, the store's tokenizer in
+    token order, and convert says so; distinct scores are not mentioned."""
+    path = mixtral[2]
+    tied = _rewritten(path, tmp_path / "tied.gguf", "tokenizer.ggml.scores", [-1000.0] * VOCAB)
+    for src, said in ((path, False), (tied, True)):
+        capsys.readouterr()
+        assert main(["convert", str(src), str(tmp_path / src.stem)]) == 0
+        assert ("share their score with another" in capsys.readouterr().err) == said
+
+
 # ---- bad vocabularies: one line naming the key, exit code 2 ------------------------------------
 def _rewritten(src, dst, key: str, value):
     """src's GGUF with metadata `key` set to value (None: dropped), tensors as they are."""

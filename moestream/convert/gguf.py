@@ -927,7 +927,9 @@ class GGUFCheckpoint:
         """One line per expert tensor type and outcome: kept exactly, or dequantized and
         requantized; with `keep` (ExpertQuant.keep_source) one per layer whose gate and up types
         differ, so that w13 could not keep either (the writer says what it did to the dense
-        tensors)."""
+        tensors); one where the vocabulary's tokens share scores (gguf_vocab.score_ties_note)."""
+        from moestream.convert.gguf_vocab import score_ties_note
+
         done, lines = Counter(), []
         for layer, layout in sorted(layouts.items()):
             for name, roles in _PROJECTIONS:
@@ -949,7 +951,8 @@ class GGUFCheckpoint:
                 "(lossy: a second rounding; measure with `moestream eval`)",
             }[how]
             lines.append(f"{n} {kind} expert tensor(s): {what}")
-        return lines
+        note = score_ties_note(self.meta)
+        return lines + ([note] if note else [])
 
     def write_files(self, out: Path) -> None:
         """config.json and the tokenizer files the store needs, from the metadata."""

@@ -15,6 +15,7 @@ Two kinds (`tokenizer.ggml.model`), each encoding and decoding as llama.cpp's to
 from __future__ import annotations
 
 import json
+from collections import Counter
 from typing import Any
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, processors
@@ -160,17 +161,40 @@ def _merges_by_score(tokens: list[str], scores: list[float]) -> list[tuple[str, 
     """Every split of a token into two tokens, the best-scored token's first: BPE applying them in
     this order joins the pair llama.cpp's SPM session joins (the adjacent pair whose join is the
     best-scored token, the leftmost of equals). Joins of equal score rank by id and split point
-    here, where llama.cpp takes the leftmost: two tokens of one score (SentencePiece's differ) or
-    two overlapping splits of one token (`ab|a`, `a|ba` in `[ab][a][ba]`)."""
+    here, where llama.cpp takes the leftmost: two tokens of one score (SentencePiece's differ;
+    `score_ties_note` says so) or two overlapping splits of one token (`ab|a`, `a|ba` in
+    `[ab][a][ba]`)."""
+    found = sorted(_splits(tokens), key=lambda s: (-scores[s[0]], s))
+    return [(tokens[i][:k], tokens[i][k:]) for i, k in found]
+
+
+def _splits(tokens: list[str]) -> list[tuple[int, int]]:
+    """(id, k) for each token id that splits into the tokens [:k] and [k:]."""
     known = set(tokens)
-    found = [
-        (-scores[i], i, k)
+    return [
+        (i, k)
         for i, t in enumerate(tokens)
         for k in range(1, len(t))
         if t[:k] in known and t[k:] in known
     ]
-    found.sort()
-    return [(tokens[i][:k], tokens[i][k:]) for _, i, k in found]
+
+
+def score_ties_note(meta: dict[str, Any]) -> str | None:
+    """A line for convert to say when tokens formed by joins share scores (llama.cpp's converter
+    writes -1000 for every token of a vocabulary read from tokenizer.json alone): llama.cpp then
+    joins leftmost first, the store's tokenizer in token order. None for distinct scores."""
+    if meta.get("tokenizer.ggml.model") != "llama":
+        return None
+    tokens, scores = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.scores"]
+    joined = {i for i, _ in _splits(tokens)}
+    tied = sum(n for n in Counter(scores[i] for i in joined).values() if n > 1)
+    if not tied:
+        return None
+    return (
+        f"tokenizer.ggml.scores: {tied} of the {len(joined)} tokens formed by joining two others "
+        "share their score with another; llama.cpp joins equal scores leftmost first, this "
+        "tokenizer in token order, so some texts may encode differently from llama.cpp"
+    )
 
 
 def _add_ends(bos: str | None, eos: str | None, vocab: dict):
