@@ -118,10 +118,12 @@ def write_gguf(
     pre: str = "gpt-2",
     skip_key: str | None = None,
     dense_types: dict[str, str] | None = None,
+    spm=None,
 ) -> dict[str, torch.Tensor]:
     """A GGUF of the per-expert HF checkpoint in folder. expert_types: layer -> (gate, up, down)
-    type names (default F32); dense_types: HF name -> type, over dense_type. Returns HF name ->
-    the values stored (dequantized)."""
+    type names (default F32); dense_types: HF name -> type, over dense_type; spm: a SentencePiece
+    vocabulary (tests/spm_models.SpmVocab) to write instead of the folder's byte-level one.
+    Returns HF name -> the values stored (dequantized)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -132,7 +134,12 @@ def write_gguf(
     state = load_file(str(folder / "model.safetensors"))
     writer = gguf.GGUFWriter(str(path), arch)
     _metadata(writer, cfg, skip_key)
-    _vocab(writer, folder, pre, cfg["vocab_size"])
+    if spm is None:
+        _vocab(writer, folder, pre, cfg["vocab_size"])
+    else:
+        from spm_models import write_spm_vocab
+
+        write_spm_vocab(writer, spm)
     names = gguf.get_tensor_name_map(gguf_arch(arch), n)
     stored: dict[str, torch.Tensor] = {}
     experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}

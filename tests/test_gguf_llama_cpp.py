@@ -1,8 +1,9 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py) from tiny random
 checkpoints, and quantized by its llama-quantize: moestream's logits on the GGUF-derived store
 match transformers on the same (dequantized) weights (Q8_0, Q4_0, Q4_1, the K-quants and
-Q4_K_M's mix of them: kept exactly), and greedy tokens equal llama-completion's
-on the reference model by the margin rule. Skipped where llama.cpp is absent (it is not in CI):
+Q4_K_M's mix of them: kept exactly), greedy tokens equal llama-completion's
+on the reference model by the margin rule, and a SentencePiece vocabulary encodes to
+llama-completion's prompt ids. Skipped where llama.cpp is absent (it is not in CI):
 set MOESTREAM_LLAMA_CPP to a folder holding src/convert_hf_to_gguf.py, venv/ and build/bin/ (see
 ../shared/peers/README.md), or keep it at .cache/peers/llama in the checkout."""
 
@@ -448,3 +449,74 @@ def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
     # the float folder's non-expert weights with the GGUF's values: transformers is the oracle
     want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+SPM_TRAIN = """
+import json, sys, sentencepiece as spm
+corpus, prefix = json.loads(sys.argv[1]), sys.argv[2]
+spm.SentencePieceTrainer.train(
+    sentence_iterator=iter(corpus), model_prefix=prefix, model_type="bpe", vocab_size=420,
+    hard_vocab_limit=False, byte_fallback=True, character_coverage=1.0,
+    normalization_rule_name="identity", remove_extra_whitespaces=False,
+    control_symbols=["[INST]", "[/INST]"], minloglevel=2)
+print(spm.SentencePieceProcessor(model_file=prefix + ".model").vocab_size())
+"""
+SPM_ENCODE = """
+import json, sys, sentencepiece as spm
+sp = spm.SentencePieceProcessor(model_file=sys.argv[1])
+print(json.dumps([sp.encode(t) for t in json.loads(sys.stdin.read())]))
+"""
+
+
+def llama_prompt_ids(path: Path, text: str, tmp: Path) -> list[int]:
+    """llama-completion's ids of `text` as its prompt (--verbose-prompt; -f drops one trailing
+    newline, so one is added; no escapes processed)."""
+    import re
+
+    (tmp / "prompt.txt").write_text(text + "\n")
+    cmd = [str(COMPLETION), "-m", str(path), "-f", str(tmp / "prompt.txt"), "--no-escape",
+           "-n", "0", "-no-cnv", "--verbose-prompt", "-t", "1", "--no-warmup"]  # fmt: skip
+    for _ in range(5):  # its log thread can lose output when the process exits at once (-n 0)
+        run = subprocess.run(cmd, capture_output=True, text=True, errors="replace", check=True)
+        log = run.stdout + run.stderr
+        n = re.search(r"number of tokens in prompt = (\d+)", log)
+        ids = [int(m) for m in re.findall(r"^(?:[\d.]+ I )?\s*(\d+) -> '", log, re.M)]
+        if n and len(ids) == int(n.group(1)):
+            return ids
+    raise AssertionError(log)
+
+
+@needs_build
+def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path):
+    """A real SentencePiece BPE model (trained in-test with byte fallback and [INST] / [/INST]
+    control symbols) in a tiny Mixtral folder, through llama.cpp's converter (its SentencePiece
+    vocabulary: tokens, scores, token types): the store's tokenizer gives llama-completion's
+    prompt ids on every text of test_gguf_spm and 40 random ones, and SentencePiece's own (after
+    BOS) on those without special tokens (SentencePiece never reads control symbols from text)."""
+    from spm_models import CORPUS
+    from test_gguf_spm import SPECIALS, TEXTS, random_texts
+
+    from moestream.convert.gguf import GGUFCheckpoint
+    from moestream.engine.tokenizer import Tokenizer
+
+    prefix = tmp_path / "sp"
+    train = [str(PYTHON), "-c", SPM_TRAIN, json.dumps(CORPUS * 4), str(prefix)]
+    n = int(subprocess.run(train, capture_output=True, text=True, check=True).stdout.split()[-1])
+    hf = hf_checkpoint("mixtral", tmp_path / "hf", vocab_size=n, bos_token_id=1, eos_token_id=2)
+    (hf / "tokenizer.json").unlink()
+    shutil.copy(f"{prefix}.model", hf / "tokenizer.model")
+    config = {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>", "add_bos_token": True}
+    (hf / "tokenizer_config.json").write_text(json.dumps(config))
+    path = llama_convert(hf, tmp_path / "m.gguf", "f32")
+    out = tmp_path / "files"
+    out.mkdir()
+    GGUFCheckpoint(path).write_files(out)
+    ours = Tokenizer(out)
+    texts = [t for t in TEXTS if t] + random_texts(40, seed=1)  # (llama.cpp: no empty prompt)
+    enc = subprocess.run([str(PYTHON), "-c", SPM_ENCODE, f"{prefix}.model"], input=json.dumps(texts),
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    for text, sp_ids in zip(texts, json.loads(enc.stdout)):
+        ids = ours.encode(text)
+        assert ids == llama_prompt_ids(path, text, tmp_path), text
+        if not any(s in text for s in SPECIALS):
+            assert ids == [1, *sp_ids], text

@@ -381,7 +381,7 @@ class GGUFCheckpoint:
             "tie_word_embeddings": "output.weight" not in self._tensors,
             "attention_bias": "blk.0.attn_q.bias" in self._tensors,
             "hidden_act": "silu",
-            "bos_token_id": self.meta.get("tokenizer.ggml.bos_token_id"),
+            "bos_token_id": self._special_id("bos"),
             "eos_token_id": self._eos_ids(),
         }
         if int(self._arch_key("expert_count", n_exp)) != n_exp:
@@ -611,9 +611,18 @@ class GGUFCheckpoint:
         return rope
 
     def _eos_ids(self) -> list[int] | None:
-        ids = [self.meta.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom")]
-        ids = list(dict.fromkeys(int(i) for i in ids if i is not None))
+        ids = [self._special_id(k) for k in ("eos", "eot", "eom")]
+        ids = list(dict.fromkeys(i for i in ids if i is not None))
         return ids or None
+
+    def _special_id(self, which: str) -> int | None:
+        from moestream.convert.gguf_vocab import special_token_id
+
+        n = len(self.meta.get("tokenizer.ggml.tokens") or [])
+        try:
+            return special_token_id(self.meta, which, n)
+        except CheckpointError as e:
+            raise CheckpointError(f"{self.folder}: {e}") from e
 
     # ---- tensors ------------------------------------------------------------------------------
     def _classify(self) -> None:
@@ -918,7 +927,9 @@ class GGUFCheckpoint:
         """One line per expert tensor type and outcome: kept exactly, or dequantized and
         requantized; with `keep` (ExpertQuant.keep_source) one per layer whose gate and up types
         differ, so that w13 could not keep either (the writer says what it did to the dense
-        tensors)."""
+        tensors); one where the vocabulary's tokens share scores (gguf_vocab.score_ties_note)."""
+        from moestream.convert.gguf_vocab import score_ties_note
+
         done, lines = Counter(), []
         for layer, layout in sorted(layouts.items()):
             for name, roles in _PROJECTIONS:
@@ -940,7 +951,8 @@ class GGUFCheckpoint:
                 "(lossy: a second rounding; measure with `moestream eval`)",
             }[how]
             lines.append(f"{n} {kind} expert tensor(s): {what}")
-        return lines
+        note = score_ties_note(self.meta)
+        return lines + ([note] if note else [])
 
     def write_files(self, out: Path) -> None:
         """config.json and the tokenizer files the store needs, from the metadata."""
