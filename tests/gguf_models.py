@@ -406,6 +406,27 @@ def _deepseek2_metadata(cfg: dict) -> dict:
     return out
 
 
+def rewrite_gguf(src: Path, dst: Path, arch: str, fields: dict | None = None, **writer_kw) -> None:
+    """src's metadata and tensors written again to dst by the gguf package (`writer_kw`: e.g.
+    split_max_tensors); `fields` replaces a key's value, None drops it."""
+    import gguf
+
+    fields = fields or {}
+    r = gguf.GGUFReader(str(src))
+    w = gguf.GGUFWriter(str(dst), arch, **writer_kw)
+    for k, f in r.fields.items():
+        if k.startswith(("GGUF.", "general.architecture")) or (k in fields and fields[k] is None):
+            continue
+        contents = fields[k] if k in fields else f.contents()
+        w.add_key_value(k, contents, f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    for t in r.tensors:
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def kquant_blocks(
     kind: str, n: int, k: int, seed: int = 0, scale: float = 0.01, centred: bool = False
 ) -> np.ndarray:

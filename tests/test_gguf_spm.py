@@ -9,10 +9,9 @@ from __future__ import annotations
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
-from gguf_models import write_gguf
+from gguf_models import rewrite_gguf, write_gguf
 from spm_models import CONTROL, UNKNOWN, llama_cpp_decode, llama_cpp_encode, spm_vocab
 from test_gguf import hf_checkpoint
 
@@ -202,21 +201,7 @@ def test_equal_scores_are_said(mixtral, tmp_path, capsys):
 # ---- bad vocabularies: one line naming the key, exit code 2 ------------------------------------
 def _rewritten(src, dst, key: str, value):
     """src's GGUF with metadata `key` set to value (None: dropped), tensors as they are."""
-    import gguf
-
-    r = gguf.GGUFReader(str(src))
-    w = gguf.GGUFWriter(str(dst), "llama")
-    for k, f in r.fields.items():
-        if k.startswith(("GGUF.", "general.architecture")) or (k == key and value is None):
-            continue
-        contents = value if k == key else f.contents()
-        w.add_key_value(k, contents, f.types[0], f.types[-1] if len(f.types) > 1 else None)
-    for t in r.tensors:
-        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
+    rewrite_gguf(src, dst, "llama", {key: value})
     return dst
 
 
