@@ -33,7 +33,6 @@ int64_t g_prefetch = 4096;  // bench A/B at 2 threads: 0 -> 2048 +15%, 4096 ~ 81
 namespace {
 using namespace moestream_cpu;
 
-
 // f(i) for i in [0, n) over torch's threads, items handed out one at a time: on a shared machine a
 // thread that loses its core holds up one item, not a static half. No result depends on who ran it.
 // Below kSerialBytes of weights a call runs on the calling thread: waking a sleeping OpenMP thread
@@ -50,7 +49,6 @@ void parallel_items(int64_t n, const F& f, int64_t bytes) {
     for (int64_t i = next++; i < n; i = next++) f(i);
   });
 }
-
 
 // The threads of one parallel region go through the same phases. A phase is n items handed out
 // through a counter; the next phase starts once every item is done (its done counter reaches n),
@@ -112,14 +110,22 @@ void two_phases(int64_t n1, const F1& f1, int64_t n2, const F2& f2, int64_t byte
   }
 }
 
-// Work items over weight rows: each of E weights' `blocks` 64-row blocks in chunks of contiguous
+// Work items over weight rows: each of E weights' N rows (64-row blocks) in chunks of contiguous
 // blocks (every restart of a stream costs a DRAM latency), enough of them for nt threads to share
 // (8 each: K = 8 experts at 2 threads, two items per expert, so the last items of a phase are
 // short; one weight, as a dense projection or a lone expert of the slot cache, in 8 nt; 4 and 16
-// each measured slower at K = 8, 2 threads). Chunk c of n covers blocks [blocks * c / n, blocks * (c + 1) / n).
-int64_t g_items_per_thread = 8;  // benchmarks may set it (_set_items_per_thread)
-int row_chunks(int blocks, int E, int nt) {
-  return std::min(blocks, std::max(1, (int)((g_items_per_thread * nt + E - 1) / E)));
+// each measured slower at K = 8, 2 threads).
+constexpr int kItemsPerThread = 8;
+int row_chunks(int N, int E, int nt) {
+  return std::min((N + BN - 1) / BN, std::max(1, (kItemsPerThread * nt + E - 1) / E));
+}
+
+// f(r0, n) for the 64-row blocks of chunk c of `chunks` over an N-row weight, in order: chunk c
+// covers blocks [blocks * c / chunks, blocks * (c + 1) / chunks).
+template <typename F>
+void chunk_blocks(int N, int chunks, int64_t c, const F& f) {
+  const int blocks = (N + BN - 1) / BN;
+  for (int b = (int)(blocks * c / chunks); b < (int)(blocks * (c + 1) / chunks); ++b) f(b * BN, std::min(BN, N - b * BN));
 }
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
@@ -160,8 +166,6 @@ void quantize_row(const float* x, QAct& a, int r, int64_t isa, int b0 = 0, int b
   }
 }
 
-
-
 __attribute__((target("avx2,f16c"))) void fp16_row_f16c(const uint16_t* h, int n, float* out) {
   int i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(h + i))));
@@ -186,8 +190,6 @@ const float* moestream_cpu::row_scales(const Weight& w, int r, int nb, float* bu
 }
 
 namespace {
-
-
 
 // The row-major schemes (int8, q4_0) add a row's per-block fp32 terms in 8 lanes: block j of the
 // first nb - nb % 8 goes to lane j mod 8 (in order), the lanes are summed by lanes_sum, then the
@@ -972,13 +974,11 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   const QAct a = quantize(xf, wide, isa);
   auto y = torch::empty({a.rows, w.N}, xf.options());
   float* yp = y.data_ptr<float>();
-  const int nblk = (w.N + BN - 1) / BN;
   std::vector<int> ts(a.rows);
   for (int t = 0; t < a.rows; ++t) ts[t] = t;
-  const int nc = row_chunks(nblk, 1, std::max(1, at::get_num_threads()));
+  const int nc = row_chunks(w.N, 1, std::max(1, at::get_num_threads()));
   parallel_items(nc, [&](int64_t c) {
-    for (int b = nblk * (int)c / nc; b < nblk * ((int)c + 1) / nc; ++b)
-      rows_tokens(w, b * BN, std::min(BN, w.N - b * BN), a, ts.data(), a.rows, yp + (size_t)b * BN, w.N, isa);
+    chunk_blocks(w.N, nc, c, [&](int r0, int n) { rows_tokens(w, r0, n, a, ts.data(), a.rows, yp + r0, w.N, isa); });
   }, q.nbytes());
   return y;
 }
@@ -1071,23 +1071,22 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const QAct ax = quantize(xf, false, isa);
   std::vector<float> h((size_t)E * N13), y((size_t)E * D);
   const int nt = std::max(1, at::get_num_threads());
-  const int nb13 = (N13 + BN - 1) / BN, nbd = (D + BN - 1) / BN;
-  const int c13 = row_chunks(nb13, E, nt), cd = row_chunks(nbd, E, nt);
+  const int c13 = row_chunks(N13, E, nt), cd = row_chunks(D, E, nt);
   int64_t b13 = 0, b2 = 0;  // weight bytes read (serial below kSerialBytes)
   for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
   QAct act(E, I, w2[0].kind == kInt8);
   std::vector<std::atomic<int>> left(E);
   for (auto& v : left) v.store(c13);
   auto gate_up = [&](int64_t i) {
-    const int e = (int)(i / c13), c = (int)(i % c13);
-    for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
-      rows(w13[e], b * BN, std::min(BN, N13 - b * BN), ax, 0, h.data() + (size_t)e * N13 + b * BN, isa);
+    const int e = (int)(i / c13);
+    float* he = h.data() + (size_t)e * N13;
+    chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
     if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(h.data(), I, act, e, isa);
   };
   auto down = [&](int64_t i) {
-    const int e = (int)(i / cd), c = (int)(i % cd);
-    for (int b = nbd * c / cd; b < nbd * (c + 1) / cd; ++b)
-      rows(w2[e], b * BN, std::min(BN, D - b * BN), act, e, y.data() + (size_t)e * D + b * BN, isa);
+    const int e = (int)(i / cd);
+    float* ye = y.data() + (size_t)e * D;
+    chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
   two_phases((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
@@ -1438,13 +1437,12 @@ class DecodeStep {
     const bool group_blocks = (G * hd) % kG == 0;
     constexpr int kPhasesPerLayer = 8;
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
-    const int nts = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN, cd = row_chunks(nbd, k, nts);
-    const int nbqkv = (Nqkv + BN - 1) / BN, cqkv = row_chunks(nbqkv, 1, nts), cd1 = row_chunks(nbd, 1, nts);
-    const int nb13 = (N13 + BN - 1) / BN, c13 = row_chunks(nb13, k, nts);
+    const int nt = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN;
+    const int cqkv = row_chunks(Nqkv, 1, nt), cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt),
+              cd = row_chunks(D, k, nt);
     std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[L.size() * k]);  // chunks left per layer, expert
     for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed);
     double expert_s = 0;
-    const int nt = std::max(1, at::get_num_threads());
 #pragma omp parallel num_threads(nt)
     {
       Worker w{phases, omp_get_thread_num()};
@@ -1462,12 +1460,11 @@ class DecodeStep {
           quantize_row(h.data(), aq, 0, isa);
         };
         w.items(cqkv, norm_in, [&](int64_t c) {
-          for (int b = nbqkv * (int)c / cqkv; b < nbqkv * ((int)c + 1) / cqkv; ++b) {
-            const int r0 = b * BN, n = std::min(BN, Nqkv - r0);
+          chunk_blocks(Nqkv, cqkv, c, [&](int r0, int n) {
             rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
             if (l.qkv_b)
               for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
-          }
+          });
         });
         // native.attend per KV group: its k head normed, rotated and written with v at pos, then
         // its q heads normed, rotated and attending keys [lo, pos]
@@ -1490,12 +1487,11 @@ class DecodeStep {
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0, isa); });
         w.items(cd1, [&](int64_t c) {
-          for (int b = nbd * (int)c / cd1; b < nbd * ((int)c + 1) / cd1; ++b) {
+          chunk_blocks(D, cd1, c, [&](int r0, int n) {
             float t2[BN];
-            const int r0 = b * BN, n = std::min(BN, D - r0);
             rows(l.o, r0, n, ao, 0, t2, isa);
             for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
-          }
+          });
         });
         // post-attention norm and the router: native.rmsnorm, then native.route
         bool normed = false, picked = false;
@@ -1524,19 +1520,19 @@ class DecodeStep {
         };
         // gate|up per (expert, chunk of c13); its SiLU*up by the thread that finishes its last chunk
         w.items((int64_t)k * c13, expert_in, [&](int64_t i) {
-          const int e = (int)(i / c13), c = (int)(i % c13);
+          const int e = (int)(i / c13);
           const Weight& w13 = l.w13[ids[order[e]]];
-          for (int b = nb13 * c / c13; b < nb13 * (c + 1) / c13; ++b)
-            rows(w13, b * BN, std::min(BN, N13 - b * BN), ax, 0, hx.data() + (size_t)e * N13 + b * BN, isa);
+          float* he = hx.data() + (size_t)e * N13;
+          chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
           if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(hx.data(), I, act, e, isa);
         });
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
         w.items((int64_t)k * cd, pick, [&](int64_t i) {
-          const int e = (int)(i / cd), c = (int)(i % cd);
+          const int e = (int)(i / cd);
           const Weight& w2 = l.w2[ids[order[e]]];
-          for (int b = nbd * c / cd; b < nbd * (c + 1) / cd; ++b)
-            rows(w2, b * BN, std::min(BN, D - b * BN), act, e, yk.data() + (size_t)e * D + b * BN, isa);
+          float* ye = yk.data() + (size_t)e * D;
+          chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
         });
         w.items(nbd, pick, [&](int64_t b) {
           const int r0 = (int)b * BN, n = std::min(BN, D - r0);
@@ -1569,7 +1565,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
   m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32");
   m.def("_set_token_tile", [](int64_t n) { g_token_tile = n; }, "activation rows per pass, 0 default (benchmarks)");
-  m.def("_set_items_per_thread", [](int64_t n) { g_items_per_thread = n; }, "work items per thread over a weight set (benchmarks)");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
   m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
