@@ -167,6 +167,10 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             row["pcie_bytes_per_token"] = moved / max(len(res.ids) - 1, 1)
             if "host_ms_per_token" in s:  # decode wall time not blocked on the GPU
                 row["host_ms_per_token"] = s["host_ms_per_token"]
+            if "bookkeeping_seconds" in s:  # device misses: slot-table work between steps
+                steps = max(len(res.ids) - 1, 1)
+                row["bookkeeping_ms_per_token"] = s["bookkeeping_seconds"] * 1e3 / steps
+                row["table_ms_per_token"] = s["decode_table_seconds"] * 1e3 / steps
     print(json.dumps(row))
 
 
@@ -323,7 +327,8 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     }
     first = runs[0][0]
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
-              "host_ms_per_token", "load_and_warm_s"):  # fmt: skip
+              "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
+              "load_and_warm_s"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out
@@ -434,6 +439,12 @@ def main(argv=None) -> int:
             f"{r['bytes_per_token'] / 1e9:7.3f} {r['decode_gbps']:6.1f} {r['ceiling_fraction']:7.2f} "
             f"{r['peak_rss_bytes'] / 1e9:7.2f} {r['decode_ratio_vs_llama']:6.2f}"
             + (f"  host {r['host_ms_per_token']:.3f} ms/token" if "host_ms_per_token" in r else "")
+            + (
+                f" (slot table {r['table_ms_per_token']:.3f}, bookkeeping "
+                f"{r['bookkeeping_ms_per_token']:.3f})"
+                if "bookkeeping_ms_per_token" in r
+                else ""
+            )
             + (
                 f"  hit {r['hit_rate']:.2f}, PCIe {r['pcie_bytes_per_token'] / 1e6:.0f} MB/token"
                 f" = {r.get('pcie_fraction', 0):.2f} of its rate"

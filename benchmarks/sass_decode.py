@@ -34,8 +34,8 @@ from ablations import triton_decode as ab  # noqa: E402
 from common import bench_row, override, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
-Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8"}
-S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32"}
+Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8", "int4r": "*u8"}
+S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32", "int4r": "*i32"}
 DEVICE = "NVIDIA H200"  # the sm_90 GPU whose tuned tiles are compiled
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -73,12 +73,14 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
     two launches."""
     qt, st = Q_TYPE[quant], S_TYPE[quant]
-    common = dict(D=D, I=I, QUANT=dk.QUANT_CODE[quant], G=32, TOPK=8, FAST=True, PDL=True)
+    common = dict(
+        D=D, I=I, QUANT=dk.QUANT_CODE[quant], G=32, TOPK=8, FAST=True, PDL=True, HOST=False
+    )
     rows = 64 if quant == "int4" else cfg.bn
     rows_d = 64 if quant == "int4" else cfg.bn_d
-    gu = dict(x_ptr="*bf16", ids_ptr="*i64", q_ptr=qt, s_ptr=st, part_ptr="*fp32",
+    gu = dict(x_ptr="*bf16", ids_ptr="*i64", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st, part_ptr="*fp32",
               cnt_ptr="*i32", h_ptr="*bf16", P="i32")  # fmt: skip
-    dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st,
+    dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st,
               dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
     tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split)
     tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True)

@@ -205,6 +205,8 @@ class GpuExperts(ExpertProvider):
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
         self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
+        self.bookkeeping_seconds = 0.0  # host time in decode_read + decode_issued
+        self.decode_table_seconds = 0.0  # of which: the slot table's accesses
 
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
         """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
@@ -225,18 +227,29 @@ class GpuExperts(ExpertProvider):
         if self._stale:  # the last call was a prompt (host path): nothing new
             self._stale = False
             return
+        t0 = time.perf_counter()
         self._routed = self._seen_host.numpy().copy()
+        self.bookkeeping_seconds += time.perf_counter() - t0
 
     def decode_issued(self) -> None:
         if not self.device_misses:
             return
+        t0 = time.perf_counter()
+        try:
+            self._account_step()
+        finally:
+            self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def _account_step(self) -> None:
+        """decode_issued's work: the read step's routing through the slot table, evicted keys'
+        codes back, admissions copied behind the issued step."""
         if self._routed is None:  # no step to account for: the issued one runs with _map
             self._map_ran = self._map.copy()
             return
         routed, self._routed = self._routed, None
         ran, self._map_ran = self._map_ran, self._map.copy()  # the issued step runs with _map
         t, E = self.table, self.E
-        h0, m0 = t.hits, t.misses
+        h0, m0, t0 = t.hits, t.misses, time.perf_counter()
         fix: list[tuple[int, int]] = []  # (mirror row, new slot_map value)
         admits: list[tuple[int, int, int]] = []  # (layer index, expert, slot)
         for li, layer in enumerate(self.layers):
@@ -263,6 +276,7 @@ class GpuExperts(ExpertProvider):
             admits += [(li, e, slot) for e, slot in step.misses]
         self._table_counted[0] += t.hits - h0
         self._table_counted[1] += t.misses - m0
+        self.decode_table_seconds += time.perf_counter() - t0
         fix += self._published(wait=False)
         self._update_map(fix)
         if admits:
@@ -517,7 +531,9 @@ class GpuExperts(ExpertProvider):
             hits += self.device_hits - self._table_counted[0]
             misses += self.host_reads - self._table_counted[1]
             extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size,
-                     "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped}  # fmt: skip
+                     "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped,
+                     "bookkeeping_seconds": self.bookkeeping_seconds,
+                     "decode_table_seconds": self.decode_table_seconds}  # fmt: skip
         return {
             "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
             "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,
