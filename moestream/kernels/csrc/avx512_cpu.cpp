@@ -45,11 +45,6 @@ inline __m256i block_sums8x4(__m512i a, __m512i b) {
   return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, v));
 }
 
-inline void prefetch(const void* p, int bytes) {
-  if (g_prefetch)
-    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
-}
-
 }  // namespace
 
 // int4, one full block of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
@@ -71,15 +66,15 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) 
   for (auto& v : yacc) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    prefetch(p, G * 32);
+    prefetch_ahead(p, G * 32);
     // (s, z) sit N * 4 bytes apart per group, where no streamer follows: this group's of the next
     // block (the item's next, mostly this thread's), or for the last block the group that far on
     if (g_prefetch && r0 + BN < w.N)
-      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)j * w.N + r0 + BN + c * 16), _MM_HINT_T0);
+      for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)j * w.N + r0 + BN + c * 16);
     else if (const int ja = j + (int)(g_prefetch / (G * 32)); g_prefetch && ja < w.K / G)
-      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
-    __m512i acc[4];
-    for (auto& v : acc) v = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
+    __m512i acc[4], acc2[4];  // k steps 0-3, 8-11, ... and 4-7, 12-15, ...: two dependency chains
+    for (int i = 0; i < 4; ++i) acc[i] = acc2[i] = _mm512_setzero_si512();
     for (int k = 0; k < G; k += 4) {
       const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
       // the bytes of rows 0-15 (low nibbles) and 32-47 (high), then of 16-31 and 48-63
@@ -87,11 +82,13 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) 
       int32_t x4;
       std::memcpy(&x4, xq + j * G + k, 4);
       const __m512i xv = _mm512_set1_epi32(x4);
-      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_and_si512(P0, m4), xv);
-      acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(P1, m4), xv);
-      acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
-      acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
+      __m512i* c = k & 4 ? acc2 : acc;
+      c[0] = _mm512_dpbusd_epi32(c[0], _mm512_and_si512(P0, m4), xv);
+      c[1] = _mm512_dpbusd_epi32(c[1], _mm512_and_si512(P1, m4), xv);
+      c[2] = _mm512_dpbusd_epi32(c[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
+      c[3] = _mm512_dpbusd_epi32(c[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
     }
+    for (int i = 0; i < 4; ++i) acc[i] = _mm512_add_epi32(acc[i], acc2[i]);  // exact: int32 sums
     const int32_t sq = a.sr(t)[j];
     const __m512i off = _mm512_set1_epi32(8 * sq);
     const __m512 sqf = _mm512_set1_ps((float)sq), dv = _mm512_set1_ps(a.dr(t)[j]);
@@ -121,7 +118,7 @@ void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i z[4];
     for (int i = 0; i < 4; ++i) {
       const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(q + (j + 2 * i) * G), bias);
@@ -148,7 +145,7 @@ void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i z[4];  // vector i: blocks 2i, 2i + 1, each block's 32 products in 8 lanes
     for (int i = 0; i < 4; ++i) {
       __m512i acc = _mm512_setzero_si512();
@@ -184,7 +181,7 @@ void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G / 2, 8 * G / 2);
+    prefetch_ahead(q + j * G / 2, 8 * G / 2);
     __m512i part[2];  // blocks j..j+3, j+4..j+7: 128-bit quarter = one block's four partials
     for (int h = 0; h < 2; ++h) {
       const __m512i v = _mm512_loadu_si512(q + (j + 4 * h) * G / 2);
@@ -257,7 +254,7 @@ void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts,
     for (auto& v : r) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    prefetch(p, G * 32);
+    prefetch_ahead(p, G * 32);
     __m512i acc[NT][4];
     for (auto& r : acc)
       for (auto& v : r) v = _mm512_setzero_si512();
@@ -305,7 +302,7 @@ void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i wv[4];
     for (int i = 0; i < 4; ++i) wv[i] = _mm512_xor_si512(_mm512_loadu_si512(q + (j + 2 * i) * G), bias);
     const __m256 sv = _mm256_loadu_ps(s + j);
@@ -337,7 +334,7 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G / 2, 8 * G / 2);
+    prefetch_ahead(q + j * G / 2, 8 * G / 2);
     __m512i lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
       const __m512i v = _mm512_loadu_si512(q + (j + 4 * h) * G / 2);

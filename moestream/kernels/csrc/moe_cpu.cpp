@@ -312,10 +312,10 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
     const uint8_t* p = blk + (size_t)j * G * 32;
     const int32_t* pj = a.prr(t) + j * G / 2;
     if (g_prefetch) {  // distance on: 1 KiB of nibbles, and the (s, z) of the group that far on
-      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      prefetch_ahead(p, G * 32);
       const int ja = j + (int)(g_prefetch / (G * 32));
       if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
     }
     __m256i acc32[8];
     for (auto& v : acc32) v = _mm256_setzero_si256();
@@ -375,8 +375,7 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)  // rows of a work item are contiguous: one stream, read g_prefetch ahead
-      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
+    prefetch_ahead(q + j * G, 8 * G);  // rows of a work item are contiguous: one stream
     __m256i p[8];
     for (int b = 0; b < 8; ++b) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
@@ -423,8 +422,7 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
 // i + 16 high) -> wv[b] = the block's 32 u8 values in input order; rows of a work item are
 // contiguous, so the bytes g_prefetch ahead are prefetched (one stream).
 __attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q, int j, __m256i* wv) {
-  if (g_prefetch)
-    for (int c = 0; c < 8 * G / 2; c += 64) _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+  prefetch_ahead(q + j * G / 2, 8 * G / 2);
   const __m128i m4 = _mm_set1_epi8(15);
   for (int b = 0; b < 8; ++b) {
     const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
@@ -629,10 +627,10 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2_nt(const Weight& w, int
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
     if (g_prefetch) {
-      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      prefetch_ahead(p, G * 32);
       const int ja = j + (int)(g_prefetch / (G * 32));
       if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
     }
     __m256i acc32[NT][8];
     for (auto& r : acc32)
@@ -699,8 +697,7 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2_nt(const Weight& w, int r
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch && !Wide)
-      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
+    if (!Wide) prefetch_ahead(q + j * G, 8 * G);
     __m256i W0[8], W1[8];  // int8: |w|, w; Wide: w widened to int16, low and high half
     for (int b = 0; b < 8; ++b) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
