@@ -845,7 +845,7 @@ bool cpu_has_avx2() {
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
   if (moestream_kquant::is_kquant(w.kind))
-    return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), isa >= kAvx2, y);
+    return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), (int)isa, y);
   if (w.kind == kInt4) {
     if (isa >= kAvx512 && n == BN) return int4_block_avx512(w, r0, a, t, y);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
