@@ -56,9 +56,11 @@ namespace moestream_kquant {
 // activations are 64 contiguous bytes: the chunk broadcast to both halves of a vector, shifted by 0
 // / 4 per half (q5_k: bit 2c / 2c + 1 of qh as bit 4), is one vpdpbusd against them, in
 // block_sums8x8's layout. The eight pairs' scales widen from bytes (scale_min_words), d and dmin
-// by F16C (exact, as the scalar conversion); the fp32 steps and lanes are q45_row_avx2's.
-template <bool Q5>
-float q45_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* xd, const int32_t* xs) {
+// by F16C (exact, as the scalar conversion); the fp32 steps and lanes are q45_row_avx2's. NT
+// activation rows (a prompt's token tile) share each super-block's unpacking; each row gets the
+// one-row bits.
+template <bool Q5, int NT>
+void q45_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys) {
   using namespace moestream_cpu;
   constexpr int B = Q5 ? 176 : 144;
   const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
@@ -66,19 +68,18 @@ float q45_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* 
   __m512i shq[4];  // q5_k: bit 2c in the low half, 2c + 1 in the high
   for (int c = 0; c < 4; ++c)
     shq[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
-  __m256 acc = _mm256_setzero_ps();  // lane j: sub-block j of every super-block
+  __m256 acc[NT];  // lane j: sub-block j of every super-block
+  for (auto& v : acc) v = _mm256_setzero_ps();
   for (int s = 0; s < nb; ++s) {
     const uint8_t* blk = row + (size_t)s * B;
     prefetch_ahead(blk, B);
     const uint8_t* qs = blk + (Q5 ? 48 : 16);
-    const int8_t* x = xq + (size_t)s * 8 * G;
     const __m512i h = Q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16))) : m4;
-    __m512i z[4];
+    __m512i w[4];
     for (int c = 0; c < 4; ++c) {
       const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
-      __m512i w = _mm512_and_si512(_mm512_srlv_epi16(v, sh), m4);
-      if (Q5) w = _mm512_or_si512(w, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shq[c]), one), 4));
-      z[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x + 2 * c * G));
+      w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, sh), m4);
+      if (Q5) w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shq[c]), one), 4));
     }
     uint32_t sm[4];
     scale_min_words(blk + 4, sm);
@@ -89,14 +90,21 @@ float q45_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* 
     const __m128 dm2 = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));  // d, dmin
     const __m256 ds = _mm256_mul_ps(_mm256_broadcastss_ps(dm2), scv);
     const __m256 dm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm2)), mv);
-    const __m256 dot = _mm256_cvtepi32_ps(block_sums8x8(z));
-    const __m256 sx = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(xs + s * 8)));
-    const __m256 e = _mm256_sub_ps(_mm256_mul_ps(ds, dot), _mm256_mul_ps(dm, sx));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_loadu_ps(xd + s * 8), e));
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + (size_t)s * 8 * G;
+      __m512i z[4];
+      for (int c = 0; c < 4; ++c) z[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_loadu_si512(xq + 2 * c * G));
+      const __m256 dot = _mm256_cvtepi32_ps(block_sums8x8(z));
+      const __m256 sx = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(x[t].s + s * 8)));
+      const __m256 e = _mm256_sub_ps(_mm256_mul_ps(ds, dot), _mm256_mul_ps(dm, sx));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_loadu_ps(x[t].d + s * 8), e));
+    }
   }
-  float l[8];
-  _mm256_storeu_ps(l, acc);
-  return lanes_sum(l);
+  for (int t = 0; t < NT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    y[t * ys] = lanes_sum(l);
+  }
 }
 
 // q6_k: values u = ql nibble | qh 2 bits << 4 (0..63) for sub-blocks j, j + 1 of one half h
@@ -104,8 +112,9 @@ float q45_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* 
 // high nibbles, qh by 4 / 6) against their 64 contiguous activations: vpdpbusd gives sum u x per
 // lane of 4, minus 32 sum x (a vpdpbusd of 32s), times the lane's sub-block scale (16 values per
 // scale: 4 lanes), all exact int32 (|sc (u - 32) x| sums < 2**24), so block_sums8x8 gives
-// q6_row_avx2's integer dots and its fp32 steps follow.
-float q6_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* xd) {
+// q6_row_avx2's integer dots and its fp32 steps follow. NT rows as q45_rows_avx512.
+template <int NT>
+void q6_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys) {
   using namespace moestream_cpu;
   const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
   __m512i shq[2];  // qh shifts: pair 0 of a half 0 | 2, pair 1 4 | 6 (16-bit lanes per 256-bit half)
@@ -117,13 +126,13 @@ float q6_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* x
     for (int i = 0; i < 16; ++i) ix[i] = (int8_t)(4 * p + i / 4);
     sidx[p] = _mm_load_si128((const __m128i*)ix);
   }
-  __m256 acc = _mm256_setzero_ps();  // lane j: block j of every super-block
+  __m256 acc[NT];  // lane j: block j of every super-block
+  for (auto& v : acc) v = _mm256_setzero_ps();
   for (int s = 0; s < nb; ++s) {
     const uint8_t* blk = row + (size_t)s * 210;
     prefetch_ahead(blk, 210);
-    const int8_t* x = xq + (size_t)s * 8 * G;
     const __m128i scb = _mm_loadu_si128((const __m128i*)(blk + 192));
-    __m512i z[4];
+    __m512i u[4], sc[4];
     for (int h = 0; h < 2; ++h) {
       const __m512i l = _mm512_loadu_si512(blk + 64 * h);
       const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
@@ -131,26 +140,42 @@ float q6_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* x
         const int p = 2 * h + i;
         const __m512i nib = _mm512_and_si512(i ? _mm512_srli_epi16(l, 4) : l, m4);
         const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(qh, shq[i]), m3);
-        const __m512i u = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
-        const __m512i xv = _mm512_loadu_si512(x + 2 * p * G);
-        const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, xv),
-                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, xv));
-        z[p] = _mm512_mullo_epi32(dot, _mm512_cvtepi8_epi32(_mm_shuffle_epi8(scb, sidx[p])));
+        u[p] = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
+        sc[p] = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(scb, sidx[p]));
       }
     }
     int16_t dh;
     std::memcpy(&dh, blk + 208, 2);
-    const float d = _cvtsh_ss((unsigned short)dh);
-    const __m256 c = _mm256_mul_ps(_mm256_set1_ps(d), _mm256_loadu_ps(xd + s * 8));
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(c, _mm256_cvtepi32_ps(block_sums8x8(z))));
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss((unsigned short)dh));
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + (size_t)s * 8 * G;
+      __m512i z[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i xv = _mm512_loadu_si512(xq + 2 * p * G);
+        const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], xv),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, xv));
+        z[p] = _mm512_mullo_epi32(dot, sc[p]);
+      }
+      const __m256 c = _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + s * 8));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(block_sums8x8(z))));
+    }
   }
-  float l[8];
-  _mm256_storeu_ps(l, acc);
-  return lanes_sum(l);
+  for (int t = 0; t < NT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    y[t * ys] = lanes_sum(l);
+  }
 }
 
-template float q45_row_avx512<false>(const uint8_t*, int, const int8_t*, const float*, const int32_t*);
-template float q45_row_avx512<true>(const uint8_t*, int, const int8_t*, const float*, const int32_t*);
+#define MOESTREAM_KQ_NT(NT)                                                                          \
+  template void q45_rows_avx512<false, NT>(const uint8_t*, int, const Act*, float*, size_t);       \
+  template void q45_rows_avx512<true, NT>(const uint8_t*, int, const Act*, float*, size_t);        \
+  template void q6_rows_avx512<NT>(const uint8_t*, int, const Act*, float*, size_t);
+MOESTREAM_KQ_NT(1)
+MOESTREAM_KQ_NT(2)
+MOESTREAM_KQ_NT(3)
+MOESTREAM_KQ_NT(4)
+#undef MOESTREAM_KQ_NT
 
 }  // namespace moestream_kquant
 

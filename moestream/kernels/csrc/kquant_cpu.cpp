@@ -184,22 +184,52 @@ int kind_of_bytes(int64_t bytes) {
 
 void rows(int kind, const uint8_t* blocks, int K, int r0, int n, const int8_t* xq, const float* xd,
           const int32_t* xs, int isa, float* y) {
+  if (isa >= 2) {
+    const Act x{xq, xd, xs};
+    return rows_nt(kind, blocks, K, r0, n, &x, 1, isa, y, 1);
+  }
   const int nb = K / kQK;
   const size_t stride = (size_t)nb * kBytes[kind - kQ4_K];
   for (int i = 0; i < n; ++i) {
     const uint8_t* row = blocks + (size_t)(r0 + i) * stride;
     if (kind == kQ6_K)
-      y[i] = isa >= 2   ? q6_row_avx512(row, nb, xq, xd)
-             : isa >= 1 ? q6_row_avx2(row, nb, xq, xd)
-                        : q6_row_scalar(row, nb, xq, xd);
+      y[i] = isa >= 1 ? q6_row_avx2(row, nb, xq, xd) : q6_row_scalar(row, nb, xq, xd);
     else if (kind == kQ5_K)
-      y[i] = isa >= 2   ? q45_row_avx512<true>(row, nb, xq, xd, xs)
-             : isa >= 1 ? q45_row_avx2<true>(row, nb, xq, xd, xs)
-                        : q45_row_scalar<true>(row, nb, xq, xd, xs);
+      y[i] = isa >= 1 ? q45_row_avx2<true>(row, nb, xq, xd, xs) : q45_row_scalar<true>(row, nb, xq, xd, xs);
     else
-      y[i] = isa >= 2   ? q45_row_avx512<false>(row, nb, xq, xd, xs)
-             : isa >= 1 ? q45_row_avx2<false>(row, nb, xq, xd, xs)
-                        : q45_row_scalar<false>(row, nb, xq, xd, xs);
+      y[i] = isa >= 1 ? q45_row_avx2<false>(row, nb, xq, xd, xs) : q45_row_scalar<false>(row, nb, xq, xd, xs);
+  }
+}
+
+namespace {
+template <int NT>
+void rows_avx512(int kind, const uint8_t* blocks, int nb, size_t stride, int r0, int n, const Act* x, float* y,
+                 size_t ys) {
+  for (int i = 0; i < n; ++i) {
+    const uint8_t* row = blocks + (size_t)(r0 + i) * stride;
+    if (kind == kQ6_K)
+      q6_rows_avx512<NT>(row, nb, x, y + i, ys);
+    else if (kind == kQ5_K)
+      q45_rows_avx512<true, NT>(row, nb, x, y + i, ys);
+    else
+      q45_rows_avx512<false, NT>(row, nb, x, y + i, ys);
+  }
+}
+}  // namespace
+
+void rows_nt(int kind, const uint8_t* blocks, int K, int r0, int n, const Act* x, int nt, int isa, float* y,
+             size_t ys) {
+  const int nb = K / kQK;
+  const size_t stride = (size_t)nb * kBytes[kind - kQ4_K];
+  if (isa < 2) {  // one row per pass
+    for (int t = 0; t < nt; ++t) rows(kind, blocks, K, r0, n, x[t].q, x[t].d, x[t].s, isa, y + t * ys);
+    return;
+  }
+  switch (nt) {
+    case 1: return rows_avx512<1>(kind, blocks, nb, stride, r0, n, x, y, ys);
+    case 2: return rows_avx512<2>(kind, blocks, nb, stride, r0, n, x, y, ys);
+    case 3: return rows_avx512<3>(kind, blocks, nb, stride, r0, n, x, y, ys);
+    default: return rows_avx512<4>(kind, blocks, nb, stride, r0, n, x, y, ys);
   }
 }
 

@@ -32,10 +32,23 @@ inline void scale_min_words(const uint8_t* s, uint32_t* w) {
   w[3] = ((c >> 4) & 0x0F0F0F0Fu) | ((b >> 2) & 0x30303030u);
 }
 
-// The AVX-512 VNNI rows (avx512_cpu.cpp): the AVX2 rows' integer sub-block dots from vpdpbusd and
-// their fp32 steps, so the same bits.
-template <bool Q5>
-float q45_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* xd, const int32_t* xs);
-float q6_row_avx512(const uint8_t* row, int nb, const int8_t* xq, const float* xd);
+// One activation row: int8 [K], its scale and its sum per block of 32.
+struct Act {
+  const int8_t* q;
+  const float* d;
+  const int32_t* s;
+};
+
+// Rows [r0, r0 + n) times activation rows x[0, nt) (nt <= 4: a prompt's token tile; AVX-512 only,
+// else one row per pass) -> y[t * ys + (0, n)]: each row gets rows()'s bits.
+void rows_nt(int kind, const uint8_t* blocks, int K, int r0, int n, const Act* x, int nt, int isa, float* y,
+             size_t ys);
+
+// The AVX-512 VNNI rows (avx512_cpu.cpp) for NT = 1..4 activation rows: the AVX2 rows' integer
+// sub-block dots from vpdpbusd and their fp32 steps, so the same bits.
+template <bool Q5, int NT>
+void q45_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys);
+template <int NT>
+void q6_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys);
 
 }  // namespace moestream_kquant

@@ -881,6 +881,11 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
 // rows() gives for that activation row alone.
 template <int NT>
 void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
+  if (moestream_kquant::is_kquant(w.kind)) {
+    moestream_kquant::Act x[NT];
+    for (int i = 0; i < NT; ++i) x[i] = {a.qr(ts[i]), a.dr(ts[i]), a.sr(ts[i])};
+    return moestream_kquant::rows_nt(w.kind, w.q, w.K, r0, n, x, NT, (int)isa, y, ys);
+  }
   if (w.kind == kInt4) {
     if (isa >= kAvx512 && n == BN) return int4_block_avx512_nt<NT>(w, r0, a, ts, y, ys);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2_nt<NT>(w, r0, a, ts, y, ys);
@@ -906,11 +911,11 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
 }
 
 // Activation rows ts[0, cnt) through rows [r0, r0 + n) of w -> y[i * ys + (0, n)], token_tile()
-// rows per pass (K-quants: one; no tiled kernels for them yet).
+// rows per pass (K-quants below AVX-512: one).
 void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, int cnt, float* y, size_t ys,
                  int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
-  const int nt = moestream_kquant::is_kquant(w.kind) ? 1 : token_tile();
+  const int nt = moestream_kquant::is_kquant(w.kind) && isa < kAvx512 ? 1 : token_tile();
   for (int i = 0; i < cnt; i += nt) {
     const int m = std::min(nt, cnt - i);
     const int* t = ts + i;
