@@ -46,17 +46,20 @@ def why_not(model, provider) -> str | None:
             return f"layer {i}: {why}"
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
-        # DecodeStep takes one record scheme for all layers; a kept Q4_K_M store's differ.
-        here = _record_kinds(tables[mlp.layer])
+        # Schemes may differ across layers (a kept Q4_K_M store's do), but DecodeStep quantizes
+        # the down projections' input once for all layers: int16 for int8 weights, else int8.
+        here = _down_is_int8(tables[mlp.layer])
         if kinds is not None and here != kinds:
-            return f"layer {i}: its expert records' schemes differ from an earlier layer's"
+            return (
+                f"layer {i}: its down projection's activation width differs from an earlier layer's"
+            )
         kinds = here
     return None
 
 
-def _record_kinds(table: dict[int, list]) -> list[tuple]:
-    """The dtype and shape of each of a layer's record tensors (what tells the C++ its scheme)."""
-    return [(t.dtype, tuple(t.shape)) for t in next(iter(table.values()))]
+def _down_is_int8(table: dict[int, list]) -> bool:
+    """Whether a layer's down projection is int8 (record tensors: w13's pair, then w2's)."""
+    return next(iter(table.values()))[2].dtype == torch.int8
 
 
 def _native_quant(p) -> bool:
