@@ -237,18 +237,23 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
 
 
 def test_q4_k_m_like_store_decodes_in_one_native_step_with_the_streamed_bits(tmp_path, capsys):
-    """Q4_K gate/up with Q6_K or Q4_K down per layer (a Q4_K_M file's experts): the layers'
+    """A Q4_K_M file's layout: Q4_K gate/up with Q6_K or Q4_K down per layer, attention in Q4_K
+    with v in Q6_K on some layers (q/k/v then run as three projections), output Q6_K: the layers'
     schemes differ but their activation widths agree, so the whole-step DecodeStep takes the
     resident store, and its greedy tokens are the per-module path's (streamed at the minimum
     budget) bit for bit."""
     from moestream.models import native_step
 
-    hf = save(perturbed_model("qwen3_moe", seed=3, **WIDE), tmp_path / "hf", "per_expert")
+    wide = {**WIDE, "head_dim": 64}  # o_proj reads 4 x 64: Q4_K holds it
+    hf = save(perturbed_model("qwen3_moe", seed=3, **wide), tmp_path / "hf", "per_expert")
     kinds = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q4_K"), 2: ("Q4_K", "Q4_K", "Q6_K")}
+    v6 = {f"model.layers.{i}.self_attn.v_proj.weight": "Q6_K" for i in (0, 2)}
     path = tmp_path / "m.gguf"
-    write_gguf(hf, path, kinds, dense_type="Q8_0")
+    write_gguf(hf, path, kinds, dense_type="Q4_K", dense_types={"lm_head.weight": "Q6_K", **v6})
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     loaded = load_model(store, StreamConfig(resident=True))
+    attn = [layer.self_attn for layer in loaded.model.model.layers]
+    assert attn[0]._three and attn[1]._qfused is not None  # v in Q6_K: three projections
     assert native_step.why_not(loaded.model, loaded.provider) is None
     loaded.provider.close()
     args = ["generate", "-m", str(store), "-p", "def fib", "-n", "8", "--ignore-eos"]

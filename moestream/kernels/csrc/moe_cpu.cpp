@@ -1346,7 +1346,9 @@ struct StepLayer {
   const float *in_w = nullptr, *post_w = nullptr, *qk_w = nullptr, *qkv_b = nullptr, *o_b = nullptr;
   const float* gate = nullptr;
   float in_eps = 0, post_eps = 0, qk_eps = 0, scaling = 1;
-  Weight qkv{}, o{};
+  std::vector<Weight> qkv;  // q/k/v as one fused weight, or three (their formats differ: Q4_K_M)
+  std::vector<int> qkv_off;  // each part's first row of the q/k/v output
+  Weight o{};
   bool qkv_wide = false, o_wide = false, renorm = false;
   int window = 0;
   std::vector<Weight> w13, w2;  // by expert id
@@ -1366,16 +1368,24 @@ class DecodeStep {
 
   int64_t layers() const { return (int64_t)L.size(); }
 
-  void add_layer(const torch::Tensor& in_w, double in_eps, const torch::Tensor& qkv_q, const torch::Tensor& qkv_s,
+  void add_layer(const torch::Tensor& in_w, double in_eps, const std::vector<torch::Tensor>& qkv_parts,
                  const c10::optional<torch::Tensor>& qkv_b, bool qkv_wide, const c10::optional<torch::Tensor>& qk_w,
                  double qk_eps, const torch::Tensor& o_q, const torch::Tensor& o_s,
                  const c10::optional<torch::Tensor>& o_b, bool o_wide, const torch::Tensor& post_w, double post_eps,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
                  const torch::Tensor& gate, int64_t top_k, bool renorm, const std::vector<torch::Tensor>& experts) {
     StepLayer l;
-    l.qkv = weight(qkv_q, qkv_s);
+    TORCH_CHECK(qkv_parts.size() == 2 || qkv_parts.size() == 6, "decode step: q/k/v as one or three (q, s) pairs");
+    int nqkv = 0;
+    for (size_t i = 0; i < qkv_parts.size(); i += 2) {
+      l.qkv.push_back(weight(qkv_parts[i], qkv_parts[i + 1]));
+      l.qkv_off.push_back(nqkv);
+      nqkv += l.qkv.back().N;
+      TORCH_CHECK(l.qkv.back().K == l.qkv[0].K, "decode step: q, k and v must read the same width");
+      TORCH_CHECK(!qkv_wide || l.qkv.back().kind == kInt8, "int16 activations are for int8 weights");
+    }
     l.o = weight(o_q, o_s);
-    const int d = l.qkv.K;
+    const int d = l.qkv[0].K;
     TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == torch::kFloat && gate.is_contiguous() && gate.size(1) == d,
                 "decode step: the router must be fp32 [E, D]");
     TORCH_CHECK(!experts.empty() && experts.size() == 4 * (size_t)gate.size(0), "decode step: 4 tensors per expert");
@@ -1386,7 +1396,7 @@ class DecodeStep {
     TORCH_CHECK(d == D && heads == H && kv_heads == Hkv && head_dim == hd && e_n == E && top_k == k,
                 "decode step: every layer must have the same shapes");
     TORCH_CHECK(H % Hkv == 0 && k > 0 && k <= E, "decode step: heads or top-k out of range");
-    TORCH_CHECK(l.qkv.N == (H + 2 * Hkv) * hd && l.o.K == H * hd && l.o.N == D,
+    TORCH_CHECK(nqkv == (H + 2 * Hkv) * hd && l.o.K == H * hd && l.o.N == D,
                 "decode step: q/k/v and o projection shapes do not match the heads");
     for (int e = 0; e < E; ++e) {
       l.w13.push_back(weight(experts[4 * e], experts[4 * e + 1]));
@@ -1399,20 +1409,20 @@ class DecodeStep {
                       b.kind == l.w2[0].kind && (L.empty() || (b.kind == kInt8) == (L[0].w2[0].kind == kInt8)),
                   "decode step: a layer's expert records must share one shape and scheme");
     }
-    TORCH_CHECK(!qkv_wide || l.qkv.kind == kInt8, "int16 activations are for int8 weights");
     TORCH_CHECK(!o_wide || l.o.kind == kInt8, "int16 activations are for int8 weights");
     TORCH_CHECK(L.empty() || (qkv_wide == L[0].qkv_wide && o_wide == L[0].o_wide),
                 "decode step: every layer must take the same activation widths");
     l.in_w = opt_f32(in_w, D, "the input norm weight");
     l.post_w = opt_f32(post_w, D, "the post-attention norm weight");
     l.qk_w = opt_f32(qk_w, (int64_t)(H + Hkv) * hd, "the q/k norm weights");
-    l.qkv_b = opt_f32(qkv_b, l.qkv.N, "the q/k/v bias");
+    l.qkv_b = opt_f32(qkv_b, nqkv, "the q/k/v bias");
     l.o_b = opt_f32(o_b, D, "the o bias");
     l.gate = gate.data_ptr<float>();
     l.in_eps = (float)in_eps, l.post_eps = (float)post_eps, l.qk_eps = (float)qk_eps;
     l.scaling = (float)scaling, l.window = (int)window, l.renorm = renorm;
     l.qkv_wide = qkv_wide, l.o_wide = o_wide;
-    l.keep = {in_w, qkv_q, qkv_s, o_q, o_s, post_w, gate};
+    l.keep = {in_w, o_q, o_s, post_w, gate};
+    l.keep.insert(l.keep.end(), qkv_parts.begin(), qkv_parts.end());
     for (const auto* t : {&qkv_b, &qk_w, &o_b})
       if (t->has_value()) l.keep.push_back(**t);
     l.keep.insert(l.keep.end(), experts.begin(), experts.end());
@@ -1453,8 +1463,7 @@ class DecodeStep {
     constexpr int kPhasesPerLayer = 7;
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
     const int nt = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN;
-    const int cqkv = row_chunks(Nqkv, 1, nt), cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt),
-              cd = row_chunks(D, k, nt);
+    const int cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt), cd = row_chunks(D, k, nt);
     std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[L.size() * k]);  // chunks left per layer, expert
     std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[L.size() * k]);  // SiLU*up quantized
     for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed), ready[i].store(0);
@@ -1475,11 +1484,17 @@ class DecodeStep {
           rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
           quantize_row(h.data(), aq, 0, isa);
         };
-        w.items(cqkv, norm_in, [&](int64_t c) {
-          chunk_blocks(Nqkv, cqkv, c, [&](int r0, int n) {
-            rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
+        // (chunks of each part's rows: three parts when q/k/v's formats differ)
+        int cq[3] = {}, nq = 0;
+        for (size_t p = 0; p < l.qkv.size(); ++p) nq += cq[p] = row_chunks(l.qkv[p].N, 1, nt);
+        w.items(nq, norm_in, [&](int64_t c) {
+          size_t p = 0;
+          for (; c >= cq[p]; ++p) c -= cq[p];
+          const int off = l.qkv_off[p];
+          chunk_blocks(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
+            rows(l.qkv[p], r0, n, aq, 0, qkv.data() + off + r0, isa);
             if (l.qkv_b)
-              for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+              for (int i = off + r0; i < off + r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
           });
         });
         // native.attend per KV group: its k head normed, rotated and written with v at pos, then
