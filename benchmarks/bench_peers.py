@@ -343,7 +343,7 @@ def prepare(a, work: Path, llama: Path):
     if a.gguf:
         gguf = Path(a.gguf)
         store = ensure_gguf_store(gguf, work, a.gguf_quant)
-        ours = f"{Store(store).scheme.name}<-gguf"
+        ours = f"{Store(store).quant_name}<-gguf"  # e.g. q4_k+q6_k: the kept blocks
         return None, {ours: store, gguf.name: gguf}, [(ours, gguf.name)], Store(store).args
     from moestream.models import load_model_args
 

@@ -207,15 +207,15 @@ def test_mixed_record_native_kernel_is_the_spec(mixed):
 def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys):
     """Streamed at the minimum budget (slots of the largest record) a mixed store gives the
     resident greedy tokens and prompt logits bit for bit on the native kernels; the decode step
-    of one native call declines it (its layers' schemes differ) and the per-module path decodes;
-    the GPU provider refuses it with the fix."""
+    of one native call declines it (layer 2's int8 down projection takes int16 activations, the
+    others int8) and the per-module path decodes; the GPU provider refuses it with the fix."""
     from moestream.experts.config import GpuConfig
     from moestream.models import native_step
 
     store = mixed[3]
     loaded = load_model(store, StreamConfig(resident=True))
     assert loaded.provider.native  # the layer op, not the torch fallback
-    assert "layer 1: its expert records' schemes differ" in native_step.why_not(
+    assert "layer 2: its down projection's activation width differs" in native_step.why_not(
         loaded.model, loaded.provider
     )
     loaded.provider.close()
@@ -234,6 +234,33 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
     assert capsys.readouterr().out == resident and resident.strip()
     with pytest.raises(ConfigError, match="mixed expert schemes.*--quant int4"):
         load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+
+
+def test_q4_k_m_like_store_decodes_in_one_native_step_with_the_streamed_bits(tmp_path, capsys):
+    """A Q4_K_M file's layout: Q4_K gate/up with Q6_K or Q4_K down per layer, attention in Q4_K
+    with v in Q6_K on some layers (q/k/v then run as three projections), output Q6_K: the layers'
+    schemes differ but their activation widths agree, so the whole-step DecodeStep takes the
+    resident store, and its greedy tokens are the per-module path's (streamed at the minimum
+    budget) bit for bit."""
+    from moestream.models import native_step
+
+    wide = {**WIDE, "head_dim": 64}  # o_proj reads 4 x 64: Q4_K holds it
+    hf = save(perturbed_model("qwen3_moe", seed=3, **wide), tmp_path / "hf", "per_expert")
+    kinds = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K", "Q4_K", "Q4_K"), 2: ("Q4_K", "Q4_K", "Q6_K")}
+    v6 = {f"model.layers.{i}.self_attn.v_proj.weight": "Q6_K" for i in (0, 2)}
+    path = tmp_path / "m.gguf"
+    write_gguf(hf, path, kinds, dense_type="Q4_K", dense_types={"lm_head.weight": "Q6_K", **v6})
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    loaded = load_model(store, StreamConfig(resident=True))
+    attn = [layer.self_attn for layer in loaded.model.model.layers]
+    assert attn[0]._three and attn[1]._qfused is not None  # v in Q6_K: three projections
+    assert native_step.why_not(loaded.model, loaded.provider) is None
+    loaded.provider.close()
+    args = ["generate", "-m", str(store), "-p", "def fib", "-n", "8", "--ignore-eos"]
+    assert main([*args, "--resident"]) == 0
+    resident = capsys.readouterr().out
+    assert main([*args, "--memory-budget", str(min_budget(Store(store)))]) == 0
+    assert capsys.readouterr().out == resident and resident.strip()
 
 
 def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys):

@@ -105,10 +105,11 @@ def token_tile(n: int):
         native.module()._set_token_tile(0)
 
 
-# (D, I): D 352 has 11 blocks of 32 (8 in lanes, then a tail of 3), I 96 has 3 (a tail only)
+# (D, I): D 352 has 11 blocks of 32 (8 in lanes, then a tail of 3), I 96 has 3 (a tail only);
+# K-quants (tiles on AVX-512, one row per pass below it) take multiples of 256
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ROW_MAJOR
-                                        for D, I in ((352, 96), (2048, 768))])  # fmt: skip
+@pytest.mark.parametrize("scheme,D,I", [(s, D, I) for s in ROW_MAJOR for D, I in ((352, 96), (2048, 768))]
+                         + [(s, D, I) for s in KQUANTS for D, I in K_SHAPES])  # fmt: skip
 def test_token_tiles_give_the_one_row_bits(scheme, D, I, isa):
     """Every tile width (4, 3, 2 rows and the last single one of T = 10) against one row per pass."""
     sec = records(scheme, D, I, 1)[0]

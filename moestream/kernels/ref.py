@@ -227,9 +227,10 @@ def qlinear_q8(
     d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
     super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
     sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *
-    sum q); added in block order, except int8, q4_0 and q4_1 (the row-major schemes, whose AVX2 rows
-    keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b mod 8, the
-    lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order."""
+    sum q); added in block order, except int8, q4_0, q4_1 and the K-quants (the row-major schemes,
+    whose rows keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b
+    mod 8, the lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order
+    (K-quants: none, a super-block is 8 blocks)."""
     from moestream.quant import unpack_int4
 
     if sec[f"{name}.q"].dim() == 3:
@@ -237,8 +238,8 @@ def qlinear_q8(
     q8, d = quantize_act(x, group_size, 32767 if wide else 127)  # [T, nb, g], [T, nb]
     wq = sec[f"{name}.q"]
     if wq.dim() == 3:
-        terms = _kquant_terms(q8, d, wq)
-    elif f"{name}.dm" in sec:
+        return _lane_sum(_kquant_terms(q8, d, wq))
+    if f"{name}.dm" in sec:
         return _lane_sum(_q4_1_terms(q8, d, wq, sec[f"{name}.dm"]))
     elif wq.dtype == torch.int8 or f"{name}.d" in sec:  # q4_0: weights q - 8, scale d
         wq, ws = _symmetric(sec, name)

@@ -46,17 +46,20 @@ def why_not(model, provider) -> str | None:
             return f"layer {i}: {why}"
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
-        # DecodeStep takes one record scheme for all layers; a kept Q4_K_M store's differ.
-        here = _record_kinds(tables[mlp.layer])
+        # Schemes may differ across layers (a kept Q4_K_M store's do), but DecodeStep quantizes
+        # the down projections' input once for all layers: int16 for int8 weights, else int8.
+        here = _down_is_int8(tables[mlp.layer])
         if kinds is not None and here != kinds:
-            return f"layer {i}: its expert records' schemes differ from an earlier layer's"
+            return (
+                f"layer {i}: its down projection's activation width differs from an earlier layer's"
+            )
         kinds = here
     return None
 
 
-def _record_kinds(table: dict[int, list]) -> list[tuple]:
-    """The dtype and shape of each of a layer's record tensors (what tells the C++ its scheme)."""
-    return [(t.dtype, tuple(t.shape)) for t in next(iter(table.values()))]
+def _down_is_int8(table: dict[int, list]) -> bool:
+    """Whether a layer's down projection is int8 (record tensors: w13's pair, then w2's)."""
+    return next(iter(table.values()))[2].dtype == torch.int8
 
 
 def _native_quant(p) -> bool:
@@ -68,9 +71,20 @@ def _attention_why_not(attn) -> str | None:
         return "attention is not native.attend's rule"
     if attn.lora:
         return "a recovery adapter is attached"
-    if not (_native_quant(attn._qfused) and _native_quant(attn.o_proj)):
+    qkv = _qkv_parts(attn)
+    if qkv is None or not all(_native_quant(p) for p in (*qkv, attn.o_proj)):
         return "q/k/v and o are not quantized projections on the native kernel"
+    if len({p.wide for p in qkv}) > 1 or len({p.bias is None for p in qkv}) > 1:
+        return "q, k and v differ in activation width or in having a bias"
     return None
+
+
+def _qkv_parts(attn) -> list | None:
+    """q/k/v as DecodeStep takes them: the fused QuantLinear, or (formats differ, as a Q4_K_M's
+    q/k in Q4_K beside v in Q6_K) the three projections; None when they are not quantized."""
+    if attn._qfused is not None:
+        return [attn._qfused]
+    return [attn.q_proj, attn.k_proj, attn.v_proj] if attn._three else None
 
 
 def _moe_why_not(mlp, SparseMoe) -> str | None:
@@ -94,7 +108,8 @@ class NativeDecodeStep:
         self._step = native.decode_step()
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o = attn._qfused, attn.o_proj
+            qkv, o = _qkv_parts(attn), attn.o_proj
+            bias = None if qkv[0].bias is None else torch.cat([p.bias.detach() for p in qkv])
             qk_w, qk_eps = (
                 (attn._qk_norm_weight(), attn.q_norm.eps) if attn.qk_norm == "head" else (None, 0.0)
             )
@@ -103,7 +118,8 @@ class NativeDecodeStep:
             n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
             self._step.add_layer(
                 n_in.weight.detach(), n_in.eps,
-                *native._pair(qkv.qweight.sections(), "w"), qkv.bias, qkv.wide, qk_w, qk_eps,
+                [t for p in qkv for t in native._pair(p.qweight.sections(), "w")], bias, qkv[0].wide,
+                qk_w, qk_eps,
                 *native._pair(o.qweight.sections(), "w"), o.bias, o.wide,
                 n_post.weight.detach(), n_post.eps,
                 attn.H, attn.Hkv, attn.hd, attn.scaling, attn.window or 0,

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "cpu_rows.h"
+#include "kquant_cpu.h"
 
 namespace moestream_cpu {
 
@@ -45,12 +46,140 @@ inline __m256i block_sums8x4(__m512i a, __m512i b) {
   return _mm512_castsi512_si256(_mm512_permutexvar_epi32(idx, v));
 }
 
-inline void prefetch(const void* p, int bytes) {
-  if (g_prefetch)
-    for (int c = 0; c < bytes; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+}  // namespace
+
+}  // namespace moestream_cpu
+
+namespace moestream_kquant {
+
+// q4_k / q5_k: chunk c of 32 bytes holds sub-blocks 2c (low nibbles) and 2c + 1 (high), whose
+// activations are 64 contiguous bytes: the chunk broadcast to both halves of a vector, shifted by 0
+// / 4 per half (q5_k: bit 2c / 2c + 1 of qh as bit 4), is one vpdpbusd against them, in
+// block_sums8x8's layout. The eight pairs' scales widen from bytes (scale_min_words), d and dmin
+// by F16C (exact, as the scalar conversion); the fp32 steps and lanes are q45_row_avx2's. NT
+// activation rows (a prompt's token tile) share each super-block's unpacking; each row gets the
+// one-row bits.
+template <bool Q5, int NT>
+void q45_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys) {
+  using namespace moestream_cpu;
+  constexpr int B = Q5 ? 176 : 144;
+  const __m512i m4 = _mm512_set1_epi8(15), one = _mm512_set1_epi8(1);
+  const __m512i sh = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(4), 1);
+  __m512i shq[4];  // q5_k: bit 2c in the low half, 2c + 1 in the high
+  for (int c = 0; c < 4; ++c)
+    shq[c] = _mm512_inserti64x4(_mm512_set1_epi16((short)(2 * c)), _mm256_set1_epi16((short)(2 * c + 1)), 1);
+  __m256 acc[NT];  // lane j: sub-block j of every super-block
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int s = 0; s < nb; ++s) {
+    const uint8_t* blk = row + (size_t)s * B;
+    prefetch_ahead(blk, B);
+    const uint8_t* qs = blk + (Q5 ? 48 : 16);
+    const __m512i h = Q5 ? _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 16))) : m4;
+    __m512i w[4];
+    for (int c = 0; c < 4; ++c) {
+      const __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(qs + 32 * c)));
+      w[c] = _mm512_and_si512(_mm512_srlv_epi16(v, sh), m4);
+      if (Q5) w[c] = _mm512_or_si512(w[c], _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shq[c]), one), 4));
+    }
+    uint32_t sm[4];
+    scale_min_words(blk + 4, sm);
+    const __m256 scv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sm[1], (int)sm[0])));
+    const __m256 mv = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_set_epi32(0, 0, (int)sm[3], (int)sm[2])));
+    int32_t dd;
+    std::memcpy(&dd, blk, 4);
+    const __m128 dm2 = _mm_cvtph_ps(_mm_cvtsi32_si128(dd));  // d, dmin
+    const __m256 ds = _mm256_mul_ps(_mm256_broadcastss_ps(dm2), scv);
+    const __m256 dm = _mm256_mul_ps(_mm256_broadcastss_ps(_mm_movehdup_ps(dm2)), mv);
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + (size_t)s * 8 * G;
+      __m512i z[4];
+      for (int c = 0; c < 4; ++c) z[c] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[c], _mm512_loadu_si512(xq + 2 * c * G));
+      const __m256 dot = _mm256_cvtepi32_ps(block_sums8x8(z));
+      const __m256 sx = _mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i*)(x[t].s + s * 8)));
+      const __m256 e = _mm256_sub_ps(_mm256_mul_ps(ds, dot), _mm256_mul_ps(dm, sx));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(_mm256_loadu_ps(x[t].d + s * 8), e));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    y[t * ys] = lanes_sum(l);
+  }
 }
 
-}  // namespace
+// q6_k: values u = ql nibble | qh 2 bits << 4 (0..63) for sub-blocks j, j + 1 of one half h
+// (pairs (4h, 4h + 1): the half's 64 ql bytes' low nibbles, qh shifted by 0 / 2; (4h + 2, 4h + 3):
+// high nibbles, qh by 4 / 6) against their 64 contiguous activations: vpdpbusd gives sum u x per
+// lane of 4, minus 32 sum x (a vpdpbusd of 32s), times the lane's sub-block scale (16 values per
+// scale: 4 lanes), all exact int32 (|sc (u - 32) x| sums < 2**24), so block_sums8x8 gives
+// q6_row_avx2's integer dots and its fp32 steps follow. NT rows as q45_rows_avx512.
+template <int NT>
+void q6_rows_avx512(const uint8_t* row, int nb, const Act* x, float* y, size_t ys) {
+  using namespace moestream_cpu;
+  const __m512i m4 = _mm512_set1_epi8(15), m3 = _mm512_set1_epi8(3), c32 = _mm512_set1_epi8(32);
+  __m512i shq[2];  // qh shifts: pair 0 of a half 0 | 2, pair 1 4 | 6 (16-bit lanes per 256-bit half)
+  for (int i = 0; i < 2; ++i)
+    shq[i] = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * i)), _mm256_set1_epi16((short)(4 * i + 2)), 1);
+  __m128i sidx[4];  // pair p's four sub-block-half scales sc[4p + i], each for 4 lanes
+  for (int p = 0; p < 4; ++p) {
+    alignas(16) int8_t ix[16];
+    for (int i = 0; i < 16; ++i) ix[i] = (int8_t)(4 * p + i / 4);
+    sidx[p] = _mm_load_si128((const __m128i*)ix);
+  }
+  __m256 acc[NT];  // lane j: block j of every super-block
+  for (auto& v : acc) v = _mm256_setzero_ps();
+  for (int s = 0; s < nb; ++s) {
+    const uint8_t* blk = row + (size_t)s * 210;
+    prefetch_ahead(blk, 210);
+    const __m128i scb = _mm_loadu_si128((const __m128i*)(blk + 192));
+    __m512i u[4], sc[4];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i l = _mm512_loadu_si512(blk + 64 * h);
+      const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(blk + 128 + 32 * h)));
+      for (int i = 0; i < 2; ++i) {  // pair p = 2h + i: sub-blocks 4h + 2i, 4h + 2i + 1
+        const int p = 2 * h + i;
+        const __m512i nib = _mm512_and_si512(i ? _mm512_srli_epi16(l, 4) : l, m4);
+        const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(qh, shq[i]), m3);
+        u[p] = _mm512_or_si512(nib, _mm512_slli_epi16(hb, 4));
+        sc[p] = _mm512_cvtepi8_epi32(_mm_shuffle_epi8(scb, sidx[p]));
+      }
+    }
+    int16_t dh;
+    std::memcpy(&dh, blk + 208, 2);
+    const __m256 d = _mm256_set1_ps(_cvtsh_ss((unsigned short)dh));
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = x[t].q + (size_t)s * 8 * G;
+      __m512i z[4];
+      for (int p = 0; p < 4; ++p) {
+        const __m512i xv = _mm512_loadu_si512(xq + 2 * p * G);
+        const __m512i dot = _mm512_sub_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[p], xv),
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), c32, xv));
+        z[p] = _mm512_mullo_epi32(dot, sc[p]);
+      }
+      const __m256 c = _mm256_mul_ps(d, _mm256_loadu_ps(x[t].d + s * 8));
+      acc[t] = _mm256_add_ps(acc[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(block_sums8x8(z))));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, acc[t]);
+    y[t * ys] = lanes_sum(l);
+  }
+}
+
+#define MOESTREAM_KQ_NT(NT)                                                                          \
+  template void q45_rows_avx512<false, NT>(const uint8_t*, int, const Act*, float*, size_t);       \
+  template void q45_rows_avx512<true, NT>(const uint8_t*, int, const Act*, float*, size_t);        \
+  template void q6_rows_avx512<NT>(const uint8_t*, int, const Act*, float*, size_t);
+MOESTREAM_KQ_NT(1)
+MOESTREAM_KQ_NT(2)
+MOESTREAM_KQ_NT(3)
+MOESTREAM_KQ_NT(4)
+#undef MOESTREAM_KQ_NT
+
+}  // namespace moestream_kquant
+
+namespace moestream_cpu {
 
 // int4, one full block of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
 // Four k's of a group are two 64-byte loads; vpermt2b gathers each byte column's four bytes (k ..
@@ -71,15 +200,15 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) 
   for (auto& v : yacc) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    prefetch(p, G * 32);
+    prefetch_ahead(p, G * 32);
     // (s, z) sit N * 4 bytes apart per group, where no streamer follows: this group's of the next
     // block (the item's next, mostly this thread's), or for the last block the group that far on
     if (g_prefetch && r0 + BN < w.N)
-      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)j * w.N + r0 + BN + c * 16), _MM_HINT_T0);
+      for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)j * w.N + r0 + BN + c * 16);
     else if (const int ja = j + (int)(g_prefetch / (G * 32)); g_prefetch && ja < w.K / G)
-      for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
-    __m512i acc[4];
-    for (auto& v : acc) v = _mm512_setzero_si512();
+      for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
+    __m512i acc[4], acc2[4];  // k steps 0-3, 8-11, ... and 4-7, 12-15, ...: two dependency chains
+    for (int i = 0; i < 4; ++i) acc[i] = acc2[i] = _mm512_setzero_si512();
     for (int k = 0; k < G; k += 4) {
       const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
       // the bytes of rows 0-15 (low nibbles) and 32-47 (high), then of 16-31 and 48-63
@@ -87,11 +216,13 @@ void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) 
       int32_t x4;
       std::memcpy(&x4, xq + j * G + k, 4);
       const __m512i xv = _mm512_set1_epi32(x4);
-      acc[0] = _mm512_dpbusd_epi32(acc[0], _mm512_and_si512(P0, m4), xv);
-      acc[1] = _mm512_dpbusd_epi32(acc[1], _mm512_and_si512(P1, m4), xv);
-      acc[2] = _mm512_dpbusd_epi32(acc[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
-      acc[3] = _mm512_dpbusd_epi32(acc[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
+      __m512i* c = k & 4 ? acc2 : acc;
+      c[0] = _mm512_dpbusd_epi32(c[0], _mm512_and_si512(P0, m4), xv);
+      c[1] = _mm512_dpbusd_epi32(c[1], _mm512_and_si512(P1, m4), xv);
+      c[2] = _mm512_dpbusd_epi32(c[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
+      c[3] = _mm512_dpbusd_epi32(c[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
     }
+    for (int i = 0; i < 4; ++i) acc[i] = _mm512_add_epi32(acc[i], acc2[i]);  // exact: int32 sums
     const int32_t sq = a.sr(t)[j];
     const __m512i off = _mm512_set1_epi32(8 * sq);
     const __m512 sqf = _mm512_set1_ps((float)sq), dv = _mm512_set1_ps(a.dr(t)[j]);
@@ -121,7 +252,7 @@ void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i z[4];
     for (int i = 0; i < 4; ++i) {
       const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(q + (j + 2 * i) * G), bias);
@@ -148,7 +279,7 @@ void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i z[4];  // vector i: blocks 2i, 2i + 1, each block's 32 products in 8 lanes
     for (int i = 0; i < 4; ++i) {
       __m512i acc = _mm512_setzero_si512();
@@ -184,7 +315,7 @@ void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G / 2, 8 * G / 2);
+    prefetch_ahead(q + j * G / 2, 8 * G / 2);
     __m512i part[2];  // blocks j..j+3, j+4..j+7: 128-bit quarter = one block's four partials
     for (int h = 0; h < 2; ++h) {
       const __m512i v = _mm512_loadu_si512(q + (j + 4 * h) * G / 2);
@@ -257,7 +388,7 @@ void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts,
     for (auto& v : r) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    prefetch(p, G * 32);
+    prefetch_ahead(p, G * 32);
     __m512i acc[NT][4];
     for (auto& r : acc)
       for (auto& v : r) v = _mm512_setzero_si512();
@@ -305,7 +436,7 @@ void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G, 8 * G);
+    prefetch_ahead(q + j * G, 8 * G);
     __m512i wv[4];
     for (int i = 0; i < 4; ++i) wv[i] = _mm512_xor_si512(_mm512_loadu_si512(q + (j + 2 * i) * G), bias);
     const __m256 sv = _mm256_loadu_ps(s + j);
@@ -337,7 +468,7 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    prefetch(q + j * G / 2, 8 * G / 2);
+    prefetch_ahead(q + j * G / 2, 8 * G / 2);
     __m512i lo[2], hi[2];
     for (int h = 0; h < 2; ++h) {
       const __m512i v = _mm512_loadu_si512(q + (j + 4 * h) * G / 2);

@@ -2,6 +2,7 @@
 // the layer ops; avx512_cpu.cpp: the AVX-512 VNNI rows), and the rules their sums follow.
 #pragma once
 #include <c10/util/Half.h>
+#include <xmmintrin.h>
 
 #include <cstdint>
 #include <cstring>
@@ -18,6 +19,15 @@ enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 // Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
 // bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
 extern int64_t g_prefetch;
+// Weights and their scales are read once per token: prefetched non-temporal (NTA), so the stream
+// does not evict the activations, partial sums and the next expert's lines from L2 (interleaved
+// A/B of the layer op at 2 threads, I 768 / 512: +3-12% for int4, q4_0, q8_0, int8; T0 before).
+inline void prefetch_line(const void* p) { _mm_prefetch((const char*)p, _MM_HINT_NTA); }
+// `bytes` from p + g_prefetch on, a line at a time (rows of a work item are one contiguous stream)
+inline void prefetch_ahead(const void* p, int bytes) {
+  if (g_prefetch)
+    for (int c = 0; c < bytes; c += 64) prefetch_line((const char*)p + g_prefetch + c);
+}
 
 // Activation rows quantized per block of 32: x[r, 32 b + i] ~= d[r, b] * q[r, 32 b + i], q int8
 // or (`wide`: int8 weights' down projection, whose SiLU*up input is heavy-tailed) int16.

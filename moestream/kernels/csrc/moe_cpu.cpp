@@ -65,6 +65,17 @@ struct Phases {
   }
 };
 
+// Spin until ready(): an item is microseconds, so longer means its thread lost the core (yield).
+template <typename R>
+void wait_until(const R& ready) {
+  for (int spin = 0; !ready(); ++spin) {
+    if (spin < (1 << 12))
+      _mm_pause();
+    else
+      sched_yield();
+  }
+}
+
 struct Worker {
   Phases& ph;
   int tid, phase = 0;
@@ -77,12 +88,7 @@ struct Worker {
       f(i);
       d.fetch_add(1, std::memory_order_release);
     }
-    for (int spin = 0; d.load(std::memory_order_acquire) < n; ++spin) {
-      if (spin < (1 << 12))
-        _mm_pause();
-      else
-        sched_yield();  // an item is microseconds: longer means its thread lost the core
-    }
+    wait_until([&] { return d.load(std::memory_order_acquire) >= n; });
     ++phase;
   }
   template <typename F>
@@ -91,22 +97,24 @@ struct Worker {
   }
 };
 
-// Two phases of items in one parallel region: the sleeping threads wake once, not once per phase
-// (a K = 8 layer op at 2 threads ran ~10% faster with spinning threads); serial below kSerialBytes.
+// Two phases' items as one stream in one parallel region: the sleeping threads wake once (a K = 8
+// layer op at 2 threads ran ~10% faster with spinning threads than with a region per phase), and
+// no barrier between the phases: f2's items wait on what they need themselves (a layer op +4-15%
+// in an interleaved A/B against a barrier). Items are taken in order, so whatever an f2 item waits
+// for was taken before it, by a thread that does not wait. Serial below kSerialBytes.
 template <typename F1, typename F2>
-void two_phases(int64_t n1, const F1& f1, int64_t n2, const F2& f2, int64_t bytes) {
+void one_stream(int64_t n1, const F1& f1, int64_t n2, const F2& f2, int64_t bytes) {
   const int nt = std::max(1, at::get_num_threads());
   if (bytes < kSerialBytes || nt == 1) {
     for (int64_t i = 0; i < n1; ++i) f1(i);
     for (int64_t i = 0; i < n2; ++i) f2(i);
     return;
   }
-  Phases ph(2);
+  Phases ph(1);
 #pragma omp parallel num_threads(nt)
   {
     Worker w{ph, omp_get_thread_num()};
-    w.items(n1, f1);
-    w.items(n2, f2);
+    w.items(n1 + n2, [&](int64_t i) { i < n1 ? f1(i) : f2(i - n1); });
   }
 }
 
@@ -312,10 +320,10 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
     const uint8_t* p = blk + (size_t)j * G * 32;
     const int32_t* pj = a.prr(t) + j * G / 2;
     if (g_prefetch) {  // distance on: 1 KiB of nibbles, and the (s, z) of the group that far on
-      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      prefetch_ahead(p, G * 32);
       const int ja = j + (int)(g_prefetch / (G * 32));
       if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
     }
     __m256i acc32[8];
     for (auto& v : acc32) v = _mm256_setzero_si256();
@@ -375,8 +383,7 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2(const Weight& w, int r, c
   __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch)  // rows of a work item are contiguous: one stream, read g_prefetch ahead
-      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
+    prefetch_ahead(q + j * G, 8 * G);  // rows of a work item are contiguous: one stream
     __m256i p[8];
     for (int b = 0; b < 8; ++b) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
@@ -423,8 +430,7 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
 // i + 16 high) -> wv[b] = the block's 32 u8 values in input order; rows of a work item are
 // contiguous, so the bytes g_prefetch ahead are prefetched (one stream).
 __attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q, int j, __m256i* wv) {
-  if (g_prefetch)
-    for (int c = 0; c < 8 * G / 2; c += 64) _mm_prefetch((const char*)(q + j * G / 2) + g_prefetch + c, _MM_HINT_T0);
+  prefetch_ahead(q + j * G / 2, 8 * G / 2);
   const __m128i m4 = _mm_set1_epi8(15);
   for (int b = 0; b < 8; ++b) {
     const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
@@ -629,10 +635,10 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2_nt(const Weight& w, int
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
     if (g_prefetch) {
-      for (int c = 0; c < G * 32; c += 64) _mm_prefetch((const char*)p + g_prefetch + c, _MM_HINT_T0);
+      prefetch_ahead(p, G * 32);
       const int ja = j + (int)(g_prefetch / (G * 32));
       if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) _mm_prefetch((const char*)(sz + (size_t)ja * w.N + r0 + c * 16), _MM_HINT_T0);
+        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
     }
     __m256i acc32[NT][8];
     for (auto& r : acc32)
@@ -699,8 +705,7 @@ __attribute__((target("avx2,fma"))) void int8_row_avx2_nt(const Weight& w, int r
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
-    if (g_prefetch && !Wide)
-      for (int c = 0; c < 8 * G; c += 64) _mm_prefetch((const char*)(q + j * G) + g_prefetch + c, _MM_HINT_T0);
+    if (!Wide) prefetch_ahead(q + j * G, 8 * G);
     __m256i W0[8], W1[8];  // int8: |w|, w; Wide: w widened to int16, low and high half
     for (int b = 0; b < 8; ++b) {
       const __m256i wv = _mm256_loadu_si256((const __m256i*)(q + (j + b) * G));
@@ -840,7 +845,7 @@ bool cpu_has_avx2() {
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
   if (moestream_kquant::is_kquant(w.kind))
-    return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), isa >= kAvx2, y);
+    return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), (int)isa, y);
   if (w.kind == kInt4) {
     if (isa >= kAvx512 && n == BN) return int4_block_avx512(w, r0, a, t, y);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
@@ -876,6 +881,11 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
 // rows() gives for that activation row alone.
 template <int NT>
 void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
+  if (moestream_kquant::is_kquant(w.kind)) {
+    moestream_kquant::Act x[NT];
+    for (int i = 0; i < NT; ++i) x[i] = {a.qr(ts[i]), a.dr(ts[i]), a.sr(ts[i])};
+    return moestream_kquant::rows_nt(w.kind, w.q, w.K, r0, n, x, NT, (int)isa, y, ys);
+  }
   if (w.kind == kInt4) {
     if (isa >= kAvx512 && n == BN) return int4_block_avx512_nt<NT>(w, r0, a, ts, y, ys);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2_nt<NT>(w, r0, a, ts, y, ys);
@@ -901,11 +911,11 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
 }
 
 // Activation rows ts[0, cnt) through rows [r0, r0 + n) of w -> y[i * ys + (0, n)], token_tile()
-// rows per pass (K-quants: one; no tiled kernels for them yet).
+// rows per pass (K-quants below AVX-512: one).
 void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, int cnt, float* y, size_t ys,
                  int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
-  const int nt = moestream_kquant::is_kquant(w.kind) ? 1 : token_tile();
+  const int nt = moestream_kquant::is_kquant(w.kind) && isa < kAvx512 ? 1 : token_tile();
   for (int i = 0; i < cnt; i += nt) {
     const int m = std::min(nt, cnt - i);
     const int* t = ts + i;
@@ -1075,20 +1085,25 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   int64_t b13 = 0, b2 = 0;  // weight bytes read (serial below kSerialBytes)
   for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
   QAct act(E, I, w2[0].kind == kInt8);
-  std::vector<std::atomic<int>> left(E);
+  std::vector<std::atomic<int>> left(E), ready(E);
   for (auto& v : left) v.store(c13);
+  for (auto& v : ready) v.store(0);
   auto gate_up = [&](int64_t i) {
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
     chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
-    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(h.data(), I, act, e, isa);
+    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      act_quantize(h.data(), I, act, e, isa);
+      ready[e].store(1, std::memory_order_release);
+    }
   };
   auto down = [&](int64_t i) {
     const int e = (int)(i / cd);
+    wait_until([&] { return ready[e].load(std::memory_order_acquire) != 0; });
     float* ye = y.data() + (size_t)e * D;
     chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
-  two_phases((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
+  one_stream((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
   float* op = out.data_ptr<float>();
   const float* wp = wt.data_ptr<float>();
@@ -1331,7 +1346,9 @@ struct StepLayer {
   const float *in_w = nullptr, *post_w = nullptr, *qk_w = nullptr, *qkv_b = nullptr, *o_b = nullptr;
   const float* gate = nullptr;
   float in_eps = 0, post_eps = 0, qk_eps = 0, scaling = 1;
-  Weight qkv{}, o{};
+  std::vector<Weight> qkv;  // q/k/v as one fused weight, or three (their formats differ: Q4_K_M)
+  std::vector<int> qkv_off;  // each part's first row of the q/k/v output
+  Weight o{};
   bool qkv_wide = false, o_wide = false, renorm = false;
   int window = 0;
   std::vector<Weight> w13, w2;  // by expert id
@@ -1351,16 +1368,24 @@ class DecodeStep {
 
   int64_t layers() const { return (int64_t)L.size(); }
 
-  void add_layer(const torch::Tensor& in_w, double in_eps, const torch::Tensor& qkv_q, const torch::Tensor& qkv_s,
+  void add_layer(const torch::Tensor& in_w, double in_eps, const std::vector<torch::Tensor>& qkv_parts,
                  const c10::optional<torch::Tensor>& qkv_b, bool qkv_wide, const c10::optional<torch::Tensor>& qk_w,
                  double qk_eps, const torch::Tensor& o_q, const torch::Tensor& o_s,
                  const c10::optional<torch::Tensor>& o_b, bool o_wide, const torch::Tensor& post_w, double post_eps,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
                  const torch::Tensor& gate, int64_t top_k, bool renorm, const std::vector<torch::Tensor>& experts) {
     StepLayer l;
-    l.qkv = weight(qkv_q, qkv_s);
+    TORCH_CHECK(qkv_parts.size() == 2 || qkv_parts.size() == 6, "decode step: q/k/v as one or three (q, s) pairs");
+    int nqkv = 0;
+    for (size_t i = 0; i < qkv_parts.size(); i += 2) {
+      l.qkv.push_back(weight(qkv_parts[i], qkv_parts[i + 1]));
+      l.qkv_off.push_back(nqkv);
+      nqkv += l.qkv.back().N;
+      TORCH_CHECK(l.qkv.back().K == l.qkv[0].K, "decode step: q, k and v must read the same width");
+      TORCH_CHECK(!qkv_wide || l.qkv.back().kind == kInt8, "int16 activations are for int8 weights");
+    }
     l.o = weight(o_q, o_s);
-    const int d = l.qkv.K;
+    const int d = l.qkv[0].K;
     TORCH_CHECK(gate.dim() == 2 && gate.scalar_type() == torch::kFloat && gate.is_contiguous() && gate.size(1) == d,
                 "decode step: the router must be fp32 [E, D]");
     TORCH_CHECK(!experts.empty() && experts.size() == 4 * (size_t)gate.size(0), "decode step: 4 tensors per expert");
@@ -1371,7 +1396,7 @@ class DecodeStep {
     TORCH_CHECK(d == D && heads == H && kv_heads == Hkv && head_dim == hd && e_n == E && top_k == k,
                 "decode step: every layer must have the same shapes");
     TORCH_CHECK(H % Hkv == 0 && k > 0 && k <= E, "decode step: heads or top-k out of range");
-    TORCH_CHECK(l.qkv.N == (H + 2 * Hkv) * hd && l.o.K == H * hd && l.o.N == D,
+    TORCH_CHECK(nqkv == (H + 2 * Hkv) * hd && l.o.K == H * hd && l.o.N == D,
                 "decode step: q/k/v and o projection shapes do not match the heads");
     for (int e = 0; e < E; ++e) {
       l.w13.push_back(weight(experts[4 * e], experts[4 * e + 1]));
@@ -1384,20 +1409,20 @@ class DecodeStep {
                       b.kind == l.w2[0].kind && (L.empty() || (b.kind == kInt8) == (L[0].w2[0].kind == kInt8)),
                   "decode step: a layer's expert records must share one shape and scheme");
     }
-    TORCH_CHECK(!qkv_wide || l.qkv.kind == kInt8, "int16 activations are for int8 weights");
     TORCH_CHECK(!o_wide || l.o.kind == kInt8, "int16 activations are for int8 weights");
     TORCH_CHECK(L.empty() || (qkv_wide == L[0].qkv_wide && o_wide == L[0].o_wide),
                 "decode step: every layer must take the same activation widths");
     l.in_w = opt_f32(in_w, D, "the input norm weight");
     l.post_w = opt_f32(post_w, D, "the post-attention norm weight");
     l.qk_w = opt_f32(qk_w, (int64_t)(H + Hkv) * hd, "the q/k norm weights");
-    l.qkv_b = opt_f32(qkv_b, l.qkv.N, "the q/k/v bias");
+    l.qkv_b = opt_f32(qkv_b, nqkv, "the q/k/v bias");
     l.o_b = opt_f32(o_b, D, "the o bias");
     l.gate = gate.data_ptr<float>();
     l.in_eps = (float)in_eps, l.post_eps = (float)post_eps, l.qk_eps = (float)qk_eps;
     l.scaling = (float)scaling, l.window = (int)window, l.renorm = renorm;
     l.qkv_wide = qkv_wide, l.o_wide = o_wide;
-    l.keep = {in_w, qkv_q, qkv_s, o_q, o_s, post_w, gate};
+    l.keep = {in_w, o_q, o_s, post_w, gate};
+    l.keep.insert(l.keep.end(), qkv_parts.begin(), qkv_parts.end());
     for (const auto* t : {&qkv_b, &qk_w, &o_b})
       if (t->has_value()) l.keep.push_back(**t);
     l.keep.insert(l.keep.end(), experts.begin(), experts.end());
@@ -1435,13 +1460,13 @@ class DecodeStep {
     QAct ao(1, H * hd, L[0].o_wide), act(k, I, L[0].w2[0].kind == kInt8);
     // o's activation blocks line up with a KV group's heads: each group quantizes its own
     const bool group_blocks = (G * hd) % kG == 0;
-    constexpr int kPhasesPerLayer = 8;
+    constexpr int kPhasesPerLayer = 7;
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
     const int nt = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN;
-    const int cqkv = row_chunks(Nqkv, 1, nt), cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt),
-              cd = row_chunks(D, k, nt);
+    const int cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt), cd = row_chunks(D, k, nt);
     std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[L.size() * k]);  // chunks left per layer, expert
-    for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed);
+    std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[L.size() * k]);  // SiLU*up quantized
+    for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed), ready[i].store(0);
     double expert_s = 0;
 #pragma omp parallel num_threads(nt)
     {
@@ -1459,11 +1484,17 @@ class DecodeStep {
           rms_row(xp, l.in_w, l.in_eps, D, h.data(), isa);
           quantize_row(h.data(), aq, 0, isa);
         };
-        w.items(cqkv, norm_in, [&](int64_t c) {
-          chunk_blocks(Nqkv, cqkv, c, [&](int r0, int n) {
-            rows(l.qkv, r0, n, aq, 0, qkv.data() + r0, isa);
+        // (chunks of each part's rows: three parts when q/k/v's formats differ)
+        int cq[3] = {}, nq = 0;
+        for (size_t p = 0; p < l.qkv.size(); ++p) nq += cq[p] = row_chunks(l.qkv[p].N, 1, nt);
+        w.items(nq, norm_in, [&](int64_t c) {
+          size_t p = 0;
+          for (; c >= cq[p]; ++p) c -= cq[p];
+          const int off = l.qkv_off[p];
+          chunk_blocks(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
+            rows(l.qkv[p], r0, n, aq, 0, qkv.data() + off + r0, isa);
             if (l.qkv_b)
-              for (int i = r0; i < r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
+              for (int i = off + r0; i < off + r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
           });
         });
         // native.attend per KV group: its k head normed, rotated and written with v at pos, then
@@ -1519,21 +1550,28 @@ class DecodeStep {
           quantize_row(h.data(), ax, 0, isa);
         };
         // gate|up per (expert, chunk of c13); its SiLU*up by the thread that finishes its last chunk
-        w.items((int64_t)k * c13, expert_in, [&](int64_t i) {
+        auto gate_up = [&](int64_t i) {
           const int e = (int)(i / c13);
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
           chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
-          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) act_quantize(hx.data(), I, act, e, isa);
-        });
+          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+            act_quantize(hx.data(), I, act, e, isa);
+            ready[li * k + e].store(1, std::memory_order_release);
+          }
+        };
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
-        w.items((int64_t)k * cd, pick, [&](int64_t i) {
+        auto down = [&](int64_t i) {
           const int e = (int)(i / cd);
+          wait_until([&] { return ready[li * k + e].load(std::memory_order_acquire) != 0; });
           const Weight& w2 = l.w2[ids[order[e]]];
           float* ye = yk.data() + (size_t)e * D;
           chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
-        });
+        };
+        // one stream of items, no barrier between gate|up and down (as native.moe's one_stream)
+        const int64_t n13 = (int64_t)k * c13;
+        w.items(n13 + (int64_t)k * cd, expert_in, [&](int64_t i) { i < n13 ? gate_up(i) : down(i - n13); });
         w.items(nbd, pick, [&](int64_t b) {
           const int r0 = (int)b * BN, n = std::min(BN, D - r0);
           float* o = y.data() + r0;
