@@ -109,7 +109,9 @@ const float* row_scales(const Weight& w, int r, int nb, float* buf);
 // ---- AVX-512 VNNI rows (avx512_cpu.cpp): the AVX2 rows' exact integer block dots from vpdpbusd,
 // then the same fp32 steps in the same order, so every variant gives the same bits.
 bool cpu_has_avx512();  // avx512 f, bw, vl, vnni, vbmi (vpermt2b) and the AVX2 set
-void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);  // 64 full rows
+// NB (1, 2) full blocks of 64 int4 rows
+template <int NB>
+void int4_blocks_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);
 void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);

@@ -136,6 +136,18 @@ void chunk_blocks(int N, int chunks, int64_t c, const F& f) {
   for (int b = (int)(blocks * c / chunks); b < (int)(blocks * (c + 1) / chunks); ++b) f(b * BN, std::min(BN, N - b * BN));
 }
 
+// chunk_blocks in pairs of blocks, f(r0, n <= 128) (the last of an odd count alone): rows() takes
+// an int4 pair in one pass (its (s, z) contiguous per group); the other kinds loop their rows.
+template <typename F>
+void chunk_pairs(int N, int chunks, int64_t c, const F& f) {
+  const int blocks = (N + BN - 1) / BN;
+  const int b0 = (int)(blocks * c / chunks), b1 = (int)(blocks * (c + 1) / chunks);
+  for (int b = b0; b < b1; b += 2) {
+    const int r0 = b * BN;
+    f(r0, std::min((b + 2 <= b1 ? 2 : 1) * BN, N - r0));
+  }
+}
+
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
 template <typename Q>
 void quantize_blocks(const float* x, QAct& a, int r, Q* q, float qmax, int b0, int b1) {
@@ -841,13 +853,18 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64) for activation row t -> y[0, n).
+// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 128: one block or a pair) for activation row t -> y[0, n).
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
   if (moestream_kquant::is_kquant(w.kind))
     return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), (int)isa, y);
   if (w.kind == kInt4) {
-    if (isa >= kAvx512 && n == BN) return int4_block_avx512(w, r0, a, t, y);
+    if (isa >= kAvx512 && n == 2 * BN) return int4_blocks_avx512<2>(w, r0, a, t, y);
+    if (n > BN) {  // a pair of blocks (chunk_pairs) off the AVX-512 rows: one at a time
+      rows(w, r0, BN, a, t, y, isa);
+      return rows(w, r0 + BN, n - BN, a, t, y + BN, isa);
+    }
+    if (isa >= kAvx512 && n == BN) return int4_blocks_avx512<1>(w, r0, a, t, y);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
   }
@@ -1091,7 +1108,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   auto gate_up = [&](int64_t i) {
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
-    chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
+    chunk_pairs(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
     if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       act_quantize(h.data(), I, act, e, isa);
       ready[e].store(1, std::memory_order_release);
@@ -1101,7 +1118,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     const int e = (int)(i / cd);
     wait_until([&] { return ready[e].load(std::memory_order_acquire) != 0; });
     float* ye = y.data() + (size_t)e * D;
-    chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
+    chunk_pairs(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
   one_stream((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
@@ -1554,7 +1571,7 @@ class DecodeStep {
           const int e = (int)(i / c13);
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
-          chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
+          chunk_pairs(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
           if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
             act_quantize(hx.data(), I, act, e, isa);
             ready[li * k + e].store(1, std::memory_order_release);
@@ -1567,7 +1584,7 @@ class DecodeStep {
           wait_until([&] { return ready[li * k + e].load(std::memory_order_acquire) != 0; });
           const Weight& w2 = l.w2[ids[order[e]]];
           float* ye = yk.data() + (size_t)e * D;
-          chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
+          chunk_pairs(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
         };
         // one stream of items, no barrier between gate|up and down (as native.moe's one_stream)
         const int64_t n13 = (int64_t)k * c13;
