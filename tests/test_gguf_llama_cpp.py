@@ -65,8 +65,9 @@ def tiny(arch: str, folder: Path, **over) -> Path:
     )
 
 
-def llama_convert(hf: Path, out: Path, outtype: str) -> Path:
+def llama_convert(hf: Path, out: Path, outtype: str, *flags: str) -> Path:
     cmd = [str(PYTHON), str(CONVERTER), str(hf), "--outtype", outtype, "--outfile", str(out)]
+    cmd += flags
     if json.loads((hf / "config.json").read_text())["model_type"].startswith("qwen3_5"):
         cmd.append("--no-mtp")  # its converter expects MTP layers otherwise (the tiny has none)
     subprocess.run(cmd, check=True, capture_output=True)
@@ -194,6 +195,34 @@ def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):
     stored = dequantized_state(path, hf)
     want = hf_logits(hf, stored, tmp_path)
     assert (want - got).abs().max().item() < FP32_TOL
+
+
+# The converter's fusions (--fuse-qkv: every architecture with attn_qkv, not deepseek2;
+# --fuse-gate-up-exps: the architectures whose tensor list has ffn_gate_up_exps, qwen35moe here)
+FUSED_FLAGS = {a: ("--fuse-qkv",) for a in GGUF_ARCH if a != "deepseek_v3"}
+FUSED_FLAGS["qwen3_5_moe_text"] = ("--fuse-qkv", "--fuse-gate-up-exps")
+
+
+@pytest.mark.parametrize("arch", FUSED_FLAGS)
+def test_llama_cpp_fused_tensors_give_the_unfused_store(tmp_path, arch):
+    """`convert_hf_to_gguf.py --fuse-qkv` (and `--fuse-gate-up-exps` where the converter writes
+    it) at q8_0: the fused file converts into the unfused file's store byte for byte."""
+    import gguf
+    from test_gguf_fused import _store_files
+
+    hf = tiny(arch, tmp_path / "hf")
+    plain = llama_convert(hf, tmp_path / "plain.gguf", "q8_0")
+    fused = llama_convert(hf, tmp_path / "fused.gguf", "q8_0", *FUSED_FLAGS[arch])
+    names = [t.name.split(".", 2)[-1] for t in gguf.GGUFReader(str(fused)).tensors]
+    assert "attn_qkv.weight" in names and "attn_q.weight" not in names
+    assert ("ffn_gate_up_exps.weight" in names) == ("--fuse-gate-up-exps" in FUSED_FLAGS[arch])
+    a, b = (
+        _store_files(convert(p, tmp_path / p.stem, source_scheme(p, None), False))
+        for p in (plain, fused)
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]) if isinstance(a[k], bytes) else a[k].equal(b[k]), k
 
 
 def gguf_types(path: Path) -> Counter:

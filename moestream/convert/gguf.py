@@ -7,7 +7,8 @@ metadata keys become a Hugging Face config dict, so each model file's own `confi
 it (`ARCHS`: which llama.cpp architecture runs as which model file); where llama.cpp's converter
 rewrote a tensor (deepseek2's split kv_b, qwen35moe's shifted norms, A = -exp(A_log) and tiled
 value heads) `gguf_inverse` gives the Hugging Face tensor back; gpt-oss's expert biases
-(`ffn_*_exps.bias`) go into the records' b13 / b2. GGUF blocks a store scheme holds exactly
+(`ffn_*_exps.bias`) go into the records' b13 / b2; fused tensors (`attn_qkv`, `ffn_gate_up_exps`)
+are read as their parts, row ranges of the one tensor. GGUF blocks a store scheme holds exactly
 (`EXACT`: Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1, Q4_K / Q5_K / Q6_K -> q4_k / q5_k / q6_k;
 MXFP4 -> int8, its values rewritten exactly) are copied byte for byte, experts (`expert_sections`) and dense
 weights (`dense_sections`) alike; under `ExpertQuant.keep_source` each expert projection keeps
@@ -174,6 +175,11 @@ _EXPERTS = {
     "ffn_up_exps.weight": "up",
     "ffn_down_exps.weight": "down",
 }
+# Tensors llama.cpp's converter fuses on request (`--fuse-gate-up-exps`: gate rows then up rows of
+# each expert, written for qwen35moe / qwen3next; `--fuse-qkv`: q, k, v rows, every architecture
+# with attn_qkv): read as their parts, row ranges of one tensor.
+_GATE_UP = "ffn_gate_up_exps.weight"
+_QKV = {"attn_qkv.weight": "weight", "attn_qkv.bias": "bias"}
 # gpt-oss's expert biases, stacked [E, I] (gate, up) and [E, D] (down)
 _EXPERT_BIASES = {f"ffn_{r}_exps.bias": r for r in ("gate", "up", "down")}
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -309,6 +315,8 @@ class GGUFCheckpoint:
         self.dense_names: list[str] = []
         self._dense_src: dict[str, str] = {}  # HF name -> GGUF name
         self._experts: dict[int, dict[str, str]] = {}  # layer -> gate/up/down -> GGUF name
+        self._fused_gate_up: set[int] = set()  # layers whose gate and up are one tensor
+        self._qkv_part: dict[str, int] = {}  # HF q/k/v name -> 0/1/2 of its fused attn_qkv
         self._expert_biases: dict[int, dict[str, str]] = {}  # the same, of their biases
         self._classify()
         self._check_types()
@@ -318,6 +326,7 @@ class GGUFCheckpoint:
         except ConfigError as e:
             raise CheckpointError(f"{self.folder}: {e}") from e
         self._check_experts()
+        self._check_qkv()
         from moestream.convert.gguf_vocab import build_tokenizer
 
         self.tokenizer_json, self.tokenizer_config = build_tokenizer(
@@ -362,8 +371,10 @@ class GGUFCheckpoint:
                 )
             kv = kv[0]
         n_layers = self.n_layers
-        gate = self._tensors[self._experts[min(self._experts)]["gate"]]
-        _, inter, n_exp = (int(x) for x in gate.shape)  # ne [D, I, E]
+        first = min(self._experts)
+        gate = self._tensors[self._experts[first]["gate"]]
+        _, inter, n_exp = (int(x) for x in gate.shape)  # ne [D, I, E] ([D, 2I, E] fused)
+        inter //= 2 if first in self._fused_gate_up else 1
         vocab = int(self._tensors["token_embd.weight"].shape[1])
         cfg: dict[str, Any] = {
             "model_type": self.arch.model_type,
@@ -379,7 +390,7 @@ class GGUFCheckpoint:
             "num_experts_per_tok": int(self._arch_key("expert_used_count")),
             "norm_topk_prob": bool(self._arch_key("expert_weights_norm", self.arch.norm_topk_prob)),
             "tie_word_embeddings": "output.weight" not in self._tensors,
-            "attention_bias": "blk.0.attn_q.bias" in self._tensors,
+            "attention_bias": any(n.endswith("self_attn.q_proj.bias") for n in self.dense_names),
             "hidden_act": "silu",
             "bos_token_id": self._special_id("bos"),
             "eos_token_id": self._eos_ids(),
@@ -641,6 +652,15 @@ class GGUFCheckpoint:
                 continue
             if m and m[2] in _EXPERTS:
                 self._experts.setdefault(int(m[1]), {})[_EXPERTS[m[2]]] = name
+            elif m and m[2] == _GATE_UP:
+                self._experts.setdefault(int(m[1]), {}).update(gate=name, up=name)
+                self._fused_gate_up.add(int(m[1]))
+            elif m and m[2] in _QKV and f"blk.{m[1]}.ssm_out.weight" not in self._tensors:
+                # (qwen35moe's Gated DeltaNet layers name their in_proj_qkv attn_qkv: own names)
+                for k, proj in enumerate(("q_proj", "k_proj", "v_proj")):
+                    hf = f"model.layers.{m[1]}.self_attn.{proj}.{_QKV[m[2]]}"
+                    self._add_dense(hf, name)
+                    self._qkv_part[hf] = k
             elif m and m[2] in _EXPERT_BIASES and self.arch.model_type == "gpt_oss":
                 self._expert_biases.setdefault(int(m[1]), {})[_EXPERT_BIASES[m[2]]] = name
             elif m and m[2] in _SECOND_HALF:
@@ -733,6 +753,8 @@ class GGUFCheckpoint:
                 continue
             for role, shape in want.items():
                 name = roles.get(role)
+                if layer in self._fused_gate_up and role != "down":
+                    shape = [D, 2 * I, E]  # gate rows then up rows
                 if name is None:
                     raise CheckpointError(
                         f"{self.folder}: layer {layer}: tensor 'blk.{layer}.ffn_{role}_exps.weight' "
@@ -742,6 +764,34 @@ class GGUFCheckpoint:
         for roles in self._expert_biases.values():  # ne [I, E] (gate, up), [D, E]
             for role, name in roles.items():
                 self._check_shape(name, [D if role == "down" else I, E])
+
+    def _qkv_rows(self) -> tuple[int, int]:
+        """Rows of q and of k (= v) in a fused attn_qkv (qwen35moe's q holds its output gate)."""
+        a = self.args
+        gated = 2 if self.arch_name == "qwen35moe" else 1
+        return gated * a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+
+    def _check_qkv(self) -> None:
+        q, kv = self._qkv_rows()
+        fused = {self._dense_src[hf] for hf in self._qkv_part}
+        for name in sorted(fused, key=lambda n: int(n.split(".")[1])):
+            rows = int(self._tensors[name].shape[-1])
+            if rows != q + 2 * kv:
+                raise CheckpointError(
+                    f"{self.folder}: tensor {name!r} has {rows} rows, but q, k and v of "
+                    f"{self.arch_name}.attention.head_count / head_count_kv / key_length need "
+                    f"{q} + {kv} + {kv}; the file is damaged or its metadata wrong: convert again"
+                )
+
+    def _dense_data(self, name: str) -> np.ndarray:
+        """A dense tensor's stored data (rows), its part's rows of a fused attn_qkv."""
+        data = self._tensors[self._dense_src[name]].data
+        part = self._qkv_part.get(name)
+        if part is None:
+            return data
+        q, kv = self._qkv_rows()
+        start = (0, q, q + kv)[part]
+        return data[start : start + (q, kv, kv)[part]]
 
     def _check_shape(self, name: str, shape: list[int]) -> None:
         got = [int(x) for x in self._tensors[name].shape]
@@ -767,7 +817,7 @@ class GGUFCheckpoint:
         if src is None:
             raise CheckpointError(f"{self.folder}: tensor {name!r} not found")
         t = self._tensors[src]
-        out = self._as_torch(t, t.data)
+        out = self._as_torch(t, self._dense_data(name))
         if src.endswith("attn_k_b.weight"):
             out = self._kv_b(name, out, src)
         if self.arch_name == "qwen35moe":
@@ -810,9 +860,17 @@ class GGUFCheckpoint:
     def expert_type(self, layer: int, role: str) -> str:
         return self._tensors[self._experts[layer][role]].tensor_type.name
 
+    def _expert_data(self, layer: int, role: str, e: int) -> np.ndarray:
+        """One expert's stored rows of one projection (gate / up: its half of a fused gate_up)."""
+        data = self._tensors[self._experts[layer][role]].data[e]
+        if layer in self._fused_gate_up and role != "down":
+            half = data.shape[0] // 2
+            return data[:half] if role == "gate" else data[half:]
+        return data
+
     def _expert_slice(self, layer: int, role: str, e: int) -> torch.Tensor:
         t = self._tensors[self._experts[layer][role]]
-        return self._as_torch(t, t.data[e])
+        return self._as_torch(t, self._expert_data(layer, role, e))
 
     def expert(self, layer: int, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [I, D], up [I, D], down [D, I]) of one expert, dequantized."""
@@ -860,8 +918,12 @@ class GGUFCheckpoint:
         for name, roles in _PROJECTIONS:
             scheme = layout.scheme_of(name)
             if self._exact(scheme, layer, roles):
-                parts = [self._tensors[self._experts[layer][r]] for r in roles]
-                blocks = [_sections(t.tensor_type.name, t.data[e], scheme.name) for t in parts]
+                blocks = [
+                    _sections(
+                        self.expert_type(layer, r), self._expert_data(layer, r, e), scheme.name
+                    )
+                    for r in roles
+                ]
                 for suffix in blocks[0]:
                     out[f"{name}.{suffix}"] = torch.cat([b[suffix] for b in blocks])
                 continue
@@ -892,7 +954,7 @@ class GGUFCheckpoint:
         order = qwen35_order(name, self.args) if self.arch_name == "qwen35moe" else None
         if order is not None and order[0] != 0:
             return None  # columns reordered inside the blocks: dequantized instead
-        secs = _sections(kind, t.data, prefer.name)
+        secs = _sections(kind, self._dense_data(name), prefer.name)
         if self.arch.permuted_qk:  # rows permuted; quantization runs along K, so per section
             secs = {k: self._unpermute(name, v) for k, v in secs.items()}
         if order is not None:  # whole rows reordered: the same per section
