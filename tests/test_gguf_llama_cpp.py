@@ -370,6 +370,43 @@ def test_llama_quantize_q4_k_m_is_kept_exactly(tmp_path, capsys):
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "Q3_K"])
+def test_llama_quantize_low_bit_types_are_requantized_and_priced(tmp_path, qtype, capsys):
+    """llama-quantize --pure IQ4_XS / Q3_K (types no store scheme holds): the experts go into
+    int4 by default, the bits of the int4 store of a Hugging Face folder holding the GGUF's
+    dequantized values, and convert's note gives the cost measured on the reference model
+    (gguf_blocks.REQUANT_COST). Widths of 256: these blocks are 256 wide."""
+    from safetensors.torch import save_file
+
+    from moestream.convert.gguf_blocks import REQUANT_COST
+    from moestream.quant import DenseQuant
+
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+    hf = save(perturbed_model("qwen3_moe", seed=2, mlp_only_layers=[], **wide), tmp_path / "hf",
+              "per_expert")  # fmt: skip
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = tmp_path / f"{qtype}.gguf"
+    subprocess.run([str(QUANTIZE), "--pure", str(f32), str(path), qtype], check=True,
+                   capture_output=True)  # fmt: skip
+    assert gguf_types(path)[qtype] >= 9, gguf_types(path)  # three projections of three layers
+    capsys.readouterr()
+    ours = convert(path, tmp_path / "store", source_scheme(path, None), False, DenseQuant())
+    err = capsys.readouterr().err
+    added, own = REQUANT_COST[qtype, "int4"]
+    assert (
+        f"{qtype} expert tensor(s): dequantized and requantized to int4 g32 (lossy: a second "
+        f"rounding; on the 29M reference model it added KL {added:.4f} to the file's own {own:.4f}"
+    ) in err
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    values = dequantized_state(path, hf)
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
+    assert torch.equal(our_logits(ours), our_logits(theirs))
+
+
+@needs_build
 @pytest.mark.parametrize("arch", ["glm4_moe", "lfm2_moe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_llama_quantize_q4_k_m_of_more_architectures(tmp_path, arch, capsys):
     """llama-quantize Q4_K_M of GLM-4 MoE, LFM2-MoE, DeepSeek-V3 (MLA) and Qwen3.5 MoE (Gated

@@ -48,6 +48,7 @@ from moestream.convert.gguf_blocks import (
     HELD_BY,
     INT_TYPES,
     is_exact,
+    requant_cost_note,
     sections,
 )
 from moestream.convert.gguf_file import gguf_fingerprint, is_gguf, open_parts
@@ -473,7 +474,8 @@ class GGUFCheckpoint:
                 "kept": f"kept exactly as {scheme.name} (same values)",
                 "held": f"dequantized into {scheme.name} (exact: it holds every {kind} value)",
                 "lossy": f"dequantized and requantized to {scheme.name} g{scheme.group_size} "
-                "(lossy: a second rounding; measure with `moestream eval`)",
+                f"(lossy: a second rounding{requant_cost_note(kind, scheme.name)}; measure "
+                "yours with `moestream eval`)",
             }[how]
             lines.append(f"{n} {kind} expert tensor(s): {what}")
         note = score_ties_note(self.meta)

@@ -78,3 +78,44 @@ def _mxfp4_int8(blocks: np.ndarray) -> dict[str, torch.Tensor]:
     q = np.concatenate([_E2M1_X2[qs & 0x0F], _E2M1_X2[qs >> 4]], axis=-1)  # [N, G, 32]
     s = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
     return {"q": torch.from_numpy(q.reshape(n, g * 32)), "s": torch.from_numpy(s)}
+
+
+# What requantizing a type's experts cost, measured on the 29M reference model
+# (models/pystd-moe-29m through llama.cpp's converter and `llama-quantize --pure`, every 2-D
+# weight of that type where its blocks fit; issue 21's 2,048 tokens; rows in
+# benchmarks/results/gguf_requant_cost.jsonl from benchmarks/gguf_requant_cost.py, docs/gguf.md):
+# (type, scheme) -> (mean KL of the store, native kernels, against the file's own values: what
+# convert and the kernels add; mean KL of the file's values against the original model: the
+# type's own cost). A kept Q8_0 / Q4_0 store adds 0.0013 / 0.0019 (the activations' rounding).
+REQUANT_COST: dict[tuple[str, str], tuple[float, float]] = {
+    ("Q5_1", "int4"): (0.0244, 0.0150),
+    ("Q5_1", "int8"): (0.0011, 0.0150),
+    ("Q5_0", "int4"): (0.0215, 0.0189),
+    ("Q5_0", "int8"): (0.0011, 0.0189),
+    ("IQ4_NL", "int4"): (0.0241, 0.0484),
+    ("IQ4_NL", "int8"): (0.0007, 0.0484),
+    ("IQ4_XS", "int4"): (0.0244, 0.0486),
+    ("IQ4_XS", "int8"): (0.0008, 0.0486),
+    ("Q3_K", "int4"): (0.0166, 0.1704),
+    ("Q3_K", "int8"): (0.0009, 0.1704),
+    ("IQ3_S", "int4"): (0.0298, 0.1910),
+    ("IQ3_S", "int8"): (0.0017, 0.1910),
+    ("IQ3_XXS", "int4"): (0.0281, 0.2633),
+    ("IQ3_XXS", "int8"): (0.0011, 0.2633),
+    ("Q2_K", "int4"): (0.0194, 0.6698),
+    ("Q2_K", "int8"): (0.0021, 0.6698),
+}
+
+
+def requant_cost_note(kind: str, scheme: str) -> str:
+    """`; measured ...` for convert's note on a requantized type, where REQUANT_COST has it."""
+    cost = REQUANT_COST.get((kind, scheme))
+    if cost is None:
+        return ""
+    added, own = cost
+    wider = REQUANT_COST.get((kind, "int8")) if scheme == "int4" else None
+    hint = f"; --quant int8 added {wider[0]:.4f}" if wider else ""
+    return (
+        f"; on the 29M reference model it added KL {added:.4f} to the file's own {own:.4f} "
+        f"against the original{hint} (docs/gguf.md)"
+    )
