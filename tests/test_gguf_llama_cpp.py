@@ -474,6 +474,77 @@ def test_greedy_tokens_equal_llama_completion_by_the_margin_rule(tmp_path):
     assert not (disagree & (gap >= MARGIN)).any(), gap[disagree].tolist()
 
 
+PERPLEXITY = LLAMA / "build/bin/llama-perplexity"
+# qwen35moe as llama.cpp loads it: one head size for keys and values in the Gated DeltaNet
+# (ssm.state_size), mrope sections within the rotary dims (text positions: plain RoPE)
+LLAMA_FORM = {
+    "qwen3_5_moe_text": dict(linear_value_head_dim=16, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+        mrope_section=[2, 0, 0])),
+}  # fmt: skip
+
+
+@needs_build
+@pytest.mark.skipif(not PERPLEXITY.is_file(), reason=f"no llama-perplexity in {LLAMA}")
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param(
+            "qwen3_5_moe_text",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="measured: llama.cpp's qwen35moe and moestream's (= transformers' on the "
+                "same weights) differ on the tiny model, KL 1.7e-3, 15 of 372 greedy choices, "
+                "gaps to 0.37 nats (also with as many value heads as key heads); not resolved",
+            ),
+        ),
+        "deepseek_v3",
+        "gpt_oss",
+    ],
+)
+def test_next_tokens_equal_llama_cpp_by_the_margin_rule(tmp_path, arch):
+    """The newer architectures against llama.cpp itself: the tiny model through the converter at
+    f32, llama-perplexity's log-probabilities (fp32 attention and KV cache) on its own tokens of
+    a text in chunks of 64, the second half of each scored, against moestream's model (fp32) of
+    the file's values on the same tokens: every greedy choice (the argmax of each position)
+    equal, or a tie by the margin rule, and the distributions within KL 1e-5 (one model, two
+    engines). f32, because on these random tiny models the activations' int8 rounding alone
+    (llama.cpp's Q8_0 path, or moestream's native kernels) moves logits by up to 0.8 nats."""
+    from quality_peers import read_kld
+    from safetensors.torch import save_file
+    from spm_models import CORPUS
+
+    from moestream.engine.kv_cache import KVCache
+    from moestream.quality.metrics import MARGIN, kl_div
+    from moestream.runtime import open_model
+
+    hf = tiny(arch, tmp_path / "hf", **LLAMA_FORM.get(arch, {}))
+    path = llama_convert(hf, tmp_path / "m.gguf", "f32")
+    (tmp_path / "text.txt").write_text(" ".join(CORPUS * 2) + "\n")
+    kld = tmp_path / "base.kld"
+    cmd = [str(PERPLEXITY), "-m", str(path), "-f", str(tmp_path / "text.txt"), "-c", "64",
+           "-b", "64", "-t", "1", "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--no-warmup",
+           "--kl-divergence-base", str(kld)]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    n_ctx, chunks, theirs_lp = read_kld(kld)
+    first = n_ctx // 2
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    values = dequantized_state(path, hf)
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    with open_model(folder, dtype="float32", threads=1) as rt, torch.no_grad():
+        ours = torch.cat([rt.model(c, KVCache(rt.args, n_ctx, torch.float32), 0)[first:-1]
+                          for c in chunks])  # fmt: skip
+    mine, theirs = ours.argmax(-1), theirs_lp.argmax(-1)
+    assert len(mine) == len(theirs) >= 2 * (n_ctx - 1 - first)
+    gap = (ours.gather(1, mine[:, None]) - ours.gather(1, theirs[:, None]))[:, 0].abs()
+    disagree = mine != theirs
+    assert not (disagree & (gap >= MARGIN)).any(), (disagree.sum(), gap[disagree].tolist())
+    kl = kl_div(ours, theirs_lp)  # KL(llama.cpp || moestream)
+    assert kl.mean() < 1e-5, kl.mean()
+
+
 def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
     """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
     repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
