@@ -545,12 +545,9 @@ def test_next_tokens_equal_llama_cpp_by_the_margin_rule(tmp_path, arch):
     assert kl.mean() < 1e-5, kl.mean()
 
 
-def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
-    """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
-    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
-    exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
-    (its own reader, tested against transformers; both hold every value), and the logits are
-    within 1e-4 of transformers on the GGUF's values."""
+def gpt_oss_mxfp4(tmp_path: Path, outtype: str) -> tuple[Path, Path, Path]:
+    """(the tiny gpt-oss float folder, the same model as on the hub: MXFP4 experts with
+    quantization_config mxfp4, llama.cpp's converter's GGUF of it at `outtype`)."""
     from safetensors.torch import load_file, save_file
     from test_mxfp4 import _random_mxfp4
 
@@ -567,8 +564,42 @@ def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     (quant / "config.json").write_text(json.dumps(cfg))
-    path = llama_convert(quant, tmp_path / "m.gguf", "q8_0")
+    path = llama_convert(quant, tmp_path / f"m-{outtype}.gguf", outtype)
     assert gguf_types(path)["MXFP4"] == 9
+    return hf, quant, path
+
+
+@needs_build
+def test_llama_quantize_of_gpt_oss_keeps_mxfp4_experts(tmp_path, capsys):
+    """llama-quantize MXFP4_MOE (the type of the hub's gpt-oss GGUFs) of gpt-oss as on the hub,
+    converted at f32: llama.cpp leaves the MXFP4 experts as they are and quantizes the 2-D dense
+    weights to Q8_0; convert keeps the experts as int8 exactly (the records of the converter's
+    own file, byte for byte) and the Q8_0 dense weights as int8, and the logits are within 1e-4
+    of transformers on the quantized file's values. (Q4_K_M refuses an MXFP4 source unless told
+    --allow-requantize, and then requantizes the experts: Q5_0 at these widths of 64.)"""
+    hf, _, src = gpt_oss_mxfp4(tmp_path, "f32")
+    path = llama_quantize(src, tmp_path / "mxfp4_moe.gguf", "MXFP4_MOE")
+    kinds = gguf_types(path)
+    assert kinds["MXFP4"] == 9 and kinds["Q8_0"], kinds
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    assert "9 MXFP4 expert tensor(s): kept exactly as int8" in err
+    assert "Q8_0 dense tensor(s): kept exactly as int8" in err
+    plain = convert(src, tmp_path / "f32-store", source_scheme(src, None), False)
+    for f in sorted(plain.glob("experts-L*.bin")):
+        assert f.read_bytes() == (store / f.name).read_bytes(), f.name
+    want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
+    """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
+    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
+    exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
+    (its own reader, tested against transformers; both hold every value), and the logits are
+    within 1e-4 of transformers on the GGUF's values."""
+    hf, quant, path = gpt_oss_mxfp4(tmp_path, "q8_0")
     capsys.readouterr()
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     assert "9 MXFP4 expert tensor(s): kept exactly as int8" in capsys.readouterr().err
