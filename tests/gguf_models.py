@@ -474,3 +474,39 @@ def assert_records_are(s, stored: dict, schemes: dict | None = None, layers=None
             assert torch.equal(w13[I:], stored[expert_name(mt, layer, e, "up")])
             w2 = dequantize(sec, "w2", g2, torch.float32)
             assert torch.equal(w2, stored[expert_name(mt, layer, e, "down")])
+
+
+def fuse_gguf(src: Path, dst: Path, arch: str, qkv: bool = True, gate_up: bool = True) -> None:
+    """src's GGUF with tensors fused as llama.cpp's converter fuses them (`--fuse-qkv`: each
+    layer's attn_q / attn_k / attn_v weights (and biases) as one attn_qkv, rows q, k, v;
+    `--fuse-gate-up-exps`: ffn_gate_exps and ffn_up_exps as ffn_gate_up_exps, each expert's
+    gate rows then up rows), the stored blocks as they are."""
+    import gguf
+
+    r = gguf.GGUFReader(str(src))
+    tensors = {t.name: t for t in r.tensors}
+    w = gguf.GGUFWriter(str(dst), arch)
+    for k, f in r.fields.items():
+        if not k.startswith(("GGUF.", "general.architecture")):
+            w.add_key_value(k, f.contents(), f.types[0], f.types[-1] if len(f.types) > 1 else None)
+    groups = []  # (fused name, its parts): rows concatenated
+    for t in r.tensors:
+        blk, _, rest = t.name.rpartition(".attn_q.")
+        if qkv and blk and f"{blk}.attn_k.{rest}" in tensors:
+            parts = [f"{blk}.attn_{p}.{rest}" for p in "qkv"]
+            groups.append((f"{blk}.attn_qkv.{rest}", parts))
+        if gate_up and t.name.endswith(".ffn_gate_exps.weight"):
+            blk = t.name.rsplit(".", 2)[0]
+            groups.append((f"{blk}.ffn_gate_up_exps.weight", [t.name, f"{blk}.ffn_up_exps.weight"]))
+    fused = {p for _, parts in groups for p in parts}
+    for t in r.tensors:
+        if t.name not in fused:
+            w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    for name, parts in groups:
+        data = np.concatenate([np.array(tensors[p].data) for p in parts], axis=-2 if
+                              tensors[parts[0]].data.ndim > 1 else 0)  # fmt: skip
+        w.add_tensor(name, data, raw_dtype=tensors[parts[0]].tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

@@ -107,6 +107,32 @@ def test_text_stream_never_emits_half_characters_or_stop_prefixes():
     assert not ts.stopped and "".join(out) == ts.text == "x amè"
 
 
+def test_byte_level_text_after_the_prompt_is_unchanged(rt):
+    """Generated ids are decoded after the prompt's last token (for SentencePiece's leading
+    space, test_gguf_spm.py); with a byte-level BPE tokenizer that gives exactly the ids' own
+    text, pieces and per-token strings, at every cut of texts with multi-byte characters."""
+    from types import SimpleNamespace
+
+    from moestream.engine.tokenizer import context_of, decode_after
+    from moestream.serve.protocol import token_strings
+
+    tok = rt.tokenizer
+    cuts = 0
+    for text in ("def fibonacci(n): return n", " café naïve 東京 🙂!", "a\n\n  b\tc  "):
+        full = tok.encode(text)
+        for k in range(1, len(full)):
+            prompt, ids = full[:k], full[k:]
+            assert decode_after(tok, context_of(tok, prompt), ids) == tok.decode(ids), (text, k)
+            with_context = TextStream(tok, (), context_of(tok, prompt))
+            alone = TextStream(tok, ())
+            assert [with_context.push(t) for t in ids] == [alone.push(t) for t in ids]
+            assert with_context.flush() == alone.flush()
+            strings = token_strings(SimpleNamespace(tokenizer=tok), ids, prompt)
+            assert strings == [tok.decode([t]) for t in ids]
+            cuts += 1
+    assert cuts >= 30
+
+
 def test_chat_template_applied(rt):
     ids = rt.encode_prompt("hi", chat=True)
     assert (

@@ -201,6 +201,46 @@ def test_mixed_types_are_kept_or_requantized_and_said(tmp_path, capsys):
     assert not Store(tmp_path / "store8").mixed
 
 
+def test_requantized_types_say_their_measured_cost(tmp_path, capsys):
+    """Q5_0 experts (no store scheme holds them) are requantized into int4 by default: the bits
+    of the int4 store of a folder holding the file's values; convert's note gives the cost
+    measured on the reference model (REQUANT_COST: int4, and int8 under --quant int8); a type
+    not measured (F16) gets the plain note."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from moestream.convert.gguf_blocks import REQUANT_COST
+    from moestream.quant import DenseQuant, make_scheme
+
+    hf = hf_checkpoint("qwen3_moe", tmp_path / "hf")
+    path = tmp_path / "q5.gguf"
+    stored = write_gguf(hf, path, {0: ("Q5_0",) * 3, 1: ("Q5_0",) * 3, 2: ("F16", "F16", "Q5_0")})
+    capsys.readouterr()
+    ours = convert(path, tmp_path / "store", source_scheme(path, None), False, DenseQuant())
+    err = capsys.readouterr().err
+    (added, own), (added8, _) = REQUANT_COST["Q5_0", "int4"], REQUANT_COST["Q5_0", "int8"]
+    assert (
+        "7 Q5_0 expert tensor(s): dequantized and requantized to int4 g32 (lossy: a second "
+        f"rounding; on the 29M reference model it added KL {added:.4f} to the file's own "
+        f"{own:.4f} against the original; --quant int8 added {added8:.4f} (docs/gguf.md); "
+        "measure yours with `moestream eval`)"
+    ) in err
+    plain = "2 F16 expert tensor(s): dequantized and requantized to int4 g32 (lossy: a second "
+    assert plain + "rounding; measure yours" in err
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    save_file(stored, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
+    assert torch.equal(our_logits(ours), our_logits(theirs))
+    convert(path, tmp_path / "store8", source_scheme(path, "int8"), False)
+    added, own = REQUANT_COST["Q5_0", "int8"]
+    assert (
+        f"requantized to int8 g32 (lossy: a second rounding; on the 29M reference model it "
+        f"added KL {added:.4f}" in capsys.readouterr().err
+    )
+
+
 # GGUF type -> (the scheme it is kept as, the store version: q4_1 is a scheme version 4 readers
 # do not know, so its stores are version 5)
 NIBBLE_KEPT = {"Q4_0": ("q4_0", VERSION), "Q4_1": ("q4_1", MIXED_VERSION)}

@@ -65,8 +65,9 @@ def tiny(arch: str, folder: Path, **over) -> Path:
     )
 
 
-def llama_convert(hf: Path, out: Path, outtype: str) -> Path:
+def llama_convert(hf: Path, out: Path, outtype: str, *flags: str) -> Path:
     cmd = [str(PYTHON), str(CONVERTER), str(hf), "--outtype", outtype, "--outfile", str(out)]
+    cmd += flags
     if json.loads((hf / "config.json").read_text())["model_type"].startswith("qwen3_5"):
         cmd.append("--no-mtp")  # its converter expects MTP layers otherwise (the tiny has none)
     subprocess.run(cmd, check=True, capture_output=True)
@@ -194,6 +195,34 @@ def test_llama_cpp_gguf_matches_transformers(tmp_path, arch, outtype):
     stored = dequantized_state(path, hf)
     want = hf_logits(hf, stored, tmp_path)
     assert (want - got).abs().max().item() < FP32_TOL
+
+
+# The converter's fusions (--fuse-qkv: every architecture with attn_qkv, not deepseek2;
+# --fuse-gate-up-exps: the architectures whose tensor list has ffn_gate_up_exps, qwen35moe here)
+FUSED_FLAGS = {a: ("--fuse-qkv",) for a in GGUF_ARCH if a != "deepseek_v3"}
+FUSED_FLAGS["qwen3_5_moe_text"] = ("--fuse-qkv", "--fuse-gate-up-exps")
+
+
+@pytest.mark.parametrize("arch", FUSED_FLAGS)
+def test_llama_cpp_fused_tensors_give_the_unfused_store(tmp_path, arch):
+    """`convert_hf_to_gguf.py --fuse-qkv` (and `--fuse-gate-up-exps` where the converter writes
+    it) at q8_0: the fused file converts into the unfused file's store byte for byte."""
+    import gguf
+    from test_gguf_fused import _store_files
+
+    hf = tiny(arch, tmp_path / "hf")
+    plain = llama_convert(hf, tmp_path / "plain.gguf", "q8_0")
+    fused = llama_convert(hf, tmp_path / "fused.gguf", "q8_0", *FUSED_FLAGS[arch])
+    names = [t.name.split(".", 2)[-1] for t in gguf.GGUFReader(str(fused)).tensors]
+    assert "attn_qkv.weight" in names and "attn_q.weight" not in names
+    assert ("ffn_gate_up_exps.weight" in names) == ("--fuse-gate-up-exps" in FUSED_FLAGS[arch])
+    a, b = (
+        _store_files(convert(p, tmp_path / p.stem, source_scheme(p, None), False))
+        for p in (plain, fused)
+    )
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]) if isinstance(a[k], bytes) else a[k].equal(b[k]), k
 
 
 def gguf_types(path: Path) -> Counter:
@@ -341,6 +370,43 @@ def test_llama_quantize_q4_k_m_is_kept_exactly(tmp_path, capsys):
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", ["IQ4_XS", "Q3_K"])
+def test_llama_quantize_low_bit_types_are_requantized_and_priced(tmp_path, qtype, capsys):
+    """llama-quantize --pure IQ4_XS / Q3_K (types no store scheme holds): the experts go into
+    int4 by default, the bits of the int4 store of a Hugging Face folder holding the GGUF's
+    dequantized values, and convert's note gives the cost measured on the reference model
+    (gguf_blocks.REQUANT_COST). Widths of 256: these blocks are 256 wide."""
+    from safetensors.torch import save_file
+
+    from moestream.convert.gguf_blocks import REQUANT_COST
+    from moestream.quant import DenseQuant
+
+    wide = {"hidden_size": 256, "moe_intermediate_size": 256, "intermediate_size": 256}
+    hf = save(perturbed_model("qwen3_moe", seed=2, mlp_only_layers=[], **wide), tmp_path / "hf",
+              "per_expert")  # fmt: skip
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = tmp_path / f"{qtype}.gguf"
+    subprocess.run([str(QUANTIZE), "--pure", str(f32), str(path), qtype], check=True,
+                   capture_output=True)  # fmt: skip
+    assert gguf_types(path)[qtype] >= 9, gguf_types(path)  # three projections of three layers
+    capsys.readouterr()
+    ours = convert(path, tmp_path / "store", source_scheme(path, None), False, DenseQuant())
+    err = capsys.readouterr().err
+    added, own = REQUANT_COST[qtype, "int4"]
+    assert (
+        f"{qtype} expert tensor(s): dequantized and requantized to int4 g32 (lossy: a second "
+        f"rounding; on the 29M reference model it added KL {added:.4f} to the file's own {own:.4f}"
+    ) in err
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    values = dequantized_state(path, hf)
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    theirs = convert(folder, tmp_path / "hf-store", make_scheme("int4"), False, DenseQuant())
+    assert torch.equal(our_logits(ours), our_logits(theirs))
+
+
+@needs_build
 @pytest.mark.parametrize("arch", ["glm4_moe", "lfm2_moe", "deepseek_v3", "qwen3_5_moe_text"])
 def test_llama_quantize_q4_k_m_of_more_architectures(tmp_path, arch, capsys):
     """llama-quantize Q4_K_M of GLM-4 MoE, LFM2-MoE, DeepSeek-V3 (MLA) and Qwen3.5 MoE (Gated
@@ -408,12 +474,80 @@ def test_greedy_tokens_equal_llama_completion_by_the_margin_rule(tmp_path):
     assert not (disagree & (gap >= MARGIN)).any(), gap[disagree].tolist()
 
 
-def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
-    """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
-    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
-    exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
-    (its own reader, tested against transformers; both hold every value), and the logits are
-    within 1e-4 of transformers on the GGUF's values."""
+PERPLEXITY = LLAMA / "build/bin/llama-perplexity"
+# qwen35moe as llama.cpp loads it: one head size for keys and values in the Gated DeltaNet
+# (ssm.state_size), mrope sections within the rotary dims (text positions: plain RoPE)
+LLAMA_FORM = {
+    "qwen3_5_moe_text": dict(linear_value_head_dim=16, rope_parameters=dict(
+        rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+        mrope_section=[2, 0, 0])),
+}  # fmt: skip
+
+
+@needs_build
+@pytest.mark.skipif(not PERPLEXITY.is_file(), reason=f"no llama-perplexity in {LLAMA}")
+@pytest.mark.parametrize(
+    "arch",
+    [
+        pytest.param(
+            "qwen3_5_moe_text",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="measured: llama.cpp's qwen35moe and moestream's (= transformers' on the "
+                "same weights) differ on the tiny model, KL 1.7e-3, 15 of 372 greedy choices, "
+                "gaps to 0.37 nats (also with as many value heads as key heads); not resolved",
+            ),
+        ),
+        "deepseek_v3",
+        "gpt_oss",
+    ],
+)
+def test_next_tokens_equal_llama_cpp_by_the_margin_rule(tmp_path, arch):
+    """The newer architectures against llama.cpp itself: the tiny model through the converter at
+    f32, llama-perplexity's log-probabilities (fp32 attention and KV cache) on its own tokens of
+    a text in chunks of 64, the second half of each scored, against moestream's model (fp32) of
+    the file's values on the same tokens: every greedy choice (the argmax of each position)
+    equal, or a tie by the margin rule, and the distributions within KL 1e-5 (one model, two
+    engines). f32, because on these random tiny models the activations' int8 rounding alone
+    (llama.cpp's Q8_0 path, or moestream's native kernels) moves logits by up to 0.8 nats."""
+    from quality_peers import read_kld
+    from safetensors.torch import save_file
+    from spm_models import CORPUS
+
+    from moestream.engine.kv_cache import KVCache
+    from moestream.quality.metrics import MARGIN, kl_div
+    from moestream.runtime import open_model
+
+    hf = tiny(arch, tmp_path / "hf", **LLAMA_FORM.get(arch, {}))
+    path = llama_convert(hf, tmp_path / "m.gguf", "f32")
+    (tmp_path / "text.txt").write_text(" ".join(CORPUS * 2) + "\n")
+    kld = tmp_path / "base.kld"
+    cmd = [str(PERPLEXITY), "-m", str(path), "-f", str(tmp_path / "text.txt"), "-c", "64",
+           "-b", "64", "-t", "1", "-fa", "off", "-ctk", "f32", "-ctv", "f32", "--no-warmup",
+           "--kl-divergence-base", str(kld)]  # fmt: skip
+    subprocess.run(cmd, capture_output=True, text=True, check=True)
+    n_ctx, chunks, theirs_lp = read_kld(kld)
+    first = n_ctx // 2
+    folder = tmp_path / "values"
+    shutil.copytree(hf, folder)
+    values = dequantized_state(path, hf)
+    save_file({k: v.contiguous() for k, v in values.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})  # fmt: skip
+    with open_model(folder, dtype="float32", threads=1) as rt, torch.no_grad():
+        ours = torch.cat([rt.model(c, KVCache(rt.args, n_ctx, torch.float32), 0)[first:-1]
+                          for c in chunks])  # fmt: skip
+    mine, theirs = ours.argmax(-1), theirs_lp.argmax(-1)
+    assert len(mine) == len(theirs) >= 2 * (n_ctx - 1 - first)
+    gap = (ours.gather(1, mine[:, None]) - ours.gather(1, theirs[:, None]))[:, 0].abs()
+    disagree = mine != theirs
+    assert not (disagree & (gap >= MARGIN)).any(), (disagree.sum(), gap[disagree].tolist())
+    kl = kl_div(ours, theirs_lp)  # KL(llama.cpp || moestream)
+    assert kl.mean() < 1e-5, kl.mean()
+
+
+def gpt_oss_mxfp4(tmp_path: Path, outtype: str) -> tuple[Path, Path, Path]:
+    """(the tiny gpt-oss float folder, the same model as on the hub: MXFP4 experts with
+    quantization_config mxfp4, llama.cpp's converter's GGUF of it at `outtype`)."""
     from safetensors.torch import load_file, save_file
     from test_mxfp4 import _random_mxfp4
 
@@ -430,8 +564,42 @@ def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
     cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
         "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}  # fmt: skip
     (quant / "config.json").write_text(json.dumps(cfg))
-    path = llama_convert(quant, tmp_path / "m.gguf", "q8_0")
+    path = llama_convert(quant, tmp_path / f"m-{outtype}.gguf", outtype)
     assert gguf_types(path)["MXFP4"] == 9
+    return hf, quant, path
+
+
+@needs_build
+def test_llama_quantize_of_gpt_oss_keeps_mxfp4_experts(tmp_path, capsys):
+    """llama-quantize MXFP4_MOE (the type of the hub's gpt-oss GGUFs) of gpt-oss as on the hub,
+    converted at f32: llama.cpp leaves the MXFP4 experts as they are and quantizes the 2-D dense
+    weights to Q8_0; convert keeps the experts as int8 exactly (the records of the converter's
+    own file, byte for byte) and the Q8_0 dense weights as int8, and the logits are within 1e-4
+    of transformers on the quantized file's values. (Q4_K_M refuses an MXFP4 source unless told
+    --allow-requantize, and then requantizes the experts: Q5_0 at these widths of 64.)"""
+    hf, _, src = gpt_oss_mxfp4(tmp_path, "f32")
+    path = llama_quantize(src, tmp_path / "mxfp4_moe.gguf", "MXFP4_MOE")
+    kinds = gguf_types(path)
+    assert kinds["MXFP4"] == 9 and kinds["Q8_0"], kinds
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    assert "9 MXFP4 expert tensor(s): kept exactly as int8" in err
+    assert "Q8_0 dense tensor(s): kept exactly as int8" in err
+    plain = convert(src, tmp_path / "f32-store", source_scheme(src, None), False)
+    for f in sorted(plain.glob("experts-L*.bin")):
+        assert f.read_bytes() == (store / f.name).read_bytes(), f.name
+    want = hf_logits(hf, dequantized_state(path, hf), tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+
+
+def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
+    """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
+    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
+    exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
+    (its own reader, tested against transformers; both hold every value), and the logits are
+    within 1e-4 of transformers on the GGUF's values."""
+    hf, quant, path = gpt_oss_mxfp4(tmp_path, "q8_0")
     capsys.readouterr()
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     assert "9 MXFP4 expert tensor(s): kept exactly as int8" in capsys.readouterr().err

@@ -179,11 +179,55 @@ def test_mixtral_spm_gguf_end_to_end(mixtral, tmp_path, capsys):
     assert res["prompt_ids"] == llama_cpp_encode(v, prompt)
     assert res["prompt_ids"][0] == 1 and v.ids["<0x0A>"] in res["prompt_ids"]
     assert res["ids"] == _greedy(hf, stored, res["prompt_ids"], 6, tmp_path)
-    assert res["text"] == llama_cpp_decode(v, res["ids"])
+    assert res["text"] == after(v, res["prompt_ids"], res["ids"])  # llama-cli's pieces
     assert main([*args, "-p", "hi there", "--chat"]) == 0
     chat = json.loads(capsys.readouterr().out)
     assert chat["prompt_ids"] == llama_cpp_encode(v, "<s>[INST] hi there [/INST]", False)
     assert chat["prompt_ids"][:2] == [1, v.ids["[INST]"]]
+
+
+def after(v, prompt: list[int], ids: list[int]) -> str:
+    """llama.cpp's text of `ids` after `prompt`: each generated token's piece as llama-cli prints
+    it (U+2581 kept as a space)."""
+    return llama_cpp_decode(v, prompt + ids)[len(llama_cpp_decode(v, prompt)) :]
+
+
+def test_spm_generated_text_keeps_its_leading_space(mixtral, tmp_path):
+    """Generated ids decoded after the prompt's last token, as every engine path does (the CLI's
+    and the server's TextStream, the server's per-token strings): a piece starting with U+2581
+    keeps its space (llama.cpp's text, " quick" where the ids alone decode to "quick"); after a
+    control token ([/INST]) the piece reads as a text's start; streamed pieces add up to it, as
+    the per-token strings do where no token is a byte."""
+    from types import SimpleNamespace
+
+    from moestream.engine.generate import TextStream
+    from moestream.engine.tokenizer import context_of, decode_after
+    from moestream.serve.protocol import token_strings
+
+    _, v, path, _ = mixtral
+    out = tmp_path / "files"
+    out.mkdir()
+    GGUFCheckpoint(path).write_files(out)
+    tok = Tokenizer(out)
+    rt = SimpleNamespace(tokenizer=tok)
+    spaced = 0
+    for text in ("Hello world, the quick brown fox", "def f(n):\n  return n", "a café 東京 🙂"):
+        full = llama_cpp_encode(v, text)  # BOS, then the text: every cut is a prompt + its reply
+        for k in range(2, len(full)):
+            prompt, ids = full[:k], full[k:]
+            if llama_cpp_decode(v, prompt).endswith("\ufffd"):
+                continue  # a prompt ending inside a character: no text prompt does
+            want = after(v, prompt, ids)
+            stream = TextStream(tok, (), context_of(tok, prompt))
+            assert "".join(stream.push(t) for t in ids) + stream.flush() == want == stream.text
+            assert decode_after(tok, context_of(tok, prompt), ids) == want
+            if text.isascii():  # (a byte token's string is its byte alone: U+FFFD)
+                assert "".join(token_strings(rt, ids, prompt)) == want, (text, k)
+            spaced += want.startswith(" ") and not tok.decode(ids).startswith(" ")
+    assert spaced >= 8  # the cuts where the ids alone lose the space
+    assert tok.decode(llama_cpp_encode(v, "quick", False)) == "quick"  # alone: no space
+    reply = llama_cpp_encode(v, "quick fox", False)  # ▁quick ...
+    assert decode_after(tok, [v.ids["[/INST]"]], reply) == "quick fox"
 
 
 def test_equal_scores_are_said(mixtral, tmp_path, capsys):

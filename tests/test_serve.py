@@ -451,3 +451,69 @@ def test_penalties_are_served_as_generate_runs_them(client, model_dir):
         presence_penalty=0.4, extra_body={"repetition_penalty": 1.3},
     )  # fmt: skip
     assert r.choices[0].text == exp["text"]
+
+
+# ---- SentencePiece text: the leading space of a generated piece ----
+SPM_PROMPT = "2) The quick"  # the tiny model's first greedy piece is "▁left"
+
+
+@pytest.fixture(scope="module")
+def spm_store(tmp_path_factory):
+    """A tiny Mixtral GGUF with a SentencePiece vocabulary, converted: (store, vocabulary)."""
+    from gguf_models import write_gguf
+    from spm_models import spm_vocab
+    from test_gguf import hf_checkpoint
+
+    from moestream.cli import main
+
+    root = tmp_path_factory.mktemp("spm-serve")
+    hf = hf_checkpoint("mixtral", root / "hf", vocab_size=512, bos_token_id=1, eos_token_id=2)
+    v = spm_vocab(512)
+    write_gguf(hf, root / "m.gguf", {i: ("Q8_0",) * 3 for i in range(3)}, spm=v)
+    assert main(["convert", str(root / "m.gguf"), str(root / "store")]) == 0
+    return root / "store", v
+
+
+def test_sentencepiece_pieces_keep_their_leading_space(spm_store, capsys):
+    """A SentencePiece model's generated text is llama.cpp's (" left", not "left": each piece
+    decoded after the token before it) from `generate`, the server's completion (streamed and
+    not) and its per-token logprob strings; chat equals `generate --chat`."""
+    from spm_models import NORMAL, SPACE
+    from test_gguf_spm import after
+
+    from moestream.cli import main
+
+    store, v = spm_store
+    args = ["generate", "-m", str(store), "-p", SPM_PROMPT, "-n", "6", "--ignore-eos", "--json"]
+    exp, chat = [_run_json(capsys, main, [*args, *more]) for more in ([], ["--chat"])]
+    assert v.tokens[exp["ids"][0]] == SPACE + "left"
+    assert exp["text"].startswith(" left")
+    assert exp["text"] == after(v, exp["prompt_ids"], exp["ids"])
+    extra = {"ignore_eos": True}
+    with running_server(store) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        kw = {"model": MODEL_ID, "max_tokens": 6, "temperature": 0, "extra_body": extra}
+        r = client.completions.create(prompt=SPM_PROMPT, logprobs=0, **kw)
+        assert r.choices[0].text == exp["text"]
+        strings = r.choices[0].logprobs.tokens
+        stream = client.completions.create(prompt=SPM_PROMPT, stream=True, **kw)
+        assert "".join(c.choices[0].text for c in stream if c.choices) == exp["text"]
+        messages = [{"role": "user", "content": SPM_PROMPT}]
+        r = client.chat.completions.create(messages=messages, logprobs=True, **kw)
+        assert r.choices[0].message.content == chat["text"]
+        chat_strings = [t.token for t in r.choices[0].logprobs.content]
+        stream = client.chat.completions.create(messages=messages, stream=True, **kw)
+        assert "".join(c.choices[0].delta.content or "" for c in stream) == chat["text"]
+    pieces = [v.tokens[i].replace(SPACE, " ") for i in exp["ids"]]
+    normal = [k for k, i in enumerate(exp["ids"]) if v.types[i] == NORMAL]
+    assert [strings[k] for k in normal] == [pieces[k] for k in normal] and 0 in normal
+    # after [/INST] the reply's first piece reads as a text's start (transformers' rule)
+    pieces = [v.tokens[i].replace(SPACE, " ") for i in chat["ids"]]
+    normal = [k for k, i in enumerate(chat["ids"]) if k and v.types[i] == NORMAL]
+    assert [chat_strings[k] for k in normal] == [pieces[k] for k in normal] and normal
+
+
+def _run_json(capsys, main, args: list[str]) -> dict:
+    capsys.readouterr()
+    assert main([*args, *THREADS]) == 0
+    return json.loads(capsys.readouterr().out)

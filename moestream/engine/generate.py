@@ -13,6 +13,7 @@ import torch
 from moestream.config import ConfigError, ModelArgs, SamplingConfig
 from moestream.engine.kv_cache import KVCache
 from moestream.engine.sampling import choose
+from moestream.engine.tokenizer import context_of, decode_after
 from moestream.experts.base import ExpertProvider, stats_delta
 
 
@@ -67,10 +68,12 @@ class GenerationResult:
 
 
 class TextStream:
-    """Incremental detokenisation that never emits half a UTF-8 character or part of a stop string."""
+    """Incremental detokenisation that never emits half a UTF-8 character or part of a stop string.
+    `context`: the token(s) before the generated ones (`tokenizer.context_of` the prompt), decoded
+    with them so a SentencePiece piece keeps its leading space (`tokenizer.decode_after`)."""
 
-    def __init__(self, tokenizer, stop: tuple[str, ...]):
-        self.tok, self.stop = tokenizer, stop
+    def __init__(self, tokenizer, stop: tuple[str, ...], context: list[int] = ()):
+        self.tok, self.stop, self.context = tokenizer, stop, list(context)
         self.ids: list[int] = []
         self.emitted = 0
         self.text = ""
@@ -78,7 +81,7 @@ class TextStream:
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = decode_after(self.tok, self.context, self.ids)
         for s in self.stop:
             i = text.find(s, max(self.emitted - len(s), 0))
             if i >= 0:
@@ -170,7 +173,7 @@ class Generator:
         gen = torch.Generator().manual_seed(cfg.seed) if cfg.seed is not None else None
         graph = self.graphs.for_length(total) if self.graphs is not None else None
         cache = graph.cache if graph else KVCache(self.args, total, self.dtype, self.device)
-        text = TextStream(self.tok, cfg.stop)
+        text = TextStream(self.tok, cfg.stop, context_of(self.tok, prompt_ids))
         before = self.provider.stats()
         self.provider.reset()
         t0 = time.perf_counter()

@@ -18,6 +18,37 @@ def _token_str(tok) -> str | None:
     return tok
 
 
+# A UTF-8 character is at most 4 byte tokens: the longest context `context_of` takes.
+CONTEXT_TOKENS = 4
+
+
+def context_of(tok, before: list[int]) -> list[int]:
+    """The context generated ids are decoded after (`decode_after`): the last token before
+    them, or the last few where it alone is part of a character (a byte token; a SentencePiece
+    decoder turns a run of byte tokens that does not form UTF-8 into U+FFFD, the next
+    character's bytes too)."""
+    for n in range(1, min(len(before), CONTEXT_TOKENS) + 1):
+        if "\ufffd" not in tok.decode(before[-n:]):
+            return before[-n:]
+    return before[-1:]
+
+
+def decode_after(tok, context: list[int], ids: list[int]) -> str:
+    """The text `ids` add after `context` (`context_of` the tokens before them): decoded
+    together, the context's own text cut off. A SentencePiece decoder strips the leading space
+    of a text's first piece, so `ids` alone lose it ("Paris" for "▁Paris"); after the context
+    they keep it (" Paris", as llama.cpp prints). A special context decodes to nothing
+    (skipped), so `ids` then read as at the start of a text. Byte-level BPE gives decode(ids).
+    Where the context ends inside a character (`ids` may complete it: inside a generated
+    character, or a prompt given as ids), `ids` alone."""
+    if not context:
+        return tok.decode(ids)
+    head, text = tok.decode(context), tok.decode(context + ids)
+    if head.endswith("\ufffd") or not text.startswith(head):
+        return tok.decode(ids)
+    return text[len(head) :]
+
+
 class Tokenizer:
     render_seconds = RENDER_SECONDS  # the chat template's time bound (engine/chat_template.py)
 

@@ -204,7 +204,11 @@ async def completion_stream(server: Server, job: Job, req: CompletionRequest):
             yield sse_error(ev)
             return
         if isinstance(ev, Piece):
-            lp = P.completion_logprobs(server.rt, ev.ids, ev.logprobs, offset) if logprobs else None
+            lp = (
+                P.completion_logprobs(server.rt, ev.ids, ev.logprobs, ev.before, offset)
+                if logprobs
+                else None
+            )
             offset += len(ev.text)
             yield chunk(CompletionChoice(text=ev.text, logprobs=lp))
             continue
@@ -237,7 +241,7 @@ async def chat_stream(server: Server, job: Job, req: ChatCompletionRequest):
             yield sse_error(ev)
             return
         if isinstance(ev, Piece):
-            lp = P.chat_logprobs(server.rt, ev.ids, ev.logprobs) if logprobs else None
+            lp = P.chat_logprobs(server.rt, ev.ids, ev.logprobs, ev.before) if logprobs else None
             yield chunk([ChatChunkChoice(delta=Delta(content=ev.text), logprobs=lp)])
             continue
         res = ev.result

@@ -10,6 +10,7 @@ import time
 import uuid
 
 from moestream.config import ConfigError, SamplingConfig
+from moestream.engine.tokenizer import CONTEXT_TOKENS, context_of, decode_after
 from moestream.errors import TokenizerError
 from moestream.runtime import Runtime
 from moestream.serve.schemas import (
@@ -157,14 +158,18 @@ def usage(n_prompt: int, n_generated: int) -> Usage:
     )
 
 
-def token_strings(rt: Runtime, ids: list[int]) -> list[str]:
-    return [rt.tokenizer.decode([t]) for t in ids]
+def token_strings(rt: Runtime, ids: list[int], before: list[int]) -> list[str]:
+    """Each token's text after the tokens before it (`before`: those before ids[0]), so a
+    SentencePiece piece keeps its leading space, as in the generated text."""
+    tok, seq = rt.tokenizer, [*before[-CONTEXT_TOKENS:], *ids]
+    n = len(seq) - len(ids)
+    return [decode_after(tok, context_of(tok, seq[: n + k]), [t]) for k, t in enumerate(ids)]
 
 
 def completion_logprobs(
-    rt: Runtime, ids: list[int], logprobs: list[float], offset: int = 0
+    rt: Runtime, ids: list[int], logprobs: list[float], before: list[int], offset: int = 0
 ) -> CompletionLogprobs:
-    tokens = token_strings(rt, ids)
+    tokens = token_strings(rt, ids, before)
     offsets = []
     for t in tokens:
         offsets.append(offset)
@@ -172,11 +177,13 @@ def completion_logprobs(
     return CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, text_offset=offsets)
 
 
-def chat_logprobs(rt: Runtime, ids: list[int], logprobs: list[float]) -> ChoiceLogprobs:
+def chat_logprobs(
+    rt: Runtime, ids: list[int], logprobs: list[float], before: list[int]
+) -> ChoiceLogprobs:
     return ChoiceLogprobs(
         content=[
             TokenLogprob(token=t, logprob=lp, bytes=list(t.encode("utf-8")))
-            for t, lp in zip(token_strings(rt, ids), logprobs)
+            for t, lp in zip(token_strings(rt, ids, before), logprobs)
         ]
     )
 
@@ -186,7 +193,7 @@ def completion_response(
 ) -> CompletionResponse:
     choice = CompletionChoice(
         text=result.text,
-        logprobs=completion_logprobs(rt, ids, lps) if logprobs else None,
+        logprobs=completion_logprobs(rt, ids, lps, result.prompt_ids) if logprobs else None,
         finish_reason=result.finish_reason,
     )
     return CompletionResponse(
@@ -203,7 +210,7 @@ def chat_response(
 ) -> ChatCompletionResponse:
     choice = ChatChoice(
         message=AssistantMessage(content=result.text),
-        logprobs=chat_logprobs(rt, ids, lps) if logprobs else None,
+        logprobs=chat_logprobs(rt, ids, lps, result.prompt_ids) if logprobs else None,
         finish_reason=result.finish_reason,
     )
     return ChatCompletionResponse(

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from moestream.config import ConfigError, SamplingConfig
 from moestream.engine.generate import GenerationResult, Generator, peak_rss_bytes
+from moestream.engine.tokenizer import CONTEXT_TOKENS
 from moestream.errors import CheckpointError
 from moestream.obs.guard import MemoryPressureError
 
@@ -27,11 +28,13 @@ log = logging.getLogger("moestream.serve")
 
 @dataclass
 class Piece:
-    """New text plus the tokens produced since the last piece (end-of-sequence tokens left out)."""
+    """New text plus the tokens produced since the last piece (end-of-sequence tokens left out);
+    `before`: the last tokens before them (of the prompt for the first piece), their context."""
 
     text: str
     ids: list[int]
     logprobs: list[float]
+    before: list[int]
 
 
 @dataclass
@@ -161,7 +164,8 @@ class Worker:
         res = job.result
         ids, lps = visible(res.ids[sent:], res.logprobs[sent:])
         if text or ids:
-            job.emit(Piece(text, ids, lps))
+            before = (res.prompt_ids + res.ids[:sent])[-CONTEXT_TOKENS:]
+            job.emit(Piece(text, ids, lps, before))
         return len(res.ids)
 
     def _count(self, job: Job, outcome: str) -> None:
