@@ -724,6 +724,13 @@ def _add_obs(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace the trace folder -o if it exists")
     p.add_argument("--hidden", action="store_true", help="also save router inputs (float16)")
     p.add_argument("--chat", action="store_true", help="wrap prompts in the chat template")
+    p.add_argument(
+        "--student-path",
+        action="store_true",
+        help="prefill each prompt on the student path (with --routing predicted --predictor "
+        "prerouter -n 1): the router inputs and choices that predicted routing, with the heads "
+        "and the recovery adapter, produces (training rows for heads: train-prerouter)",
+    )
     _add_sampling_args(p)
     p.add_argument("--ignore-eos", action="store_true", help="always generate -n tokens")
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -772,6 +779,7 @@ def _add_obs(sub) -> None:
 
 
 def cmd_trace(a: argparse.Namespace) -> int:
+    from moestream.config import ConfigError
     from moestream.obs.guard import MemoryGuard
     from moestream.obs.trace import prepare_out, read_prompts
     from moestream.runtime import open_model
@@ -779,13 +787,31 @@ def cmd_trace(a: argparse.Namespace) -> int:
     _setup_threads(a.threads)
     prompts = read_prompts(a.prompts)
     cfg, kw = _sampling(a), _store_kwargs(a)
+    if a.student_path and (
+        (a.routing, a.predictor) != ("predicted", "prerouter") or a.max_tokens != 1
+    ):
+        raise ConfigError(
+            "--student-path prefills prompts through the prerouter heads as predicted routing "
+            "decodes: it needs --routing predicted --predictor prerouter and -n 1"
+        )
     prepare_out(a.out, a.force)  # after the flags, before the model loads: refusals cost nothing
     with open_model(a.model, dtype=a.dtype, progress=_progress(a), **kw) as rt:
         if not a.no_memory_guard:
             MemoryGuard().attach(rt.model)
+        if a.student_path:
+            _student_path(rt)
         out = _trace(rt, a, prompts, cfg)
     print(f"wrote {out}", file=sys.stderr)
     return 0
+
+
+def _student_path(rt) -> None:
+    """The model's provider becomes the student path over the predicting wrapper's provider:
+    a prompt's prefill then routes as predicted decode would (StudentPath)."""
+    from moestream.recovery.student import StudentPath
+
+    pred = rt.provider  # PredictingExperts (--routing predicted --predictor prerouter)
+    rt.model.set_provider(StudentPath(pred.inner, pred.predictor.heads, rt.model.moe_blocks))
 
 
 def _trace(rt, a: argparse.Namespace, prompts, cfg):
@@ -860,6 +886,12 @@ def _add_predict(sub) -> None:
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--batch", type=int, default=512)
     p.add_argument("--val-fraction", type=float, default=0.15, help="held-out sequences")
+    p.add_argument(
+        "--next-state",
+        action="store_true",
+        help="heads also read layer 0's router input of the token they predict for (all run at "
+        "that token's layer 0; not Edge0's timing: docs/prediction.md)",
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present)")
     p.add_argument("-o", "--out", default=None, help="heads file (default: beside the model)")
@@ -1078,6 +1110,7 @@ def cmd_train_prerouter(a: argparse.Namespace) -> int:
         val_fraction=a.val_fraction,
         seed=a.seed,
         device=device,
+        next_state=a.next_state,
     )
 
     def log(col, r):

@@ -74,11 +74,11 @@ def greedy(model, prompt: list[int], n: int):
     return out, torch.stack(seen)
 
 
-def untrained_heads(model) -> PrerouterHeads:
+def untrained_heads(model, next_state: bool = False) -> PrerouterHeads:
     torch.manual_seed(0)
     a = model.args
     heads = PrerouterHeads(
-        len(model.moe_blocks), a.hidden_size, a.num_experts, a.num_experts_per_tok, 16
+        len(model.moe_blocks), a.hidden_size, a.num_experts, a.num_experts_per_tok, 16, next_state
     )
     heads.warm_start([b.gate.weight for b in model.moe_blocks])
     return heads
@@ -255,7 +255,33 @@ def test_prerouter_input_and_warm_start(stores):
     assert (p.layer, p.pos) == (1, 6)  # next layer, next token
 
 
-def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path):
+def test_next_state_heads_run_at_the_next_tokens_layer_0(stores, tmp_path):
+    model = load_model(stores("olmoe"), StreamConfig(resident=True)).model
+    heads = untrained_heads(model, next_state=True)
+    with torch.no_grad():
+        for h in heads.heads:
+            h.fc1.weight.normal_(0, 0.5)
+            h.fc2.weight.normal_(0, 0.5)
+    L, D, K = len(model.moe_blocks), model.args.hidden_size, model.args.num_experts_per_tok
+    x = torch.randn(2, L, D)
+    ids = [[[(3 * c + t + j) % model.args.num_experts for j in range(K)] for c in range(L)]
+           for t in range(2)]  # fmt: skip
+    pred = PrerouterPredictor(PrerouterHeads.load(heads.save(tmp_path / "h.heads")))
+    assert pred.heads.next_state
+    # Token 4: states are kept, nothing is predicted (token 3 left none).
+    assert all(pred.observe(c, 4, x[0, c], ids[0][c]) == [] for c in range(L))
+    # Token 5's layer 0: every head runs on token 4's states and token 5's column-0 input.
+    preds = pred.observe(0, 5, x[1, 0], ids[1][0])
+    assert [(p.layer, p.pos) for p in preds] == [(c + 1, 5) for c in range(L - 1)]
+    for c, p in enumerate(preds):
+        probs = heads.probs(c, x[0, c : c + 1], torch.tensor([ids[0][c]]),
+                            torch.tensor([[-1] * K]), x[1, 0:1])[0]  # fmt: skip
+        assert p.experts == tuple(sorted(probs.topk(K).indices.tolist()))
+    assert all(pred.observe(c, 5, x[1, c], ids[1][c]) == [] for c in range(1, L))
+
+
+@pytest.mark.parametrize("next_state", [False, True])
+def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path, next_state):
     model = load_model(stores("olmoe"), StreamConfig(resident=True)).model
     g = torch.Generator().manual_seed(1)
     traces = [
@@ -266,12 +292,16 @@ def test_prerouter_training_reduces_loss_and_raises_recall(stores, tmp_path):
 
     t = merge_traces(traces)
     routers = [b.gate.weight.detach() for b in model.moe_blocks]
-    cfg = TrainConfig(hidden=64, epochs=60, lr=3e-3, batch=64, val_fraction=0.0)
+    cfg = TrainConfig(
+        hidden=64, epochs=60, lr=3e-3, batch=64, val_fraction=0.0, next_state=next_state
+    )
     heads, report = train_heads(t, routers, cfg)
+    assert heads.next_state == next_state
     for r in report.values():
         assert r["loss_after"] < 0.8 * r["loss_before"]
         assert r["recall_after"] > r["recall_before"] + 0.05
-    before = overall(replay_recall(PrerouterPredictor(untrained_heads(model)), t))
+    untrained = untrained_heads(model, next_state)
+    before = overall(replay_recall(PrerouterPredictor(untrained), t))
     path = heads.save(tmp_path / "prerouter.heads")
     after = overall(replay_recall(PrerouterPredictor(PrerouterHeads.load(path)), t))
     assert after > before + 0.05

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -42,12 +43,12 @@ IDS = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(5)).t
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40
 
 
-def heads_for(model, seed: int = 0) -> PrerouterHeads:
+def heads_for(model, seed: int = 0, next_state: bool = False) -> PrerouterHeads:
     """Warm-started heads with a random fc2, so they predict something other than the router."""
     torch.manual_seed(seed)
     a = model.args
     heads = PrerouterHeads(
-        len(model.moe_blocks), a.hidden_size, a.num_experts, a.num_experts_per_tok, 16
+        len(model.moe_blocks), a.hidden_size, a.num_experts, a.num_experts_per_tok, 16, next_state
     )
     heads.warm_start([b.gate.weight for b in model.moe_blocks])
     with torch.no_grad():
@@ -128,9 +129,15 @@ def student(tiny_dir, tmp_path):
     return loaded, heads
 
 
-def test_student_path_equals_predicted_routing_token_by_token(student):
+@pytest.mark.parametrize("next_state", [False, True])
+def test_student_path_equals_predicted_routing_token_by_token(student, next_state):
     loaded, heads = student
     model = loaded.model
+    if next_state:
+        heads = heads_for(model, next_state=True)
+        with torch.no_grad():
+            for h in heads.heads:  # the next-state inputs count
+                h.fc1.weight.normal_(0, 0.5)
 
     class Rt:  # what window_logits reads of a Runtime
         args = loaded.args
@@ -291,3 +298,41 @@ def test_train_recovery_refuses_bad_input_in_one_line(tiny_dir, tmp_path, cli):
     r = cli("train-recovery", "-m", tiny_dir("qwen3_moe"), "--corpus", corpus, "--quant", "int8")
     assert r.returncode == 2 and "prerouter.heads" in r.stderr and "train-prerouter" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_trace_on_the_student_path_records_what_the_heads_see(hf_with_heads, tmp_path, cli):
+    """`trace --student-path -n 1` records the student path's router inputs and choices (the
+    heads' training rows under predicted routing), not the exact prefill's."""
+    from moestream.obs.trace import load_trace
+
+    src = hf_with_heads
+    model = load_model(src).model
+    info = add_adapter(model, rank=2, alpha=4.0)  # an adapter the trace must go through
+    _randomize(model)
+    save_adapter(model, info, src / ADAPTER_FILE)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text(json.dumps({"prompt": "def f(x):\n    return x + 1\n"}) + "\n")
+    base = ["trace", "-m", src, "--prompts", prompts, "-n", 1, "--hidden", "--quant", "int8"]
+    r = cli(*base, "-o", tmp_path / "t0")
+    assert r.returncode == 0, r.stderr
+    r = cli(*base, "--student-path", "-o", tmp_path / "t1")
+    assert r.returncode == 2 and "--routing predicted --predictor prerouter" in r.stderr
+    pred = ["--routing", "predicted", "--predictor", "prerouter"]
+    r = cli(*base, *pred, "--student-path", "-o", tmp_path / "t1")
+    assert r.returncode == 0, r.stderr
+    exact, student = load_trace(tmp_path / "t0"), load_trace(tmp_path / "t1")
+    assert np.array_equal(exact.tokens, student.tokens)
+    ids = [int(t) for t in student.tokens]
+    store = convert(src, tmp_path / "st", make_scheme("int8"), False)
+    loaded = load_model(store, StreamConfig(resident=True))
+    load_adapter(loaded.model, src / ADAPTER_FILE)
+    path = StudentPath(loaded.provider, PrerouterHeads.load(src / "prerouter.heads"),
+                       loaded.model.moe_blocks)  # fmt: skip
+    loaded.model.set_provider(path)
+    seen = []
+    loaded.model.set_observer(lambda layer, i, w, x: seen.append((i.clone(), x.clone())))
+    logits(loaded.model, ids)
+    for col, (i, x) in enumerate(seen):
+        assert np.array_equal(student.ids[:, col], i.numpy())
+        np.testing.assert_allclose(student.hidden[:, col], x.half().numpy(), atol=2e-3)
+    assert not np.array_equal(exact.hidden, student.hidden)  # the student path drifted

@@ -30,11 +30,13 @@ class TrainConfig:
     val_fraction: float = 0.15
     seed: int = 0
     device: str = "cpu"
+    next_state: bool = False  # heads also read the next token's column-0 router input
 
 
-def pairs(trace: Trace, seqs: list[int], col: int):
-    """Head `col` training rows: (h [N, D], ids [N, K], prev [N, K] (-1: none), target [N, K])."""
-    h, ids, prev, tgt = [], [], [], []
+def pairs(trace: Trace, seqs: list[int], col: int, next_state: bool = False):
+    """Head `col` training rows: (h [N, D], ids [N, K], prev [N, K] (-1: none), target [N, K],
+    and with next_state nxt [N, D]: column 0's router input of the next token)."""
+    h, ids, prev, tgt, nxt = [], [], [], [], []
     for i in seqs:
         s = trace.sequences[i]
         a, n = s["offset"], s["length"]
@@ -48,8 +50,10 @@ def pairs(trace: Trace, seqs: list[int], col: int):
         p[1:] = cur[:-1]
         prev.append(p)
         tgt.append(np.asarray(trace.ids[rows + 1, col + 1], dtype=np.int64))
-    cat = [torch.from_numpy(np.concatenate(x)) for x in (h, ids, prev, tgt)]
-    return tuple(cat)
+        if next_state:
+            nxt.append(np.asarray(trace.hidden[rows + 1, 0], dtype=np.float32))
+    cols = (h, ids, prev, tgt, nxt) if next_state else (h, ids, prev, tgt)
+    return tuple(torch.from_numpy(np.concatenate(x)) for x in cols)
 
 
 def split(n_seq: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
@@ -82,19 +86,14 @@ def train_heads(
     L, E, K = trace.n_layers, trace.num_experts, trace.top_k
     D = trace.hidden.shape[2]
     torch.manual_seed(cfg.seed)
-    heads = PrerouterHeads(L, D, E, K, cfg.hidden)
+    heads = PrerouterHeads(L, D, E, K, cfg.hidden, cfg.next_state)
     heads.warm_start(router_weights)
     heads.to(cfg.device)
     tr, va = split(len(trace.sequences), cfg.val_fraction, cfg.seed)
     report = {}
     for col, head in enumerate(heads.heads):
-        data = [t.to(cfg.device) for t in pairs(trace, tr, col)]
-        x = heads.features(*data[:3])
-        y = data[3]
-        vx, vy = x, y
-        if va:
-            vd = [t.to(cfg.device) for t in pairs(trace, va, col)]
-            vx, vy = heads.features(*vd[:3]), vd[3]
+        x, y = _rows(heads, trace, tr, col, cfg)
+        vx, vy = (x, y) if not va else _rows(heads, trace, va, col, cfg)
         with torch.no_grad():
             before = (topk_loss(head(vx), vy).item(), recall_at_k(head(vx), vy))
         opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -118,6 +117,12 @@ def train_heads(
         if log is not None:
             log(col, report[col])
     return heads.cpu().eval(), report
+
+
+def _rows(heads, trace: Trace, seqs: list[int], col: int, cfg: TrainConfig):
+    """(features [N, F], targets [N, K]) of head `col` on cfg.device."""
+    d = [t.to(cfg.device) for t in pairs(trace, seqs, col, cfg.next_state)]
+    return heads.features(*d[:3], *d[4:]), d[3]
 
 
 def merge_traces(traces: list[Trace]) -> Trace:

@@ -7,7 +7,8 @@ names layer N+1's experts for token t; layer 0 and token 0 route exactly. Every 
 prediction is known when layer N has run over the window, so `StudentPath` computes head N's
 predictions for rows 1..T-1 at column N and forces them at column N+1, weighted by the block's
 own rule (`weights_for`). The KV cache makes decode attend to the same keys and values, so the
-logits equal the stepwise ones (tests/test_recovery.py checks it).
+logits equal the stepwise ones (tests/test_recovery.py checks it). Next-state heads also read
+column 0's router input of rows 1..T-1, known once column 0 has run over the window.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class StudentPath(ExpertProvider):
         self.inner, self.heads, self.blocks = inner, heads, list(blocks)
         self.col = {b.layer: i for i, b in enumerate(self.blocks)}
         self.pred: torch.Tensor | None = None  # [T-1, K]: next column's routing of rows 1..T-1
+        self.x0: torch.Tensor | None = None  # [T, D]: column 0's router input (next-state heads)
 
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -32,7 +34,7 @@ class StudentPath(ExpertProvider):
         """x [T, D], ids/weights [T, K] (the router's) -> [T, D] on the student's routing."""
         col = self.col[layer]
         if col == 0:
-            self.pred = None
+            self.pred, self.x0 = None, x.detach()
         routed = ids  # the heads read the router's own choice, as PrerouterPredictor does
         if self.pred is not None:
             ids = torch.cat((ids[:1], self.pred.to(ids.dtype)))
@@ -48,7 +50,8 @@ class StudentPath(ExpertProvider):
             return None
         cur = routed[:-1]
         prev = torch.cat((torch.full_like(cur[:1], -1), cur[:-1]))
-        probs = self.heads.probs(col, x[:-1].detach(), cur, prev)
+        nxt = self.x0[1:] if self.heads.next_state else None
+        probs = self.heads.probs(col, x[:-1].detach(), cur, prev, nxt)
         return torch.topk(probs, self.heads.top_k, dim=-1).indices.sort(dim=-1).values
 
     def stats(self) -> dict:
@@ -58,7 +61,7 @@ class StudentPath(ExpertProvider):
         return {**self.inner.describe(), "predictor": "prerouter", "routing": "student path"}
 
     def reset(self) -> None:
-        self.pred = None
+        self.pred = self.x0 = None
         self.inner.reset()
 
     def close(self) -> None:
