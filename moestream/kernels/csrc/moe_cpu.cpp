@@ -1508,7 +1508,7 @@ class DecodeStep {
           size_t p = 0;
           for (; c >= cq[p]; ++p) c -= cq[p];
           const int off = l.qkv_off[p];
-          chunk_blocks(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
+          chunk_pairs(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
             rows(l.qkv[p], r0, n, aq, 0, qkv.data() + off + r0, isa);
             if (l.qkv_b)
               for (int i = off + r0; i < off + r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
@@ -1535,8 +1535,8 @@ class DecodeStep {
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0, isa); });
         w.items(cd1, [&](int64_t c) {
-          chunk_blocks(D, cd1, c, [&](int r0, int n) {
-            float t2[BN];
+          chunk_pairs(D, cd1, c, [&](int r0, int n) {
+            float t2[2 * BN];
             rows(l.o, r0, n, ao, 0, t2, isa);
             for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
           });
