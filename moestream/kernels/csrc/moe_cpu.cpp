@@ -128,24 +128,15 @@ int row_chunks(int N, int E, int nt) {
   return std::min((N + BN - 1) / BN, std::max(1, (kItemsPerThread * nt + E - 1) / E));
 }
 
-// f(r0, n) for the 64-row blocks of chunk c of `chunks` over an N-row weight, in order: chunk c
-// covers blocks [blocks * c / chunks, blocks * (c + 1) / chunks).
-template <typename F>
+// f(r0, n) for the 64-row blocks of chunk c of `chunks` over an N-row weight, in order, Span
+// blocks a call (the last of a chunk may be shorter): chunk c covers blocks [blocks * c / chunks,
+// blocks * (c + 1) / chunks). Span 2: rows() takes an int4 pair in one pass (its (s, z)
+// contiguous per group); the other kinds loop their rows.
+template <int Span = 1, typename F>
 void chunk_blocks(int N, int chunks, int64_t c, const F& f) {
   const int blocks = (N + BN - 1) / BN;
-  for (int b = (int)(blocks * c / chunks); b < (int)(blocks * (c + 1) / chunks); ++b) f(b * BN, std::min(BN, N - b * BN));
-}
-
-// chunk_blocks in pairs of blocks, f(r0, n <= 128) (the last of an odd count alone): rows() takes
-// an int4 pair in one pass (its (s, z) contiguous per group); the other kinds loop their rows.
-template <typename F>
-void chunk_pairs(int N, int chunks, int64_t c, const F& f) {
-  const int blocks = (N + BN - 1) / BN;
   const int b0 = (int)(blocks * c / chunks), b1 = (int)(blocks * (c + 1) / chunks);
-  for (int b = b0; b < b1; b += 2) {
-    const int r0 = b * BN;
-    f(r0, std::min((b + 2 <= b1 ? 2 : 1) * BN, N - r0));
-  }
+  for (int b = b0; b < b1; b += Span) f(b * BN, std::min(std::min(Span, b1 - b) * BN, N - b * BN));
 }
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
@@ -860,7 +851,7 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
     return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), (int)isa, y);
   if (w.kind == kInt4) {
     if (isa >= kAvx512 && n == 2 * BN) return int4_blocks_avx512<2>(w, r0, a, t, y);
-    if (n > BN) {  // a pair of blocks (chunk_pairs) off the AVX-512 rows: one at a time
+    if (n > BN) {  // a pair of blocks (chunk_blocks<2>) off the AVX-512 rows: one at a time
       rows(w, r0, BN, a, t, y, isa);
       return rows(w, r0 + BN, n - BN, a, t, y + BN, isa);
     }
@@ -1108,7 +1099,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   auto gate_up = [&](int64_t i) {
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
-    chunk_pairs(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
+    chunk_blocks<2>(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
     if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       act_quantize(h.data(), I, act, e, isa);
       ready[e].store(1, std::memory_order_release);
@@ -1118,7 +1109,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     const int e = (int)(i / cd);
     wait_until([&] { return ready[e].load(std::memory_order_acquire) != 0; });
     float* ye = y.data() + (size_t)e * D;
-    chunk_pairs(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
+    chunk_blocks<2>(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
   one_stream((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
@@ -1508,7 +1499,7 @@ class DecodeStep {
           size_t p = 0;
           for (; c >= cq[p]; ++p) c -= cq[p];
           const int off = l.qkv_off[p];
-          chunk_pairs(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
+          chunk_blocks<2>(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
             rows(l.qkv[p], r0, n, aq, 0, qkv.data() + off + r0, isa);
             if (l.qkv_b)
               for (int i = off + r0; i < off + r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
@@ -1535,7 +1526,7 @@ class DecodeStep {
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0, isa); });
         w.items(cd1, [&](int64_t c) {
-          chunk_pairs(D, cd1, c, [&](int r0, int n) {
+          chunk_blocks<2>(D, cd1, c, [&](int r0, int n) {
             float t2[2 * BN];
             rows(l.o, r0, n, ao, 0, t2, isa);
             for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
@@ -1571,7 +1562,7 @@ class DecodeStep {
           const int e = (int)(i / c13);
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
-          chunk_pairs(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
+          chunk_blocks<2>(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
           if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
             act_quantize(hx.data(), I, act, e, isa);
             ready[li * k + e].store(1, std::memory_order_release);
@@ -1584,7 +1575,7 @@ class DecodeStep {
           wait_until([&] { return ready[li * k + e].load(std::memory_order_acquire) != 0; });
           const Weight& w2 = l.w2[ids[order[e]]];
           float* ye = yk.data() + (size_t)e * D;
-          chunk_pairs(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
+          chunk_blocks<2>(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
         };
         // one stream of items, no barrier between gate|up and down (as native.moe's one_stream)
         const int64_t n13 = (int64_t)k * c13;
