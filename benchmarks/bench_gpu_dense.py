@@ -144,7 +144,7 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
 
     from moestream.kernels.ref import dequantize
     from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
-    from moestream.quant import int4_to_rows
+    from moestream.quant import int4_sz_kn, int4_to_rows
 
     stored = "int4" if quant == "int4_rows" else quant  # int4_rows: the GPU's repack of int4
     secs = [(sec["q"], next(v for s, v in sec.items() if s != "q"))
@@ -154,6 +154,8 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
                                  x.dtype)).float()  # fmt: skip
     if quant == "int4_rows":
         secs = [int4_to_rows(q, sz, 32) for q, sz in secs]
+    elif quant == "int4":  # the store-layout GEMV reads sz in [K/G, N, 2] order
+        secs = [(q, int4_sz_kn(sz, n)) for q, sz in secs]
     q, scales = secs[0]
     nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
     configs = gemv_candidates(quant, n, k, 32, x.shape[0])

@@ -175,9 +175,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
 
 
 def ensure_store(hf: Path, work: Path, quant: str) -> Path:
-    from moestream.store.format import VERSION
+    from moestream.store.format import NEWEST
 
-    dst = work / f"moestream-{quant}-v{VERSION}"  # a store of an older version would be refused
+    dst = work / f"moestream-{quant}-v{NEWEST}"  # a store of an older version would be refused
     if not (dst / "manifest.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
@@ -190,10 +190,10 @@ def ensure_gguf_store(gguf: Path, work: Path, quant: str | None = None) -> Path:
     """The store moestream's own convert makes of `gguf` (its default scheme, or `quant`: e.g.
     q8_0 keeps a Q8_0 file's fp16 scales), once per file version."""
     from moestream.convert.gguf import gguf_fingerprint
-    from moestream.store.format import VERSION
+    from moestream.store.format import NEWEST
 
     tag = f"-{quant}" if quant else ""
-    dst = work / f"moestream-{gguf.stem}-{gguf_fingerprint(gguf)[:12]}{tag}-v{VERSION}"
+    dst = work / f"moestream-{gguf.stem}-{gguf_fingerprint(gguf)[:12]}{tag}-v{NEWEST}"
     if not (dst / "manifest.json").is_file():
         cmd = [sys.executable, "-m", "moestream", "convert", str(gguf), str(dst)]
         subprocess.run(cmd + (["--quant", quant] if quant else []), check=True)

@@ -210,9 +210,9 @@ def dense_rules():
 
 def store_for(hf: Path, work: Path, scheme, dense) -> Path:
     from moestream.convert.writer import convert
-    from moestream.store.format import VERSION
+    from moestream.store.format import NEWEST
 
-    tag = f"{scheme.name}-{dense.tag}-min{dense.min_params}-v{VERSION}"
+    tag = f"{scheme.name}-{dense.tag}-min{dense.min_params}-v{NEWEST}"
     return convert(hf, work / "stores" / tag, scheme, False, dense=dense, reuse=True)
 
 
@@ -220,10 +220,10 @@ def gguf_store(gguf: Path, work: Path) -> Path:
     from moestream.convert.gguf import gguf_fingerprint
     from moestream.convert.writer import convert, source_scheme
     from moestream.quant import make_dense
-    from moestream.store.format import VERSION
+    from moestream.store.format import NEWEST
 
     scheme = source_scheme(gguf, None)  # Q8_0 -> int8, Q4_0 -> q4_0: the blocks kept exactly
-    dst = work / "stores" / f"{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{VERSION}"
+    dst = work / "stores" / f"{gguf.stem}-{gguf_fingerprint(gguf)[:12]}-v{NEWEST}"
     return convert(gguf, dst, scheme, False, dense=make_dense("auto", scheme.scheme), reuse=True)
 
 

@@ -15,7 +15,8 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   int8: `q` int8 [N, K], `s` fp32 [N, K/g]             w = q * s
   q8_0: `q` int8 [N, K], `d` fp16 [N, K/32]             w = q * d   (a GGUF's Q8_0 blocks split)
   int4: `q` uint8 [N, K/2] packed as torch's CPU tinygemm kernel packs it on AVX-512 (blocks of
-        64 rows; see pack_int4), `sz` bf16 [K/g, N, 2] (scale, zero)   w = (q - 8) * s + z
+        64 rows; see pack_int4), `sz` bf16 [N * K/g, 2] (scale, zero), blocked like `q`: per
+        64-row block its [K/g, rows, 2] (int4_sz_blocked; store version 6)   w = (q - 8) * s + z
   q4_0: `q` uint8 [N, K/2], per row and block of 32 the block's 16 GGUF bytes (byte i: element i
         in the low nibble, element i + 16 in the high one), `d` fp16 [N, K/32]   w = (q - 8) * d
         (row-major like int8: the native kernel streams each row front to back)
@@ -247,7 +248,7 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
         raise ConfigError(f"{name}: int4 packing needs an even number of rows, got {n}")
-    return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.sz", torch.bfloat16, (k // g, n, 2))]
+    return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.sz", torch.bfloat16, (n * (k // g), 2))]
 
 
 def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
@@ -481,8 +482,34 @@ def _quantize_int4(scheme: QuantScheme, blocks: torch.Tensor) -> dict[str, torch
     # Round scale/zero to their stored dtype first so q is chosen against what dequant will see.
     s, z = s.to(torch.bfloat16).float(), z.to(torch.bfloat16).float()
     q = torch.round((blocks - z[..., None]) / s[..., None] + 8).clamp(0, 15).to(torch.uint8)
-    sz = torch.stack([s, z], -1).transpose(0, 1).contiguous().to(torch.bfloat16)  # [K/g, N, 2]
-    return {"q": pack_int4(q.view(n, kg * g)), "sz": sz}
+    sz = torch.stack([s, z], -1).transpose(0, 1).to(torch.bfloat16)  # [K/g, N, 2]
+    return {"q": pack_int4(q.view(n, kg * g)), "sz": int4_sz_blocked(sz)}
+
+
+def int4_sz_blocked(sz: torch.Tensor) -> torch.Tensor:
+    """int4 (scale, zero) pairs [..., K/g, N, 2] -> the store's blocked layout [..., N * K/g, 2]:
+    per 64-row block of `q` (the last may be shorter), that block's [K/g, rows, 2], so a kernel
+    reads a block's scales as one stream beside its nibbles (docs/cpu.md: 17-18% faster than
+    [K/g, N, 2] in the native layer op)."""
+    *lead, kg, n, _ = sz.shape
+    full = n - n % INT4_BLOCK_N
+    head = sz[..., :full, :].reshape(*lead, kg, full // INT4_BLOCK_N, INT4_BLOCK_N, 2)
+    parts = [head.transpose(-4, -3).reshape(*lead, full * kg, 2)]
+    if full < n:
+        parts.append(sz[..., full:, :].reshape(*lead, (n - full) * kg, 2))
+    return torch.cat(parts, -2).contiguous()
+
+
+def int4_sz_kn(sz: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of int4_sz_blocked: [..., N * K/g, 2] -> [..., K/g, N, 2] (torch's tinygemm order,
+    the GPU kernels' and the reference's)."""
+    *lead, nkg, _ = sz.shape
+    kg, full = nkg // n, n - n % INT4_BLOCK_N
+    head = sz[..., : full * kg, :].reshape(*lead, full // INT4_BLOCK_N, kg, INT4_BLOCK_N, 2)
+    parts = [head.transpose(-4, -3).reshape(*lead, kg, full, 2)]
+    if full < n:
+        parts.append(sz[..., full * kg :, :].reshape(*lead, kg, n - full, 2))
+    return torch.cat(parts, -2).contiguous()
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -532,8 +559,8 @@ def unpack_int4_rows(packed: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 def int4_to_rows(
     q: torch.Tensor, sz: torch.Tensor, group: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """int4 sections of [m] stacked weights (q [m, N, K/2] in 64-row blocks, sz [m, K/G, N, 2]
-    bf16; m may be absent) -> the GPU's row-major layout: (rows [m, N, K/2] uint8, per 32 inputs
+    """int4 sections of [m] stacked weights (q [m, N, K/2] in 64-row blocks, sz [m, N * K/G, 2]
+    bf16, blocked; m may be absent) -> the GPU's row-major layout: (rows [m, N, K/2] uint8, per 32 inputs
     16 bytes, input i low nibble, i + 16 high, as q4_0; words [m, N, K/G] int32, the (scale, zero)
     bf16 pair of each row's group). The same numbers, moved (int4_from_rows inverts it)."""
     one = q.dim() == 2
@@ -545,18 +572,18 @@ def int4_to_rows(
         v = torch.cat([unpack_int4(r) for r in q])
     v = v.view(m, n, k2 // 16, 2, 16)
     rows = (v[:, :, :, 0] | (v[:, :, :, 1] << 4)).reshape(m, n, k2).contiguous()
-    words = sz.contiguous().view(torch.int32).view(m, -1, n).transpose(1, 2).contiguous()
+    words = int4_sz_kn(sz, n).view(torch.int32).view(m, -1, n).transpose(1, 2).contiguous()
     return (rows[0], words[0]) if one else (rows, words)
 
 
 def int4_from_rows(rows: torch.Tensor, words: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Inverse of int4_to_rows for one weight: (rows [N, K/2], words [N, K/G]) -> (q [N, K/2] in
-    64-row blocks, sz [K/G, N, 2] bf16)."""
+    64-row blocks, sz [N * K/G, 2] bf16, blocked)."""
     n, k2 = rows.shape
     b = rows.view(n, k2 // 16, 1, 16)
     v = torch.cat([b & 0xF, b >> 4], 2).reshape(n, 2 * k2)
     sz = words.t().contiguous().view(torch.bfloat16).view(-1, n, 2)
-    return pack_int4(v), sz
+    return pack_int4(v), int4_sz_blocked(sz)
 
 
 def quantize_expert(

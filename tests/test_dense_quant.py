@@ -22,7 +22,7 @@ from moestream.kernels.ref import dequantize, dequantize_rows, qlinear_q8
 from moestream.loader import build_model, load_model
 from moestream.models import checkpoint_renamer
 from moestream.quant import DenseQuant, make_dense, make_scheme, quantize
-from moestream.store.format import MANIFEST, VERSION, Store, StoreError
+from moestream.store.format import INT4_VERSION, MANIFEST, Store, StoreError
 from moestream.store.io import IOConfig
 
 PROMPT = torch.randint(0, 320, (10,), generator=torch.Generator().manual_seed(3))
@@ -94,7 +94,7 @@ def dequantized_float_model(folder, provider):
 
 def test_the_rule_quantizes_projections_embedding_and_output_not_routers(dense_store, tiny_dir):
     m = json.loads((dense_store("qwen3_moe") / MANIFEST).read_text())
-    assert m["version"] == VERSION
+    assert m["version"] == INT4_VERSION  # int4 sections: blocked (scale, zero) pairs
     formats = {n: f["scheme"]["name"] for n, f in m["dense_formats"].items()}
     assert formats["model.embed_tokens.weight"] == "int4"
     assert formats["lm_head.weight"] == "int8"  # the output layer keeps 8 bits under int4
@@ -206,7 +206,12 @@ def test_an_older_or_unknown_dense_layout_says_convert_again(dense_store, tmp_pa
     def lost_section(m):
         del m["dense"][f"{name}.sz"]
 
-    for edit, words in ((older, "version 1"), (unknown, "does not read"), (lost_section, "lacks")):
+    def int4_before_v6(m):  # its int4 (scale, zero) pairs would be in the order before version 6
+        m["version"] = 5
+
+    cases = ((older, "version 1"), (unknown, "does not read"), (lost_section, "lacks"),
+             (int4_before_v6, "version 5 store with int4 sections"))  # fmt: skip
+    for edit, words in cases:
         with pytest.raises(StoreError, match=f"{words}.*convert the model again"):
             Store(_edit_manifest(folder, tmp_path / edit.__name__, edit))
 

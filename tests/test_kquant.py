@@ -20,7 +20,7 @@ from moestream.kernels.dense import QuantWeight
 from moestream.kernels.ref import dequantize, dequantize_rows, qlinear_ref
 from moestream.loader import load_model
 from moestream.quant import KQUANT_BYTES, RecordLayout, make_scheme, quantize, tensor_width
-from moestream.store.format import MIXED_VERSION, VERSION, Store
+from moestream.store.format import INT4_VERSION, MIXED_VERSION, VERSION, Store
 
 KINDS = tuple(KQUANT_BYTES)
 
@@ -266,7 +266,7 @@ def test_q4_k_m_like_store_decodes_in_one_native_step_with_the_streamed_bits(tmp
 def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys):
     """gate and up of different types cannot share the w13 section: that layer's w13 alone is
     requantized (said), its down and the other layers kept; `--quant int4` puts every expert in
-    int4 (a version-4 store, the GPU's fix); `--quant q4_k` on it, or on a Hugging Face folder,
+    int4 (a version-6 store, the GPU's fix); `--quant q4_k` on it, or on a Hugging Face folder,
     is refused (exit 2, one line with the fix) before anything is written."""
     hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), tmp_path / "hf", "per_expert")
     path = tmp_path / "m.gguf"
@@ -292,7 +292,7 @@ def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys
     assert all(torch.equal(sec[f"w13.{k}"], v) for k, v in quantize(s.scheme, w13).items())
     assert main(["convert", str(path), str(tmp_path / "i4"), "--quant", "int4"]) == 0
     s4 = Store(tmp_path / "i4")
-    assert not s4.mixed and s4.manifest["version"] == VERSION and "records" not in s4.manifest
+    assert not s4.mixed and s4.manifest["version"] == INT4_VERSION and "records" not in s4.manifest
     assert "6 Q4_K expert tensor(s): dequantized and requantized to int4" in capsys.readouterr().err
     for src in (path, hf):
         assert main(["convert", str(src), str(tmp_path / "k"), "--quant", "q4_k"]) == 2
@@ -308,7 +308,7 @@ def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys
         (lambda m: m["records"]["1"]["schemes"][0].update(name="q9_k"), "schemes this moestream"),
         (lambda m: m["records"].pop("2"), r"record layouts for layers \[0, 1\]"),
         (lambda m: m.pop("records"), "'record' is missing"),
-        (lambda m: m.update(version=6), "version 6"),
+        (lambda m: m.update(version=7), "version 7"),
         (lambda m: m.update(version=4), "in a version 4 manifest"),
     ],
 )

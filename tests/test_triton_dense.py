@@ -21,7 +21,7 @@ except ImportError:
 
 from moestream.kernels.dense import QuantLinear, QuantWeight
 from moestream.kernels.ref import dequantize
-from moestream.quant import int4_to_rows, make_scheme, quantize, unpack_int4, unpack_q4_0
+from moestream.quant import int4_sz_kn, int4_to_rows, make_scheme, quantize, unpack_int4, unpack_q4_0
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTS = ["int8", "int4", "q4_0", "int4_rows"]
@@ -44,6 +44,8 @@ def _operands(w: QuantWeight, quant: str):
     """(q, scales) the GEMV of `quant` reads: the sections, or int4's row-major GPU repack."""
     if quant == "int4_rows":
         return int4_to_rows(w.q, w.sz, w.scheme.group_size)
+    if w.scheme.name == "int4":  # the store-layout GEMV reads sz in [K/G, N, 2] order
+        return w.q, int4_sz_kn(w.sz, w.shape[0])
     return w.q, getattr(w, w.suffixes[1])
 
 
@@ -55,7 +57,8 @@ def _exact(w: QuantWeight) -> torch.Tensor:
     if w.scheme.name == "q4_0":
         q = unpack_q4_0(w.q).double() - 8
         return (q.view(n, -1, 32) * w.d.double()[..., None]).view(n, k)
-    s, z = w.sz[..., 0].t().double(), w.sz[..., 1].t().double()  # [N, K/G]
+    sz = int4_sz_kn(w.sz, n)
+    s, z = sz[..., 0].t().double(), sz[..., 1].t().double()  # [N, K/G]
     q = unpack_int4(w.q).double() - 8
     return (q.view(n, s.shape[1], -1) * s[..., None] + z[..., None]).view(n, k)
 
@@ -196,7 +199,8 @@ def test_the_op_traces_as_one_node_under_torch_compile():
     compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), lin(x))
     torch.library.opcheck(
-        tdense.dense_gemv, (x, w.q, w.sz, None, "int4", 128, 32), test_utils=("test_schema",)
+        tdense.dense_gemv, (x, w.q, int4_sz_kn(w.sz, 128), None, "int4", 128, 32),
+        test_utils=("test_schema",),
     )
 
 

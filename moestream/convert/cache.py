@@ -8,7 +8,7 @@ from pathlib import Path
 from moestream.config import cache_root
 from moestream.convert.writer import convert, source_fingerprint
 from moestream.quant import ExpertQuant, QuantScheme, expert_quant, make_dense
-from moestream.store.format import VERSION
+from moestream.store.format import NEWEST
 
 
 def cached_store(src: str | Path, scheme: QuantScheme | ExpertQuant, progress: bool = True) -> Path:
@@ -35,4 +35,4 @@ def store_key(src: Path, scheme: QuantScheme | ExpertQuant) -> str:
     whether a GGUF's blocks are kept), dense format and store version."""
     eq = expert_quant(scheme)
     key = f"{src.resolve().name}-{source_fingerprint(src)[:16]}-{eq.tag}"
-    return key + f"-d{make_dense('auto', eq.scheme).tag}-v{VERSION}"
+    return key + f"-d{make_dense('auto', eq.scheme).tag}-v{NEWEST}"

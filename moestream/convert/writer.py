@@ -59,6 +59,7 @@ from moestream.store.format import (
     DENSE_FILE,
     FORMAT,
     MANIFEST,
+    INT4_VERSION,
     MIXED_VERSION,
     VERSION,
     crc32,
@@ -172,7 +173,7 @@ def _write_store(src: Path, tmp: Path, eq: ExpertQuant, dense: DenseQuant, progr
     )
     manifest = {
         "format": FORMAT,
-        "version": VERSION if uniform and not _uses_v5_scheme(layouts, formats) else MIXED_VERSION,
+        "version": _version(uniform, layouts, formats),
         "model_type": a.model_type,
         "source": {"path": str(src.resolve()), "fingerprint": source_fingerprint(src)},
         "quant": scheme.to_json(),
@@ -425,8 +426,12 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(f.fileno())
 
 
-def _uses_v5_scheme(layouts: dict, formats: dict) -> bool:
-    """A q8_0 or q4_1 expert projection or dense tensor: schemes version 4 readers do not know."""
+def _version(uniform: bool, layouts: dict, formats: dict) -> int:
+    """The oldest version that reads this store: 6 with int4 sections (their blocked (scale, zero)
+    pairs), 5 with per-layer records or a q8_0 / q4_1 projection or dense tensor (schemes version
+    4 readers do not know), else 4."""
     names = {s.name for lay in layouts.values() for s in lay.schemes}
     names |= {f["scheme"]["name"] for f in formats.values()}
-    return bool(names & {"q8_0", "q4_1"})
+    if "int4" in names:
+        return INT4_VERSION
+    return VERSION if uniform and not names & {"q8_0", "q4_1"} else MIXED_VERSION

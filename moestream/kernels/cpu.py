@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from moestream.kernels.ref import dequantize
-from moestream.quant import INT4_BLOCK_N, pack_int4
+from moestream.quant import INT4_BLOCK_N, int4_sz_kn, pack_int4
 
 
 @functools.cache
@@ -42,7 +42,7 @@ def qlinear_cpu(x: torch.Tensor, sec: dict, name: str, group_size: int) -> torch
     if int4 and q.shape[0] % INT4_BLOCK_N == 0 and int4_kernel_ok():
         # bf16 activations: with fp32 ones torch 2.13 takes a slow path (0.21 vs 11.2 GB/s of
         # packed weights measured at D=2048, 2 threads; benchmarks/bench_kernels_cpu.py).
-        sz = sec[f"{name}.sz"].to(torch.bfloat16)  # [K/g, N, 2]
+        sz = int4_sz_kn(sec[f"{name}.sz"], q.shape[0])  # [K/g, N, 2], torch's order: a copy
         xb = x.to(torch.bfloat16).contiguous()
         return torch.ops.aten._weight_int4pack_mm_for_cpu(xb, q, group_size, sz).to(x.dtype)
     return F.linear(x, dequantize(sec, name, group_size, x.dtype))

@@ -26,7 +26,7 @@ from torch import nn
 from moestream.kernels import native
 from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
-from moestream.quant import QuantScheme, int4_to_rows, pack_int4, unpack_int4
+from moestream.quant import QuantScheme, int4_sz_blocked, int4_sz_kn, int4_to_rows, pack_int4, unpack_int4
 
 DENSE_KERNELS = ("native", "cpu", "triton", "ref")
 
@@ -61,7 +61,8 @@ class QuantWeight(nn.Module):
             secs = {k: torch.cat([getattr(p, k) for p in parts]) for k in parts[0].suffixes}
         else:
             q = pack_int4(torch.cat([unpack_int4(p.q) for p in parts]))
-            secs = {"q": q, "sz": torch.cat([p.sz for p in parts], dim=1).contiguous()}
+            sz = torch.cat([int4_sz_kn(p.sz, p.shape[0]) for p in parts], dim=1)
+            secs = {"q": q, "sz": int4_sz_blocked(sz)}
         return QuantWeight(s0, (n, k), secs)
 
 
@@ -89,6 +90,8 @@ class QuantLinear(nn.Module):
             rows, words = int4_to_rows(weight.q, weight.sz, weight.scheme.group_size)
             self.register_buffer("rows_q", rows, persistent=False)
             self.register_buffer("rows_sz", words, persistent=False)
+        elif self._triton is not None and weight.scheme.name == "int4":  # the GEMV's sz order
+            self.register_buffer("kn_sz", int4_sz_kn(weight.sz, weight.shape[0]), persistent=False)
 
     @property
     def rows_layout(self) -> bool:
@@ -131,7 +134,8 @@ class QuantLinear(nn.Module):
                 x2, self.rows_q, self.rows_sz, self.bias, "int4_rows", self.out_features, g
             )
         elif kind == "triton":  # bias added in fp32 before the one rounding
-            scales = getattr(w, w.suffixes[1])  # s (int8), sz (int4) or d (q4_0)
+            scales = getattr(self, "kn_sz", None)  # int4: sz in [K/g, N, 2] order
+            scales = getattr(w, w.suffixes[1]) if scales is None else scales  # s (int8), d (q4_0)
             y = self._triton.gemv(x2, w.q, scales, self.bias, w.scheme.name, self.out_features, g)
         elif kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
             y = F.linear(x2, dequantize(w.sections(), "w", g, x.dtype), self.bias)

@@ -85,7 +85,7 @@ def moe_ref(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, get_exper
 # ---- quantized experts (sections as laid out in moestream/quant.py) --------------------------
 def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) -> torch.Tensor:
     """Section tensors of weight `name` ("w13" / "w2") -> dense [N, K] in dtype (the spec)."""
-    from moestream.quant import unpack_int4
+    from moestream.quant import int4_sz_kn, unpack_int4
 
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:  # bf16 scheme
@@ -98,9 +98,9 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
         q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
         return (q.view(n, k // group_size, group_size) * s[..., None]).view(n, k).to(dtype)
-    sz = sec[f"{name}.sz"].float()  # [K/g, N, 2]
     w = unpack_int4(q).float()  # [N, K]
     n, k = w.shape
+    sz = int4_sz_kn(sec[f"{name}.sz"], n).float()  # [K/g, N, 2]
     s = sz[..., 0].t()[..., None]  # [N, K/g, 1]
     z = sz[..., 1].t()[..., None]
     # (v - 8) * s + z in place: the same roundings, one [N, K] fp32 buffer instead of four.
@@ -113,7 +113,7 @@ def dequantize_rows(
 ) -> torch.Tensor:
     """Rows `rows` [T] of dequantize(sec, name) -> [T, K] in dtype, the same values, reading only
     those rows (an embedding lookup)."""
-    from moestream.quant import unpack_int4_rows
+    from moestream.quant import INT4_BLOCK_N, unpack_int4_rows
 
     q = sec[f"{name}.q"]
     if q.dtype == torch.bfloat16:
@@ -126,10 +126,14 @@ def dequantize_rows(
         q, s = _symmetric({k: v[rows] for k, v in sec.items() if k.startswith(f"{name}.")}, name)
         t, k = q.shape
         return (q.view(t, k // group_size, group_size) * s[..., None]).view(t, k).to(dtype)
-    sz = sec[f"{name}.sz"][:, rows].float()  # [K/g, T, 2]
     w = unpack_int4_rows(q, rows).float()  # [T, K]
     t, k = w.shape
-    s, z = sz[..., 0].t()[..., None], sz[..., 1].t()[..., None]  # [T, K/g, 1]
+    n, kg = q.shape[0], k // group_size
+    # row r's (scale, zero) of group j in the blocked layout: its block's [K/g, rows, 2] at r0 * K/g
+    r0 = rows - rows % INT4_BLOCK_N
+    at = r0[:, None] * kg + torch.arange(kg) * torch.clamp(n - r0, max=INT4_BLOCK_N)[:, None]
+    sz = sec[f"{name}.sz"][at + (rows - r0)[:, None]].float()  # [T, K/g, 2]
+    s, z = sz[..., 0, None], sz[..., 1, None]  # [T, K/g, 1]
     w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)
     return w.to(dtype)
 
@@ -231,7 +235,7 @@ def qlinear_q8(
     whose rows keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b
     mod 8, the lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order
     (K-quants: none, a super-block is 8 blocks)."""
-    from moestream.quant import unpack_int4
+    from moestream.quant import int4_sz_kn, unpack_int4
 
     if sec[f"{name}.q"].dim() == 3:
         group_size = 32  # the activation block; the super-block is the weights' business
@@ -256,7 +260,7 @@ def qlinear_q8(
         n, k = w.shape
         dots = torch.einsum("tbg,nbg->tnb", q8, w.view(n, k // group_size, group_size))
         sq = q8.sum(-1)[:, None, :]  # [T, 1, nb]
-        sz = sec[f"{name}.sz"].float()  # [nb, N, 2]
+        sz = int4_sz_kn(sec[f"{name}.sz"], n).float()  # [nb, N, 2]
         s, z = sz[..., 0].t()[None], sz[..., 1].t()[None]  # [1, N, nb]
         terms = d[:, None, :] * (s * (dots - 8 * sq) + z * sq)
     y = torch.zeros(terms.shape[:2])

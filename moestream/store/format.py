@@ -14,7 +14,10 @@ blocks: `q` nibbles + `dm` fp16 (d, m) pairs) and per-layer record layouts
 with a scheme per projection ("records": layer -> schemes and layout, instead of "record"),
 written only where a store needs them (q8_0 or q4_1 sections, or a GGUF's kept blocks that differ in type
 across projections or layers: a Q4_K_M file): every other store is still written as version 4, and
-version 2 and 3 stores are read as they are.
+version 2 and 3 stores are read as they are. Version 6 keeps int4's (scale, zero) pairs blocked per
+64 rows (quant.int4_sz_blocked), one stream beside each block's nibbles for the native kernels:
+every store with int4 sections is written as version 6, and an older one with int4 sections is
+refused (convert again).
 Checksums are zlib.crc32 (1.3 GB/s on the dev box, computed in the IO threads, which release the
 GIL; md5/sha1/blake2b measured 0.3-0.6 GB/s).
 """
@@ -38,7 +41,11 @@ FORMAT = "moestream-store"
 VERSION = 4  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme; 4: K-quants
 # written for per-layer record layouts ("records") or q8_0 / q4_1 sections, which older readers refuse
 MIXED_VERSION = 5
-READS = (2, 3, 4, 5)  # an older store is a newer one without the newer schemes: still read
+# written for a store with int4 sections (experts or dense): their (scale, zero) pairs blocked per
+# 64 rows (quant.int4_sz_blocked); an older store's int4 sections hold them in another order
+INT4_VERSION = 6
+NEWEST = INT4_VERSION  # cache keys carry it: a cached store of an older layout is not reused
+READS = (2, 3, 4, 5, 6)  # an older store is a newer one without the newer schemes: still read
 MANIFEST = "manifest.json"
 DENSE_FILE = "dense.safetensors"
 COPIED_FILES = (
@@ -178,6 +185,17 @@ def check_manifest(m, path: Path) -> None:
         bad(f"'records' (per-layer record layouts) in a version {m['version']} manifest")
 
 
+def _scheme_names(m: dict) -> set:
+    """The schemes of a (checked) manifest's sections: its records' (per-layer ones, or its quant's
+    for every layer) and its dense tensors'. (With per-layer records, quant names the scheme a
+    requantized projection would take, which may hold no section.)"""
+    if "records" in m:
+        out = {q.get("name") for r in m["records"].values() for q in r.get("schemes", [])}
+    else:
+        out = {m["quant"].get("name")}
+    return out | {f.get("scheme", {}).get("name") for f in m.get("dense_formats", {}).values()}
+
+
 def record_layouts(path: Path, m: dict, scheme: QuantScheme, a: ModelArgs) -> dict:
     """MoE layer -> its RecordLayout: the one of `scheme` for every layer ("record"), or each
     layer's own ("records": its projections' schemes); refuses a layout this version would not
@@ -242,6 +260,11 @@ class Store:
             self.scheme = QuantScheme(q["name"], q["group_size"], q["symmetric"])
         except (KeyError, ConfigError) as e:
             raise StoreError(f"{path}: invalid 'quant' {q} ({e}); convert the model again") from e
+        if m["version"] < INT4_VERSION and "int4" in _scheme_names(m):
+            raise StoreError(
+                f"{path}: a version {m['version']} store with int4 sections, whose (scale, zero) "
+                f"pairs are in the order before version {INT4_VERSION}; convert the model again"
+            )
         # `scheme`: every record's, or (per-layer layouts) the one requantized projections took.
         self.layouts: dict[int, RecordLayout] = record_layouts(path, m, self.scheme, self.args)
         # Slots hold the largest record: one pool and one slot table across layers (a Q4_K_M

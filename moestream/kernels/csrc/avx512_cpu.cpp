@@ -181,19 +181,14 @@ MOESTREAM_KQ_NT(4)
 
 namespace moestream_cpu {
 
-// int4, NB full blocks of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
+// int4, one full block of 64 rows (layout: per k, 32 bytes, byte c = row c low, row c + 32 high).
 // Four k's of a group are two 64-byte loads; vpermt2b gathers each byte column's four bytes (k ..
 // k + 3) into one 32-bit lane, whose low nibbles are row c's and high nibbles row c + 32's, so one
 // vpdpbusd adds 16 rows' four products (0..15 x int8: exact). Rows land in order: acc[i] holds
-// rows 16 i .. 16 i + 15. Two dependency chains of int32 sums: the k steps' halves for one block,
-// the two blocks for NB = 2 (a pair's (s, z) are 512 contiguous bytes per group, not two 256-byte
-// pieces read apart: the layer op +2-14% in an interleaved A/B). The fp32 steps are
-// int4_block_avx2's.
-template <int NB>
-void int4_blocks_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) {
-  const size_t bstride = (size_t)BN * w.K / 2;
+// rows 16 i .. 16 i + 15. Two dependency chains of int32 sums, the k steps' halves. Two streams:
+// the block's nibbles and its (s, z) (int4_sz). The fp32 steps are int4_block_avx2's.
+void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y) {
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
-  const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
   const int8_t* xq = a.qr(t);
   const __m512i m4 = _mm512_set1_epi8(15), zmask = _mm512_set1_epi32((int)0xFFFF0000u);
   alignas(64) uint8_t ix[2][64];  // lane r: byte column r (+16) of k, k + 1 (A), k + 2, k + 3 (B)
@@ -201,17 +196,13 @@ void int4_blocks_avx512(const Weight& w, int r0, const QAct& a, int t, float* y)
     for (int r = 0; r < 16; ++r)
       for (int i = 0; i < 4; ++i) ix[h][4 * r + i] = (uint8_t)(32 * i + 16 * h + r);
   const __m512i idx0 = _mm512_load_si512(ix[0]), idx1 = _mm512_load_si512(ix[1]);
-  __m512 yacc[4 * NB];
+  __m512 yacc[4];
   for (auto& v : yacc) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    for (int b = 0; b < NB; ++b) prefetch_ahead(p + b * bstride, G * 32);
-    // (s, z) sit N * 4 bytes apart per group, where no streamer follows: this group's of the next
-    // blocks (the item's next, mostly this thread's), or for the last ones the group that far on
-    if (g_prefetch && r0 + NB * BN < w.N)
-      for (int c = 0; c < 4 * NB; ++c) prefetch_line(sz + (size_t)j * w.N + r0 + NB * BN + c * 16);
-    else if (const int ja = j + (int)(g_prefetch / (G * 32)); g_prefetch && ja < w.K / G)
-      for (int c = 0; c < 4 * NB; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
+    const uint32_t* sz = int4_sz(w, r0, j);
+    prefetch_ahead(p, G * 32);
+    prefetch_ahead(sz, BN * 4);
     __m512i acc[2][4];
     for (auto& r : acc)
       for (auto& v : r) v = _mm512_setzero_si512();
@@ -219,37 +210,30 @@ void int4_blocks_avx512(const Weight& w, int r0, const QAct& a, int t, float* y)
       int32_t x4;
       std::memcpy(&x4, xq + j * G + k, 4);
       const __m512i xv = _mm512_set1_epi32(x4);
-      for (int b = 0; b < NB; ++b) {
-        const uint8_t* pb = p + b * bstride;
-        const __m512i A = _mm512_loadu_si512(pb + k * 32), B = _mm512_loadu_si512(pb + (k + 2) * 32);
-        // the bytes of rows 0-15 (low nibbles) and 32-47 (high), then of 16-31 and 48-63
-        const __m512i P0 = _mm512_permutex2var_epi8(A, idx0, B), P1 = _mm512_permutex2var_epi8(A, idx1, B);
-        __m512i* c = acc[NB == 1 ? (k >> 2) & 1 : b];
-        c[0] = _mm512_dpbusd_epi32(c[0], _mm512_and_si512(P0, m4), xv);
-        c[1] = _mm512_dpbusd_epi32(c[1], _mm512_and_si512(P1, m4), xv);
-        c[2] = _mm512_dpbusd_epi32(c[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
-        c[3] = _mm512_dpbusd_epi32(c[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
-      }
+      const __m512i A = _mm512_loadu_si512(p + k * 32), B = _mm512_loadu_si512(p + (k + 2) * 32);
+      // the bytes of rows 0-15 (low nibbles) and 32-47 (high), then of 16-31 and 48-63
+      const __m512i P0 = _mm512_permutex2var_epi8(A, idx0, B), P1 = _mm512_permutex2var_epi8(A, idx1, B);
+      __m512i* c = acc[(k >> 2) & 1];
+      c[0] = _mm512_dpbusd_epi32(c[0], _mm512_and_si512(P0, m4), xv);
+      c[1] = _mm512_dpbusd_epi32(c[1], _mm512_and_si512(P1, m4), xv);
+      c[2] = _mm512_dpbusd_epi32(c[2], _mm512_and_si512(_mm512_srli_epi16(P0, 4), m4), xv);
+      c[3] = _mm512_dpbusd_epi32(c[3], _mm512_and_si512(_mm512_srli_epi16(P1, 4), m4), xv);
     }
-    if (NB == 1)
-      for (int i = 0; i < 4; ++i) acc[0][i] = _mm512_add_epi32(acc[0][i], acc[1][i]);  // exact: int32 sums
     const int32_t sq = a.sr(t)[j];
     const __m512i off = _mm512_set1_epi32(8 * sq);
     const __m512 sqf = _mm512_set1_ps((float)sq), dv = _mm512_set1_ps(a.dr(t)[j]);
-    for (int i = 0; i < 4 * NB; ++i) {
-      const __m512i v = _mm512_loadu_si512(sz + (size_t)j * w.N + r0 + 16 * i);
+    for (int i = 0; i < 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(sz + 16 * i);
       const __m512 s = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       const __m512 z = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
-      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[i / 4][i % 4], off));
+      const __m512i sum = _mm512_add_epi32(acc[0][i], acc[1][i]);  // exact: int32 sums
+      const __m512 dot = _mm512_cvtepi32_ps(_mm512_sub_epi32(sum, off));
       const __m512 tt = _mm512_add_ps(_mm512_mul_ps(s, dot), _mm512_mul_ps(z, sqf));
       yacc[i] = _mm512_add_ps(yacc[i], _mm512_mul_ps(dv, tt));
     }
   }
-  for (int i = 0; i < 4 * NB; ++i) _mm512_storeu_ps(y + 16 * i, yacc[i]);
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(y + 16 * i, yacc[i]);
 }
-
-template void int4_blocks_avx512<1>(const Weight&, int, const QAct&, int, float*);
-template void int4_blocks_avx512<2>(const Weight&, int, const QAct&, int, float*);
 
 // int8, one row front to back: two blocks per 64-byte vector, (w + 128) x x in vpdpbusd, eight
 // blocks' sums at once minus 128 * sum x; their fp32 terms into the 8 lanes (int8_row_avx2's).
@@ -389,7 +373,6 @@ void quantize_blocks_avx512(const float* x, int b0, int b1, float qmax, int8_t* 
 template <int NT>
 void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts, float* y, size_t ys) {
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
-  const uint32_t* sz = (const uint32_t*)w.s;
   const __m512i m4 = _mm512_set1_epi8(15), zmask = _mm512_set1_epi32((int)0xFFFF0000u);
   alignas(64) uint8_t ix[2][64];
   for (int h = 0; h < 2; ++h)
@@ -401,7 +384,9 @@ void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts,
     for (auto& v : r) v = _mm512_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
+    const uint32_t* sz = int4_sz(w, r0, j);
     prefetch_ahead(p, G * 32);
+    prefetch_ahead(sz, BN * 4);
     __m512i acc[NT][4];
     for (auto& r : acc)
       for (auto& v : r) v = _mm512_setzero_si512();
@@ -419,7 +404,7 @@ void int4_block_avx512_nt(const Weight& w, int r0, const QAct& a, const int* ts,
     }
     __m512 S[4], Z[4];
     for (int c = 0; c < 4; ++c) {
-      const __m512i v = _mm512_loadu_si512(sz + (size_t)j * w.N + r0 + 16 * c);
+      const __m512i v = _mm512_loadu_si512(sz + 16 * c);
       S[c] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
       Z[c] = _mm512_castsi512_ps(_mm512_and_si512(v, zmask));
     }

@@ -4,6 +4,7 @@
 #include <c10/util/Half.h>
 #include <xmmintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -16,8 +17,7 @@ constexpr int BN = 64;  // int4 rows per packed block (torch's AVX-512 tinygemm 
 
 enum Isa : int64_t { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
-// Software prefetch distance in bytes (0: off): the int4 scale/zero rows of a group sit N * 4
-// bytes apart, in other pages than the nibbles, where the hardware streamers do not follow.
+// Software prefetch distance in bytes (0: off), ahead of each stream a row kernel reads.
 extern int64_t g_prefetch;
 // Weights and their scales are read once per token: prefetched non-temporal (NTA), so the stream
 // does not evict the activations, partial sums and the next expert's lines from L2 (interleaved
@@ -52,7 +52,7 @@ struct QAct {
 // The K-quants (kquant_cpu.h) are kinds 3..5.
 enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6 };
 
-// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [K/32, N, 2], int8 q [N, K] + s fp32
+// One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [N * K/32, 2] (blocked: int4_sz), int8 q [N, K] + s fp32
 // [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
 // d fp16 [N, K/32], or q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m).
 struct Weight {
@@ -62,6 +62,15 @@ struct Weight {
   Kind kind;
   bool s16 = false;  // int8 with fp16 scales (q8_0: llama.cpp's Q8_0 blocks), else fp32
 };
+
+// int4's (scale, zero) bf16 pairs, one u32 each, of group j for the rows of the 64-row block at r0
+// (the last block may be shorter): the store keeps each block's [K/32, rows, 2] contiguous
+// (quant.int4_sz_blocked), so a block's scales are one stream beside its nibbles. (Group-major
+// [K/32, N, 2], torch's tinygemm layout, put them N * 4 bytes apart per group: the layer op ran
+// 17-18% slower at I 768 / 512 in a per-call interleaved A/B.)
+inline const uint32_t* int4_sz(const Weight& w, int r0, int j) {
+  return (const uint32_t*)w.s + (size_t)r0 * (w.K / G) + (size_t)j * std::min(BN, w.N - r0);
+}
 
 inline float fp16(uint16_t v) { return c10::detail::fp16_ieee_to_fp32_value(v); }
 
@@ -109,9 +118,7 @@ const float* row_scales(const Weight& w, int r, int nb, float* buf);
 // ---- AVX-512 VNNI rows (avx512_cpu.cpp): the AVX2 rows' exact integer block dots from vpdpbusd,
 // then the same fp32 steps in the same order, so every variant gives the same bits.
 bool cpu_has_avx512();  // avx512 f, bw, vl, vnni, vbmi (vpermt2b) and the AVX2 set
-// NB (1, 2) full blocks of 64 int4 rows
-template <int NB>
-void int4_blocks_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);
+void int4_block_avx512(const Weight& w, int r0, const QAct& a, int t, float* y);  // one full block of 64 rows
 void int8_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y);
 void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y);

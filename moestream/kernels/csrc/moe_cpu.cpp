@@ -128,15 +128,14 @@ int row_chunks(int N, int E, int nt) {
   return std::min((N + BN - 1) / BN, std::max(1, (kItemsPerThread * nt + E - 1) / E));
 }
 
-// f(r0, n) for the 64-row blocks of chunk c of `chunks` over an N-row weight, in order, Span
-// blocks a call (the last of a chunk may be shorter): chunk c covers blocks [blocks * c / chunks,
-// blocks * (c + 1) / chunks). Span 2: rows() takes an int4 pair in one pass (its (s, z)
-// contiguous per group); the other kinds loop their rows.
-template <int Span = 1, typename F>
+// f(r0, n) for the 64-row blocks of chunk c of `chunks` over an N-row weight, in order, a block a
+// call (the last may be shorter): chunk c covers blocks [blocks * c / chunks, blocks * (c + 1) /
+// chunks).
+template <typename F>
 void chunk_blocks(int N, int chunks, int64_t c, const F& f) {
   const int blocks = (N + BN - 1) / BN;
   const int b0 = (int)(blocks * c / chunks), b1 = (int)(blocks * (c + 1) / chunks);
-  for (int b = b0; b < b1; b += Span) f(b * BN, std::min(std::min(Span, b1 - b) * BN, N - b * BN));
+  for (int b = b0; b < b1; ++b) f(b * BN, std::min(BN, N - b * BN));
 }
 
 // Blocks [b0, b1) of row r (b1 < 0: to the end); x is the row's start.
@@ -226,7 +225,6 @@ struct BlockLanes {
 void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
   const int b = std::min(BN, w.N - r0), h = b / 2;
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;  // r0 is a block start
-  const uint16_t* sz = (const uint16_t*)w.s;
   const int8_t* xq = a.qr(t);
   for (int r = 0; r < n; ++r) {
     const int col = r % h, shift = r < h ? 0 : 4;
@@ -234,9 +232,9 @@ void int4_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
     for (int j = 0; j < w.K / G; ++j) {
       int32_t dot = 0;
       for (int k = j * G; k < (j + 1) * G; ++k) dot += ((blk[(size_t)k * h + col] >> shift) & 15) * xq[k];
-      const size_t o = ((size_t)j * w.N + r0 + r) * 2;
+      const uint16_t* sz = (const uint16_t*)(int4_sz(w, r0, j) + r);  // (scale, zero)
       const float sq = (float)a.sr(t)[j];
-      const float tt = bf16(sz[o]) * (float)(dot - 8 * a.sr(t)[j]) + bf16(sz[o + 1]) * sq;
+      const float tt = bf16(sz[0]) * (float)(dot - 8 * a.sr(t)[j]) + bf16(sz[1]) * sq;
       acc = acc + a.dr(t)[j] * tt;
     }
     y[r] = acc;
@@ -315,19 +313,15 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
                                                           float* y) {
   static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
-  const uint32_t* sz = (const uint32_t*)w.s;  // (scale, zero) bf16 pairs as one u32
   const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 yacc[8];
   for (auto& v : yacc) v = _mm256_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
     const int32_t* pj = a.prr(t) + j * G / 2;
-    if (g_prefetch) {  // distance on: 1 KiB of nibbles, and the (s, z) of the group that far on
-      prefetch_ahead(p, G * 32);
-      const int ja = j + (int)(g_prefetch / (G * 32));
-      if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
-    }
+    const uint32_t* sz = int4_sz(w, r0, j);
+    prefetch_ahead(p, G * 32);
+    prefetch_ahead(sz, BN * 4);
     __m256i acc32[8];
     for (auto& v : acc32) v = _mm256_setzero_si256();
     for (int half = 0; half < 2; ++half) {
@@ -354,7 +348,7 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2(const Weight& w, int r0
     const __m256i off = _mm256_set1_epi32(8 * sq);
     const __m256 sqf = _mm256_set1_ps((float)sq), dv = _mm256_set1_ps(a.dr(t)[j]);
     for (int i = 0; i < 8; ++i) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + (size_t)j * w.N + r0 + kBase[i]));
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + kBase[i]));
       const __m256 s = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       const __m256 z = _mm256_castsi256_ps(_mm256_and_si256(v, zmask));
       const __m256 dot = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc32[i], off));
@@ -532,7 +526,6 @@ void int4_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
                          size_t ys) {
   const int b = std::min(BN, w.N - r0), h = b / 2;
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
-  const uint16_t* sz = (const uint16_t*)w.s;
   for (int r = 0; r < n; ++r) {
     const int col = r % h, shift = r < h ? 0 : 4;
     float acc[kTile] = {};
@@ -542,11 +535,11 @@ void int4_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
         const int q = (blk[(size_t)k * h + col] >> shift) & 15;
         for (int i = 0; i < nt; ++i) dot[i] += q * a.qr(ts[i])[k];
       }
-      const size_t o = ((size_t)j * w.N + r0 + r) * 2;
+      const uint16_t* sz = (const uint16_t*)(int4_sz(w, r0, j) + r);  // (scale, zero)
       for (int i = 0; i < nt; ++i) {
         const int t = ts[i];
         const float sq = (float)a.sr(t)[j];
-        const float tt = bf16(sz[o]) * (float)(dot[i] - 8 * a.sr(t)[j]) + bf16(sz[o + 1]) * sq;
+        const float tt = bf16(sz[0]) * (float)(dot[i] - 8 * a.sr(t)[j]) + bf16(sz[1]) * sq;
         acc[i] = acc[i] + a.dr(t)[j] * tt;
       }
     }
@@ -630,19 +623,15 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2_nt(const Weight& w, int
                                                              float* y, size_t ys) {
   static constexpr int kBase[8] = {0, 16, 8, 24, 32, 48, 40, 56};
   const uint8_t* blk = w.q + (size_t)r0 * w.K / 2;
-  const uint32_t* sz = (const uint32_t*)w.s;
   const __m256i m4 = _mm256_set1_epi8(15), zmask = _mm256_set1_epi32((int)0xFFFF0000u);
   __m256 yacc[NT][8];
   for (auto& r : yacc)
     for (auto& v : r) v = _mm256_setzero_ps();
   for (int j = 0; j < w.K / G; ++j) {
     const uint8_t* p = blk + (size_t)j * G * 32;
-    if (g_prefetch) {
-      prefetch_ahead(p, G * 32);
-      const int ja = j + (int)(g_prefetch / (G * 32));
-      if (ja < w.K / G)
-        for (int c = 0; c < 4; ++c) prefetch_line(sz + (size_t)ja * w.N + r0 + c * 16);
-    }
+    const uint32_t* sz = int4_sz(w, r0, j);
+    prefetch_ahead(p, G * 32);
+    prefetch_ahead(sz, BN * 4);
     __m256i acc32[NT][8];
     for (auto& r : acc32)
       for (auto& v : r) v = _mm256_setzero_si256();
@@ -675,7 +664,7 @@ __attribute__((target("avx2,fma"))) void int4_block_avx2_nt(const Weight& w, int
     }
     __m256 S[8], Z[8];
     for (int c = 0; c < 8; ++c) {
-      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + (size_t)j * w.N + r0 + kBase[c]));
+      const __m256i v = _mm256_loadu_si256((const __m256i*)(sz + kBase[c]));
       S[c] = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
       Z[c] = _mm256_castsi256_ps(_mm256_and_si256(v, zmask));
     }
@@ -844,18 +833,13 @@ bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
 
-// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 128: one block or a pair) for activation row t -> y[0, n).
+// Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64: one block) for activation row t -> y[0, n).
 void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_t isa) {
   TORCH_CHECK(w.kind == kInt8 || !a.wide, "int16 activations are for int8 weights");
   if (moestream_kquant::is_kquant(w.kind))
     return moestream_kquant::rows(w.kind, w.q, w.K, r0, n, a.qr(t), a.dr(t), a.sr(t), (int)isa, y);
   if (w.kind == kInt4) {
-    if (isa >= kAvx512 && n == 2 * BN) return int4_blocks_avx512<2>(w, r0, a, t, y);
-    if (n > BN) {  // a pair of blocks (chunk_blocks<2>) off the AVX-512 rows: one at a time
-      rows(w, r0, BN, a, t, y, isa);
-      return rows(w, r0 + BN, n - BN, a, t, y + BN, isa);
-    }
-    if (isa >= kAvx512 && n == BN) return int4_blocks_avx512<1>(w, r0, a, t, y);
+    if (isa >= kAvx512 && n == BN) return int4_block_avx512(w, r0, a, t, y);
     if (isa >= kAvx2 && n == BN) return int4_block_avx2(w, r0, a, t, y);
     return int4_rows_scalar(w, r0, n, a, t, y);
   }
@@ -939,7 +923,7 @@ void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, i
   }
 }
 
-// The scheme is told by the section dtypes: int8 q + fp32 s, uint8 q + bf16 sz (int4), uint8 q +
+// The scheme is told by the section dtypes: int8 q + fp32 s, uint8 q + bf16 sz (int4, blocked), uint8 q +
 // fp16 d (q4_0), uint8 q + fp16 dm [N, K/32, 2] (q4_1).
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
@@ -965,6 +949,8 @@ Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(K % G == 0 && (kind != kInt4 || N % 2 == 0), "K must be a multiple of 32 (int4: even N)");
   const int per_block = kind == kInt4 || kind == kQ4_1 ? 2 : 1;  // (scale, zero) / (d, m) pairs
   TORCH_CHECK(s.numel() == (int64_t)N * K / G * per_block, "scale section has the wrong size");
+  TORCH_CHECK(kind != kInt4 || s.dim() == 2,
+              "int4 (scale, zero) must be in the store's blocked layout [N * K/32, 2] (quant.int4_sz_blocked)");
   const bool s16 = kind == kInt8 && st == torch::kHalf;
   TORCH_CHECK(!s16 || K / G <= kMaxBlocks, "q8_0 rows are at most ", kMaxBlocks * G, " wide");
   return {(const uint8_t*)q.data_ptr(), s.data_ptr(), N, K, kind, s16};
@@ -1099,7 +1085,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   auto gate_up = [&](int64_t i) {
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
-    chunk_blocks<2>(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
+    chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
     if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
       act_quantize(h.data(), I, act, e, isa);
       ready[e].store(1, std::memory_order_release);
@@ -1109,7 +1095,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     const int e = (int)(i / cd);
     wait_until([&] { return ready[e].load(std::memory_order_acquire) != 0; });
     float* ye = y.data() + (size_t)e * D;
-    chunk_blocks<2>(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
+    chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
   one_stream((int64_t)E * c13, gate_up, (int64_t)E * cd, down, b13 + b2);
   auto out = torch::zeros({T, D}, xf.options());
@@ -1499,7 +1485,7 @@ class DecodeStep {
           size_t p = 0;
           for (; c >= cq[p]; ++p) c -= cq[p];
           const int off = l.qkv_off[p];
-          chunk_blocks<2>(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
+          chunk_blocks(l.qkv[p].N, cq[p], c, [&](int r0, int n) {
             rows(l.qkv[p], r0, n, aq, 0, qkv.data() + off + r0, isa);
             if (l.qkv_b)
               for (int i = off + r0; i < off + r0 + n; ++i) qkv[i] = qkv[i] + l.qkv_b[i];
@@ -1526,8 +1512,8 @@ class DecodeStep {
         });
         w.items(group_blocks ? 0 : 1, [&](int64_t) { quantize_row(att.data(), ao, 0, isa); });
         w.items(cd1, [&](int64_t c) {
-          chunk_blocks<2>(D, cd1, c, [&](int r0, int n) {
-            float t2[2 * BN];
+          chunk_blocks(D, cd1, c, [&](int r0, int n) {
+            float t2[BN];
             rows(l.o, r0, n, ao, 0, t2, isa);
             for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + (l.o_b ? t2[i] + l.o_b[r0 + i] : t2[i]);
           });
@@ -1562,7 +1548,7 @@ class DecodeStep {
           const int e = (int)(i / c13);
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
-          chunk_blocks<2>(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
+          chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
           if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
             act_quantize(hx.data(), I, act, e, isa);
             ready[li * k + e].store(1, std::memory_order_release);
@@ -1575,7 +1561,7 @@ class DecodeStep {
           wait_until([&] { return ready[li * k + e].load(std::memory_order_acquire) != 0; });
           const Weight& w2 = l.w2[ids[order[e]]];
           float* ye = yk.data() + (size_t)e * D;
-          chunk_blocks<2>(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
+          chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
         };
         // one stream of items, no barrier between gate|up and down (as native.moe's one_stream)
         const int64_t n13 = (int64_t)k * c13;

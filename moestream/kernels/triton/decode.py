@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import tuned
-from moestream.kernels.triton.layout import StackedExperts
+from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
@@ -712,8 +712,9 @@ _WORKSPACE: dict = {}
 
 
 def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
-    """Sections as the kernels read them: int4's (scale, zero) bf16 pairs as one int32 word."""
-    return {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in experts.sections.items()}
+    """Sections as the kernels read them: int4's (scale, zero) bf16 pairs as one int32 word, in
+    the [E, K/G, N] order of the store-layout kernels (layout.kernel_sections)."""
+    return {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in kernel_sections(experts).items()}
 
 
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,

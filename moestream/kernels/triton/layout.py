@@ -3,7 +3,9 @@
 `StackedExperts` holds every section of quant.py with a leading expert axis E:
   bf16: w13.q bf16 [E, 2I, D]              w2.q bf16 [E, D, I]
   int8: w13.q int8 [E, 2I, D], w13.s fp32 [E, 2I, D/g]   (w2 likewise)
-  int4: w13.q uint8 [E, 2I, D/2] in the store's packed layout, w13.sz bf16 [E, D/g, 2I, 2]
+  int4: w13.q uint8 [E, 2I, D/2] in the store's packed layout, w13.sz bf16 [E, 2I * D/g, 2]
+        blocked as the store keeps it (the store-layout kernels take it as [E, D/g, 2I, 2]:
+        kernel_sections)
   int4 rows (the GPU pool's layout, `kernel_quant` "int4r"): w13.q uint8 [E, 2I, D/2] row-major,
         per 32 inputs 16 bytes (input i low nibble, i + 16 high, as q4_0), w13.rz int32
         [E, 2I, D/g] the (scale, zero) bf16 pair of each row's group (quant.int4_to_rows)
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from moestream.kernels.ref import dequantize, moe_ref
-from moestream.quant import QuantScheme, int4_from_rows, int4_to_rows, quantize
+from moestream.quant import QuantScheme, int4_from_rows, int4_sz_kn, int4_to_rows, quantize
 
 NAMES = ("w13", "w2")
 
@@ -90,6 +92,18 @@ class StackedExperts:
         return StackedExperts(self.scheme, {k: v.to(device) for k, v in self.sections.items()})
 
 
+def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
+    """The sections as the store-layout Triton kernels index them: int4's sz in torch's tinygemm
+    order [E, K/G, N, 2] (quant.int4_sz_kn: a copy per call; the GPU pool runs the rows layout,
+    so only tests and benchmarks of the store layout pay it); other layouts as they are."""
+    if experts.rows or experts.scheme.name != "int4":
+        return experts.sections
+    return {
+        k: int4_sz_kn(v, experts.sections[k[:-3] + ".q"].shape[1]) if k.endswith(".sz") else v
+        for k, v in experts.sections.items()
+    }
+
+
 def rows_sections(
     scheme: QuantScheme, sections: dict[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -107,14 +121,14 @@ def rows_sections(
 
 def pool_shapes(scheme: QuantScheme, shapes: dict[str, tuple]) -> dict[str, tuple]:
     """A record's sections name -> (shape, dtype) in the pool layout (rows_sections): int4's sz
-    [K/G, N, 2] bf16 becomes rz [N, K/G] int32; other schemes as they are."""
+    [N * K/G, 2] bf16 becomes rz [N, K/G] int32; other schemes as they are."""
     if scheme.name != "int4":
         return shapes
     out = {}
     for n, (sh, dt) in shapes.items():
         if n.endswith(".sz"):
-            kg, rows, _ = sh
-            out[n[:-3] + ".rz"] = ((rows, kg), torch.int32)
+            rows = shapes[n[:-3] + ".q"][0][0]
+            out[n[:-3] + ".rz"] = ((rows, sh[0] // rows), torch.int32)
         else:
             out[n] = (sh, dt)
     return out
