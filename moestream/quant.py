@@ -248,7 +248,10 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
         raise ConfigError(f"{name}: int4 packing needs an even number of rows, got {n}")
-    return [(f"{name}.q", torch.uint8, (n, k // 2)), (f"{name}.sz", torch.bfloat16, (n * (k // g), 2))]
+    return [
+        (f"{name}.q", torch.uint8, (n, k // 2)),
+        (f"{name}.sz", torch.bfloat16, (n * (k // g), 2)),
+    ]
 
 
 def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:

@@ -21,7 +21,14 @@ except ImportError:
 
 from moestream.kernels.dense import QuantLinear, QuantWeight
 from moestream.kernels.ref import dequantize
-from moestream.quant import int4_sz_kn, int4_to_rows, make_scheme, quantize, unpack_int4, unpack_q4_0
+from moestream.quant import (
+    int4_sz_kn,
+    int4_to_rows,
+    make_scheme,
+    quantize,
+    unpack_int4,
+    unpack_q4_0,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 QUANTS = ["int8", "int4", "q4_0", "int4_rows"]
@@ -199,7 +206,8 @@ def test_the_op_traces_as_one_node_under_torch_compile():
     compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), lin(x))
     torch.library.opcheck(
-        tdense.dense_gemv, (x, w.q, int4_sz_kn(w.sz, 128), None, "int4", 128, 32),
+        tdense.dense_gemv,
+        (x, w.q, int4_sz_kn(w.sz, 128), None, "int4", 128, 32),
         test_utils=("test_schema",),
     )
 

@@ -26,7 +26,14 @@ from torch import nn
 from moestream.kernels import native
 from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
-from moestream.quant import QuantScheme, int4_sz_blocked, int4_sz_kn, int4_to_rows, pack_int4, unpack_int4
+from moestream.quant import (
+    QuantScheme,
+    int4_sz_blocked,
+    int4_sz_kn,
+    int4_to_rows,
+    pack_int4,
+    unpack_int4,
+)
 
 DENSE_KERNELS = ("native", "cpu", "triton", "ref")
 

@@ -714,7 +714,10 @@ _WORKSPACE: dict = {}
 def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
     """Sections as the kernels read them: int4's (scale, zero) bf16 pairs as one int32 word, in
     the [E, K/G, N] order of the store-layout kernels (layout.kernel_sections)."""
-    return {k: v.view(torch.int32) if k.endswith(".sz") else v for k, v in kernel_sections(experts).items()}
+    return {
+        k: v.view(torch.int32) if k.endswith(".sz") else v
+        for k, v in kernel_sections(experts).items()
+    }
 
 
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,

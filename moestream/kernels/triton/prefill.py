@@ -245,7 +245,10 @@ def moe_prefill(
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
     pair_of_row, block_expert = align_blocks(ids, experts.num_experts, cfg.block_m)
-    sec = {k: v.view(torch.int32) if k.endswith(".rz") else v for k, v in kernel_sections(experts).items()}
+    sec = {
+        k: v.view(torch.int32) if k.endswith(".rz") else v
+        for k, v in kernel_sections(experts).items()
+    }
     scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
     gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
     y = torch.empty(P, D, device=x.device, dtype=torch.float32)
