@@ -201,16 +201,15 @@ def ensure_gguf_store(gguf: Path, work: Path, quant: str | None = None) -> Path:
 
 
 def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
-    q8 = work / "llama-Q8_0.gguf"
+    q8, out = work / "llama-Q8_0.gguf", work / f"llama-{qtype}.gguf"
+    if out.is_file():  # made before (its Q8_0 source may be gone: disk)
+        return out
     if not q8.is_file():
         conv = [str(llama / "venv/bin/python"), str(llama / "src/convert_hf_to_gguf.py")]
         subprocess.run([*conv, str(hf), "--outtype", "q8_0", "--outfile", str(q8)], check=True)
-    if qtype == "Q8_0":
-        return q8
-    out = work / f"llama-{qtype}.gguf"
-    if not out.is_file():
-        quantize = llama / "build/bin/llama-quantize"
+    if qtype != "Q8_0":
         # From the Q8_0 file (speed is what is compared; the bf16 GGUF would double the disk).
+        quantize = llama / "build/bin/llama-quantize"
         cmd = [str(quantize), "--allow-requantize", str(q8), str(out), qtype]
         subprocess.run(cmd, check=True)
     return out
