@@ -1,7 +1,8 @@
 """CPU expert kernel cost at Qwen3-30B-A3B / Qwen3.5-35B-A3B expert shapes (D 2048, I 768 / 512),
 one decode token: the torch kernels (kernels/cpu.py, what StreamConfig(kernel="cpu") runs) vs the
 native ones (kernels/native.py), interleaved, medians, against a DRAM read ceiling measured in the
-same run (torch sum over a 1 GiB fp32 tensor).
+same run (torch sum over a 1 GiB fp32 tensor, once per rep): `of_ceiling` is the median GB/s over
+the median ceiling, `of_ceiling_paired` the median of each rep's GB/s over its own ceiling.
 
 - expert: one record (gate|up, SiLU*up, down) per call;
 - layer: K=8 records of 128 distinct ones per call, weighted and summed (the decode step's MoE);
@@ -108,6 +109,11 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
             "us": round(dt * 1e6, 1), "record_bytes": nbytes,
             "gbps": round(nbytes / dt / 1e9, 2), "dram_ceiling_gbps": round(c, 2),
             "of_ceiling": round(nbytes / dt / 1e9 / c, 3),
+            # per rep against the ceiling read right after it, then the median: the VM's DRAM
+            # rate drifts by 2x within a run, and a ratio of two medians mixes periods
+            "of_ceiling_paired": round(
+                statistics.median(nbytes / t / 1e9 / ci for t, ci in zip(ts, ceil)), 3
+            ),
         })  # fmt: skip
     for n in (1, K):  # each native variant vs torch and vs the first native one, same run
         same = {r["variant"]: r for r in rows if r["K"] == n}
