@@ -631,6 +631,25 @@ def test_qwen35moe_ssm_key_missing_is_named(tmp_path, capsys):
     assert "'qwen35moe.ssm.time_step_rank' is missing" in err
 
 
+@pytest.mark.parametrize(
+    "sections, left", [([2, 0, 0], [1]), ([1, 0, 1], [1]), ([0, 1, 0], [0, 1]), ([1, 1, 0], [])]
+)
+def test_qwen35moe_mrope_pair_without_a_text_position_is_refused(tmp_path, capsys, sections, left):
+    """2 rotary pairs under llama.cpp's interleaved mrope: pair i's sector i % sum(sections) is
+    temporal / height / width by sector % 3 where that section is large enough ([0, 1, 0]: both
+    pairs are sector 0, temporal, of size 0); else the 4th position, which llama.cpp holds at 0
+    for text (never rotated there, where transformers rotates it): refused, naming the pairs."""
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                mrope_section=sections)  # fmt: skip
+    hf = hf_checkpoint("qwen3_5_moe_text", tmp_path / "hf", rope_parameters=rope)
+    write_gguf(hf, tmp_path / "m.gguf")
+    if not left:
+        assert main(["convert", str(tmp_path / "m.gguf"), str(tmp_path / "s")]) == 0
+        return
+    err = _convert_error(capsys, tmp_path / "m.gguf", tmp_path / "s")
+    assert f"rope.dimension_sections {sections + [0]} leaves rotary pair(s) {left} of 2" in err
+
+
 # ---- gpt-oss ------------------------------------------------------------------------------------
 def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
     """Q8_0 experts kept as int8 exactly, each record's fp32 b13 / b2 the file's F32 biases
