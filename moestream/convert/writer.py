@@ -426,7 +426,8 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def _uses_v5_scheme(layouts: dict, formats: dict) -> bool:
-    """A q8_0 or q4_1 expert projection or dense tensor: schemes version 4 readers do not know."""
+    """A q8_0, q4_1 or q5_0 expert projection or dense tensor: schemes version 4 readers do not
+    know."""
     names = {s.name for lay in layouts.values() for s in lay.schemes}
     names |= {f["scheme"]["name"] for f in formats.values()}
-    return bool(names & {"q8_0", "q4_1"})
+    return bool(names & {"q8_0", "q4_1", "q5_0"})
