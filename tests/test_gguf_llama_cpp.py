@@ -1,6 +1,6 @@
 """GGUF files written by llama.cpp's own converter (convert_hf_to_gguf.py) from tiny random
 checkpoints, and quantized by its llama-quantize: moestream's logits on the GGUF-derived store
-match transformers on the same (dequantized) weights (Q8_0, Q4_0, Q4_1, the K-quants and
+match transformers on the same (dequantized) weights (Q8_0, Q4_0, Q4_1, Q5_0, the K-quants and
 Q4_K_M's mix of them: kept exactly), greedy tokens equal llama-completion's
 on the reference model by the margin rule, llama-perplexity's distributions on f32 files of the
 newer architectures (and qwen35moe's one known difference, mrope sections that leave a pair
@@ -251,40 +251,83 @@ def test_llama_quantize_q4_0_is_kept_exactly(tmp_path, arch, capsys):
 
 
 @needs_build
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0"])
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_llama_quantize_q4_1_is_kept_exactly(tmp_path, arch, capsys):
-    """llama-quantize Q4_1: q4_1 experts and dense weights (its blocks as they are: every record
-    dequantizes to the file's values, read by the gguf package), the other types it keeps for
-    some tensors dequantized; within 1e-4 of transformers on the GGUF's values (kernel ref); the
-    native kernels give their spec's bits on llama.cpp's blocks (a record, a dense weight)."""
+def test_llama_quantize_q4_1_and_q5_0_are_kept_exactly(tmp_path, arch, qtype, capsys):
+    """llama-quantize Q4_1 / Q5_0: q4_1 / q5_0 experts and dense weights (its blocks as they are:
+    every record dequantizes to the file's values, read by the gguf package), the other types it
+    keeps for some tensors dequantized; within 1e-4 of transformers on the GGUF's values (kernel
+    ref); the native kernels give their spec's bits on llama.cpp's blocks (a record, a dense
+    weight)."""
     from gguf_models import assert_records_are
 
     from moestream.kernels import native
     from moestream.kernels.ref import qlinear_q8
+    from moestream.quant import tensor_width
 
     hf = tiny(arch, tmp_path / "hf")
     f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
-    path = llama_quantize(f32, tmp_path / "q4_1.gguf", "Q4_1")
+    path = llama_quantize(f32, tmp_path / f"{qtype}.gguf", qtype)
+    scheme = qtype.lower()
     capsys.readouterr()
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     err = capsys.readouterr().err
     s = Store(store)
-    assert s.scheme.name == "q4_1"
-    assert "Q4_1 expert tensor(s): kept exactly as q4_1" in err
-    assert "Q4_1 dense tensor(s): kept exactly as q4_1" in err
+    assert s.scheme.name == scheme
+    assert f"{qtype} expert tensor(s): kept exactly as {scheme}" in err
+    assert f"{qtype} dense tensor(s): kept exactly as {scheme}" in err
     values = dequantized_state(path, hf)
     assert_records_are(s, values)
     want = hf_logits(hf, values, tmp_path)
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
     name = "model.layers.0.self_attn.q_proj.weight"
-    assert s.dense_scheme(name).name == "q4_1"
+    assert s.dense_scheme(name).name == scheme
     layer = s.args.moe_layer_ids[0]
     buf = torch.frombuffer(bytearray(s.read_record(layer, 0)), dtype=torch.uint8)
     secs = [(s.layouts[layer].views(buf), "w13"), (s.layouts[layer].views(buf), "w2")]
     secs.append(({f"w.{k}": v for k, v in s.dense_sections(name).items()}, "w"))
     for sec, n in secs:
-        x = torch.randn(3, sec[f"{n}.q"].shape[1] * 2)
-        assert torch.equal(native.linear(x, sec, n), qlinear_q8(x, sec, n))
+        x = torch.randn(3, tensor_width(s.scheme, sec[f"{n}.q"]))
+        for isa in native.isas():
+            assert torch.equal(native.linear(x, sec, n, isa), qlinear_q8(x, sec, n))
+
+
+@needs_build
+def test_llama_quantize_q4_k_m_fallbacks_are_kept_exactly(tmp_path, capsys):
+    """llama-quantize Q4_K_M of rows narrower than a K-quant super-block (the tiny qwen3moe, widths
+    32 / 64) falls back to Q5_0 for Q4_K and Q8_0 for Q6_K: every expert tensor kept in its own
+    scheme (q5_0 gate/up, q5_0 or int8 down by layer), said so, nothing requantized; within 1e-4
+    of transformers on the GGUF's values; the native kernels give their spec's bits on each
+    layer's records."""
+    from gguf_models import assert_records_are
+
+    from moestream.kernels import native
+    from moestream.kernels.ref import qlinear_q8
+
+    hf = tiny("qwen3_moe", tmp_path / "hf")
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    path = llama_quantize(f32, tmp_path / "km.gguf", "Q4_K_M")
+    capsys.readouterr()
+    store = convert(path, tmp_path / "store", source_scheme(path, None), False)
+    err = capsys.readouterr().err
+    assert "Q5_0 expert tensor(s): kept exactly as q5_0" in err and "requantized" not in err
+    s = Store(store)
+    values = dequantized_state(path, hf)
+    kinds = {lay: tuple(x.name for x in s.layouts[lay].schemes) for lay in s.args.moe_layer_ids}
+    assert (
+        set(kinds.values()) <= {("q5_0", "q5_0"), ("q5_0", "int8")}
+        and len(set(kinds.values())) == 2
+    ), kinds  # both fallbacks met
+    assert_records_are(s, values, kinds)
+    want = hf_logits(hf, values, tmp_path)
+    assert (want - our_logits(store)).abs().max().item() < FP32_TOL
+    x = torch.randn(3, s.args.hidden_size, generator=torch.Generator().manual_seed(5))
+    for layer in s.args.moe_layer_ids:
+        buf = torch.frombuffer(bytearray(s.read_record(layer, 1)), dtype=torch.uint8)
+        sec = s.layouts[layer].views(buf)
+        for name, xin in (("w13", x), ("w2", x[:, : s.args.moe_intermediate_size])):
+            for isa in native.isas():
+                assert torch.equal(native.linear(xin, sec, name, isa), qlinear_q8(xin, sec, name))
 
 
 @needs_build
