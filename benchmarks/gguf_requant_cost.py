@@ -1,5 +1,5 @@
 """What convert's requantization of GGUF expert types without a store scheme (IQ*, Q2_K / Q3_K,
-Q5_0 / Q5_1) costs, beside types whose blocks a store keeps (Q4_0, Q4_K, Q8_0): the reference
+Q5_1) costs, beside types whose blocks a store keeps (Q4_0, Q4_K, Q5_0, Q8_0): the reference
 model through llama.cpp's converter (F32) and `llama-quantize --pure` into each type (the tensors
 whose rows its blocks do not divide fall back to a type llama.cpp picks: the 64-wide down
 projections), then, on the held-out text in `moestream eval`'s gate layout (windows of --ctx,
@@ -37,8 +37,8 @@ from common import bench_row, write_rows  # noqa: E402
 from quality_peers import held_out_text, open_store  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-KEPT = ("Q8_0", "Q4_K", "Q4_0")
-REQUANTIZED = ("Q5_1", "Q5_0", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K")
+KEPT = ("Q8_0", "Q4_K", "Q4_0", "Q5_0")
+REQUANTIZED = ("Q5_1", "IQ4_NL", "IQ4_XS", "Q3_K", "IQ3_S", "IQ3_XXS", "Q2_K")
 NEEDS_IMATRIX = ("IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 
 

@@ -3,7 +3,8 @@
 A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-block of 32, the
 "sym8" of seed 001), `int4` (per group of 32, asymmetric by default: see INT4_CHOICE), `q4_0`
 (llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored), `q4_1`
-(llama.cpp's Q4_1: 4-bit blocks of 32 with an fp16 scale and an fp16 minimum), `q8_0`
+(llama.cpp's Q4_1: 4-bit blocks of 32 with an fp16 scale and an fp16 minimum), `q5_0`
+(llama.cpp's Q5_0: symmetric 5-bit blocks of 32, fp16 scale, kept as a GGUF stores them), `q8_0`
 (llama.cpp's Q8_0: int8 as `int8` with the scale in fp16, 8.5 bits per weight against int8's 9) and
 the K-quants `q4_k`, `q5_k`, `q6_k` (llama.cpp's super-blocks of 256 as a GGUF stores them; GGUF
 only: `quantize` does not write them). Every
@@ -22,6 +23,9 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
         (row-major like int8: the native kernel streams each row front to back)
   q4_1: `q` as q4_0 (a GGUF's Q4_1 nibbles), `dm` fp16 [N, K/32, 2] (per block d, then m, as
         block_q4_1 holds them)   w = (q * d) + m
+  q5_0: `q` uint8 [N, K/32, 22], each row's GGUF blocks byte for byte (block_q5_0 {d fp16, qh[4]:
+        bit i of the little-endian u32 is element i's 5th bit, qs[16]: element i in the low nibble
+        of byte i, i + 16 in the high one})   w = (q - 16) * d
   q4_k / q5_k / q6_k: `q` uint8 [N, K/256, B], each row's GGUF blocks byte for byte (B = 144 /
         176 / 210: block_q4_K {d, dmin fp16, scales[12] (6-bit sc and m of 8 sub-blocks of 32),
         qs[128]}, block_q5_K {d, dmin, scales[12], qh[32], qs[128]}, block_q6_K {ql[128],
@@ -52,11 +56,12 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
-SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q8_0", "q4_k", "q5_k", "q6_k")
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
 Q4_0_BLOCK = 32  # llama.cpp's QK4_0 (and QK4_1, QK8_0)
 QK_K = 256  # llama.cpp's K-quant super-block; a K-quant scheme's group_size
 KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per super-block of 256
 KQUANT_OF_BYTES = {b: name for name, b in KQUANT_BYTES.items()}
+Q5_0_BYTES = 22  # block_q5_0: fp16 d, qh[4], qs[16] per 32 weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,7 +75,9 @@ class QuantScheme:
             raise ConfigError(f"unknown quantization {self.name!r}; use {', '.join(SCHEMES)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
-        if self.name in ("q4_0", "q8_0") and (self.group_size != Q4_0_BLOCK or not self.symmetric):
+        if self.name in ("q4_0", "q5_0", "q8_0") and (
+            self.group_size != Q4_0_BLOCK or not self.symmetric
+        ):
             raise ConfigError(f"{self.name} is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
         if self.name == "q4_1" and (self.group_size != Q4_0_BLOCK or self.symmetric):
             raise ConfigError(f"q4_1 is blocks of {Q4_0_BLOCK} with a minimum; drop --group-size")
@@ -195,7 +202,9 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)
     output = (
-        make_scheme("int8", experts.group_size) if name in ("int4", "q4_0", "q4_1") else weights
+        make_scheme("int8", experts.group_size)
+        if name in ("int4", "q4_0", "q4_1", "q5_0")
+        else weights
     )
     return DenseQuant(weights, output, keep_source=mode == "auto")
 
@@ -244,6 +253,8 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
             (f"{name}.q", torch.uint8, (n, k // 2)),
             (f"{name}.dm", torch.float16, (n, k // g, 2)),
         ]
+    if scheme.name == "q5_0":
+        return [(f"{name}.q", torch.uint8, (n, k // g, Q5_0_BYTES))]
     if scheme.name == "q8_0":
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
@@ -258,6 +269,8 @@ def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
     """K of a weight from its `q` section (4-bit schemes pack two values per byte)."""
     if scheme.name in KQUANT_BYTES:
         return q.shape[1] * QK_K
+    if scheme.name == "q5_0":
+        return q.shape[1] * Q4_0_BLOCK
     return q.shape[1] * (2 if scheme.name in ("int4", "q4_0", "q4_1") else 1)
 
 
@@ -367,6 +380,8 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return quantize_q4_0(blocks)
     if scheme.name == "q4_1":
         return quantize_q4_1(blocks)
+    if scheme.name == "q5_0":
+        return quantize_q5_0(blocks)
     if scheme.name == "q8_0":
         return quantize_q8_0(blocks)
     return _quantize_int4(scheme, blocks)
@@ -405,6 +420,40 @@ def quantize_q4_1(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
     q = torch.clamp(((blocks - lo[..., None]) * inv[..., None] + 0.5).trunc(), max=15)
     dm = torch.stack([d, lo], -1).to(torch.float16)  # [N, K/32, 2]
     return {"q": pack_q4_0(q.to(torch.uint8).view(n, kg * g)), "dm": dm}
+
+
+def quantize_q5_0(blocks: torch.Tensor) -> dict[str, torch.Tensor]:
+    """blocks [N, K/32, 32] -> q5_0 blocks, as llama.cpp's quantize_row_q5_0_ref: d = (the value
+    of largest magnitude) / -16, q = min(31, trunc(x / d + 16.5)) with the fp32 d, d kept fp16."""
+    n, kg, g = blocks.shape
+    idx = blocks.abs().argmax(-1, keepdim=True)
+    d = torch.gather(blocks, -1, idx)[..., 0] / -16.0  # [N, K/32]
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.clamp((blocks * inv[..., None] + 16.5).trunc(), max=31).to(torch.uint8)
+    return {"q": pack_q5_0(q, d.to(torch.float16))}
+
+
+def pack_q5_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """q [N, K/32, 32] values 0..31 and d fp16 [N, K/32] -> blocks uint8 [N, K/32, 22]: d, qh
+    (bit i of the little-endian u32: element i's 5th bit), qs (as pack_q4_0's bytes)."""
+    n, kg, _ = q.shape
+    bits = ((q >> 4) & 1).to(torch.int64) << torch.arange(32)  # [N, K/32, 32]
+    qh = bits.sum(-1)  # the u32, in int64
+    qh_bytes = torch.stack([(qh >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
+    qs = pack_q4_0((q & 15).reshape(n, kg * 32)).view(n, kg, 16)
+    return torch.cat([d.contiguous().view(torch.uint8).view(n, kg, 2), qh_bytes, qs], -1)
+
+
+def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of pack_q5_0: blocks uint8 [N, K/32, 22] -> (q int8 [N, K] = the values - 16, in
+    -16..15; d fp16 [N, K/32])."""
+    n, kg, _ = blocks.shape
+    d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
+    qh = blocks[..., 2:6].to(torch.int64)
+    word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [N, K/32]
+    hi = ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
+    lo = unpack_q4_0(blocks[..., 6:].reshape(n, kg * 16)).view(n, kg, 32)
+    return ((lo | hi).view(torch.int8) - 16).view(n, kg * 32), d
 
 
 def pack_q4_0(q: torch.Tensor) -> torch.Tensor:

@@ -365,7 +365,8 @@ def _metadata(writer, cfg: dict, skip_key: str | None) -> None:
             # (this gguf package has no recurrent_layers key: the interval gives the same types)
             full_attention_interval=types.index("full_attention") + 1,
             rope_dimension_count=int(head_dim * cfg["rope_parameters"]["partial_rotary_factor"]),
-            rope_dimension_sections=[11, 11, 10, 0],
+            # the config's (padded, as the converter does), else the hub files'
+            rope_dimension_sections=[*cfg["rope_parameters"].get("mrope_section", [11, 11, 10]), 0],
         )
     for key, value in adds.items():
         if key != skip_key and value is not None:

@@ -136,7 +136,7 @@ def test_tied_embedding_is_one_quantized_table(dense_store, quant):
     assert torch.equal(logits(m), logits(dequantized_float_model(folder, loaded.provider)))
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_1"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_1", "q5_0"])
 @pytest.mark.parametrize("n,k", [(160, 96), (320, 64), (2, 32)])  # 160: a partial int4 block
 def test_native_dense_linear_equals_its_spec(scheme, n, k):
     if not native.available():
@@ -156,7 +156,7 @@ def test_native_dense_linear_equals_its_spec(scheme, n, k):
     assert (got - ref).abs().max() < 0.05 * ref.abs().max()  # Q8_0 activations: close, not equal
 
 
-@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_1"])
+@pytest.mark.parametrize("scheme", ["int4", "int8", "q4_0", "q4_1", "q5_0"])
 def test_embedding_dequantizes_only_the_rows_asked_for(scheme):
     g = torch.Generator().manual_seed(1)
     w = torch.randn(130, 64, generator=g)  # 130 rows: the last int4 block has 2

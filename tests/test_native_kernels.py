@@ -58,7 +58,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-ROW_MAJOR = ("int4", "int8", "q4_0", "q4_1", "q8_0")  # schemes with a quantizer (and int4)
+ROW_MAJOR = ("int4", "int8", "q4_0", "q4_1", "q5_0", "q8_0")  # schemes with a quantizer (and int4)
 CASES = [(s, D, I) for s in ROW_MAJOR for D, I in SHAPES]
 CASES += [(s, D, I) for s in KQUANTS for D, I in K_SHAPES]
 

@@ -1,6 +1,6 @@
 """Quantizers and CPU kernels against kernels/ref.py.
 
-Tolerances: int8, bf16, q4_0 and q4_1 CPU kernels are the reference math (exact). int4 uses torch's packed
+Tolerances: int8, bf16, q4_0, q4_1 and q5_0 CPU kernels are the reference math (exact). int4 uses torch's packed
 kernel, which accumulates in another order: max abs error <= 1e-4 * sqrt(K) * max|y| relative."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_int4_layout_is_torchs_cpu_layout():
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q4_1", "q8_0"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0"])
 @pytest.mark.parametrize("shape", [(64, 64), (128, 256), (1536, 2048)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cpu_kernel_matches_reference(quant, shape, T):
@@ -58,7 +58,7 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
 @pytest.mark.parametrize(
     "quant,bound",
     [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095), ("q4_1", 0.09)]
-    + [("q8_0", 0.008)],
+    + [("q5_0", 0.05), ("q8_0", 0.008)],
 )
 def test_quantization_error_is_bounded(quant, bound):
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
@@ -127,6 +127,34 @@ def test_q4_1_is_llama_cpps_q4_1():
     assert make_scheme("q4_1").symmetric is False
     with pytest.raises(ConfigError, match="q4_1 is blocks of 32"):
         make_scheme("q4_1", 64)
+
+
+def test_q5_0_is_llama_cpps_q5_0():
+    """quantize(q5_0) writes the blocks llama.cpp's Q5_0 quantizer writes (the gguf package's port
+    of quantize_row_q5_0_ref: d, the 5th bits in qh, the nibbles), kept whole, and they
+    dequantize to its values bit for bit; every 5-bit value survives pack / unpack."""
+    import gguf
+    import numpy as np
+
+    from moestream.quant import pack_q5_0, unpack_q5_0
+
+    T = gguf.GGMLQuantizationType.Q5_0
+    w = torch.randn(48, 256, generator=torch.Generator().manual_seed(8))
+    w[0, :32] = 0.0  # an all-zero block: d = 0, every q = 16
+    w[1, 32:64] = torch.linspace(-3.0, 5.0, 32)  # every bit of qh in use, the max positive
+    sec = quantize(make_scheme("q5_0"), w)
+    theirs = gguf.quants.quantize(w.numpy(), T)
+    assert sec["q"].shape == (48, 8, 22)
+    assert np.array_equal(theirs.reshape(48, 8, 22), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs, T))
+    got = dequantize(_sections(make_scheme("q5_0"), w), "w", 32, torch.float32)
+    assert torch.equal(got, want) and got[0, :32].eq(0).all()
+    q = torch.randint(0, 32, (5, 4, 32), generator=torch.Generator().manual_seed(9))
+    d = torch.randn(5, 4).half()
+    back, d2 = unpack_q5_0(pack_q5_0(q.to(torch.uint8), d))
+    assert torch.equal(back, (q - 16).view(5, 128).to(torch.int8)) and torch.equal(d2, d)
+    with pytest.raises(ConfigError, match="q5_0 is symmetric blocks of 32"):
+        make_scheme("q5_0", 64)
 
 
 def test_q8_0_is_llama_cpps_q8_0():

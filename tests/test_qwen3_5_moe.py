@@ -202,3 +202,28 @@ def test_hub_config_reads_like_transformers():
     torch.testing.assert_close(got, want.float(), rtol=1e-6, atol=0)
     text_only = model_args_from_dict(HUB_CONFIG["text_config"])
     assert text_only == a
+
+
+@pytest.mark.parametrize("sections", [[2, 0, 0], [1, 1, 0], [0, 1, 0], [11, 11, 10]])
+def test_text_positions_rotate_every_pair_whatever_the_mrope_sections(sections):
+    """transformers expands text positions to three equal rows (t, h, w), so its interleaved
+    mrope is the plain RoPE on every rotary pair, whatever the sections: moestream's Rope table.
+    (llama.cpp differs where sections leave a pair on its 4th position: test_gguf.)"""
+    import transformers as T
+
+    from moestream.models import model_args_from_dict
+    from moestream.models.layers import Rope
+
+    rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25,
+                mrope_section=sections)  # fmt: skip
+    cfg = T.Qwen3_5MoeTextConfig(head_dim=16, rope_parameters=rope)
+    rotary = T.models.qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeTextRotaryEmbedding(cfg)
+    x = torch.zeros(1, 40, 16)
+    cos, sin = rotary(x, torch.arange(40)[None])  # [1, T, rd]
+    a = model_args_from_dict(cfg.to_dict())
+    our_cos, our_sin = Rope(a.rope, a.rotary_dim, 64)(0, 40, torch.float32)
+    rd = a.rotary_dim
+    assert rd == 4 and cos.shape[-1] == rd
+    torch.testing.assert_close(our_cos, cos[0], rtol=0, atol=0)
+    torch.testing.assert_close(our_sin[:, rd // 2 :], sin[0][:, rd // 2 :], rtol=0, atol=0)
+    torch.testing.assert_close(-our_sin[:, : rd // 2], sin[0][:, : rd // 2], rtol=0, atol=0)

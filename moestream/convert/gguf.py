@@ -12,7 +12,7 @@ shifted norms, A = -exp(A_log) and tiled value heads), `gguf_vocab` (the tokeniz
 Here: each tensor classified by name (an unknown one refused), read in Hugging Face's shape and
 row order; fused tensors (`attn_qkv`, `ffn_gate_up_exps`) as their parts, row ranges of the one
 tensor; gpt-oss's expert biases (`ffn_*_exps.bias`) into the records' b13 / b2. Blocks a store
-scheme holds exactly (Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1, Q4_K / Q5_K / Q6_K -> q4_k /
+scheme holds exactly (Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1, Q5_0 -> q5_0, Q4_K / Q5_K / Q6_K -> q4_k /
 q5_k / q6_k; MXFP4 -> int8, its values rewritten exactly) are copied byte for byte, experts
 (`expert_sections`) and dense weights (`dense_sections`) alike; under `ExpertQuant.keep_source`
 each expert projection keeps its own type (`record_layouts`: per layer, w13's and w2's scheme),
@@ -435,7 +435,7 @@ class GGUFCheckpoint:
 
     def default_scheme(self, group_size: int = 32) -> QuantScheme:
         """The experts' own scheme when every expert tensor has one type a scheme holds exactly
-        (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K, MXFP4: kept exactly), else int8 when every one has >= 8 bits
+        (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K, MXFP4: kept exactly), else int8 when every one has >= 8 bits
         per weight, else int4: the scheme of the store, and of what convert requantizes (the
         other types kept, `ExpertQuant.keep_source`)."""
         types = set(self.expert_type_counts())

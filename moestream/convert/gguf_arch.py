@@ -392,6 +392,8 @@ class GgufHeader:
         n_v = int(self.arch_key("ssm.time_step_rank"))
         inner = int(self.arch_key("ssm.inner_size"))
         shexp = self.tensors.get("blk.0.ffn_gate_shexp.weight")
+        rot = int(self.arch_key("rope.dimension_count"))
+        self._check_text_mrope(rot // 2)
         return {
             "layer_types": ["linear_attention" if x else "full_attention" for x in recurrent],
             "linear_conv_kernel_dim": int(self.arch_key("ssm.conv_kernel")),
@@ -400,8 +402,30 @@ class GgufHeader:
             "linear_key_head_dim": int(self.arch_key("ssm.state_size")),
             "linear_value_head_dim": inner // n_v,
             "shared_expert_intermediate_size": 0 if shexp is None else int(shexp.shape[1]),
-            "partial_rotary_factor": int(self.arch_key("rope.dimension_count")) / cfg["head_dim"],
+            "partial_rotary_factor": rot / cfg["head_dim"],
         }
+
+    def _check_text_mrope(self, pairs: int) -> None:
+        """qwen35moe's interleaved mrope (llama.cpp's IMROPE) is the plain RoPE for text only where
+        `rope.dimension_sections` give every rotary pair a temporal / height / width section: a
+        pair left on the 4th, which llama.cpp holds at position 0 for text, never rotates there
+        (ggml-cpu ops.cpp `ggml_mrope_cache_init`, llama-graph.cpp "4th dim is 0"), where the
+        Hugging Face model rotates it. Hub files' [11, 11, 10] cover all 32 pairs; without the key
+        (a config without mrope_section; llama.cpp requires it) RoPE is plain."""
+        key = f"{self.arch_name}.rope.dimension_sections"
+        sections = [int(s) for s in self.key(key, [1, 1, 1])][:4]
+        total = sum(sections)
+        if len(sections) < 3 or total <= 0:
+            raise CheckpointError(f"{self.folder}: {key} {sections} gives no rotary pair a section")
+        # pair i's sector i % total takes section sector % 3 if sector < 3 x that section's size
+        left = [i for i in range(pairs) if (s := i % total) >= 3 * sections[s % 3]]
+        if left:
+            raise CheckpointError(
+                f"{self.folder}: {key} {sections} leaves rotary pair(s) {left} of {pairs} on "
+                "llama.cpp's 4th mrope position, which it holds at 0 for text: llama.cpp never "
+                "rotates them, the Hugging Face model does; not supported (the hub files' "
+                "sections cover every pair)"
+            )
 
     def _gpt_oss_fields(self, cfg: dict[str, Any], dense_layers: list[int]) -> dict:
         """gpt-oss: which layers slide (`attention.sliding_window_pattern`: per-layer flags, or a

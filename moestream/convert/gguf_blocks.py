@@ -6,15 +6,15 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moestream.quant import KQUANT_BYTES, QuantScheme, make_scheme
+from moestream.quant import KQUANT_BYTES, Q5_0_BYTES, QuantScheme, make_scheme
 
 # Types kept as they are in the dense file; every other weight type is dequantized to fp32.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
 # GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 / Q4_1 (blocks of 32, fp16 d (Q4_1:
-# and m), then the quants: split into the scheme's sections) and the K-quants (their blocks as
-# they are).
-EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+# and m), then the quants: split into the scheme's sections), Q5_0 and the K-quants (their blocks
+# as they are).
+EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0"}
 EXACT.update({"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"})
 # MXFP4 (gpt-oss's experts) is int8 exactly too: twice each e2m1 value is an integer in [-12, 12]
 # and half the e8m0 scale a power of two (9 bits per weight against the file's 4.25).
@@ -29,6 +29,7 @@ _BLOCK_BYTES = {
     "Q8_0": 34,
     "Q4_0": 18,
     "Q4_1": 20,
+    "Q5_0": Q5_0_BYTES,
     "MXFP4": 17,
     **{k.upper(): b for k, b in KQUANT_BYTES.items()},
 }
@@ -45,12 +46,13 @@ def sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str,
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
     as stored); MXFP4 -> int8 q, s (`_mxfp4_int8`); Q4_0 -> q uint8 [N, K/2]
     (the 16 nibble bytes as stored), d fp16 [N, K/32]; Q4_1 -> q as Q4_0's, dm fp16 [N, K/32, 2]
-    (d, m as stored); K-quants -> q uint8 [N, K/256, B], the blocks as stored."""
+    (d, m as stored); Q5_0 -> q uint8 [N, K/32, 22] and K-quants -> q uint8 [N, K/256, B], the
+    blocks as stored."""
     raw = np.ascontiguousarray(raw)
     n = raw.shape[0]
     if kind == "MXFP4":
         return _mxfp4_int8(raw.reshape(n, -1, _BLOCK_BYTES[kind]))
-    if kind.lower() in KQUANT_BYTES:
+    if kind.lower() in KQUANT_BYTES or kind == "Q5_0":
         return {"q": torch.from_numpy(raw.reshape(n, -1, _BLOCK_BYTES[kind]).copy())}
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
     if kind == "Q4_1":  # fp16 d, fp16 m, then the nibbles
@@ -90,8 +92,10 @@ def _mxfp4_int8(blocks: np.ndarray) -> dict[str, torch.Tensor]:
 REQUANT_COST: dict[tuple[str, str], tuple[float, float]] = {
     ("Q5_1", "int4"): (0.0244, 0.0150),
     ("Q5_1", "int8"): (0.0011, 0.0150),
+    # Q5_0 is kept (q5_0) by default, adding 0.0018: these are `--quant int4` / `int8` of it
+    # (int4 measured before q5_0 existed, with the dense Q5_0 tensors dequantized)
     ("Q5_0", "int4"): (0.0215, 0.0189),
-    ("Q5_0", "int8"): (0.0011, 0.0189),
+    ("Q5_0", "int8"): (0.0017, 0.0189),
     ("IQ4_NL", "int4"): (0.0241, 0.0484),
     ("IQ4_NL", "int8"): (0.0007, 0.0484),
     ("IQ4_XS", "int4"): (0.0244, 0.0486),

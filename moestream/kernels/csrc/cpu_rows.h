@@ -50,11 +50,13 @@ struct QAct {
 };
 
 // The K-quants (kquant_cpu.h) are kinds 3..5.
-enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6 };
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6, kQ5_0 = 7 };
+constexpr int kQ5_0Bytes = 22;  // block_q5_0: fp16 d, qh[4], qs[16]
 
 // One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [N * K/32, 2] (blocked: int4_sz), int8 q [N, K] + s fp32
 // [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
-// d fp16 [N, K/32], or q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m).
+// d fp16 [N, K/32], q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m), or q5_0 blocks
+// uint8 [N, K/32, 22] as a GGUF stores them (s unused).
 struct Weight {
   const uint8_t* q;
   const void* s;

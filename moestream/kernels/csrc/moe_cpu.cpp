@@ -305,6 +305,50 @@ void q4_1_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   }
 }
 
+// q5_0 (w = (q - 16) * d, q 0..31: the low nibble from qs, the 5th bit from qh): per block
+// (d_w * d_x) * sum((q - 16) * x), as q4_0; the dot is an exact integer (<= 16 * 127 * 32).
+struct Q5Block {
+  const uint8_t* b;  // one block_q5_0
+  float d() const {
+    uint16_t h;
+    std::memcpy(&h, b, 2);
+    return fp16(h);
+  }
+  uint32_t qh() const {
+    uint32_t v;
+    std::memcpy(&v, b + 2, 4);
+    return v;
+  }
+};
+
+inline const uint8_t* q5_0_block(const Weight& w, int r, int j) {
+  return w.q + ((size_t)r * (w.K / G) + j) * kQ5_0Bytes;
+}
+
+int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
+  const uint32_t qh = Q5Block{blk}.qh();
+  const uint8_t* qs = blk + 6;
+  int32_t dot = 0;
+  for (int i = 0; i < G / 2; ++i) {
+    dot += ((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16) * xq[i];
+    dot += ((int)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16) * xq[G / 2 + i];
+  }
+  return dot;
+}
+
+void q5_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* xq = a.qr(t);
+  for (int r = r0; r < r0 + n; ++r) {
+    BlockLanes acc(nb);
+    for (int j = 0; j < nb; ++j) {
+      const uint8_t* blk = q5_0_block(w, r, j);
+      acc.add(j, (Q5Block{blk}.d() * a.dr(t)[j]) * (float)q5_0_dot(blk, xq + j * G));
+    }
+    y[r - r0] = acc.sum();
+  }
+}
+
 // ---- AVX2 + FMA ----------------------------------------------------------------------------------
 // int4, one full block of 64 rows: per k pair, the two k's nibbles of a row are interleaved into
 // adjacent bytes so one maddubs gives that row's two products (u8 0..15 x s8: no saturation); 8
@@ -513,6 +557,58 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int
   *y = acc;
 }
 
+// Eight q5_0 blocks from block j of row r -> wv[b] = block b's 32 u8 values (0..31) in input
+// order (the nibbles as nibble_blocks8 lays them, the qh bits expanded to 0x10 per byte, byte i
+// from bit i), ws = their d widened.
+__attribute__((target("avx2,fma"))) inline void q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv,
+                                                             float* ws) {
+  const uint8_t* p = q5_0_block(w, r, j);
+  prefetch_ahead(p, 8 * kQ5_0Bytes);
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
+  const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: every bit but i % 8
+  for (int b = 0; b < 8; ++b) {
+    const Q5Block blk{p + b * kQ5_0Bytes};
+    const __m128i v = _mm_loadu_si128((const __m128i*)(blk.b + 6));
+    const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)blk.qh()), spread), others);
+    const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
+    wv[b] = _mm256_or_si256(lo, hi);
+    ws[b] = blk.d();
+  }
+}
+
+// q5_0, one row front to back: q5_0_blocks8's values in maddubs with the int8 activations (<= 2 *
+// 31 * 127: no saturation), eight blocks' dots to int32 at once, minus 16 * sum x (exactly
+// sum (q - 16) x); the fp32 terms added into their 8 lanes (q4_0_row_avx2's steps).
+__attribute__((target("avx2,fma"))) void q5_0_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
+  const int nb = w.K / G;
+  const int8_t* xq = a.qr(t);
+  const float* d = a.dr(t);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i wv[8], p[8];
+    float ws[8];
+    q5_0_blocks8(w, r, j, wv, ws);
+    for (int b = 0; b < 8; ++b)
+      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
+    const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(t) + j)), 4);
+    const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
+    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(d + j));
+    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+  }
+  float l[8];
+  _mm256_storeu_ps(l, accv);
+  float acc = lanes_sum(l);
+  for (; j < nb; ++j) {  // the last blocks: the scalar path's arithmetic
+    const uint8_t* blk = q5_0_block(w, r, j);
+    acc = acc + (Q5Block{blk}.d() * d[j]) * (float)q5_0_dot(blk, xq + j * G);
+  }
+  *y = acc;
+}
+
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
 // Each kernel below reads a weight block once for up to kTile activation rows and gives every
 // output element the bits of the one-row kernel above: the same exact integer block dots, then
@@ -611,6 +707,31 @@ void q4_1_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
       }
       const uint16_t* dmj = dm + ((size_t)r * nb + j) * 2;
       for (int i = 0; i < nt; ++i) acc[i].add(j, q4_1_term(dmj, a.dr(ts[i])[j], dot[i], a.sr(ts[i])[j]));
+    }
+    for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
+  }
+}
+
+void q5_0_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                         size_t ys) {
+  const int nb = w.K / G;
+  for (int r = r0; r < r0 + n; ++r) {
+    BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
+    for (int j = 0; j < nb; ++j) {
+      const uint8_t* blk = q5_0_block(w, r, j);
+      const uint32_t qh = Q5Block{blk}.qh();
+      int32_t dot[kTile] = {};
+      for (int k = 0; k < G / 2; ++k) {
+        const int lo = (int)((blk[6 + k] & 15) | (((qh >> k) & 1) << 4)) - 16;
+        const int hi = (int)((blk[6 + k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16;
+        for (int i = 0; i < nt; ++i) {
+          const int8_t* xq = a.qr(ts[i]);
+          dot[i] += lo * xq[j * G + k];
+          dot[i] += hi * xq[j * G + G / 2 + k];
+        }
+      }
+      const float dw = Q5Block{blk}.d();
+      for (int i = 0; i < nt; ++i) acc[i].add(j, (dw * a.dr(ts[i])[j]) * (float)dot[i]);
     }
     for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
   }
@@ -829,6 +950,46 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
   }
 }
 
+// q5_0, one row x NT activation rows: eight blocks' values unpacked once, then per row
+// q5_0_row_avx2's sums (madd to int32: a half block's 16 products reach 16 * 31 * 127, past int16).
+template <int NT>
+__attribute__((target("avx2,fma"))) void q5_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
+                                                           float* y, size_t ys) {
+  const int nb = w.K / G;
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accv[NT];
+  for (auto& v : accv) v = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    __m256i wv[8];
+    float ws[8];
+    q5_0_blocks8(w, r, j, wv, ws);
+    const __m256 wsv = _mm256_loadu_ps(ws);
+    for (int i = 0; i < NT; ++i) {
+      const int8_t* xq = a.qr(ts[i]);
+      __m256i p[8];
+      for (int b = 0; b < 8; ++b)
+        p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
+                                 ones);
+      const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), 4);
+      const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
+      const __m256 c = _mm256_mul_ps(wsv, _mm256_loadu_ps(a.dr(ts[i]) + j));
+      accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+    }
+  }
+  for (int i = 0; i < NT; ++i) {
+    float l[8];
+    _mm256_storeu_ps(l, accv[i]);
+    float acc = lanes_sum(l);
+    const int t = ts[i];
+    for (int jj = j; jj < nb; ++jj) {
+      const uint8_t* blk = q5_0_block(w, r, jj);
+      acc = acc + (Q5Block{blk}.d() * a.dr(t)[jj]) * (float)q5_0_dot(blk, a.qr(t) + jj * G);
+    }
+    y[i * ys] = acc;
+  }
+}
+
 bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
 }
@@ -857,6 +1018,13 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
       for (int i = 0; i < n; ++i) q4_1_row_avx2(w, r0 + i, a, t, y + i);
     else
       q4_1_rows_scalar(w, r0, n, a, t, y);
+    return;
+  }
+  if (w.kind == kQ5_0) {  // no AVX-512 rows: the AVX2 ones run there
+    if (isa >= kAvx2)
+      for (int i = 0; i < n; ++i) q5_0_row_avx2(w, r0 + i, a, t, y + i);
+    else
+      q5_0_rows_scalar(w, r0, n, a, t, y);
     return;
   }
   if (isa >= kAvx512)
@@ -894,6 +1062,11 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
     for (int i = 0; i < n; ++i) q4_1_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
     return;
   }
+  if (w.kind == kQ5_0) {
+    if (isa < kAvx2) return q5_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
+    for (int i = 0; i < n; ++i) q5_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    return;
+  }
   if (isa < kAvx2)
     return a.wide ? int8_rows_scalar_nt<int16_t>(w, r0, n, a, ts, NT, y, ys)
                   : int8_rows_scalar_nt<int8_t>(w, r0, n, a, ts, NT, y, ys);
@@ -928,6 +1101,10 @@ void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, i
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
   const auto qt = q.scalar_type(), st = s.scalar_type();
+  if (q.dim() == 3 && q.size(2) == kQ5_0Bytes) {  // GGUF Q5_0 blocks [N, K/32, 22] (s is q)
+    TORCH_CHECK(qt == torch::kUInt8, "q5_0 blocks must be uint8 [N, K/32, 22]");
+    return {(const uint8_t*)q.data_ptr(), nullptr, (int)q.size(0), (int)q.size(1) * G, kQ5_0};
+  }
   if (q.dim() == 3) {  // GGUF K-quant blocks [N, K/256, B]: they carry their scales (s is q)
     const int kq = moestream_kquant::kind_of_bytes(q.size(2));
     TORCH_CHECK(qt == torch::kUInt8 && kq > 0, "K-quant blocks must be uint8 [N, K/256, 144|176|210]");
