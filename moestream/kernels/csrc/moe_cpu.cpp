@@ -559,29 +559,32 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int
 
 // Eight q5_0 blocks from block j of row r -> wv[b] = block b's 32 u8 values (0..31) in input
 // order (the nibbles as nibble_blocks8 lays them, the qh bits expanded to 0x10 per byte, byte i
-// from bit i), ws = their d widened.
-__attribute__((target("avx2,fma"))) inline void q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv,
-                                                             float* ws) {
+// from bit i), and their eight d widened (F16C: exact, as fp16()).
+__attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv) {
   const uint8_t* p = q5_0_block(w, r, j);
   prefetch_ahead(p, 8 * kQ5_0Bytes);
   const __m128i m4 = _mm_set1_epi8(15);
   const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
   const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: every bit but i % 8
+  const __m256i ones = _mm256_set1_epi8(-1), bit4 = _mm256_set1_epi8(16);
+  uint16_t d[8];
   for (int b = 0; b < 8; ++b) {
-    const Q5Block blk{p + b * kQ5_0Bytes};
-    const __m128i v = _mm_loadu_si128((const __m128i*)(blk.b + 6));
+    const uint8_t* blk = p + b * kQ5_0Bytes;
+    std::memcpy(d + b, blk, 2);
+    int32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 6));
     const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)blk.qh()), spread), others);
-    const __m256i hi = _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi8(-1)), _mm256_set1_epi8(16));
-    wv[b] = _mm256_or_si256(lo, hi);
-    ws[b] = blk.d();
+    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), others);
+    wv[b] = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(bytes, ones), bit4));
   }
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
 // q5_0, one row front to back: q5_0_blocks8's values in maddubs with the int8 activations (<= 2 *
 // 31 * 127: no saturation), eight blocks' dots to int32 at once, minus 16 * sum x (exactly
 // sum (q - 16) x); the fp32 terms added into their 8 lanes (q4_0_row_avx2's steps).
-__attribute__((target("avx2,fma"))) void q5_0_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
+__attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* xq = a.qr(t);
   const float* d = a.dr(t);
@@ -590,13 +593,12 @@ __attribute__((target("avx2,fma"))) void q5_0_row_avx2(const Weight& w, int r, c
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
     __m256i wv[8], p[8];
-    float ws[8];
-    q5_0_blocks8(w, r, j, wv, ws);
+    const __m256 ws = q5_0_blocks8(w, r, j, wv);
     for (int b = 0; b < 8; ++b)
       p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
     const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(t) + j)), 4);
     const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
-    const __m256 c = _mm256_mul_ps(_mm256_loadu_ps(ws), _mm256_loadu_ps(d + j));
+    const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(d + j));
     accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
   }
   float l[8];
@@ -953,7 +955,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
 // q5_0, one row x NT activation rows: eight blocks' values unpacked once, then per row
 // q5_0_row_avx2's sums (madd to int32: a half block's 16 products reach 16 * 31 * 127, past int16).
 template <int NT>
-__attribute__((target("avx2,fma"))) void q5_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
+__attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
                                                            float* y, size_t ys) {
   const int nb = w.K / G;
   const __m256i ones = _mm256_set1_epi16(1);
@@ -962,9 +964,7 @@ __attribute__((target("avx2,fma"))) void q5_0_row_avx2_nt(const Weight& w, int r
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
     __m256i wv[8];
-    float ws[8];
-    q5_0_blocks8(w, r, j, wv, ws);
-    const __m256 wsv = _mm256_loadu_ps(ws);
+    const __m256 wsv = q5_0_blocks8(w, r, j, wv);
     for (int i = 0; i < NT; ++i) {
       const int8_t* xq = a.qr(ts[i]);
       __m256i p[8];
