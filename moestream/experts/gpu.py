@@ -199,9 +199,21 @@ class GpuExperts(ExpertProvider):
         self._seen = torch.zeros(2 * L, K, dtype=torch.int64, device=self.device)
         self._seen_host = torch.zeros(self.AHEAD, 2 * L, K, dtype=torch.int64,
                                       pin_memory=self.cuda)  # fmt: skip
-        self._issued: list[tuple[int, object]] = []  # steps issued, not read: (buffer, event)
+        self._issued: list[int] = []  # steps issued and not read yet: their buffers
         self._ready: list = []  # read steps' [2L, K] ids + codes, for the table
         self._n_issued = 0
+        # one account's index uploads (evicted rows + codes, admitted rows + slots: at most
+        # 4 L K values) through AHEAD pinned buffers, each reused once its last upload is done
+        self._idx_host = torch.zeros(self.AHEAD, 4 * L * K, dtype=torch.int64, pin_memory=self.cuda)
+        self._n_idx = 0
+        cuda_event = torch.cuda.Event if self.cuda else lambda: None
+        self._seen_ev = [cuda_event() for _ in range(self.AHEAD)]
+        self._idx_ev = [cuda_event() for _ in range(self.AHEAD)]
+        from moestream.kernels.triton.copy import SectionCopy  # triton: the gpu extra only
+
+        names = list(self.pool.sections)
+        self._copy_rows = SectionCopy([self.mirror.sections[n] for n in names],
+                                      [self.pool.sections[n] for n in names])  # fmt: skip
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
         self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
         self.device_hits = 0
@@ -231,16 +243,14 @@ class GpuExperts(ExpertProvider):
         t0 = time.perf_counter()
         try:
             # the step's routing and codes to the host behind it (before the next step writes
-            # _seen); events only on CUDA (the CPU path ran the step already)
+            # _seen); on the CPU the step ran already
             j = self._n_issued % self.AHEAD
             self._n_issued += 1
             assert len(self._issued) < self.AHEAD, "a routing buffer reused before it was read"
             self._seen_host[j].copy_(self._seen, non_blocking=True)
-            ev = None
             if self.cuda:
-                ev = torch.cuda.Event()
-                ev.record()
-            self._issued.append((j, ev))
+                self._seen_ev[j].record()
+            self._issued.append(j)
             self._account()
         finally:
             self.bookkeeping_seconds += time.perf_counter() - t0
@@ -250,9 +260,9 @@ class GpuExperts(ExpertProvider):
             return
         t0 = time.perf_counter()
         try:
-            j, ev = self._issued.pop(0)
-            if ev is not None:
-                ev.synchronize()  # done already: the generator read the step's token
+            j = self._issued.pop(0)
+            if self.cuda:
+                self._seen_ev[j].synchronize()  # done already: the generator read the step
             self._ready.append(self._seen_host[j].numpy().copy())
             self._account()
         finally:
@@ -277,32 +287,30 @@ class GpuExperts(ExpertProvider):
         self.host_reads += reads
         self.device_hits += seen[L:].size - reads
         h0, m0, t0 = t.hits, t.misses, time.perf_counter()
-        fix: list[tuple[int, int]] = []  # (mirror row, new slot_map value)
+        fix: list[int] = []  # mirror rows of evicted keys (their code: -1 - row)
         admits: list[tuple[int, int, int]] = []  # (layer index, expert, slot)
+        routed = seen[:L].tolist()
         for li, layer in enumerate(self.layers):
             try:
-                step = t.access(layer, sorted(set(seen[li].tolist())))
+                step = t.access(layer, sorted(set(routed[li])))
                 evicted = step.evicted
             except PolicyError as err:
                 # Every victim is being copied: these misses stay host reads this step; the
                 # keys the failed access had already evicted must still get their codes back.
                 self.skipped += 1
                 evicted, step = err.evicted, None
-            fix += [(self.layer_index[lay] * E + e, -1 - (self.layer_index[lay] * E + e))
-                    for lay, e in evicted]  # fmt: skip
+            fix += [self.layer_index[lay] * E + e for lay, e in evicted]
             if step is None:
                 continue
             # busy until published: no later access (this loop's other layers included) may
             # hand their slots to another key while the copies are in flight
-            t.reserve((layer, e) for e, _ in step.misses)
+            t.reserve([(layer, e) for e, _ in step.misses])
             admits += [(li, e, slot) for e, slot in step.misses]
         self._table_counted[0] += t.hits - h0
         self._table_counted[1] += t.misses - m0
         self.decode_table_seconds += time.perf_counter() - t0
-        if admits:
-            self._admit(admits, fix)
-        else:
-            self._update_map(fix)
+        if fix or admits:
+            self._apply(fix, admits)
 
     def _published(self, wait: bool) -> None:
         """Admissions whose copies are done (all of them with `wait`) leave the busy set (their
@@ -318,48 +326,50 @@ class GpuExperts(ExpertProvider):
             self.table.release((self.layers[li], e) for li, e, _ in admits)
         self._pending = keep
 
-    def _update_map(self, fix: list[tuple[int, int]]) -> None:
-        """slot_map.view(-1)[row] = value for each pair, on the current stream (ordered after
-        the steps already issued, before the next)."""
-        if not fix:
-            return
-        vals = torch.tensor(fix, dtype=torch.int64)
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """int64 values -> the device in one copy on the current stream, through the next of
+        AHEAD pinned buffers (waiting, rarely, for its last upload to finish)."""
+        j = self._n_idx % self.AHEAD
+        self._n_idx += 1
         if self.cuda:
-            vals = vals.pin_memory().to(self.device, non_blocking=True)
-        self.slot_map.view(-1)[vals[:, 0]] = vals[:, 1]
+            self._idx_ev[j].synchronize()
+        buf = self._idx_host[j, : len(values)]
+        buf.numpy()[:] = values
+        if not self.cuda:
+            return buf.clone()
+        dev = buf.to(self.device, non_blocking=True)
+        self._idx_ev[j].record()
+        return dev
 
-    def _admit(self, admits: list[tuple[int, int, int]], fix: list[tuple[int, int]]) -> None:
-        """Evicted keys' codes back on the compute stream, then the admitted records copied
-        mirror -> their slots on the copy stream behind every step issued so far (an evicted slot
-        may still be read by them) and their slots published in slot_map right after the copy,
-        on that stream: a step issued later, or a later layer of a running one, reads them from
-        VRAM as soon as they land (a step reads a code either before or after the publish: the
-        mirror row or the copied slot, the same bits)."""
-        self._update_map(fix)
-        # [rows..., slots...]: each half a contiguous vector for the copy kernel
-        idx = torch.tensor([li * self.E + e for li, e, _ in admits] + [s for _, _, s in admits],
-                           dtype=torch.int64)  # fmt: skip
-        n, ev = len(admits), None
+    def _apply(self, fix: list[int], admits: list[tuple[int, int, int]]) -> None:
+        """Evicted keys' codes back on the compute stream, behind every issued step; then the
+        admitted records copied mirror -> their slots on the copy stream behind those steps (an
+        evicted slot may still be read by them) and their slots published in slot_map right
+        after the copy, on that stream: a step issued later, or a later layer of a running one,
+        reads them from VRAM as soon as they land (a step reads a code either before or after
+        the publish: the mirror row or the copied slot, the same bits)."""
+        f, n = len(fix), len(admits)
+        vals = self._upload(fix + [-1 - r for r in fix] + [li * self.E + e for li, e, _ in admits]
+                            + [s for _, _, s in admits])  # fmt: skip
+        flat = self.slot_map.view(-1)
+        if f:
+            flat[vals[:f]] = vals[f : 2 * f]
+        if not n:
+            return
+        rows, slots = vals[2 * f : 2 * f + n], vals[2 * f + n :]
+        ev = None
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            vals.record_stream(self.copy_stream)  # read there after this stream moves on
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda:
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
-            self._copy_rows(idx[:n], idx[n:])
-            self.slot_map.view(-1)[idx[:n]] = idx[n:]
+            self._copy_rows(rows, slots)
+            flat[rows] = slots
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record()
         self.h2d_bytes += n * self.size
         self.admit_bytes += n * self.size
         self._pending.append((ev, admits))
-
-    def _copy_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """pool[slots[i]] = mirror[rows[i]] for every section, on the current stream."""
-        from moestream.kernels.triton.copy import copy_rows
-
-        for name, t in self.pool.sections.items():
-            copy_rows(self.mirror.sections[name], t, rows, slots)
 
     def _drain(self) -> None:
         """Finish every pending admission (before the host path reads slot_map and the pool)."""
