@@ -137,11 +137,28 @@ def profile_prefill(store: Path, tokens: int, a) -> dict:
             walls.append(time.perf_counter() - t0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             once()
+        syncs = host_syncs(once)
     wall = sorted(walls)[1]
     us, count, rows = kernel_table(prof, 1)
     return {"variant": f"prefill{tokens}", "prefill_tokens": tokens, "prefill_ms": wall * 1e3,
             "prefill_tok_s": tokens / wall, "gpu_kernel_us": us, "kernels": count,
+            "host_syncs": len(syncs), "host_sync_sites": syncs[:8],
             "top_kernels": rows[: a.top]}  # fmt: skip
+
+
+def host_syncs(fn) -> list[str]:
+    """The synchronising CUDA calls fn makes (torch's sync debug mode): the Python line of each."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename}:{w.lineno} {str(w.message)[:80]}" for w in got
+            if "synchroniz" in str(w.message)]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -193,7 +210,10 @@ def report(a, config: dict, r: dict) -> None:
     """Print one row and append it to --out at once (an interrupted run keeps what it did)."""
     if "prefill_ms" in r:
         print(f"{r['quant']} {r['variant']}: {r['prefill_ms']:.2f} ms = {r['prefill_tok_s']:.0f} "
-              f"tok/s, GPU kernels {r['gpu_kernel_us']:.0f} us ({r['kernels']:.0f} kernels)")  # fmt: skip
+              f"tok/s, GPU kernels {r['gpu_kernel_us']:.0f} us ({r['kernels']:.0f} kernels), "
+              f"{r['host_syncs']} host syncs")  # fmt: skip
+        for site in r["host_sync_sites"]:
+            print(f"   sync: {site}")
     else:
         print(
             f"{r['quant']} {r['variant']}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} "

@@ -1,8 +1,8 @@
 """Prefill-path Triton kernels: tokens grouped by expert, each expert's weights read once per block
 of BLOCK_M (token, slot) rows and multiplied with tl.dot (tensor cores).
 
-`align_blocks` groups the pairs on the device without a host sync (bincount, cumsum, searchsorted,
-scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
+`align_blocks` groups the pairs on the device without a host sync (scatter-add counts, cumsum,
+searchsorted, scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
 expert -1 and exit. Weight tiles are dequantized to the activation dtype ([BK, HALF] halves as in
 decode.py, int4 from the store layout) right before the dot; accumulation is fp32. int4 rows
 (the GPU pool's layout) are read as each row's contiguous bytes and split by nibble: two dots
@@ -41,7 +41,9 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
     flat = ids.reshape(-1).to(torch.int64)
     P = flat.numel()
     n_blocks = triton.cdiv(P, block_m) + min(num_experts, P)  # upper bound: one partial per expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; a scatter, not torch.bincount, whose CUDA version reads the ids' max on the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     sorted_e, order = torch.sort(flat, stable=True)
