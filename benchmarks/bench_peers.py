@@ -31,8 +31,8 @@ round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them int
 of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with misses read by
 the kernels from pinned RAM (captured step), `host-misses` with the per-layer host round trip; a
 `-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
-read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then the HBM read bandwidth
-(a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
+read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then
+the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
 

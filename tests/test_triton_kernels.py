@@ -288,8 +288,9 @@ def test_prefill_cuda(quant, case, T):
     _check(moe_prefill, quant, E, D, I, T, K, dtype, "cuda", seed=7 + T)
 
 
+# (block_m=64, half=64, bk=128 needs more shared memory than an H200 has: 233-410 KB)
 PREFILL_TILES = [dict(block_m=16), dict(bk=128), dict(block_m=64, half=64),
-                 dict(block_m=64, half=64, bk=128, num_warps=8)]  # fmt: skip
+                 dict(block_m=16, bk=128)]  # fmt: skip
 
 
 @pytest.mark.cuda
