@@ -29,8 +29,10 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
 of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with misses read by
-the kernels from pinned RAM (captured step), `host-misses` with the per-layer host round trip. The ceiling is then the HBM read bandwidth
-(a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
+the kernels from pinned RAM (captured step), `host-misses` with the per-layer host round trip; a
+`-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
+read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then
+the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
 
@@ -142,10 +144,14 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     from moestream.runtime import open_model
 
     torch.set_num_threads(threads)
+    # "-step" (ablation): each decode step issued after the host read the one before
+    kernel, step = kernel.removesuffix("-step"), kernel.endswith("-step")
     experts = child_experts(kernel, device, share)
     dtype = "float32" if device == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     with open_model(store, dtype=dtype, experts=experts, threads=threads) as rt:
+        if step:
+            rt.provider.decodes_ahead = lambda: False
         g = torch.Generator().manual_seed(0)
         ids = torch.randint(0, rt.args.vocab_size, (P,), generator=g).tolist()
         cfg = SamplingConfig(max_new_tokens=N, ignore_eos=True)

@@ -6,8 +6,14 @@ A synthetic checkpoint with Qwen3-30B-A3B's shapes (hidden 2048, 32/4 heads x 12
 768, top-8, vocab 151936) and `--layers` layers is written on the spot and converted per quant.
 Rows (`--out`): per (quant, variant) ms/token wall, GPU kernel us/token, kernels/token, the top
 kernels (name, calls/token, us/token) and the dense / expert / lm-head shares by kernel name.
+`--store` profiles an existing store instead (e.g. gpu_peers.sh's), `--share S` a VRAM slot
+pool of S of the expert bytes with device-side misses (then also the provider's counters per
+token: host reads, admissions, bytes over PCIe, bookkeeping), and `--prefill 64,512` adds rows
+for prompts of that many random ids (one prefill each, every expert resident or the same pool).
 
     PYTHONPATH=. python benchmarks/profile_gpu_decode.py --layers 4 --quants int4 --out rows.jsonl
+    PYTHONPATH=. python benchmarks/profile_gpu_decode.py --store S --share 0.5 \
+        --variants graph,graph-sync --prefill 64,512
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench_gpu_graph import synthetic  # noqa: E402
 from common import bench_row, write_rows  # noqa: E402
 
-from moestream.config import SamplingConfig  # noqa: E402
+from moestream.config import Budget, SamplingConfig  # noqa: E402
 from moestream.convert.writer import convert  # noqa: E402
 from moestream.experts.config import GpuConfig  # noqa: E402
 from moestream.quant import make_scheme  # noqa: E402
@@ -48,12 +54,31 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
     return total, count, rows
 
 
+def experts_config(base: str, share: float) -> GpuConfig:
+    graph, compiled = base != "eager", base == "compiled"
+    if share >= 1:
+        return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled)
+    return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, cuda_graph=graph,
+                     compile_step=compiled)  # fmt: skip
+
+
+def pool_counters(before: dict, after: dict, steps: int) -> dict:
+    """A streamed pool's decode counters per step (device misses)."""
+    d = {k: (after[k] - before.get(k, 0)) / steps for k in
+         ("host_reads", "host_read_bytes", "admit_bytes", "bookkeeping_seconds",
+          "decode_table_seconds") if k in after}  # fmt: skip
+    if "admit_bytes" in d:
+        d["pcie_bytes_per_token"] = d["admit_bytes"] + d["host_read_bytes"]
+        d["bookkeeping_ms_per_token"] = d.pop("bookkeeping_seconds") * 1e3
+        d["table_ms_per_token"] = d.pop("decode_table_seconds") * 1e3
+    return d
+
+
 def profile_one(store: Path, variant: str, a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     base, _, sync = variant.partition("-")
-    graph = base != "eager"
-    experts = GpuConfig(resident=True, cuda_graph=graph, compile_step=base == "compiled")
+    experts = experts_config(base, a.share)
     with open_model(store, dtype="bfloat16", experts=experts) as rt:
         if sync:  # the ablation: each step issued after the host read the one before
             rt.provider.decodes_ahead = lambda: False
@@ -62,9 +87,11 @@ def profile_one(store: Path, variant: str, a) -> dict:
         rt.generator.generate(ids, cfg)  # warm: compile, capture
         torch.cuda.synchronize()
         t0 = time.perf_counter()
+        before = rt.provider.stats()
         res = rt.generator.generate(ids, cfg)
         wall = time.perf_counter() - t0
         s = res.stats()
+        pool = pool_counters(before, rt.provider.stats(), max(a.tokens - 1, 1))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             rt.generator.generate(ids, cfg)
             torch.cuda.synchronize()
@@ -79,8 +106,59 @@ def profile_one(store: Path, variant: str, a) -> dict:
         "kernels_per_token": count,
         "gpu_busy_fraction": us / 1e3 / (1e3 / s["decode_tok_s"]),
         "host_ms_per_token": s.get("host_ms_per_token"),
+        **pool,
         "top_kernels": rows[: a.top],
     }
+
+
+def profile_prefill(store: Path, tokens: int, a) -> dict:
+    """One prompt of `tokens` random ids (after a warm-up prompt of the same length): wall time
+    with a sync, and its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from moestream.engine.kv_cache import KVCache
+
+    with open_model(store, dtype="bfloat16", experts=experts_config("eager", a.share)) as rt:
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, rt.args.vocab_size, (tokens,), generator=g).to(rt.generator.device)
+        cache = KVCache(rt.args, tokens, rt.generator.dtype, rt.generator.device)
+        model = rt.generator.model
+
+        def once():
+            with torch.inference_mode():
+                model(ids, cache, 0, last_only=True)
+            torch.cuda.synchronize()
+
+        once()
+        walls = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            once()
+            walls.append(time.perf_counter() - t0)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            once()
+        syncs = host_syncs(once)
+    wall = sorted(walls)[1]
+    us, count, rows = kernel_table(prof, 1)
+    return {"variant": f"prefill{tokens}", "prefill_tokens": tokens, "prefill_ms": wall * 1e3,
+            "prefill_tok_s": tokens / wall, "gpu_kernel_us": us, "kernels": count,
+            "host_syncs": len(syncs), "host_sync_sites": syncs[:8],
+            "top_kernels": rows[: a.top]}  # fmt: skip
+
+
+def host_syncs(fn) -> list[str]:
+    """The synchronising CUDA calls fn makes (torch's sync debug mode): the Python line of each."""
+    import warnings
+
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return [f"{w.filename}:{w.lineno} {str(w.message)[:80]}" for w in got
+            if "synchroniz" in str(w.message)]  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -97,29 +175,62 @@ def main(argv=None) -> int:
         "suffix issues each greedy step only after the host read the one before (the ablation "
         "of the step fed back on the device)",
     )
+    ap.add_argument("--store", default=None, help="profile this store (not a synthetic one)")
+    ap.add_argument(
+        "--share",
+        type=float,
+        default=1.0,
+        help="fraction of expert bytes in a VRAM pool (device misses); 1 = resident",
+    )
+    ap.add_argument("--prefill", default="", help="prompt lengths to profile alone, e.g. 64,512")
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
-    tmp = Path(tempfile.mkdtemp(prefix="moestream-prof-"))
-    hf = synthetic(tmp, a.layers)
-    rows = []
-    for q in a.quants.split(","):
-        store = convert(hf, tmp / q, make_scheme(q), False)
-        for v in a.variants.split(","):
-            r = {"quant": q, "layers": a.layers, **profile_one(store, v, a)}
-            rows.append(r)
-            print(
-                f"{q} {r['variant']}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} "
-                f"ms/token, GPU kernels {r['gpu_kernel_us_per_token']:.0f} us/token "
-                f"({r['kernels_per_token']:.0f} kernels), busy {r['gpu_busy_fraction']:.2f}, "
-                f"host {r['host_ms_per_token'] or 0:.3f} ms/token"
-            )
-            for k in r["top_kernels"]:
-                print(f"   {k['us_per_token']:8.1f} us {k['calls_per_token']:6.1f}x  {k['kernel']}")
-    if a.out:
-        config = {"layers": a.layers, "tokens": a.tokens, "prompt": a.prompt}
-        write_rows(a.out, [bench_row("profile_gpu_decode", config, r, a.commit) for r in rows])
+    if a.store:
+        from moestream.store.format import Store
+
+        st = Store(a.store)
+        stores = {st.scheme.name: Path(a.store)}
+        a.layers = st.args.num_hidden_layers
+    else:
+        tmp = Path(tempfile.mkdtemp(prefix="moestream-prof-"))
+        hf = synthetic(tmp, a.layers)
+        stores = {q: convert(hf, tmp / q, make_scheme(q), False) for q in a.quants.split(",")}
+    config = {"layers": a.layers, "tokens": a.tokens, "prompt": a.prompt, "share": a.share,
+              "store": a.store}  # fmt: skip
+    for q, store in stores.items():
+        for v in [v for v in a.variants.split(",") if v]:
+            report(a, config, {"quant": q, "layers": a.layers, **profile_one(store, v, a)})
+        for n in [int(x) for x in a.prefill.split(",") if x]:
+            report(a, config, {"quant": q, "layers": a.layers, **profile_prefill(store, n, a)})
     return 0
+
+
+def report(a, config: dict, r: dict) -> None:
+    """Print one row and append it to --out at once (an interrupted run keeps what it did)."""
+    if "prefill_ms" in r:
+        print(f"{r['quant']} {r['variant']}: {r['prefill_ms']:.2f} ms = {r['prefill_tok_s']:.0f} "
+              f"tok/s, GPU kernels {r['gpu_kernel_us']:.0f} us ({r['kernels']:.0f} kernels), "
+              f"{r['host_syncs']} host syncs")  # fmt: skip
+        for site in r["host_sync_sites"]:
+            print(f"   sync: {site}")
+    else:
+        print(
+            f"{r['quant']} {r['variant']}: {r['decode_tok_s']:.1f} tok/s, {r['ms_per_token']:.3f} "
+            f"ms/token, GPU kernels {r['gpu_kernel_us_per_token']:.0f} us/token "
+            f"({r['kernels_per_token']:.0f} kernels), busy {r['gpu_busy_fraction']:.2f}, "
+            f"host {r['host_ms_per_token'] or 0:.3f} ms/token"
+        )
+        if "pcie_bytes_per_token" in r:
+            print(f"   PCIe {r['pcie_bytes_per_token'] / 1e6:.1f} MB/token (host reads "
+                  f"{r['host_read_bytes'] / 1e6:.1f}, admitted {r['admit_bytes'] / 1e6:.1f}), "
+                  f"bookkeeping {r['bookkeeping_ms_per_token']:.3f} ms/token (table "
+                  f"{r['table_ms_per_token']:.3f})")  # fmt: skip
+    for k in r["top_kernels"]:
+        per = k["us_per_token"]
+        print(f"   {per:8.1f} us {k['calls_per_token']:6.1f}x  {k['kernel']}")
+    if a.out:
+        write_rows(a.out, [bench_row("profile_gpu_decode", config, r, a.commit)])
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from eager_ahead import AheadGraphs
 
 from moestream.config import ConfigError, SamplingConfig
 from moestream.engine.generate import TextStream
@@ -259,52 +260,6 @@ def test_repeat_penalty_changes_a_looping_greedy_run(rt):
     assert len(set(pen.ids)) >= len(set(plain.ids))
 
 
-class _EagerAhead:
-    """DecodeGraph's launch / read / step contract run eagerly on the CPU: each step's greedy
-    pick becomes the next step's input unless a token is given, results come back through
-    AHEAD buffers. Records the launches so the generator's bookkeeping can be checked."""
-
-    def __init__(self, model, cache, log):
-        self.model, self.cache, self.log = model, cache, log
-        self.tok, self.buf, self.inflight = None, {}, 0
-
-    def _forward(self, pos):
-        with torch.no_grad():
-            return self.model(torch.tensor([self.tok]), self.cache, pos, last_only=True)[-1]
-
-    def step(self, token, pos):
-        self.tok = token
-        return self._forward(pos)
-
-    def launch(self, pos, token=None):
-        from moestream.engine.sampling import device_greedy
-
-        if token is not None:
-            self.tok = token
-        tok, lp = device_greedy(self._forward(pos)).tolist()
-        self.tok = int(tok)
-        j = pos % 2
-        assert j not in self.buf, "a result buffer reused before it was read"
-        self.buf[j] = (int(tok), lp)
-        self.inflight += 1
-        self.log.append((pos, token, self.inflight))
-        return j
-
-    def read(self, j):
-        self.inflight -= 1
-        return self.buf.pop(j)
-
-
-class _AheadGraphs:
-    def __init__(self, model, args, log):
-        self.model, self.args, self.log = model, args, log
-
-    def for_length(self, total):
-        from moestream.engine.kv_cache import KVCache
-
-        return _EagerAhead(self.model, KVCache(self.args, total, torch.float32), self.log)
-
-
 @pytest.mark.parametrize("n", [1, 2, 3, 9])
 def test_decode_ahead_gives_the_step_by_step_tokens(rt, n):
     """Greedy decode through a step that feeds its pick back (issued one step ahead of the host)
@@ -326,7 +281,7 @@ def test_decode_ahead_gives_the_step_by_step_tokens(rt, n):
             want = type(plain)(list(ids))
             want_pieces = list(gen.stream(ids, cfg, want))
             log = []
-            gen.graphs = _AheadGraphs(gen.model, gen.args, log)
+            gen.graphs = AheadGraphs(gen.model, gen.args, log)
             pieces = list(gen.stream(ids, cfg, got := type(want)(list(ids))))
             assert got.ids == want.ids and got.logprobs == want.logprobs
             assert got.finish_reason == want.finish_reason and got.text == want.text

@@ -165,10 +165,14 @@ def test_cli_device_flags(monkeypatch):
 
 
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
-def device_miss_runs(store, device: str, dtype: str, n: int, slots: int):
+def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False):
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
     expert resident, then a pool of `slots` slots with device-side misses; both with the Triton
-    kernels (the interpreter on CPU), two prompts each so the second starts on a warm pool."""
+    kernels (the interpreter on CPU), two prompts each so the second starts on a warm pool.
+    `ahead` (CPU): the streamed run decodes through the eager stand-in of a captured step, so
+    the generator runs one step ahead of the host (the loop a CUDA graph takes)."""
+    from eager_ahead import AheadGraphs
+
     from moestream.config import SamplingConfig
     from moestream.runtime import open_model
 
@@ -179,19 +183,22 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int):
                     GpuConfig(gpu_budget=slots * size, pinned_mirror=True, io=IO,
                               device=device)):  # fmt: skip
         rt = open_model(store, dtype=dtype, experts=experts)
+        if ahead and not experts.resident:
+            rt.generator.graphs = AheadGraphs(rt.generator.model, rt.args, [])
         res = [rt.generator.generate(rt.encode_prompt(p), cfg) for p in (PROMPT, "class Node:")]
         out.append((rt, res))
     return out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant):
+@pytest.mark.parametrize("quant,ahead", [("int8", False), ("int4", False), ("int4", True)])
+def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead):
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
     pool of 3 slots): one-token calls read absent experts from the mirror and the table admits
     them between steps; the tokens and log-probs are the resident run's, the counters say what
-    the kernels read, and the pool holds what slot_map says (int4: repacked into the kernels' row
-    layout in the pool and the mirror)."""
+    the kernels read (every routed pair of every step the table took: all but the last of each
+    generation), and the pool holds what slot_map says (int4: repacked into the kernels' row
+    layout in the pool and the mirror). `ahead`: decoded one step ahead of the host."""
     pytest.importorskip("triton")
     from tiny_models import perturbed_model, save
 
@@ -209,7 +216,8 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant):
     monkeypatch.setattr(decode, "default_config", lambda *a: tile)
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
-    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", 10, 3)
+    n = 10
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead)
     p = rt.provider
     assert p.device_misses and p.describe()["misses"] == "device"
     assert p.pool.rows == p.mirror.rows == (quant == "int4")
@@ -217,6 +225,8 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant):
         assert a.ids == b.ids and a.logprobs == b.logprobs
     s = p.stats()
     assert s["host_reads"] > 0 and s["hits"] > 0, s
+    # n - 1 decode steps per prompt, the last one's routing never taken (no later step)
+    assert p.host_reads + p.device_hits == 2 * (n - 2) * len(p.layers) * p.K
     assert s["h2d_bytes"] > 0 and s["evictions"] > 0  # admissions copied into evicted slots
     assert s["admissions_skipped"] > 0
     p._drain()

@@ -288,6 +288,22 @@ def test_prefill_cuda(quant, case, T):
     _check(moe_prefill, quant, E, D, I, T, K, dtype, "cuda", seed=7 + T)
 
 
+# (block_m=64, half=64, bk=128 needs more shared memory than an H200 has: 233-410 KB)
+PREFILL_TILES = [dict(block_m=16), dict(bk=128), dict(block_m=64, half=64),
+                 dict(block_m=16, bk=128)]  # fmt: skip
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("tiles", PREFILL_TILES)
+@pytest.mark.parametrize("quant", ["int8", "int4r"])
+def test_prefill_tiles_cuda(quant, tiles):
+    """The tile candidates bench_gpu_prefill.py times, at Qwen3-30B-A3B's D and I."""
+    from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill
+
+    _check(moe_prefill, quant, 16, 2048, 768, 40, 8, torch.bfloat16, "cuda", seed=5,
+           cfg=PrefillConfig(**tiles))  # fmt: skip
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant", QUANTS)
 def test_dispatcher_cuda(quant):

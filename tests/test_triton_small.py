@@ -1,6 +1,7 @@
 """The small decode kernels against their specs: the router top-k (kernels/triton/router.py) equals
 torch.topk; the one-pass greedy choice (kernels/triton/pick.py): the first maximum equals
-torch.argmax's, the log-probability log_softmax's in fp32 within summation-order rounding. Runs
+torch.argmax's, the log-probability log_softmax's in fp32 within summation-order rounding; the
+record copy (kernels/triton/copy.py) equals plain indexing, every section in one launch. Runs
 through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), compiled on CUDA."""
 
 from __future__ import annotations
@@ -14,6 +15,33 @@ except ImportError:
     pytest.skip("triton not installed (gpu extra)", allow_module_level=True)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("n_sections", [1, 2, 4])
+def test_section_copy_equals_indexing(n_sections):
+    """Rows of a (pinned on CUDA) host mirror into device slots, sections of different widths
+    (one of more than the kernel's chunks x BLOCK words, one under a block); slots not named keep
+    their poison."""
+    from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
+
+    g = torch.Generator().manual_seed(n_sections)
+    shapes = [((CHUNKS * BLOCK + 40) * 2,), (3, 8), (7, 16), (5,)][:n_sections]
+    dtypes = [torch.int16, torch.uint8, torch.int32, torch.float32][:n_sections]
+    pin = torch.cuda.is_available()
+    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt).pin_memory() if pin else
+            torch.randint(-99, 99, (10, *sh), generator=g).to(dt)
+            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
+    dsts = [torch.full((6, *sh), 77, dtype=dt, device=DEVICE) for sh, dt in zip(shapes, dtypes)]
+    want = [d.clone() for d in dsts]
+    rows = torch.tensor([9, 0, 4], device=DEVICE)
+    slots = torch.tensor([2, 5, 0], device=DEVICE)
+    SectionCopy(srcs, dsts)(rows, slots)
+    for s, d, w in zip(srcs, dsts, want):
+        copy_rows_ref(s, w, rows, slots)
+        assert torch.equal(d.cpu(), w.cpu())
+    assert all(torch.equal(d[[1, 3, 4]].cpu(), torch.full_like(d[[1, 3, 4]].cpu(), 77))
+               for d in dsts)  # fmt: skip
+    SectionCopy(srcs, dsts)(rows[:0], slots[:0])  # nothing to copy: no launch
 
 
 @pytest.mark.parametrize("V", [7, BLOCK, BLOCK + 1, 3 * BLOCK + 17])

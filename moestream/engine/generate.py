@@ -254,7 +254,9 @@ class Generator:
         """Greedy decode through a captured step that feeds its own pick back: step n + 1 is
         issued before the host reads step n's token, so the host's work per token (reading it,
         detokenizing, stop checks) overlaps the GPU's. The step issued past the end is dropped
-        (its cache position is masked or overwritten by the next sequence)."""
+        (its cache position is masked or overwritten by the next sequence). The provider hears
+        of each launch (`decode_issued`) and each read (`decode_read`), in that order of
+        events."""
         self._wait(res, self._stream())
         piece, done = self._take(*choose(logits, cfg, gen), cfg, text, res)
         if piece:
@@ -262,12 +264,15 @@ class Generator:
         if done:
             return
         pending = [graph.launch(pos, res.ids[-1])]
+        self.provider.decode_issued()
         while True:
             if len(res.ids) + len(pending) < cfg.max_new_tokens:
                 pending.append(graph.launch(pos + len(pending)))
+                self.provider.decode_issued()
             t = time.perf_counter()
             token, logprob = graph.read(pending.pop(0))
             res.wait_seconds += time.perf_counter() - t
+            self.provider.decode_read()  # its bookkeeping overlaps the step still in flight
             pos += 1
             piece, done = self._take(token, logprob, cfg, text, res)
             if piece:

@@ -53,12 +53,13 @@ class ExpertProvider(ABC):
         return True
 
     def decode_read(self) -> None:  # noqa: B027 (a declared no-op default)
-        """The generator read the last step's output on the host, so that step's GPU work is
-        done (called before the next decode step is issued)."""
+        """The generator read the oldest issued decode step's output on the host, so that step's
+        GPU work is done. Step by step this comes before the next step is issued; running
+        ahead, after (the next step is in flight)."""
 
     def decode_issued(self) -> None:  # noqa: B027 (a declared no-op default)
-        """The next decode step was issued and runs asynchronously: host bookkeeping of the step
-        taken by `decode_read` overlaps it (the GPU pool's slot table with device misses)."""
+        """A decode step was issued and runs asynchronously: host bookkeeping of steps already
+        read overlaps it (the GPU pool's slot table with device misses)."""
 
     def reset(self) -> None:  # noqa: B027 (a declared no-op default, not a forgotten abstract)
         """A new sequence starts at position 0 (the generator calls this before each prefill)."""

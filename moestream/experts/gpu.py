@@ -17,13 +17,15 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
   key that is not in VRAM, the code -1 - (its mirror row). A one-token call then gathers the
   codes on the device and the decode kernels read a miss straight from pinned host memory through
   unified addressing (kernels/triton/decode.py `host=`): the same arithmetic, the resident bits,
-  no synchronisation, so the step is captured in a CUDA graph. The routed ids of each step come
-  to pinned host memory with the step's last layer; between steps the generator calls
-  `decode_read` (take them) and `decode_issued` (the next step is running): the slot table then
-  decides admissions and evictions, evicted keys get their codes back on the compute stream,
-  admitted records are copied mirror -> slot on the copy stream (kernels/triton/copy.py) behind
-  the running step, and a key's slot is published in `slot_map` once its copy is done. Prompts
-  (T > 1) take the per-layer host path above, after every pending copy is published.
+  no synchronisation, so the step is captured in a CUDA graph. Each step's routed ids and the
+  codes its kernels ran with go to one of two pinned host buffers behind it (`decode_issued`);
+  once the generator has read a step (`decode_read`) and a later one is running, the slot table
+  takes the read step's routing: evicted keys get their codes back on the compute stream, and
+  admitted records are copied mirror -> slot on the copy stream behind every issued step
+  (kernels/triton/copy.py), their slots published in `slot_map` by that stream right after the
+  copy (a step reads a code before or after the publish: the mirror row or the copied slot, the
+  same bits). Greedy decode therefore runs one step ahead of the host, as with every expert
+  resident. Prompts (T > 1) take the per-layer host path above, after every pending copy.
 - int4 records enter the pool (and the mirror) repacked into the kernels' row layout
   (kernels/triton/layout.py: `rows_sections`; the same numbers, moved): the decode kernels then
   run int8's CUDA-core structure on half the bytes instead of the store's k-major 64-row blocks.
@@ -192,13 +194,26 @@ class GpuExperts(ExpertProvider):
 
     def _init_device_misses(self) -> None:
         L, K = len(self.layers), self.K
-        # each one-token call's routed ids, and their copy in pinned host memory (the last layer)
-        self._seen = torch.zeros(L, K, dtype=torch.int64, device=self.device)
-        self._seen_host = torch.zeros(L, K, dtype=torch.int64, pin_memory=self.cuda)
-        self._stale = True  # _seen_host does not hold the last step's routing
-        self._routed = None  # the last step's routing, taken by decode_read
-        self._map = self.slot_map.cpu().numpy().copy()  # slot_map after every enqueued update
-        self._map_ran = self._map.copy()  # the map the last read step ran with
+        # each one-token call's routed ids and the codes its kernels ran with (rows 0..L-1 and
+        # L..2L-1), copied to one of AHEAD pinned buffers after the step is issued
+        self._seen = torch.zeros(2 * L, K, dtype=torch.int64, device=self.device)
+        self._seen_host = torch.zeros(self.AHEAD, 2 * L, K, dtype=torch.int64,
+                                      pin_memory=self.cuda)  # fmt: skip
+        self._issued: list[int] = []  # steps issued and not read yet: their buffers
+        self._ready: list = []  # read steps' [2L, K] ids + codes, for the table
+        self._n_issued = 0
+        # one account's index uploads (evicted rows + codes, admitted rows + slots: at most
+        # 4 L K values) through AHEAD pinned buffers, each reused once its last upload is done
+        self._idx_host = torch.zeros(self.AHEAD, 4 * L * K, dtype=torch.int64, pin_memory=self.cuda)
+        self._n_idx = 0
+        cuda_event = torch.cuda.Event if self.cuda else lambda: None
+        self._seen_ev = [cuda_event() for _ in range(self.AHEAD)]
+        self._idx_ev = [cuda_event() for _ in range(self.AHEAD)]
+        from moestream.kernels.triton.copy import SectionCopy  # triton: the gpu extra only
+
+        names = list(self.pool.sections)
+        self._copy_rows = SectionCopy([self.mirror.sections[n] for n in names],
+                                      [self.pool.sections[n] for n in names])  # fmt: skip
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
         self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
         self.device_hits = 0
@@ -208,83 +223,100 @@ class GpuExperts(ExpertProvider):
         self.bookkeeping_seconds = 0.0  # host time in decode_read + decode_issued
         self.decode_table_seconds = 0.0  # of which: the slot table's accesses
 
+    AHEAD = 2  # routing buffers: a step in flight while the host reads the one before
+
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
         """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
         from moestream.kernels.triton.decode import moe_decode  # triton: the gpu extra only
 
         codes = self.slot_map[li][ids]
         self._seen[li].copy_(ids.reshape(-1))
-        if li == len(self.layers) - 1:  # the step's routing to the host with its last layer
-            self._seen_host.copy_(self._seen, non_blocking=True)
+        self._seen[len(self.layers) + li].copy_(codes.reshape(-1))
         return moe_decode(x, codes, weights, self.pool, host=self.mirror)
 
     def decodes_ahead(self) -> bool:
-        return not self.device_misses  # one step's routing in _seen_host at a time
-
-    def decode_read(self) -> None:
-        if not self.device_misses:
-            return
-        if self._stale:  # the last call was a prompt (host path): nothing new
-            self._stale = False
-            return
-        t0 = time.perf_counter()
-        self._routed = self._seen_host.numpy().copy()
-        self.bookkeeping_seconds += time.perf_counter() - t0
+        return True  # each issued step's routing has its own buffer (AHEAD of them)
 
     def decode_issued(self) -> None:
         if not self.device_misses:
             return
         t0 = time.perf_counter()
         try:
-            self._account_step()
+            # the step's routing and codes to the host behind it (before the next step writes
+            # _seen); on the CPU the step ran already
+            j = self._n_issued % self.AHEAD
+            self._n_issued += 1
+            assert len(self._issued) < self.AHEAD, "a routing buffer reused before it was read"
+            self._seen_host[j].copy_(self._seen, non_blocking=True)
+            if self.cuda:
+                self._seen_ev[j].record()
+            self._issued.append(j)
+            self._account()
         finally:
             self.bookkeeping_seconds += time.perf_counter() - t0
 
-    def _account_step(self) -> None:
-        """decode_issued's work: the read step's routing through the slot table, evicted keys'
-        codes back, admissions copied behind the issued step."""
-        if self._routed is None:  # no step to account for: the issued one runs with _map
-            self._map_ran = self._map.copy()
+    def decode_read(self) -> None:
+        if not self.device_misses or not self._issued:  # after a prompt: nothing issued yet
             return
-        routed, self._routed = self._routed, None
-        ran, self._map_ran = self._map_ran, self._map.copy()  # the issued step runs with _map
-        t, E = self.table, self.E
+        t0 = time.perf_counter()
+        try:
+            j = self._issued.pop(0)
+            if self.cuda:
+                self._seen_ev[j].synchronize()  # done already: the generator read the step
+            self._ready.append(self._seen_host[j].numpy().copy())
+            self._account()
+        finally:
+            self.bookkeeping_seconds += time.perf_counter() - t0
+
+    def _account(self) -> None:
+        """Read steps through the slot table, once a later step is issued (the GPU then has work
+        while the host does this): decode_issued in the step-by-step loop, decode_read when the
+        generator runs ahead."""
+        if not self._issued:
+            return
+        self._published(wait=False)
+        for seen in self._ready:
+            self._account_step(seen)
+        self._ready.clear()
+
+    def _account_step(self, seen) -> None:
+        """One read step's routing through the slot table: evicted keys' codes back, admitted
+        records copied behind every issued step (published when done)."""
+        t, E, L = self.table, self.E, len(self.layers)
+        reads = int((seen[L:] < 0).sum())  # the codes the step's kernels ran with
+        self.host_reads += reads
+        self.device_hits += seen[L:].size - reads
         h0, m0, t0 = t.hits, t.misses, time.perf_counter()
-        fix: list[tuple[int, int]] = []  # (mirror row, new slot_map value)
+        fix: list[int] = []  # mirror rows of evicted keys (their code: -1 - row)
         admits: list[tuple[int, int, int]] = []  # (layer index, expert, slot)
+        routed = seen[:L].tolist()
         for li, layer in enumerate(self.layers):
-            experts = sorted(set(routed[li].tolist()))
-            hit = sum(int(ran[li, e] >= 0) for e in experts)
-            self.device_hits += hit
-            self.host_reads += len(experts) - hit
             try:
-                step = t.access(layer, experts)
+                step = t.access(layer, sorted(set(routed[li])))
                 evicted = step.evicted
             except PolicyError as err:
                 # Every victim is being copied: these misses stay host reads this step; the
-                # evictions the failed access had made stand, so their keys get codes back.
+                # keys the failed access had already evicted must still get their codes back.
                 self.skipped += 1
                 evicted, step = err.evicted, None
-            for lay, e in evicted:
-                row = self.layer_index[lay] * E + e
-                fix.append((row, -1 - row))
+            fix += [self.layer_index[lay] * E + e for lay, e in evicted]
             if step is None:
                 continue
             # busy until published: no later access (this loop's other layers included) may
             # hand their slots to another key while the copies are in flight
-            t.reserve((layer, e) for e, _ in step.misses)
+            t.reserve([(layer, e) for e, _ in step.misses])
             admits += [(li, e, slot) for e, slot in step.misses]
         self._table_counted[0] += t.hits - h0
         self._table_counted[1] += t.misses - m0
         self.decode_table_seconds += time.perf_counter() - t0
-        fix += self._published(wait=False)
-        self._update_map(fix)
-        if admits:
-            self._admit(admits)
+        if fix or admits:
+            self._apply(fix, admits)
 
-    def _published(self, wait: bool) -> list[tuple[int, int]]:
-        """slot_map updates for admissions whose copies are done (all of them with `wait`)."""
-        out, keep = [], []
+    def _published(self, wait: bool) -> None:
+        """Admissions whose copies are done (all of them with `wait`) leave the busy set (their
+        slots were published in slot_map on the copy stream); the compute stream is ordered
+        after those copies (the host path of a prompt reads the pool)."""
+        keep = []
         for ev, admits in self._pending:
             if self.cuda and not wait and not ev.query():
                 keep.append((ev, admits))
@@ -292,35 +324,46 @@ class GpuExperts(ExpertProvider):
             if self.cuda:
                 torch.cuda.current_stream(self.device).wait_event(ev)
             self.table.release((self.layers[li], e) for li, e, _ in admits)
-            out += [(li * self.E + e, slot) for li, e, slot in admits]
         self._pending = keep
-        return out
 
-    def _update_map(self, fix: list[tuple[int, int]]) -> None:
-        """slot_map.view(-1)[row] = value for each pair, on the compute stream (ordered after
-        the steps already issued, before the next)."""
-        if not fix:
-            return
-        vals = torch.tensor(fix, dtype=torch.int64)
-        for row, v in fix:
-            self._map.reshape(-1)[row] = v
+    def _upload(self, values: list[int]) -> torch.Tensor:
+        """int64 values -> the device in one copy on the current stream, through the next of
+        AHEAD pinned buffers (waiting, rarely, for its last upload to finish)."""
+        j = self._n_idx % self.AHEAD
+        self._n_idx += 1
         if self.cuda:
-            vals = vals.pin_memory().to(self.device, non_blocking=True)
-        self.slot_map.view(-1)[vals[:, 0]] = vals[:, 1]
+            self._idx_ev[j].synchronize()
+        buf = self._idx_host[j, : len(values)]
+        buf.numpy()[:] = values
+        if not self.cuda:
+            return buf.clone()
+        dev = buf.to(self.device, non_blocking=True)
+        self._idx_ev[j].record()
+        return dev
 
-    def _admit(self, admits: list[tuple[int, int, int]]) -> None:
-        """Copy admitted records mirror -> their slots on the copy stream, behind every step
-        issued so far (an evicted slot may still be read by it); published when done."""
-        # [rows..., slots...]: each half a contiguous vector for the copy kernel
-        idx = torch.tensor([li * self.E + e for li, e, _ in admits] + [s for _, _, s in admits],
-                           dtype=torch.int64)  # fmt: skip
-        n, ev = len(admits), None
+    def _apply(self, fix: list[int], admits: list[tuple[int, int, int]]) -> None:
+        """Evicted keys' codes back on the compute stream, behind every issued step; then the
+        admitted records copied mirror -> their slots on the copy stream behind those steps (an
+        evicted slot may still be read by them) and their slots published in slot_map right
+        after the copy, on that stream: a step issued later, or a later layer of a running one,
+        reads them from VRAM as soon as they land (a step reads a code either before or after
+        the publish: the mirror row or the copied slot, the same bits)."""
+        f, n = len(fix), len(admits)
+        vals = self._upload(fix + [-1 - r for r in fix] + [li * self.E + e for li, e, _ in admits]
+                            + [s for _, _, s in admits])  # fmt: skip
+        flat = self.slot_map.view(-1)
+        if f:
+            flat[vals[:f]] = vals[f : 2 * f]
+        if not n:
+            return
+        rows, slots = vals[2 * f : 2 * f + n], vals[2 * f + n :]
+        ev = None
         if self.cuda:
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+            vals.record_stream(self.copy_stream)  # read there after this stream moves on
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda:
-                idx = idx.pin_memory().to(self.device, non_blocking=True)
-            self._copy_rows(idx[:n], idx[n:])
+            self._copy_rows(rows, slots)
+            flat[rows] = slots
             if self.cuda:
                 ev = torch.cuda.Event()
                 ev.record()
@@ -328,19 +371,17 @@ class GpuExperts(ExpertProvider):
         self.admit_bytes += n * self.size
         self._pending.append((ev, admits))
 
-    def _copy_rows(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """pool[slots[i]] = mirror[rows[i]] for every section, on the current stream."""
-        from moestream.kernels.triton.copy import copy_rows
-
-        for name, t in self.pool.sections.items():
-            copy_rows(self.mirror.sections[name], t, rows, slots)
-
     def _drain(self) -> None:
-        """Publish every pending admission (before the host path reads slot_map)."""
-        self._stale = True
-        self._routed = None
-        self._update_map(self._published(wait=True))
-        self._map_ran = self._map.copy()
+        """Finish every pending admission (before the host path reads slot_map and the pool)."""
+        self.reset()
+        self._published(wait=True)
+
+    def reset(self) -> None:
+        """A new sequence: steps issued past the last one read (greedy decode runs ahead) are
+        not accounted."""
+        if self.device_misses:
+            self._issued.clear()
+            self._ready.clear()
 
     # ---- filling slots -------------------------------------------------------------------------
     def _fill_resident(self) -> None:
@@ -403,8 +444,6 @@ class GpuExperts(ExpertProvider):
             absent = [-1 - r for r in gone] if self.device_misses else [-1] * len(gone)
             u = self._send(upd + absent + [s for _, s in misses])
             self.slot_map.view(-1)[u[: len(upd)]] = u[len(upd) :]
-            if self.device_misses:
-                self._map.reshape(-1)[upd] = absent + [s for _, s in misses]
         self.copy_seconds += time.perf_counter() - t0
 
     def _send(self, values: list[int]) -> torch.Tensor:

@@ -191,7 +191,8 @@ class LRFU(EvictionPolicy):
             heapq.heapify(self.heap)
 
     def touch(self, key: Key) -> None:
-        self._set(key, self._now(key) + 1.0)
+        c, t = self.score.get(key, (0.0, self.clock))  # _now, inlined: once per routed expert
+        self._set(key, c * math.exp((self.clock - t) * self.ln_decay) + 1.0)
 
     def inserted(self, key: Key) -> None:
         self._set(key, self._now(key))

@@ -1,6 +1,7 @@
 """Copy expert records by row on the device: rows of a pinned host mirror (read through unified
-addressing, so no staging buffer or per-record memcpy call) into VRAM pool slots, one launch per
-section. The GPU provider admits experts into its pool with it, on its copy stream."""
+addressing, so no staging buffer or per-record memcpy call) into VRAM pool slots, every section
+of a record in one launch. The GPU provider admits experts into its pool with it, on its copy
+stream. Spec: `dst[slots[i]] = src[rows[i]]` per section (`copy_rows_ref`)."""
 
 from __future__ import annotations
 
@@ -9,19 +10,37 @@ import triton
 import triton.language as tl
 
 BLOCK = 1024  # int32 words per step of a program
-CHUNKS = 32  # programs per record (enough loads in flight to keep PCIe busy)
+CHUNKS = 32  # programs per record and section (enough loads in flight to keep PCIe busy)
+MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 
 
 @triton.jit
-def _copy_rows_kernel(src_ptr, dst_ptr, rows_ptr, slots_ptr, WORDS: tl.constexpr,
-                      BLOCK: tl.constexpr):  # fmt: skip
-    """Program (i, c): words c*BLOCK, c*BLOCK + n*BLOCK, ... of record rows[i] -> slot slots[i]."""
-    src = src_ptr + tl.load(rows_ptr + tl.program_id(0)).to(tl.int64) * WORDS
-    dst = dst_ptr + tl.load(slots_ptr + tl.program_id(0)).to(tl.int64) * WORDS
-    for c in range(tl.program_id(1) * BLOCK, WORDS, tl.num_programs(1) * BLOCK):
-        off = c + tl.arange(0, BLOCK)
+def _copy_one(src, dst, r, s, c, n, WORDS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s."""
+    src += r * WORDS
+    dst += s * WORDS
+    for w in range(c * BLOCK, WORDS, n * BLOCK):
+        off = w + tl.arange(0, BLOCK)
         m = off < WORDS
         tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+
+
+@triton.jit
+def _copy_sections_kernel(rows_ptr, slots_ptr, s0, d0, s1, d1, s2, d2, s3, d3,
+                          W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+                          W3: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (i, c, section): chunk c of that section of record rows[i] -> slot slots[i]."""
+    r = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
+    s = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
+    c, n, sec = tl.program_id(1), tl.num_programs(1), tl.program_id(2)
+    if sec == 0:
+        _copy_one(s0, d0, r, s, c, n, W0, BLOCK)
+    elif sec == 1:
+        _copy_one(s1, d1, r, s, c, n, W1, BLOCK)
+    elif sec == 2:
+        _copy_one(s2, d2, r, s, c, n, W2, BLOCK)
+    else:
+        _copy_one(s3, d3, r, s, c, n, W3, BLOCK)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -31,13 +50,35 @@ def _words(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.int32)
 
 
-def copy_rows(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor):
-    """dst[slots[i]] = src[rows[i]] for every i (rows, slots: int64 on dst's device; src may be
-    pinned host memory). Runs on the current stream, syncs nothing."""
-    assert src.shape[1:] == dst.shape[1:] and src.dtype == dst.dtype
-    assert rows.is_contiguous() and slots.is_contiguous() and rows.numel() == slots.numel()
-    a, b = _words(src), _words(dst)
-    n, words = rows.numel(), a.shape[1]
-    if n:
-        chunks = max(1, min(CHUNKS, triton.cdiv(words, BLOCK)))
-        _copy_rows_kernel[(n, chunks)](a, b, rows, slots, WORDS=words, BLOCK=BLOCK, num_warps=4)
+class SectionCopy:
+    """`dst[slots[i]] = src[rows[i]]` for every section pair (src may be pinned host memory,
+    dst on the device; the same shapes and dtypes per pair), one launch per call. The int32
+    views are made once: a call only launches."""
+
+    def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]):
+        assert 0 < len(srcs) == len(dsts) <= MAX_SECTIONS, "1 to 4 section pairs"
+        for a, b in zip(srcs, dsts):
+            assert a.shape[1:] == b.shape[1:] and a.dtype == b.dtype, "section shapes differ"
+            assert a.is_contiguous() and b.is_contiguous(), "sections must be contiguous"
+        self.pairs = [(_words(a), _words(b)) for a, b in zip(srcs, dsts)]
+        words = [a.shape[1] for a, _ in self.pairs]
+        self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), BLOCK)))
+        pad = MAX_SECTIONS - len(self.pairs)
+        ptrs = [t for pair in self.pairs for t in pair] + [self.pairs[0][0]] * (2 * pad)
+        self.args = ptrs
+        self.consts = {f"W{i}": w for i, w in enumerate(words + [0] * pad)}
+
+    def __call__(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """rows, slots: int64 [n] contiguous on dst's device. Runs on the current stream, syncs
+        nothing."""
+        n = rows.numel()
+        assert slots.numel() == n and rows.is_contiguous() and slots.is_contiguous()
+        if n:
+            grid = (n, self.chunks, len(self.pairs))
+            _copy_sections_kernel[grid](rows, slots, *self.args, BLOCK=BLOCK, num_warps=4,
+                                        **self.consts)  # fmt: skip
+
+
+def copy_rows_ref(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor):
+    """The spec: plain indexing."""
+    dst[slots.to(dst.device)] = src[rows.to(src.device)].to(dst.device)

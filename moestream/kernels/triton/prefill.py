@@ -1,10 +1,13 @@
 """Prefill-path Triton kernels: tokens grouped by expert, each expert's weights read once per block
 of BLOCK_M (token, slot) rows and multiplied with tl.dot (tensor cores).
 
-`align_blocks` groups the pairs on the device without a host sync (bincount, cumsum, searchsorted,
-scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
+`align_blocks` groups the pairs on the device without a host sync (scatter-add counts, cumsum,
+searchsorted, scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
 expert -1 and exit. Weight tiles are dequantized to the activation dtype ([BK, HALF] halves as in
-decode.py, int4 from the store layout) right before the dot; accumulation is fp32.
+decode.py, int4 from the store layout) right before the dot; accumulation is fp32. int4 rows
+(the GPU pool's layout) are read as each row's contiguous bytes and split by nibble: two dots
+per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the same
+products).
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ def align_blocks(ids: torch.Tensor, num_experts: int, block_m: int):
     flat = ids.reshape(-1).to(torch.int64)
     P = flat.numel()
     n_blocks = triton.cdiv(P, block_m) + min(num_experts, P)  # upper bound: one partial per expert
-    counts = torch.bincount(flat, minlength=num_experts)  # [E]
+    # [E]; a scatter, not torch.bincount, whose CUDA version reads the ids' max on the host
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     pad_end = torch.cumsum(padded, 0)
     sorted_e, order = torch.sort(flat, stable=True)
@@ -116,6 +121,57 @@ def _w_tiles(
 
 
 @triton.jit
+def _split_cols(k0, BK: tl.constexpr):
+    """Inputs [k0, k0 + BK) in int4 rows' nibble order: the low nibbles' k (k % 32 < 16) and the
+    high nibbles' (k + 16), each [BK // 2]; byte j of a row's tile holds both."""
+    j = tl.arange(0, BK // 2)
+    lo = k0 + (j // 16) * 32 + j % 16
+    return lo, lo + 16
+
+
+@triton.jit
+def _rows_tiles(
+    q_ptr,
+    s_ptr,
+    e,
+    r0,
+    n_end,
+    k0,
+    N: tl.constexpr,
+    K: tl.constexpr,
+    G: tl.constexpr,
+    BK: tl.constexpr,
+    HALF: tl.constexpr,
+    DT: tl.constexpr,
+):
+    """int4 rows: expert e's rows [r0, r0 + HALF), inputs [k0, k0 + BK), read as each row's
+    contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and high nibbles'
+    tiles transposed for the dot, [BK / 2, HALF] each (the inputs of _split_cols)."""
+    r = r0 + tl.arange(0, HALF)[:, None]  # [HALF, 1]
+    j = tl.arange(0, BK // 2)[None, :]  # [1, BK / 2]
+    m = r < n_end
+    b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + j, mask=m, other=0)
+    b = b.to(tl.int32)
+    kg = (k0 + (j // 16) * 32) // G  # both nibbles of a byte share its 32-input block's group
+    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg, mask=m, other=0)
+    sc = (v << 16).to(tl.float32, bitcast=True)
+    zp = (v & -65536).to(tl.float32, bitcast=True)
+    w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
+    w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
+    return tl.trans(w_lo.to(DT)), tl.trans(w_hi.to(DT))
+
+
+@triton.jit
+def _rows_dots(xl, xh, acc, q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
+               G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
+               PREC: tl.constexpr):  # fmt: skip
+    """acc [BM, HALF] += inputs (split by nibble, [BM, BK / 2] each) times rows [r0, r0 + HALF)."""
+    wl, wh = _rows_tiles(q_ptr, s_ptr, e, r0, n_end, k0, N, K, G, BK, HALF, DT)
+    acc = tl.dot(xl, wl, acc, input_precision=PREC)
+    return tl.dot(xh, wh, acc, input_precision=PREC)
+
+
+@triton.jit
 def _gate_up_grouped(
     x_ptr,
     pair_ptr,
@@ -149,13 +205,25 @@ def _gate_up_grouped(
     u_lo = tl.zeros([BM, HALF], tl.float32)
     u_hi = tl.zeros([BM, HALF], tl.float32)
     for k0 in range(0, D, BK):
-        xt = tl.load(x_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :]).to(DT)  # [BM, BK]
-        a, b = _w_tiles(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BK, HALF, DT)
-        g_lo = tl.dot(xt, a, g_lo, input_precision=PREC)
-        g_hi = tl.dot(xt, b, g_hi, input_precision=PREC)
-        a, b = _w_tiles(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BK, HALF, DT)
-        u_lo = tl.dot(xt, a, u_lo, input_precision=PREC)
-        u_hi = tl.dot(xt, b, u_hi, input_precision=PREC)
+        if QUANT == 3:  # int4 rows: each row's bytes in a row, the inputs split by nibble
+            cl, ch = _split_cols(k0, BK)
+            xl = tl.load(x_ptr + tok[:, None] * D + cl[None, :]).to(DT)  # [BM, BK / 2]
+            xh = tl.load(x_ptr + tok[:, None] * D + ch[None, :]).to(DT)
+            g_lo = _rows_dots(xl, xh, g_lo, q_ptr, s_ptr, e, n0, I, k0, N, D, G, BK, HALF, DT, PREC)
+            g_hi = _rows_dots(xl, xh, g_hi, q_ptr, s_ptr, e, n0 + HALF, I, k0, N, D, G, BK, HALF,
+                              DT, PREC)  # fmt: skip
+            u_lo = _rows_dots(xl, xh, u_lo, q_ptr, s_ptr, e, n0 + I, N, k0, N, D, G, BK, HALF,
+                              DT, PREC)  # fmt: skip
+            u_hi = _rows_dots(xl, xh, u_hi, q_ptr, s_ptr, e, n0 + I + HALF, N, k0, N, D, G, BK,
+                              HALF, DT, PREC)  # fmt: skip
+        else:
+            xt = tl.load(x_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :]).to(DT)
+            a, b = _w_tiles(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BK, HALF, DT)
+            g_lo = tl.dot(xt, a, g_lo, input_precision=PREC)
+            g_hi = tl.dot(xt, b, g_hi, input_precision=PREC)
+            a, b = _w_tiles(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BK, HALF, DT)
+            u_lo = tl.dot(xt, a, u_lo, input_precision=PREC)
+            u_hi = tl.dot(xt, b, u_hi, input_precision=PREC)
     di = tl.arange(0, HALF)[None, :]
     out = gu_ptr + pair[:, None].to(tl.int64) * N + n0 + di
     m_lo = valid[:, None] & (n0 + di < I)
@@ -164,6 +232,14 @@ def _gate_up_grouped(
     tl.store(out + HALF, g_hi, mask=m_hi)
     tl.store(out + I, u_lo, mask=m_lo)
     tl.store(out + I + HALF, u_hi, mask=m_hi)
+
+
+@triton.jit
+def _silu_up(row, kk, I: tl.constexpr, DT: tl.constexpr):
+    """silu(gate) * up of each slot's row at inputs kk, rounded to DT for the dot."""
+    g = tl.load(row + kk)
+    u = tl.load(row + I + kk)
+    return (g / (1.0 + tl.exp(-g)) * u).to(DT)
 
 
 @triton.jit
@@ -200,13 +276,19 @@ def _down_grouped(
     acc_hi = tl.zeros([BM, HALF], tl.float32)
     row = gu_ptr + safe[:, None] * (2 * I)
     for k0 in range(0, I, BK):
-        kk = k0 + tl.arange(0, BK)[None, :]
-        g = tl.load(row + kk)
-        u = tl.load(row + I + kk)
-        h = (g / (1.0 + tl.exp(-g)) * u).to(DT)  # [BM, BK] silu(gate) * up of each slot
-        a, b = _w_tiles(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BK, HALF, DT)
-        acc_lo = tl.dot(h, a, acc_lo, input_precision=PREC)
-        acc_hi = tl.dot(h, b, acc_hi, input_precision=PREC)
+        if QUANT == 3:  # int4 rows: h at the low and the high nibbles' inputs
+            cl, ch = _split_cols(k0, BK)
+            hl = _silu_up(row, cl[None, :], I, DT)
+            hh = _silu_up(row, ch[None, :], I, DT)
+            acc_lo = _rows_dots(hl, hh, acc_lo, q_ptr, s_ptr, e, n0, D, k0, D, I, G, BK, HALF,
+                                DT, PREC)  # fmt: skip
+            acc_hi = _rows_dots(hl, hh, acc_hi, q_ptr, s_ptr, e, n0 + HALF, D, k0, D, I, G, BK,
+                                HALF, DT, PREC)  # fmt: skip
+        else:
+            h = _silu_up(row, k0 + tl.arange(0, BK)[None, :], I, DT)  # [BM, BK]
+            a, b = _w_tiles(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BK, HALF, DT)
+            acc_lo = tl.dot(h, a, acc_lo, input_precision=PREC)
+            acc_hi = tl.dot(h, b, acc_hi, input_precision=PREC)
     di = tl.arange(0, HALF)[None, :]
     out = out_ptr + safe[:, None] * D + n0 + di  # the pair's fp32 row (combined in slot order)
     tl.store(out, acc_lo * rw[:, None], mask=valid[:, None] & (n0 + di < D))
