@@ -1,0 +1,114 @@
+"""Decode speed of predicted routing with and without the recovery adapter, in one process.
+
+Opens the model as `moestream generate -m MODEL --quant int4 --memory-budget 25% --predictor
+prerouter --routing predicted -t 1` does (the slot cache streams experts; the adapter found
+beside the model), then decodes --tokens greedy tokens from one prompt per arm, the arms
+interleaved for --rounds rounds in a rotating order (a slow spell of the shared box hits every
+arm). Arms: `none` (adapter removed), `stacked` (the adapter as it runs: models/lowrank.py, q/k/v
+as two GEMMs, each other delta one addmm) and `per-delta` (each delta its own module, added one
+by one: the inference path before the stacking, kept here as the ablation). Prints medians, the
+ratio of each arm's median to `none`'s and the median of the per-round ratios; appends JSON rows
+with --out.
+
+    .venv/bin/python benchmarks/bench_lora.py -m models/pystd-moe-29m --rounds 12 \
+        --out benchmarks/results/lora.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import bench_row, write_rows  # noqa: E402
+
+ARMS = ("none", "stacked", "per-delta")
+
+
+@contextmanager
+def per_delta():
+    """The inference path before the stacking: every delta `y + lora(x)`, q/k/v split and cat."""
+    from moestream.models.lowrank import LoraStack, LowRank
+
+    saved = LowRank.add_to, LoraStack.add_to
+    LowRank.add_to = lambda self, y, x: y + self(x)
+    LoraStack.add_to = lambda self, lora, y, x: None
+    try:
+        yield
+    finally:
+        LowRank.add_to, LoraStack.add_to = saved
+
+
+def decode(rt, ids: list[int], n: int) -> dict:
+    from moestream.config import SamplingConfig
+
+    res = rt.generator.generate(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True))
+    return res.stats()
+
+
+def run_arm(rt, arm: str, path: Path, ids: list[int], n: int) -> dict:
+    from moestream.recovery.adapter import load_adapter, remove_adapter
+
+    remove_adapter(rt.model)
+    if arm == "none":
+        return decode(rt, ids, n)
+    load_adapter(rt.model, path)
+    if arm == "stacked":
+        return decode(rt, ids, n)
+    with per_delta():
+        return decode(rt, ids, n)
+
+
+def main() -> None:
+    from moestream.config import parse_budget
+    from moestream.experts.config import PredictConfig, StreamConfig
+    from moestream.runtime import open_model
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-m", "--model", required=True)
+    ap.add_argument("--budget", default="25%", help="expert memory budget (as --memory-budget)")
+    ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=None, help="append JSON rows here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    pred = PredictConfig(predictor="prerouter", routing="predicted")
+    experts = StreamConfig(memory_budget=parse_budget(a.budget, "--budget"))
+    with open_model(a.model, quant="int4", experts=experts, predict=pred, threads=a.threads) as rt:
+        if rt.adapter is None:
+            raise SystemExit(f"no recovery adapter beside {a.model}: nothing to compare")
+        path = rt.adapter.path
+        ids = rt.encode_prompt(a.prompt)
+        decode(rt, ids, 16)  # warm-up: kernels built, slots filled
+        samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        rows = []
+        config = {"model": a.model, "budget": a.budget, "quant": "int4", "tokens": a.tokens,
+                  "threads": a.threads, "lora": rt.adapter.describe()}  # fmt: skip
+        for r in range(a.rounds):
+            order = ARMS[r % 3 :] + ARMS[: r % 3]
+            for arm in order:
+                s = run_arm(rt, arm, path, ids, a.tokens)
+                samples[arm].append(s["decode_tok_s"])
+                rows.append(bench_row("lora", config, {"arm": arm, "round": r, **s}))
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()))
+        base = statistics.median(samples["none"])
+        for arm in ARMS:
+            med = statistics.median(samples[arm])
+            paired = statistics.median(x / y for x, y in zip(samples[arm], samples["none"]))
+            print(f"{arm:10} median {med:7.1f} tok/s  x none {med / base:.3f}  "
+                  f"paired median {paired:.3f}")  # fmt: skip
+            rows.append(bench_row("lora", config, {"arm": arm, "round": "median",
+                        "decode_tok_s": med, "ratio_to_none": med / base,
+                        "paired_ratio": paired, "samples": samples[arm]}))  # fmt: skip
+    write_rows(a.out, rows)
+
+
+if __name__ == "__main__":
+    main()
