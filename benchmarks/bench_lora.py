@@ -7,8 +7,9 @@ interleaved for --rounds rounds in a rotating order (a slow spell of the shared 
 arm). Arms: `none` (adapter removed), `stacked` (the adapter as it runs: models/lowrank.py, q/k/v
 as two GEMMs, each other delta one addmm) and `per-delta` (each delta its own module, added one
 by one: the inference path before the stacking, kept here as the ablation). Prints medians, the
-ratio of each arm's median to `none`'s and the median of the per-round ratios; appends JSON rows
-with --out.
+ratio of each arm's median to `none`'s, the median of the per-round ratios, and the attention
+modules' time per token in each arm (where the arms differ; best of several timings, less
+moved by the shared box than whole decodes); appends JSON rows with --out.
 
     .venv/bin/python benchmarks/bench_lora.py -m models/pystd-moe-29m --rounds 12 \
         --out benchmarks/results/lora.jsonl
@@ -19,7 +20,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -64,6 +66,32 @@ def run_arm(rt, arm: str, path: Path, ids: list[int], n: int) -> dict:
         return decode(rt, ids, n)
 
 
+def attention_us(rt, arm: str, path: Path, loops: int = 300, repeats: int = 7) -> float:
+    """Microseconds per token of every layer's attention module at one decode step (position
+    64; the one place the arms differ), best of `repeats` timings of `loops` steps (the best is
+    the one least disturbed by the box's other jobs)."""
+    from moestream.engine.kv_cache import KVCache
+    from moestream.recovery.adapter import load_adapter, remove_adapter
+
+    model, pos = rt.model, 64
+    remove_adapter(model)
+    if arm != "none":
+        load_adapter(model, path)
+    cache = KVCache(rt.args, pos + 1, model.dtype)
+    x = torch.randn(1, rt.args.hidden_size, generator=torch.Generator().manual_seed(0))
+    cos, sin = model.rope(pos, pos + 1, x.dtype)
+    attns = [layer.self_attn for layer in model.model.layers]
+    best = float("inf")
+    with torch.inference_mode(), per_delta() if arm == "per-delta" else nullcontext():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                for attn in attns:
+                    attn(x, cos, sin, cache, pos)
+            best = min(best, (time.perf_counter() - t0) / loops)
+    return best * 1e6
+
+
 def main() -> None:
     from moestream.config import parse_budget
     from moestream.experts.config import PredictConfig, StreamConfig
@@ -98,6 +126,9 @@ def main() -> None:
                 samples[arm].append(s["decode_tok_s"])
                 rows.append(bench_row("lora", config, {"arm": arm, "round": r, **s}))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()))
+        attn = {arm: attention_us(rt, arm, path) for arm in ARMS}
+        print("attention modules, us per token (best of 7 x 300 steps): "
+              + ", ".join(f"{k} {v:.0f}" for k, v in attn.items()))  # fmt: skip
         base = statistics.median(samples["none"])
         for arm in ARMS:
             med = statistics.median(samples[arm])
@@ -106,7 +137,8 @@ def main() -> None:
                   f"paired median {paired:.3f}")  # fmt: skip
             rows.append(bench_row("lora", config, {"arm": arm, "round": "median",
                         "decode_tok_s": med, "ratio_to_none": med / base,
-                        "paired_ratio": paired, "samples": samples[arm]}))  # fmt: skip
+                        "paired_ratio": paired, "samples": samples[arm],
+                        "attention_us_per_token": attn[arm]}))  # fmt: skip
     write_rows(a.out, rows)
 
 

@@ -34,12 +34,14 @@ class LowRank(nn.Module):
         as one addmm (the same terms; the BLAS may round the last add differently, ~1 ulp)."""
         if not _inference_fp32(y, x):
             return y + self(x)
-        return torch.addmm(y, F.linear(x, self.A), self.B.t(), alpha=self.scale)
+        a, b = self._parameters["A"], self._parameters["B"]  # (nn.Module's __getattr__: ~1 us)
+        return torch.addmm(y, F.linear(x, a), b.t(), alpha=self.scale)
 
 
 def plus_lora(lora: nn.ModuleDict, name: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """y (projection `name` of x) plus its adapter's delta, if it has one."""
-    return lora[name].add_to(y, x) if name in lora else y
+    m = lora._modules.get(name)  # the ModuleDict's own dict: no per-call module lookups
+    return y if m is None else m.add_to(y, x)
 
 
 def _inference_fp32(y: torch.Tensor, x: torch.Tensor) -> bool:
@@ -50,6 +52,13 @@ def _inference_fp32(y: torch.Tensor, x: torch.Tensor) -> bool:
         and y.dim() == 2
         and x.dim() == 2
     )
+
+
+def _state(m: LowRank) -> tuple:
+    """What a stacked copy of m depends on: its identity, its tensors' and their in-place
+    versions, its scale (ids: the stack holds the objects, so none can be reused meanwhile)."""
+    a, b = m._parameters["A"], m._parameters["B"]
+    return (id(m), id(a), id(b), a._version, b._version, m.scale)
 
 
 class LoraStack:
@@ -63,21 +72,20 @@ class LoraStack:
         self.names, self.sizes = names, sizes
         self._key: tuple | None = None
         self._mats: tuple[torch.Tensor, torch.Tensor, float] | None = None
+        self._held: list = []  # the objects whose ids are in _key
 
     def add_to(self, lora: nn.ModuleDict, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
         """y [T, sum(sizes)] plus each adapter's delta of x [T, in] in its columns; None where the
         stacked path does not apply (gradients, not fp32, scales that differ): add them one by one."""
         if not _inference_fp32(y, x):
             return None
-        mods = [lora[n] if n in lora else None for n in self.names]
-        key = tuple(
-            None
-            if m is None
-            else (m, m.scale, m.A.data_ptr(), m.A._version, m.B.data_ptr(), m.B._version)
-            for m in mods
-        )  # holds the modules: their tensors cannot be freed and their addresses reused
+        mods = [lora._modules.get(n) for n in self.names]  # (no per-call module lookups)
+        key = tuple(None if m is None else _state(m) for m in mods)
         if key != self._key:
             self._mats, self._key = self._stack(mods), key
+            self._held = [
+                (m, m._parameters["A"], m._parameters["B"]) for m in mods if m is not None
+            ]
         if self._mats is None:
             return None
         a, bt, scale = self._mats
