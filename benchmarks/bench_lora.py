@@ -7,7 +7,8 @@ interleaved for --rounds rounds in a rotating order (a slow spell of the shared 
 arm). Arms: `none` (adapter removed), `stacked` (the adapter as it runs: models/lowrank.py, q/k/v
 as two GEMMs, each other delta one addmm) and `per-delta` (each delta its own module, added one
 by one: the inference path before the stacking, kept here as the ablation). Prints medians, the
-ratio of each arm's median to `none`'s, the median of the per-round ratios, and the attention
+ratio of each arm's median to `none`'s, the median of the per-round ratios, the main thread's
+CPU time per token (a speed ratio of it: none's / the arm's), and the attention
 modules' time per token in each arm (where the arms differ; best of several timings, less
 moved by the shared box than whole decodes); appends JSON rows with --out.
 
@@ -49,8 +50,12 @@ def per_delta():
 def decode(rt, ids: list[int], n: int) -> dict:
     from moestream.config import SamplingConfig
 
+    t0 = time.thread_time()
     res = rt.generator.generate(ids, SamplingConfig(max_new_tokens=n, ignore_eos=True))
-    return res.stats()
+    # this thread's CPU time (the decode loop and, at -t 1, its torch ops; not the IO pool's):
+    # what the adapter adds, unmoved by the box's other jobs taking the CPU away
+    cpu_ms = 1e3 * (time.thread_time() - t0) / len(res.ids)
+    return {**res.stats(), "thread_cpu_ms_per_token": cpu_ms}
 
 
 def run_arm(rt, arm: str, path: Path, ids: list[int], n: int) -> dict:
@@ -116,6 +121,7 @@ def main() -> None:
         ids = rt.encode_prompt(a.prompt)
         decode(rt, ids, 16)  # warm-up: kernels built, slots filled
         samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
+        cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
         rows = []
         config = {"model": a.model, "budget": a.budget, "quant": "int4", "tokens": a.tokens,
                   "threads": a.threads, "lora": rt.adapter.describe()}  # fmt: skip
@@ -124,6 +130,7 @@ def main() -> None:
             for arm in order:
                 s = run_arm(rt, arm, path, ids, a.tokens)
                 samples[arm].append(s["decode_tok_s"])
+                cpu[arm].append(s["thread_cpu_ms_per_token"])
                 rows.append(bench_row("lora", config, {"arm": arm, "round": r, **s}))
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in samples.items()))
         attn = {arm: attention_us(rt, arm, path) for arm in ARMS}
@@ -133,12 +140,15 @@ def main() -> None:
         for arm in ARMS:
             med = statistics.median(samples[arm])
             paired = statistics.median(x / y for x, y in zip(samples[arm], samples["none"]))
+            ms = statistics.median(cpu[arm])
             print(f"{arm:10} median {med:7.1f} tok/s  x none {med / base:.3f}  "
-                  f"paired median {paired:.3f}")  # fmt: skip
+                  f"paired median {paired:.3f}  thread CPU {ms:.3f} ms/token "
+                  f"(x none {statistics.median(cpu['none']) / ms:.3f})")  # fmt: skip
             rows.append(bench_row("lora", config, {"arm": arm, "round": "median",
                         "decode_tok_s": med, "ratio_to_none": med / base,
                         "paired_ratio": paired, "samples": samples[arm],
-                        "attention_us_per_token": attn[arm]}))  # fmt: skip
+                        "attention_us_per_token": attn[arm],
+                        "thread_cpu_ms_per_token": ms, "thread_cpu_samples": cpu[arm]}))  # fmt: skip
     write_rows(a.out, rows)
 
 
