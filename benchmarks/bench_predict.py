@@ -41,6 +41,14 @@ MODES = [  # (name, predictor, routing)
     ("predicted routing", "prerouter", "predicted"),
     ("resident", "none", "exact"),  # every expert in RAM, no IO: the ceiling of any schedule
 ]
+# With --edge0-heads (heads trained without --next-state): the same modes with Edge0's timing
+# (head N at token t names layer N+1 of t+1), and the --ref heads' sets issued at that point (a
+# what-if, not causal for next-state heads: their timing's cost alone, at the same sets).
+EDGE0_MODES = [
+    ("prerouter edge0", "prerouter-edge0", "exact"),
+    ("predicted routing edge0", "prerouter-edge0", "predicted"),
+    ("predicted routing early", "prerouter-early", "predicted"),
+]
 
 CHILD = r"""
 import os
@@ -126,7 +134,7 @@ def build_store(work: Path, layers: int, experts: int, top_k: int) -> Path:
 
 
 def prediction_tables(
-    ref: Path, trace, seq: int, heads: Path | None, work: Path, ahead: int
+    ref: Path, trace, seq: int, heads: Path | None, work: Path, ahead: int, edge0: Path | None
 ) -> dict:
     """predictor -> file of {"pos,col": [[layer, pos, experts], ...]} emitted along sequence seq,
     plus each predictor's recall over that sequence's generated tokens."""
@@ -140,9 +148,15 @@ def prediction_tables(
 
     model = open_model(ref).model
     h = PrerouterHeads.load(heads) if heads else None
+    runs = [(n, n, h) for n in ("temporal", "stale-gate", "prerouter", "oracle")]
+    if edge0 is not None:
+        h0 = PrerouterHeads.load(edge0)
+        if h0.next_state:
+            raise SystemExit(f"--edge0-heads {edge0}: these are next-state heads (no Edge0 timing)")
+        runs.append(("prerouter-edge0", "prerouter", h0))
     out = {}
     s = trace.sequences[seq]
-    for name in ("temporal", "stale-gate", "prerouter", "oracle"):
+    for label, name, h in runs:
         pred = make_predictor(name, model, heads=h, trace=trace, ahead=ahead)
         pred.reset()
         for _ in range(seq):
@@ -158,12 +172,27 @@ def prediction_tables(
                         table[f"{pos},{col}"] = [
                             [p.layer, p.pos, list(p.experts), list(p.scores)] for p in ps
                         ]
-        path = work / f"preds-{name}-seq{seq}.json"
+        path = work / f"preds-{label}-seq{seq}.json"
         path.write_text(json.dumps(table))
         fresh = make_predictor(name, model, heads=h, trace=trace)
         recall = overall(replay_recall(fresh, trace, [seq])) if name != "oracle" else 1.0
-        out[name] = (path, recall)
+        out[label] = (path, recall)
+        if label == "prerouter" and edge0 is not None and h is not None and h.next_state:
+            path = work / f"preds-prerouter-early-seq{seq}.json"
+            path.write_text(json.dumps(issued_early(table)))
+            out["prerouter-early"] = (path, recall)
     return out
+
+
+def issued_early(table: dict) -> dict:
+    """The same predictions, each issued where Edge0 issues it: (layer L, token p) at token p-1's
+    layer L-1 (next-state heads issue them all at token p's layer 0)."""
+    early: dict[str, list] = {}
+    for rows in table.values():
+        for layer, pos, experts, scores in rows:
+            if layer >= 1 and pos >= 1:
+                early.setdefault(f"{pos - 1},{layer - 1}", []).append([layer, pos, experts, scores])
+    return early
 
 
 def main() -> None:
@@ -188,6 +217,11 @@ def main() -> None:
         help="prefetch only experts the predictor scores at least this (router probability)",
     )
     ap.add_argument("--ahead", type=int, default=1, help="layers ahead the stale gate names")
+    ap.add_argument(
+        "--edge0-heads",
+        default=None,
+        help="heads trained without --next-state: adds the prerouter modes with Edge0's timing",
+    )
     ap.add_argument("--no-verify", action="store_true", help="skip the crc32 of each record read")
     ap.add_argument(
         "--policies",
@@ -205,7 +239,10 @@ def main() -> None:
     trace = load_trace(a.trace)
     L, E, K = trace.n_layers, trace.num_experts, trace.top_k
     store = build_store(work, L, E, K)
-    tables = prediction_tables(Path(a.ref), trace, a.sequence, find_heads(a.ref), work, a.ahead)
+    edge0 = Path(a.edge0_heads) if a.edge0_heads else None
+    tables = prediction_tables(
+        Path(a.ref), trace, a.sequence, find_heads(a.ref), work, a.ahead, edge0
+    )
     expert_bytes = sum(p.stat().st_size for p in store.glob("experts-*.bin"))
     evict(store)
     ceiling = seq_read_ceiling(next(store.glob("experts-*.bin")))
@@ -226,6 +263,8 @@ def main() -> None:
         "io_threads": a.io_threads,
         "min_score": a.min_score,
         "stale_gate_ahead": a.ahead,
+        "heads": str(find_heads(a.ref)),
+        "edge0_heads": a.edge0_heads,
         "verify_crc": not a.no_verify,
         "crc_impl": CRC_IMPL,
     }
@@ -245,7 +284,7 @@ def main() -> None:
         for rep in range(a.repeats):  # modes interleaved, so slow spells of the box hit all
             base: dict[str, float] = {}  # policy -> on-demand tok/s in this repeat
             for policy in policies:
-                for name, predictor, routing in MODES:
+                for name, predictor, routing in MODES + (EDGE0_MODES if edge0 else []):
                     if a.modes and name not in a.modes.split(","):
                         continue
                     if name == "resident" and policy != policies[0]:
