@@ -7,12 +7,14 @@ predictor's predictions computed by running that predictor over the same trace (
 the reference model's next router on its hidden states, prerouter = its trained heads). Each
 mode runs in its own subprocess after the store is evicted from the page cache (O_DIRECT reads).
 Prints decode tok/s per budget (10/25/50% of expert bytes) and mode (and the cold prefill's
-time: the store is evicted before every run), the ratio to on-demand,
-bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
-ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
-recall; every mode runs under each eviction policy of --policies (LRFU, the default, and LRU), and
-"x" is the ratio to on-demand with the first policy; with --repeats N the modes run N times
-interleaved and medians are added. Appends JSON lines to benchmarks/results/predict.jsonl.
+time: the store is evicted before every run), the ratio to on-demand, bytes read per token, the
+disk GB/s achieved (all reads / decode time) against a raw O_DIRECT ceiling measured in the same
+run, the time stalled on reads (in all, and per layer in brackets: layer 0 first), prefetch
+precision and prediction recall; every mode runs under each eviction policy of --policies (LRFU,
+the default, and LRU), and "x" is the ratio to on-demand with the first policy; with --repeats N
+the modes run N times interleaved and medians are added. --edge0-heads adds the prerouter modes
+with Edge0's timing beside the --ref heads' (next-state heads: EDGE0_MODES). Appends JSON lines
+to --out.
 
     .venv/bin/python benchmarks/bench_predict.py --ref models/pystd-moe-29m \
         --trace .cache/predict/trace-valid --repeats 3
@@ -93,7 +95,19 @@ class Replay(Predictor):
     def observe(self, col, pos, x, ids):
         rows = self.table.get(f"{pos},{col}", [])
         return [Prediction(l, p, tuple(e), tuple(sc)) for l, p, e, sc in rows]
-p = loaded.provider
+p = inner = loaded.provider
+by_layer = {}  # layer -> seconds blocked on reads during the timed tokens
+def stalled():
+    st = inner.stats()
+    return st.get("io_seconds", 0.0) + st.get("prefetch_wait_seconds", 0.0)
+def timed_experts(layer, x, ids, weights, _run=inner.experts):
+    s0 = stalled()
+    y = _run(layer, x, ids, weights)
+    if timing:
+        by_layer[layer] = by_layer.get(layer, 0.0) + stalled() - s0
+    return y
+inner.experts = timed_experts
+timing = False
 if mode["predictor"] != "none":
     table = json.load(open(preds_file))
     p = attach(model, p, Replay(table), mode["routing"], mode["min_score"])
@@ -110,13 +124,15 @@ with torch.no_grad():
     prefill_s = time.perf_counter() - t_pre
     for pos in range(P, P + warm + n):
         if pos == P + warm:
-            before, t0 = p.stats(), time.perf_counter()
+            before, t0, timing = p.stats(), time.perf_counter(), True
         cursor[0] = s["offset"] + pos
         model(torch.tensor([tokens[pos]]), cache, pos, last_only=True)
     dt = time.perf_counter() - t0
 d = stats_delta(before, p.stats())
 p.close()
-print(json.dumps({"prefill_s": prefill_s, "prompt_tokens": P, "decode_s": dt, "tok_s": n / dt, **d}))
+stall = [1e3 * by_layer.get(l, 0.0) / n for l in sorted(set(by_layer) | {0})]
+print(json.dumps({"prefill_s": prefill_s, "prompt_tokens": P, "decode_s": dt, "tok_s": n / dt,
+                  "stall_ms_by_layer": stall, **d}))
 """
 
 
@@ -337,6 +353,9 @@ def main() -> None:
                 if rs[0]["policy"] in same:
                     summary["speedup_same_policy"] = med["tok_s"] / same[rs[0]["policy"]]
                 summary["tok_s_samples"] = [r["tok_s"] for r in rs]
+                if all("stall_ms_by_layer" in r for r in rs):  # elementwise medians
+                    per = zip(*(r["stall_ms_by_layer"] for r in rs))
+                    summary["stall_ms_by_layer"] = [statistics.median(v) for v in per]
                 rows.append(summary)
                 print(line(pct, name, summary, summary["recall"]))
     write_rows(a.out, rows)
@@ -384,6 +403,7 @@ def line(pct: int, name: str, row: dict, recall) -> str:
         f"{row['stall_ms_per_token']:8.1f} {100 * row['hit_rate']:6.1f} "
         f"{row.get('prefetch_precision', 0.0):7.2f} {row.get('prefill_s', 0.0):9.2f} "
         f"{'' if recall is None else f'{100 * recall:5.1f}%'}"
+        f"  [{' '.join(f'{v:.1f}' for v in row.get('stall_ms_by_layer', []))}]"
     )
 
 
