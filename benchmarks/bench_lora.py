@@ -2,7 +2,8 @@
 
 Opens the model as `moestream generate -m MODEL --quant int4 --memory-budget 25% --predictor
 prerouter --routing predicted -t 1` does (the slot cache streams experts; the adapter found
-beside the model), then decodes --tokens greedy tokens from one prompt per arm, the arms
+beside the model), then decodes --tokens greedy tokens from one prompt per arm (or, with --text, feeds the same
+text's tokens to every arm), the arms
 interleaved for --rounds rounds in a rotating order (a slow spell of the shared box hits every
 arm). Arms: `none` (adapter removed), `stacked` (the adapter as it runs: models/lowrank.py, q/k/v
 as two GEMMs, each other delta one addmm) and `per-delta` (each delta its own module, added one
@@ -58,17 +59,40 @@ def decode(rt, ids: list[int], n: int) -> dict:
     return {**res.stats(), "thread_cpu_ms_per_token": cpu_ms}
 
 
-def run_arm(rt, arm: str, path: Path, ids: list[int], n: int) -> dict:
+@torch.inference_mode()
+def decode_forced(rt, ids: list[int], n: int) -> dict:
+    """generate's steps with every input token taken from `ids` (the last n of them decoded one
+    at a time): the arms then see the same tokens, and differ only where the adapter changes
+    the predicted experts (what the free-running arms' diverging texts add on top)."""
+    from moestream.engine.kv_cache import KVCache
+    from moestream.experts.base import stats_delta
+
+    p, P = rt.provider, len(ids) - n
+    cache = KVCache(rt.args, len(ids), rt.model.dtype)
+    p.reset()
+    rt.model(torch.tensor(ids[:P]), cache, 0, last_only=True)
+    before, t0, c0 = p.stats(), time.perf_counter(), time.thread_time()
+    for pos in range(P, len(ids)):
+        p.decode_read()
+        rt.model(torch.tensor([ids[pos]]), cache, pos, last_only=True)
+        p.decode_issued()
+    dt, cpu = time.perf_counter() - t0, time.thread_time() - c0
+    d = stats_delta(before, p.stats())
+    return {**d, "decode_tok_s": n / dt, "thread_cpu_ms_per_token": 1e3 * cpu / n}
+
+
+def run_arm(rt, arm: str, path: Path, ids: list[int], n: int, forced: bool = False) -> dict:
     from moestream.recovery.adapter import load_adapter, remove_adapter
 
+    run = decode_forced if forced else decode
     remove_adapter(rt.model)
     if arm == "none":
-        return decode(rt, ids, n)
+        return run(rt, ids, n)
     load_adapter(rt.model, path)
     if arm == "stacked":
-        return decode(rt, ids, n)
+        return run(rt, ids, n)
     with per_delta():
-        return decode(rt, ids, n)
+        return run(rt, ids, n)
 
 
 def attention_us(rt, arm: str, path: Path, loops: int = 300, repeats: int = 7) -> float:
@@ -106,6 +130,11 @@ def main() -> None:
     ap.add_argument("-m", "--model", required=True)
     ap.add_argument("--budget", default="25%", help="expert memory budget (as --memory-budget)")
     ap.add_argument("--prompt", default="def fibonacci(n):")
+    ap.add_argument(
+        "--text",
+        default=None,
+        help="teacher-force this file's first 16 + --tokens tokens instead of generating",
+    )
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1)
@@ -119,16 +148,20 @@ def main() -> None:
             raise SystemExit(f"no recovery adapter beside {a.model}: nothing to compare")
         path = rt.adapter.path
         ids = rt.encode_prompt(a.prompt)
+        forced = a.text is not None
+        if forced:
+            ids = rt.tokenizer.encode(Path(a.text).read_text(encoding="utf-8"))[: 16 + a.tokens]
         decode(rt, ids, 16)  # warm-up: kernels built, slots filled
         samples: dict[str, list[float]] = {arm: [] for arm in ARMS}
         cpu: dict[str, list[float]] = {arm: [] for arm in ARMS}
         rows = []
         config = {"model": a.model, "budget": a.budget, "quant": "int4", "tokens": a.tokens,
-                  "threads": a.threads, "lora": rt.adapter.describe()}  # fmt: skip
+                  "threads": a.threads, "lora": rt.adapter.describe(), "text": a.text,
+                  "prompt": None if forced else a.prompt}  # fmt: skip
         for r in range(a.rounds):
             order = ARMS[r % 3 :] + ARMS[: r % 3]
             for arm in order:
-                s = run_arm(rt, arm, path, ids, a.tokens)
+                s = run_arm(rt, arm, path, ids, a.tokens, forced)
                 samples[arm].append(s["decode_tok_s"])
                 cpu[arm].append(s["thread_cpu_ms_per_token"])
                 rows.append(bench_row("lora", config, {"arm": arm, "round": r, **s}))
