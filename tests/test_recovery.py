@@ -130,6 +130,13 @@ def test_inference_path_equals_each_delta_on_its_own(tiny_dir, tmp_path):
     assert attn._lora_stack._mats is None
     torch.testing.assert_close(mixed, _prefill_and_step(model, grad=True), **tight)
     assert not torch.allclose(mixed, moved, atol=1e-4)
+    with torch.inference_mode():  # adapters made under inference_mode: tensors without versions
+        remove_adapter(model)
+        add_adapter(model, rank=4, alpha=8.0, seed=0)
+        _randomize(model)
+        inferred = _prefill_and_step(model, grad=False)
+    assert attn._lora_stack._mats is not None
+    torch.testing.assert_close(inferred, fast, **tight)
 
 
 def test_adapter_on_quantized_dense_adds_only_its_delta(tiny_dir, tmp_path):

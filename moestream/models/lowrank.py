@@ -58,7 +58,13 @@ def _state(m: LowRank) -> tuple:
     """What a stacked copy of m depends on: its identity, its tensors' and their in-place
     versions, its scale (ids: the stack holds the objects, so none can be reused meanwhile)."""
     a, b = m._parameters["A"], m._parameters["B"]
-    return (id(m), id(a), id(b), a._version, b._version, m.scale)
+    return (id(m), id(a), id(b), _version(a), _version(b), m.scale)
+
+
+def _version(t: torch.Tensor) -> int:
+    """t's in-place version; an inference tensor (an adapter loaded under inference_mode) has
+    none, and cannot be changed outside inference_mode: nothing trains it."""
+    return -1 if t.is_inference() else t._version
 
 
 class LoraStack:
