@@ -158,6 +158,21 @@ def test_adapter_on_quantized_dense_adds_only_its_delta(tiny_dir, tmp_path):
     m = attn.lora["o_proj"]
     got = plus_lora(attn.lora, "o_proj", attn.o_proj(x), x)
     torch.testing.assert_close(got - base, m.scale * (x @ m.A.T @ m.B.T))
+    with torch.no_grad():  # the inference path's addmm, the same delta
+        fast = plus_lora(attn.lora, "o_proj", attn.o_proj(x), x)
+    torch.testing.assert_close(fast - base, m.scale * (x @ m.A.T @ m.B.T))
+    # every site, q/k/v stacked beside the fused int4 q/k/v: the training path's logits
+    assert attn._qfused is not None
+    remove_adapter(model)
+    add_adapter(model, rank=2, alpha=2.0)
+    _randomize(model)
+    torch.testing.assert_close(
+        _prefill_and_step(model, grad=False),
+        _prefill_and_step(model, grad=True),
+        atol=2e-5,
+        rtol=1e-5,
+    )
+    assert attn._lora_stack._mats is not None
 
 
 @pytest.fixture
