@@ -7,12 +7,14 @@ predictor's predictions computed by running that predictor over the same trace (
 the reference model's next router on its hidden states, prerouter = its trained heads). Each
 mode runs in its own subprocess after the store is evicted from the page cache (O_DIRECT reads).
 Prints decode tok/s per budget (10/25/50% of expert bytes) and mode (and the cold prefill's
-time: the store is evicted before every run), the ratio to on-demand,
-bytes read per token, the disk GB/s achieved (all reads / decode time) against a raw O_DIRECT
-ceiling measured in the same run, the time stalled on reads, prefetch precision and prediction
-recall; every mode runs under each eviction policy of --policies (LRFU, the default, and LRU), and
-"x" is the ratio to on-demand with the first policy; with --repeats N the modes run N times
-interleaved and medians are added. Appends JSON lines to benchmarks/results/predict.jsonl.
+time: the store is evicted before every run), the ratio to on-demand, bytes read per token, the
+disk GB/s achieved (all reads / decode time) against a raw O_DIRECT ceiling measured in the same
+run, the time stalled on reads (in all, and per layer in brackets: layer 0 first), prefetch
+precision and prediction recall; every mode runs under each eviction policy of --policies (LRFU,
+the default, and LRU), and "x" is the ratio to on-demand with the first policy; with --repeats N
+the modes run N times interleaved and medians are added. --edge0-heads adds the prerouter modes
+with Edge0's timing beside the --ref heads' (next-state heads: EDGE0_MODES). Appends JSON lines
+to --out.
 
     .venv/bin/python benchmarks/bench_predict.py --ref models/pystd-moe-29m \
         --trace .cache/predict/trace-valid --repeats 3
@@ -40,6 +42,14 @@ MODES = [  # (name, predictor, routing)
     ("oracle", "oracle", "exact"),
     ("predicted routing", "prerouter", "predicted"),
     ("resident", "none", "exact"),  # every expert in RAM, no IO: the ceiling of any schedule
+]
+# With --edge0-heads (heads trained without --next-state): the same modes with Edge0's timing
+# (head N at token t names layer N+1 of t+1), and the --ref heads' sets issued at that point (a
+# what-if, not causal for next-state heads: their timing's cost alone, at the same sets).
+EDGE0_MODES = [
+    ("prerouter edge0", "prerouter-edge0", "exact"),
+    ("predicted routing edge0", "prerouter-edge0", "predicted"),
+    ("predicted routing early", "prerouter-early", "predicted"),
 ]
 
 CHILD = r"""
@@ -85,7 +95,19 @@ class Replay(Predictor):
     def observe(self, col, pos, x, ids):
         rows = self.table.get(f"{pos},{col}", [])
         return [Prediction(l, p, tuple(e), tuple(sc)) for l, p, e, sc in rows]
-p = loaded.provider
+p = inner = loaded.provider
+by_layer = {}  # layer -> seconds blocked on reads during the timed tokens
+def stalled():
+    st = inner.stats()
+    return st.get("io_seconds", 0.0) + st.get("prefetch_wait_seconds", 0.0)
+def timed_experts(layer, x, ids, weights, _run=inner.experts):
+    s0 = stalled()
+    y = _run(layer, x, ids, weights)
+    if timing:
+        by_layer[layer] = by_layer.get(layer, 0.0) + stalled() - s0
+    return y
+inner.experts = timed_experts
+timing = False
 if mode["predictor"] != "none":
     table = json.load(open(preds_file))
     p = attach(model, p, Replay(table), mode["routing"], mode["min_score"])
@@ -102,13 +124,15 @@ with torch.no_grad():
     prefill_s = time.perf_counter() - t_pre
     for pos in range(P, P + warm + n):
         if pos == P + warm:
-            before, t0 = p.stats(), time.perf_counter()
+            before, t0, timing = p.stats(), time.perf_counter(), True
         cursor[0] = s["offset"] + pos
         model(torch.tensor([tokens[pos]]), cache, pos, last_only=True)
     dt = time.perf_counter() - t0
 d = stats_delta(before, p.stats())
 p.close()
-print(json.dumps({"prefill_s": prefill_s, "prompt_tokens": P, "decode_s": dt, "tok_s": n / dt, **d}))
+stall = [1e3 * by_layer.get(l, 0.0) / n for l in sorted(set(by_layer) | {0})]
+print(json.dumps({"prefill_s": prefill_s, "prompt_tokens": P, "decode_s": dt, "tok_s": n / dt,
+                  "stall_ms_by_layer": stall, **d}))
 """
 
 
@@ -126,7 +150,7 @@ def build_store(work: Path, layers: int, experts: int, top_k: int) -> Path:
 
 
 def prediction_tables(
-    ref: Path, trace, seq: int, heads: Path | None, work: Path, ahead: int
+    ref: Path, trace, seq: int, heads: Path | None, work: Path, ahead: int, edge0: Path | None
 ) -> dict:
     """predictor -> file of {"pos,col": [[layer, pos, experts], ...]} emitted along sequence seq,
     plus each predictor's recall over that sequence's generated tokens."""
@@ -140,9 +164,15 @@ def prediction_tables(
 
     model = open_model(ref).model
     h = PrerouterHeads.load(heads) if heads else None
+    runs = [(n, n, h) for n in ("temporal", "stale-gate", "prerouter", "oracle")]
+    if edge0 is not None:
+        h0 = PrerouterHeads.load(edge0)
+        if h0.next_state:
+            raise SystemExit(f"--edge0-heads {edge0}: these are next-state heads (no Edge0 timing)")
+        runs.append(("prerouter-edge0", "prerouter", h0))
     out = {}
     s = trace.sequences[seq]
-    for name in ("temporal", "stale-gate", "prerouter", "oracle"):
+    for label, name, h in runs:
         pred = make_predictor(name, model, heads=h, trace=trace, ahead=ahead)
         pred.reset()
         for _ in range(seq):
@@ -158,12 +188,27 @@ def prediction_tables(
                         table[f"{pos},{col}"] = [
                             [p.layer, p.pos, list(p.experts), list(p.scores)] for p in ps
                         ]
-        path = work / f"preds-{name}-seq{seq}.json"
+        path = work / f"preds-{label}-seq{seq}.json"
         path.write_text(json.dumps(table))
         fresh = make_predictor(name, model, heads=h, trace=trace)
         recall = overall(replay_recall(fresh, trace, [seq])) if name != "oracle" else 1.0
-        out[name] = (path, recall)
+        out[label] = (path, recall)
+        if label == "prerouter" and edge0 is not None and h is not None and h.next_state:
+            path = work / f"preds-prerouter-early-seq{seq}.json"
+            path.write_text(json.dumps(issued_early(table)))
+            out["prerouter-early"] = (path, recall)
     return out
+
+
+def issued_early(table: dict) -> dict:
+    """The same predictions, each issued where Edge0 issues it: (layer L, token p) at token p-1's
+    layer L-1 (next-state heads issue them all at token p's layer 0)."""
+    early: dict[str, list] = {}
+    for rows in table.values():
+        for layer, pos, experts, scores in rows:
+            if layer >= 1 and pos >= 1:
+                early.setdefault(f"{pos - 1},{layer - 1}", []).append([layer, pos, experts, scores])
+    return early
 
 
 def main() -> None:
@@ -188,6 +233,11 @@ def main() -> None:
         help="prefetch only experts the predictor scores at least this (router probability)",
     )
     ap.add_argument("--ahead", type=int, default=1, help="layers ahead the stale gate names")
+    ap.add_argument(
+        "--edge0-heads",
+        default=None,
+        help="heads trained without --next-state: adds the prerouter modes with Edge0's timing",
+    )
     ap.add_argument("--no-verify", action="store_true", help="skip the crc32 of each record read")
     ap.add_argument(
         "--policies",
@@ -205,7 +255,10 @@ def main() -> None:
     trace = load_trace(a.trace)
     L, E, K = trace.n_layers, trace.num_experts, trace.top_k
     store = build_store(work, L, E, K)
-    tables = prediction_tables(Path(a.ref), trace, a.sequence, find_heads(a.ref), work, a.ahead)
+    edge0 = Path(a.edge0_heads) if a.edge0_heads else None
+    tables = prediction_tables(
+        Path(a.ref), trace, a.sequence, find_heads(a.ref), work, a.ahead, edge0
+    )
     expert_bytes = sum(p.stat().st_size for p in store.glob("experts-*.bin"))
     evict(store)
     ceiling = seq_read_ceiling(next(store.glob("experts-*.bin")))
@@ -226,6 +279,8 @@ def main() -> None:
         "io_threads": a.io_threads,
         "min_score": a.min_score,
         "stale_gate_ahead": a.ahead,
+        "heads": str(find_heads(a.ref)),
+        "edge0_heads": a.edge0_heads,
         "verify_crc": not a.no_verify,
         "crc_impl": CRC_IMPL,
     }
@@ -245,7 +300,7 @@ def main() -> None:
         for rep in range(a.repeats):  # modes interleaved, so slow spells of the box hit all
             base: dict[str, float] = {}  # policy -> on-demand tok/s in this repeat
             for policy in policies:
-                for name, predictor, routing in MODES:
+                for name, predictor, routing in MODES + (EDGE0_MODES if edge0 else []):
                     if a.modes and name not in a.modes.split(","):
                         continue
                     if name == "resident" and policy != policies[0]:
@@ -298,6 +353,9 @@ def main() -> None:
                 if rs[0]["policy"] in same:
                     summary["speedup_same_policy"] = med["tok_s"] / same[rs[0]["policy"]]
                 summary["tok_s_samples"] = [r["tok_s"] for r in rs]
+                if all("stall_ms_by_layer" in r for r in rs):  # elementwise medians
+                    per = zip(*(r["stall_ms_by_layer"] for r in rs))
+                    summary["stall_ms_by_layer"] = [statistics.median(v) for v in per]
                 rows.append(summary)
                 print(line(pct, name, summary, summary["recall"]))
     write_rows(a.out, rows)
@@ -345,6 +403,7 @@ def line(pct: int, name: str, row: dict, recall) -> str:
         f"{row['stall_ms_per_token']:8.1f} {100 * row['hit_rate']:6.1f} "
         f"{row.get('prefetch_precision', 0.0):7.2f} {row.get('prefill_s', 0.0):9.2f} "
         f"{'' if recall is None else f'{100 * recall:5.1f}%'}"
+        f"  [{' '.join(f'{v:.1f}' for v in row.get('stall_ms_by_layer', []))}]"
     )
 
 

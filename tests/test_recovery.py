@@ -16,7 +16,7 @@ from moestream.engine.kv_cache import KVCache
 from moestream.experts.config import PredictConfig, StreamConfig
 from moestream.experts.predicting import attach
 from moestream.loader import load_model
-from moestream.models.layers import plus_lora
+from moestream.models.lowrank import plus_lora
 from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
 from moestream.quality.eval import window_logits
 from moestream.quant import make_scheme
@@ -97,6 +97,48 @@ def test_unmerged_adapter_equals_merged_fp32_weights(tiny_dir, arch):
     torch.testing.assert_close(logits(model), logits(load_model(tiny_dir(arch)).model))
 
 
+def _prefill_and_step(model, grad: bool) -> torch.Tensor:
+    """Logits of IDS as a prompt, then of one decode step, with gradients on (training: every
+    delta its own module) or off (inference: q/k/v stacked, each delta one addmm)."""
+    with torch.set_grad_enabled(grad):
+        cache = KVCache(model.args, len(IDS) + 1, model.dtype)
+        prompt = model(torch.tensor(IDS), cache, 0)
+        step = model(torch.tensor([7]), cache, len(IDS))
+    return torch.cat([prompt, step]).detach().float()
+
+
+def test_inference_path_equals_each_delta_on_its_own(tiny_dir, tmp_path):
+    """The stacked q/k/v GEMMs and the addmm give the training path's values, follow an adapter
+    changed in place (an optimizer step), and step aside when the scales differ."""
+    store = convert(tiny_dir("qwen2_moe"), tmp_path / "s", make_scheme("int8"), False)
+    # qwen2_moe: a shared expert, so MLP adapters too; the ref kernels take gradients (training's)
+    model = load_model(store, StreamConfig(resident=True, kernel="ref")).model
+    add_adapter(model, rank=4, alpha=8.0, seed=0)
+    _randomize(model)
+    attn = model.model.layers[0].self_attn
+    tight = dict(atol=2e-5, rtol=1e-5)
+    fast = _prefill_and_step(model, grad=False)
+    assert attn._lora_stack._mats is not None  # the stacked path ran
+    torch.testing.assert_close(fast, _prefill_and_step(model, grad=True), **tight)
+    with torch.no_grad():
+        attn.lora["k_proj"].B.mul_(3.0)
+    moved = _prefill_and_step(model, grad=False)
+    assert not torch.allclose(moved, fast, atol=1e-4)
+    torch.testing.assert_close(moved, _prefill_and_step(model, grad=True), **tight)
+    attn.lora["v_proj"].scale = 0.5  # scales differ: one projection at a time
+    mixed = _prefill_and_step(model, grad=False)
+    assert attn._lora_stack._mats is None
+    torch.testing.assert_close(mixed, _prefill_and_step(model, grad=True), **tight)
+    assert not torch.allclose(mixed, moved, atol=1e-4)
+    with torch.inference_mode():  # adapters made under inference_mode: tensors without versions
+        remove_adapter(model)
+        add_adapter(model, rank=4, alpha=8.0, seed=0)
+        _randomize(model)
+        inferred = _prefill_and_step(model, grad=False)
+    assert attn._lora_stack._mats is not None
+    torch.testing.assert_close(inferred, fast, **tight)
+
+
 def test_adapter_on_quantized_dense_adds_only_its_delta(tiny_dir, tmp_path):
     """Beside an int4 QuantLinear base the delta is the same fp32 B A x: the output moves by it."""
     from moestream.kernels.dense import QuantLinear
@@ -116,6 +158,21 @@ def test_adapter_on_quantized_dense_adds_only_its_delta(tiny_dir, tmp_path):
     m = attn.lora["o_proj"]
     got = plus_lora(attn.lora, "o_proj", attn.o_proj(x), x)
     torch.testing.assert_close(got - base, m.scale * (x @ m.A.T @ m.B.T))
+    with torch.no_grad():  # the inference path's addmm, the same delta
+        fast = plus_lora(attn.lora, "o_proj", attn.o_proj(x), x)
+    torch.testing.assert_close(fast - base, m.scale * (x @ m.A.T @ m.B.T))
+    # every site, q/k/v stacked beside the fused int4 q/k/v: the training path's logits
+    assert attn._qfused is not None
+    remove_adapter(model)
+    add_adapter(model, rank=2, alpha=2.0)
+    _randomize(model)
+    torch.testing.assert_close(
+        _prefill_and_step(model, grad=False),
+        _prefill_and_step(model, grad=True),
+        atol=2e-5,
+        rtol=1e-5,
+    )
+    assert attn._lora_stack._mats is not None
 
 
 @pytest.fixture

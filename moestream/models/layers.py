@@ -25,6 +25,7 @@ from moestream.kernels.dispatch import (
     route_decode,
     topk,
 )
+from moestream.models.lowrank import LoraStack, plus_lora
 
 
 def _cpu_fp32(x: torch.Tensor) -> bool:
@@ -186,27 +187,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((rot * cos + rot.roll(rd // 2, -1) * sin, x[..., rd:]), dim=-1)
 
 
-class LowRank(nn.Module):
-    """An unmerged LoRA delta beside a frozen (possibly quantized) projection W:
-    y = W x + (alpha / r) B A x, with A [r, in] and B [out, r] in fp32 whatever W's format (merged
-    into an int4 W it would mostly round away: its RMS is below one quantization step)."""
-
-    def __init__(self, n_in: int, n_out: int, rank: int, alpha: float):
-        super().__init__()
-        self.rank, self.alpha, self.scale = rank, alpha, alpha / rank
-        self.A = nn.Parameter(torch.zeros(rank, n_in))
-        self.B = nn.Parameter(torch.zeros(n_out, rank))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> the delta [T, out] in x's dtype."""
-        return (F.linear(F.linear(x.float(), self.A), self.B) * self.scale).to(x.dtype)
-
-
-def plus_lora(lora: nn.ModuleDict, name: str, y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """y (projection `name` of x) plus its adapter's delta, if it has one."""
-    return y + lora[name](x) if name in lora else y
-
-
 class Attention(nn.Module):
     """GQA attention with a KV cache. qk_norm: None, 'head' (Qwen3: per head) or 'full' (OLMoE).
     `lora`: unmerged adapters on q/k/v/o_proj by name (recovery/adapter.py fills it)."""
@@ -260,6 +240,7 @@ class Attention(nn.Module):
         self.window = args.sliding_windows[layer]
         self.scaling = hd**-0.5
         self.lora = nn.ModuleDict()
+        self._lora_stack = LoraStack(("q_proj", "k_proj", "v_proj"), (H * hd, Hkv * hd, Hkv * hd))
 
     def forward(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, start: int
@@ -299,10 +280,13 @@ class Attention(nn.Module):
         return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
 
     def _lora_qkv(self, x: torch.Tensor, qkv: torch.Tensor) -> torch.Tensor:
-        """The fused q/k/v output plus each projection's adapter delta on its own columns."""
-        sizes = (self.H * self.hd, self.Hkv * self.hd, self.Hkv * self.hd)
-        parts = qkv.split(sizes, dim=-1)
-        names = ("q_proj", "k_proj", "v_proj")
+        """The fused q/k/v output plus each projection's adapter delta on its own columns: two
+        GEMMs at inference (`LoraStack`), each adapter on its own slice under training."""
+        stacked = self._lora_stack.add_to(self.lora, qkv, x)
+        if stacked is not None:
+            return stacked
+        parts = qkv.split(self._lora_stack.sizes, dim=-1)
+        names = self._lora_stack.names
         return torch.cat([plus_lora(self.lora, n, p, x) for n, p in zip(names, parts)], dim=-1)
 
     def _qkv_proj(self, x: torch.Tensor) -> torch.Tensor:

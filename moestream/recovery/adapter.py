@@ -20,7 +20,8 @@ import torch
 from torch import nn
 
 from moestream.errors import CheckpointError
-from moestream.models.layers import MLP, Attention, LowRank
+from moestream.models.layers import MLP, Attention
+from moestream.models.lowrank import LowRank
 
 ADAPTER_FILE = "recovery.lora"
 FORMAT = 1
