@@ -76,6 +76,30 @@ void wait_until(const R& ready) {
   }
 }
 
+// The hand-off between an expert's gate|up items and its down items in one stream (one_stream, the
+// decode step's expert phase), per slot (an expert of a call, or of a layer): the thread that
+// finishes a slot's last gate|up chunk quantizes its SiLU*up and publishes it; a down item of that
+// slot spins until then.
+class ExpertHandoff {
+ public:
+  ExpertHandoff(size_t slots, int chunks) : left_(slots), ready_(slots) {
+    for (size_t i = 0; i < slots; ++i) left_[i].store(chunks, std::memory_order_relaxed), ready_[i].store(0);
+  }
+  template <typename F>
+  void chunk_done(size_t slot, const F& quantize) {
+    if (left_[slot].fetch_sub(1, std::memory_order_acq_rel) == 1) {
+      quantize();
+      ready_[slot].store(1, std::memory_order_release);
+    }
+  }
+  void wait(size_t slot) const {
+    wait_until([&] { return ready_[slot].load(std::memory_order_acquire) != 0; });
+  }
+
+ private:
+  std::vector<std::atomic<int>> left_, ready_;
+};
+
 struct Worker {
   Phases& ph;
   int tid, phase = 0;
@@ -325,14 +349,22 @@ inline const uint8_t* q5_0_block(const Weight& w, int r, int j) {
   return w.q + ((size_t)r * (w.K / G) + j) * kQ5_0Bytes;
 }
 
-int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
+// One block's 32 weights q - 16 (-16..15) in input order: the low nibble of qs[i] is element i,
+// the high one i + 16; bit i of qh is element i's 5th bit.
+inline void q5_0_values(const uint8_t* blk, int8_t* v) {
   const uint32_t qh = Q5Block{blk}.qh();
   const uint8_t* qs = blk + 6;
-  int32_t dot = 0;
   for (int i = 0; i < G / 2; ++i) {
-    dot += ((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16) * xq[i];
-    dot += ((int)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16) * xq[G / 2 + i];
+    v[i] = (int8_t)((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
+    v[G / 2 + i] = (int8_t)((int)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
   }
+}
+
+int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
+  int8_t v[G];
+  q5_0_values(blk, v);
+  int32_t dot = 0;
+  for (int i = 0; i < G; ++i) dot += v[i] * xq[i];
   return dot;
 }
 
@@ -721,17 +753,11 @@ void q5_0_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
     BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
     for (int j = 0; j < nb; ++j) {
       const uint8_t* blk = q5_0_block(w, r, j);
-      const uint32_t qh = Q5Block{blk}.qh();
+      int8_t v[G];
+      q5_0_values(blk, v);
       int32_t dot[kTile] = {};
-      for (int k = 0; k < G / 2; ++k) {
-        const int lo = (int)((blk[6 + k] & 15) | (((qh >> k) & 1) << 4)) - 16;
-        const int hi = (int)((blk[6 + k] >> 4) | (((qh >> (k + 16)) & 1) << 4)) - 16;
-        for (int i = 0; i < nt; ++i) {
-          const int8_t* xq = a.qr(ts[i]);
-          dot[i] += lo * xq[j * G + k];
-          dot[i] += hi * xq[j * G + G / 2 + k];
-        }
-      }
+      for (int k = 0; k < G; ++k)
+        for (int i = 0; i < nt; ++i) dot[i] += v[k] * a.qr(ts[i])[j * G + k];
       const float dw = Q5Block{blk}.d();
       for (int i = 0; i < nt; ++i) acc[i].add(j, (dw * a.dr(ts[i])[j]) * (float)dot[i]);
     }
@@ -1256,21 +1282,16 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   int64_t b13 = 0, b2 = 0;  // weight bytes read (serial below kSerialBytes)
   for (int e = 0; e < E; ++e) b13 += secs[4 * e].nbytes(), b2 += secs[4 * e + 2].nbytes();
   QAct act(E, I, w2[0].kind == kInt8);
-  std::vector<std::atomic<int>> left(E), ready(E);
-  for (auto& v : left) v.store(c13);
-  for (auto& v : ready) v.store(0);
+  ExpertHandoff handoff(E, c13);
   auto gate_up = [&](int64_t i) {
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
     chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
-    if (left[e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-      act_quantize(h.data(), I, act, e, isa);
-      ready[e].store(1, std::memory_order_release);
-    }
+    handoff.chunk_done(e, [&] { act_quantize(h.data(), I, act, e, isa); });
   };
   auto down = [&](int64_t i) {
     const int e = (int)(i / cd);
-    wait_until([&] { return ready[e].load(std::memory_order_acquire) != 0; });
+    handoff.wait(e);
     float* ye = y.data() + (size_t)e * D;
     chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2[e], r0, n, act, e, ye + r0, isa); });
   };
@@ -1635,9 +1656,7 @@ class DecodeStep {
     Phases phases((int64_t)L.size() * kPhasesPerLayer);
     const int nt = std::max(1, at::get_num_threads()), nbd = (D + BN - 1) / BN;
     const int cd1 = row_chunks(D, 1, nt), c13 = row_chunks(N13, k, nt), cd = row_chunks(D, k, nt);
-    std::unique_ptr<std::atomic<int>[]> left(new std::atomic<int>[L.size() * k]);  // chunks left per layer, expert
-    std::unique_ptr<std::atomic<int>[]> ready(new std::atomic<int>[L.size() * k]);  // SiLU*up quantized
-    for (size_t i = 0; i < L.size() * k; ++i) left[i].store(c13, std::memory_order_relaxed), ready[i].store(0);
+    ExpertHandoff handoff(L.size() * k, c13);  // slot li * k + e: layer li's e-th routed expert
     double expert_s = 0;
 #pragma omp parallel num_threads(nt)
     {
@@ -1726,16 +1745,13 @@ class DecodeStep {
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
           chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
-          if (left[li * k + e].fetch_sub(1, std::memory_order_acq_rel) == 1) {
-            act_quantize(hx.data(), I, act, e, isa);
-            ready[li * k + e].store(1, std::memory_order_release);
-          }
+          handoff.chunk_done(li * k + e, [&] { act_quantize(hx.data(), I, act, e, isa); });
         };
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
         auto down = [&](int64_t i) {
           const int e = (int)(i / cd);
-          wait_until([&] { return ready[li * k + e].load(std::memory_order_acquire) != 0; });
+          handoff.wait(li * k + e);
           const Weight& w2 = l.w2[ids[order[e]]];
           float* ye = yk.data() + (size_t)e * D;
           chunk_blocks(D, cd, i % cd, [&](int r0, int n) { rows(w2, r0, n, act, e, ye + r0, isa); });
