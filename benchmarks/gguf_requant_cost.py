@@ -92,9 +92,12 @@ def gguf_store(path: Path, work: Path, quant: str | None) -> tuple[Path, list[st
     from moestream.convert.writer import convert, source_scheme
 
     dst = work / "stores" / f"{path.stem}-{quant or 'default'}"
+    # converted every run: a store kept from an earlier run would be measured silently (its name
+    # says nothing of the code that wrote it) and convert's note would be empty
+    shutil.rmtree(dst, ignore_errors=True)
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
-        store = convert(path, dst, source_scheme(path, quant), False, reuse=True)
+        store = convert(path, dst, source_scheme(path, quant), False, reuse=False)
     return store, [ln for ln in err.getvalue().splitlines() if "expert tensor" in ln]
 
 

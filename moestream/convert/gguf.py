@@ -41,6 +41,7 @@ from moestream.convert.gguf_arch import (
     SECOND_HALF,
     SHARED_NAMES,
     GgufHeader,
+    fused_gate_up,
 )
 from moestream.convert.gguf_blocks import (
     EXACT,
@@ -80,13 +81,12 @@ class GGUFCheckpoint:
         self.dense_names: list[str] = []
         self._dense_src: dict[str, str] = {}  # HF name -> GGUF name
         self._experts: dict[int, dict[str, str]] = {}  # layer -> gate/up/down -> GGUF name
-        self._fused_gate_up: set[int] = set()  # layers whose gate and up are one tensor
         self._qkv_part: dict[str, int] = {}  # HF q/k/v name -> 0/1/2 of its fused attn_qkv
         self._expert_biases: dict[int, dict[str, str]] = {}  # the same, of their biases
         self._classify()
         self._check_types()
         bias = any(n.endswith("self_attn.q_proj.bias") for n in self.dense_names)
-        self.config = self.header.hf_config(self._experts, self._fused_gate_up, bias)
+        self.config = self.header.hf_config(self._experts, bias)
         try:
             self.args: ModelArgs = model_args_from_dict(self.config, str(self.folder))
         except ConfigError as e:
@@ -116,7 +116,6 @@ class GGUFCheckpoint:
                 self._experts.setdefault(int(m[1]), {})[EXPERT_NAMES[m[2]]] = name
             elif m and m[2] == GATE_UP:
                 self._experts.setdefault(int(m[1]), {}).update(gate=name, up=name)
-                self._fused_gate_up.add(int(m[1]))
             elif m and m[2] in QKV and f"blk.{m[1]}.ssm_out.weight" not in self._tensors:
                 # (qwen35moe's Gated DeltaNet layers name their in_proj_qkv attn_qkv: own names)
                 for k, proj in enumerate(("q_proj", "k_proj", "v_proj")):
@@ -217,7 +216,7 @@ class GGUFCheckpoint:
                 continue
             for role, shape in want.items():
                 name = roles.get(role)
-                if layer in self._fused_gate_up and role != "down":
+                if fused_gate_up(self._experts[layer]) and role != "down":
                     shape = [D, 2 * I, E]  # gate rows then up rows
                 if name is None:
                     raise CheckpointError(
@@ -327,7 +326,7 @@ class GGUFCheckpoint:
     def _expert_data(self, layer: int, role: str, e: int) -> np.ndarray:
         """One expert's stored rows of one projection (gate / up: its half of a fused gate_up)."""
         data = self._tensors[self._experts[layer][role]].data[e]
-        if layer in self._fused_gate_up and role != "down":
+        if fused_gate_up(self._experts[layer]) and role != "down":
             half = data.shape[0] // 2
             return data[:half] if role == "gate" else data[half:]
         return data

@@ -148,6 +148,14 @@ EXPERT_NAMES = {
 # each expert, written for qwen35moe / qwen3next; `--fuse-qkv`: q, k, v rows, every architecture
 # with attn_qkv): read as their parts, row ranges of one tensor.
 GATE_UP = "ffn_gate_up_exps.weight"
+
+
+def fused_gate_up(roles: dict[str, str]) -> bool:
+    """Whether a layer's gate and up experts are one tensor (`ffn_gate_up_exps`, its gate rows
+    then its up rows): both roles then name it."""
+    return roles.get("gate") is not None and roles.get("gate") == roles.get("up")
+
+
 QKV = {"attn_qkv.weight": "weight", "attn_qkv.bias": "bias"}
 # gpt-oss's expert biases, stacked [E, I] (gate, up) and [E, D] (down)
 EXPERT_BIASES = {f"ffn_{r}_exps.bias": r for r in ("gate", "up", "down")}
@@ -190,11 +198,9 @@ class GgufHeader:
     def arch_key(self, key: str, default: Any = ...) -> Any:
         return self.key(f"{self.arch_name}.{key}", default)
 
-    def hf_config(
-        self, experts: dict[int, dict[str, str]], fused_gate_up: set[int], attention_bias: bool
-    ) -> dict[str, Any]:
+    def hf_config(self, experts: dict[int, dict[str, str]], attention_bias: bool) -> dict[str, Any]:
         """The metadata as a Hugging Face config dict of the arch's model_type; `experts`: MoE layer
-        -> role -> tensor name (`fused_gate_up`: layers whose gate and up are one tensor)."""
+        -> role -> tensor name (one tensor for gate and up where they are fused)."""
         heads = int(self.arch_key("attention.head_count"))
         hidden = int(self.arch_key("embedding_length"))
         kv = self.arch_key("attention.head_count_kv", heads)
@@ -211,7 +217,7 @@ class GgufHeader:
         first = min(experts)
         gate = self.tensors[experts[first]["gate"]]
         _, inter, n_exp = (int(x) for x in gate.shape)  # ne [D, I, E] ([D, 2I, E] fused)
-        inter //= 2 if first in fused_gate_up else 1
+        inter //= 2 if fused_gate_up(experts[first]) else 1
         vocab = int(self.tensors["token_embd.weight"].shape[1])
         cfg: dict[str, Any] = {
             "model_type": self.arch.model_type,
