@@ -96,9 +96,14 @@ def check_pool(p: GpuExperts) -> None:
     assert torch.equal(p.slot_map.cpu(), want.cpu())
 
 
-@pytest.mark.parametrize("mirror,dtype", [(False, torch.float32), (True, torch.bfloat16)])
-def test_cpu_streaming_equals_resident_and_bookkeeping(stores, mirror, dtype):
-    store = stores("int8")
+# int4 under the ref kernel: the pool and mirror hold sz in the store-layout kernels' order,
+# reordered as records enter (layout.rows_sections); check_pool reads it back in the store's
+@pytest.mark.parametrize(
+    "quant,mirror,dtype",
+    [("int8", False, torch.float32), ("int8", True, torch.bfloat16), ("int4", True, torch.float32)],
+)
+def test_cpu_streaming_equals_resident_and_bookkeeping(stores, quant, mirror, dtype):
+    store = stores(quant)
     ids = prompt_ids(store)
     size = Store(store).layout.size
     res_model, args, res_p = gpu_model(store, GpuConfig(resident=True, kernel="ref"), "cpu", dtype)
@@ -116,8 +121,9 @@ def test_cpu_streaming_equals_resident_and_bookkeeping(stores, mirror, dtype):
     assert s["syncs"] >= args.num_hidden_layers * N
     check_pool(p)
     # Same slot table as the CPU streaming provider at the same slot count: same counters.
-    # the torch kernels: the reference's math, so equal tokens mean equal routing
-    cpu = load_model(store, StreamConfig(memory_budget=16 * size, io=IO, kernel="cpu"))
+    # the reference kernel, as this provider's: equal tokens mean equal routing (torch's int4
+    # kernel takes bf16 activations, another routing)
+    cpu = load_model(store, StreamConfig(memory_budget=16 * size, io=IO, kernel="ref"))
     cpu_toks, _ = run(cpu.model, cpu.args, ids, N)
     cs = cpu.provider.stats()
     if cpu_toks == got:

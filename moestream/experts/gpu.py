@@ -159,14 +159,15 @@ class GpuExperts(ExpertProvider):
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
         """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
         shapes = {s.name: (s.shape, s.dtype) for s in self.store.layout.sections}
-        if self.rows:  # int4's sz -> rz [N, K/G] int32
-            shapes = pool_shapes(self.store.scheme, shapes)
+        # int4's sz -> rz [N, K/G] int32 (rows), or sz in the store-layout kernels' order
+        shapes = pool_shapes(self.store.scheme, shapes, self.rows)
         return {n: torch.empty((*lead, *sh), dtype=dt, device=device, pin_memory=pin)
                 for n, (sh, dt) in shapes.items()}  # fmt: skip
 
     def _pool_layout(self, secs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Store-layout sections [m, ...] -> the pool's layout (int4: repacked into rows)."""
-        return rows_sections(self.store.scheme, secs) if self.rows else secs
+        """Store-layout sections [m, ...] -> the pool's layout (int4: repacked into rows, or its
+        sz reordered once for the store-layout kernels)."""
+        return rows_sections(self.store.scheme, secs, self.rows)
 
     def _absent(self, rows):
         """slot_map's code for mirror rows (layer index * E + expert) not in VRAM."""
@@ -229,13 +230,11 @@ class GpuExperts(ExpertProvider):
         """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
         from moestream.kernels.triton.decode import moe_decode  # triton: the gpu extra only
 
-        codes = self.slot_map[li][ids]
         self._seen[li].copy_(ids.reshape(-1))
-        self._seen[len(self.layers) + li].copy_(codes.reshape(-1))
+        codes = self._seen[len(self.layers) + li]  # the gather written where the host reads it
+        torch.index_select(self.slot_map[li], 0, ids.reshape(-1), out=codes)
+        codes = codes.view_as(ids)
         return moe_decode(x, codes, weights, self.pool, host=self.mirror)
-
-    def decodes_ahead(self) -> bool:
-        return True  # each issued step's routing has its own buffer (AHEAD of them)
 
     def decode_issued(self) -> None:
         if not self.device_misses:

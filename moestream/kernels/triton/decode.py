@@ -772,7 +772,8 @@ class Launch:
         why = check_shapes(quant, D, I, G, cfg)
         assert why is None, why
         gpu = x.device.type == "cuda"
-        sec, far = _kernel_sections(experts), _kernel_sections(host or experts)
+        sec = _kernel_sections(experts)
+        far = sec if host is None else _kernel_sections(host)
         if host is not None:
             for k, v in sec.items():
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k

@@ -4,8 +4,8 @@
   bf16: w13.q bf16 [E, 2I, D]              w2.q bf16 [E, D, I]
   int8: w13.q int8 [E, 2I, D], w13.s fp32 [E, 2I, D/g]   (w2 likewise)
   int4: w13.q uint8 [E, 2I, D/2] in the store's packed layout, w13.sz bf16 [E, 2I * D/g, 2]
-        blocked as the store keeps it (the store-layout kernels take it as [E, D/g, 2I, 2]:
-        kernel_sections)
+        blocked as the store keeps it, or (a GPU pool and its mirror) [E, D/g, 2I, 2], the order
+        the store-layout kernels read (kernel_sections)
   int4 rows (the GPU pool's layout, `kernel_quant` "int4r"): w13.q uint8 [E, 2I, D/2] row-major,
         per 32 inputs 16 bytes (input i low nibble, i + 16 high, as q4_0), w13.rz int32
         [E, 2I, D/g] the (scale, zero) bf16 pair of each row's group (quant.int4_to_rows)
@@ -23,7 +23,14 @@ from dataclasses import dataclass
 import torch
 
 from moestream.kernels.ref import dequantize, moe_ref
-from moestream.quant import QuantScheme, int4_from_rows, int4_sz_kn, int4_to_rows, quantize
+from moestream.quant import (
+    QuantScheme,
+    int4_from_rows,
+    int4_sz_blocked,
+    int4_sz_kn,
+    int4_to_rows,
+    quantize,
+)
 
 NAMES = ("w13", "w2")
 
@@ -71,8 +78,11 @@ class StackedExperts:
     def expert(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e's sections in the store layout, as a record's `RecordLayout.views` gives them
         (views; an int4 rows pool's are unpacked back, a copy)."""
-        if not self.rows:
-            return {name: t[e] for name, t in self.sections.items()}
+        if not self.rows:  # (a pool's int4 sz in the kernels' order: blocked again, a copy)
+            return {
+                name: int4_sz_blocked(t[e]) if name.endswith(".sz") and t.dim() == 4 else t[e]
+                for name, t in self.sections.items()
+            }
         out = {}
         for n in NAMES:
             q, sz = int4_from_rows(self.sections[f"{n}.q"][e], self.sections[f"{n}.rz"][e])
@@ -94,23 +104,28 @@ class StackedExperts:
 
 def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
     """The sections as the store-layout Triton kernels index them: int4's sz in torch's tinygemm
-    order [E, K/G, N, 2] (quant.int4_sz_kn: a copy per call; the GPU pool runs the rows layout,
-    so only tests and benchmarks of the store layout pay it); other layouts as they are."""
-    if experts.rows or experts.scheme.name != "int4":
+    order [E, K/G, N, 2]. The GPU pool and its mirror hold it so (rows_sections, rows False);
+    records stacked in the store's blocked order [E, N * K/G, 2] (tests, benchmarks) are reordered
+    here, a copy per call."""
+    if experts.rows or experts.scheme.name != "int4" or experts.sections["w13.sz"].dim() == 4:
         return experts.sections
-    return {
-        k: int4_sz_kn(v, experts.sections[k[:-3] + ".q"].shape[1]) if k.endswith(".sz") else v
-        for k, v in experts.sections.items()
-    }
+    return rows_sections(experts.scheme, experts.sections, rows=False)
 
 
 def rows_sections(
-    scheme: QuantScheme, sections: dict[str, torch.Tensor]
+    scheme: QuantScheme, sections: dict[str, torch.Tensor], rows: bool = True
 ) -> dict[str, torch.Tensor]:
     """Stacked sections [m, ...] in the store layout -> the kernels' pool layout: int4's q and sz
-    as rows and rz (quant.int4_to_rows); other schemes as they are."""
+    as rows and rz (quant.int4_to_rows), or (`rows` False) its sz in the store-layout kernels'
+    [m, K/G, N, 2] order (quant.int4_sz_kn, once as records enter the pool); other schemes as
+    they are."""
     if scheme.name != "int4":
         return sections
+    if not rows:
+        return {
+            k: int4_sz_kn(v, sections[k[:-3] + ".q"].shape[1]) if k.endswith(".sz") else v
+            for k, v in sections.items()
+        }
     out = {}
     for n in NAMES:
         out[f"{n}.q"], out[f"{n}.rz"] = int4_to_rows(
@@ -119,16 +134,22 @@ def rows_sections(
     return out
 
 
-def pool_shapes(scheme: QuantScheme, shapes: dict[str, tuple]) -> dict[str, tuple]:
+def pool_shapes(
+    scheme: QuantScheme, shapes: dict[str, tuple], rows: bool = True
+) -> dict[str, tuple]:
     """A record's sections name -> (shape, dtype) in the pool layout (rows_sections): int4's sz
-    [N * K/G, 2] bf16 becomes rz [N, K/G] int32; other schemes as they are."""
+    [N * K/G, 2] bf16 becomes rz [N, K/G] int32, or (`rows` False) sz [K/G, N, 2]; other schemes
+    as they are."""
     if scheme.name != "int4":
         return shapes
     out = {}
     for n, (sh, dt) in shapes.items():
         if n.endswith(".sz"):
-            rows = shapes[n[:-3] + ".q"][0][0]
-            out[n[:-3] + ".rz"] = ((rows, sh[0] // rows), torch.int32)
+            n_rows = shapes[n[:-3] + ".q"][0][0]
+            if rows:
+                out[n[:-3] + ".rz"] = ((n_rows, sh[0] // n_rows), torch.int32)
+            else:
+                out[n] = ((sh[0] // n_rows, n_rows, 2), dt)
         else:
             out[n] = (sh, dt)
     return out
