@@ -6,7 +6,10 @@ the median ceiling, `of_ceiling_paired` the median of each rep's GB/s over its o
 
 - expert: one record (gate|up, SiLU*up, down) per call;
 - layer: K=8 records of 128 distinct ones per call, weighted and summed (the decode step's MoE);
-  records rotate through all 128, so the weights come from DRAM, not cache.
+  records rotate through all 128, so the weights come from DRAM, not cache;
+- layers: 15 layer ops back to back over 120 distinct records, timed as one (a decode step runs
+  its layers one after another; a lone call right after the 1 GiB ceiling read also pays for
+  restarting: ~10-15% of its time in this VM).
 Bytes read = whole padded records (what a store read moves). int8's torch path dequantizes to fp32
 and calls F.linear (no torch kernel takes per-block scales).
 
@@ -36,6 +39,7 @@ from moestream.quant import RecordLayout, make_scheme, quantize_expert, record_b
 from moestream.store.io import record_memory  # noqa: E402
 
 N_RECORDS, K = 128, 8
+LAYERS = N_RECORDS // K - 1  # the layers row: distinct records, none of the previous call's
 
 
 def make_records(scheme: str, D: int, I: int) -> tuple[RecordLayout, list[dict]]:
@@ -85,16 +89,17 @@ def ceiling_gbps(big: torch.Tensor) -> float:
 def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: dict) -> list[dict]:
     layout, recs = make_records(scheme, D, I)
     x, w = torch.randn(1, D), torch.rand(1, K)
-    times = {(v, n): [] for v in fns for n in (1, K)}
+    times = {(v, n): [] for v in fns for n in (1, K, LAYERS * K)}
     ceil, nxt = [], 0
     with torch.inference_mode():
         for rep in range(reps + 1):  # rep 0 warms up
-            for n in (1, K):
+            for n in (1, K, LAYERS * K):
                 for v, fn in fns.items():  # interleaved: all see the same machine state
                     secs = [recs[(nxt + i) % N_RECORDS] for i in range(n)]
                     nxt += n
                     t0 = time.perf_counter()
-                    fn(x, secs, w[:, :n])
+                    for l0 in range(0, n, K):  # n = LAYERS * K: one layer op after another
+                        fn(x, secs[l0 : l0 + K], w[:, : min(n, K)])
                     if rep:
                         times[v, n].append(time.perf_counter() - t0)
             if rep:
@@ -104,8 +109,8 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
     for (v, n), ts in times.items():
         dt, nbytes = statistics.median(ts), n * layout.size
         rows.append({
-            "op": "cpu_expert_kernel" if n == 1 else "cpu_moe_layer",
-            "D": D, "I": I, "K": n, "scheme": scheme, "variant": v,
+            "op": {1: "cpu_expert_kernel", K: "cpu_moe_layer"}.get(n, "cpu_moe_layers"),
+            "D": D, "I": I, "K": min(n, K), "layers": max(1, n // K), "scheme": scheme, "variant": v,
             "us": round(dt * 1e6, 1), "record_bytes": nbytes,
             "gbps": round(nbytes / dt / 1e9, 2), "dram_ceiling_gbps": round(c, 2),
             "of_ceiling": round(nbytes / dt / 1e9 / c, 3),
@@ -115,8 +120,8 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
                 statistics.median(nbytes / t / 1e9 / ci for t, ci in zip(ts, ceil)), 3
             ),
         })  # fmt: skip
-    for n in (1, K):  # each native variant vs torch and vs the first native one, same run
-        same = {r["variant"]: r for r in rows if r["K"] == n}
+    for op in ("cpu_expert_kernel", "cpu_moe_layer", "cpu_moe_layers"):  # vs torch, vs the first native
+        same = {r["variant"]: r for r in rows if r["op"] == op}
         first = next((r for v, r in same.items() if v.startswith("native")), None)
         for v, r in same.items():
             if v.startswith("native") and "torch" in same:
@@ -148,13 +153,15 @@ def main() -> None:
             for row in bench_shape(scheme, 2048, I, a.reps, big, fns):
                 row.update(threads=a.threads, isa=row["variant"].removeprefix("native-"))
                 print({k: row[k] for k in ("op", "scheme", "I", "variant", "us", "gbps",
-                                           "dram_ceiling_gbps", "of_ceiling")})  # fmt: skip
+                                           "dram_ceiling_gbps", "of_ceiling",
+                                           "of_ceiling_paired")})  # fmt: skip
                 rows.append(row)
     config = {
         "threads": a.threads,
         "reps": a.reps,
         "D": 2048,
         "I": [768, 512],
+        "layers": LAYERS,
         "variants": list(fns),
     }
     write_rows(a.out, [bench_row("cpu_kernels", config, r) for r in rows])
