@@ -193,17 +193,19 @@ def kl_llama_rule(cand: torch.Tensor, base_lp: torch.Tensor) -> torch.Tensor:
 def dense_rules():
     from moestream.quant import DenseQuant, make_dense, make_scheme
 
-    i8, i4, q4 = (make_scheme(n) for n in ("int8", "int4", "q4_0"))
+    i8, i4, q4, q6k = (make_scheme(n) for n in ("int8", "int4", "q4_0", "q6_k"))
     return [  # (row name, experts scheme, dense rule, kernels)
         ("experts int8, dense float", i8, DenseQuant(), ("native", "cpu")),
         ("experts int4, dense float", i4, DenseQuant(), ("native", "cpu")),
         ("experts q4_0, dense float", q4, DenseQuant(), ("native",)),
         ("int8, dense auto (tied table int8)", i8, make_dense("auto", i8), ("native",)),
         ("int8, dense all int8", i8, DenseQuant(i8, i8, min_params=0), ("native",)),
-        ("int4, dense auto (tied table int8)", i4, make_dense("auto", i4), ("native",)),
+        ("int4, dense auto (tied table q6_k)", i4, make_dense("auto", i4), ("native",)),
+        ("int4, dense all int4, output q6_k", i4, DenseQuant(i4, q6k, min_params=0), ("native",)),
         ("int4, dense all int4, output int8", i4, DenseQuant(i4, i8, min_params=0), ("native",)),
         ("int4, dense all int4, output int4", i4, DenseQuant(i4, i4, min_params=0), ("native",)),
         ("q4_0, dense all q4_0, output int8", q4, DenseQuant(q4, i8, min_params=0), ("native",)),
+        ("q4_0, dense all q4_0, output q6_k", q4, DenseQuant(q4, q6k, min_params=0), ("native",)),
         ("q4_0, dense all q4_0, output q4_0", q4, DenseQuant(q4, q4, min_params=0), ("native",)),
     ]
 

@@ -386,7 +386,8 @@ def _add_convert(sub) -> None:
         default="auto",
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
-        "--quant format (4-bit and q5_0: output layer int8; bf16: float; a GGUF's Q8_0 / Q4_0 / "
+        "--quant format (4-bit and q5_0: output layer q6_k as llama.cpp keeps it, int8 where its "
+        "input dim is not a multiple of 256; bf16: float; a GGUF's Q8_0 / Q4_0 / "
         "Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K tensors kept exactly as int8 (q8_0 under --quant "
         "q8_0) / q4_0 / q4_1 / q5_0 / q4_k / q5_k / q6_k, its other "
         "quantized types dequantized), float = as in the "

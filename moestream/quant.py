@@ -125,8 +125,9 @@ def expert_quant(experts: QuantScheme | ExpertQuant) -> ExpertQuant:
     return experts if isinstance(experts, ExpertQuant) else ExpertQuant(experts)
 
 
-# Dense (non-expert) weights under --quant: llama.cpp keeps the output layer at Q6_K in Q4_0
-# files, the one weight whose error every logit sees; here it is int8 when the rest is int4.
+# Dense (non-expert) weights under --quant: the output layer is the one weight whose error every
+# logit sees; under 4-bit weights it is Q6_K, as llama.cpp's Q4_0 files keep it (int8 where its
+# input dim is not a multiple of 256; 8-bit weights keep it in their own format).
 DENSE_MODES = ("auto", "float", "int8", "int4")
 DENSE_ROLES = ("linear", "embedding", "output")  # output: lm_head, or the tied embedding
 # Below this many weights a tensor stays float: it saves nothing worth a rounding (norms, biases
@@ -164,6 +165,8 @@ class DenseQuant:
         if scheme is None:
             return None
         n, k = shape
+        if is_kquant(scheme) and k % scheme.group_size:  # q6_k output, K not whole super-blocks
+            scheme = make_scheme("int8")
         if k % scheme.group_size or (scheme.name == "int4" and n % 2):
             return None
         return scheme
@@ -188,7 +191,7 @@ class DenseQuant:
 
 def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     """The dense rule a `--dense` mode means next to the experts' scheme. auto: the experts'
-    format (bf16 experts: float dense), the output layer int8 under 4 bits, a quantized source
+    format (bf16 experts: float dense), the output layer q6_k under 4 bits, a quantized source
     weight (a GGUF's) never rounded again (`keep_source`); float: as in the checkpoint
     (dequantized); int8 / int4: that format, the output layer as auto would put it."""
     if mode not in DENSE_MODES:
@@ -201,11 +204,7 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     if name in ("float", "bf16"):
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)
-    output = (
-        make_scheme("int8", experts.group_size)
-        if name in ("int4", "q4_0", "q4_1", "q5_0")
-        else weights
-    )
+    output = make_scheme("q6_k") if name in ("int4", "q4_0", "q4_1", "q5_0") else weights
     return DenseQuant(weights, output, keep_source=mode == "auto")
 
 
@@ -366,6 +365,8 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
     w = w.float()
     if scheme.name == "bf16":
         return {"q": w.to(torch.bfloat16)}
+    if scheme.name == "q6_k":
+        return {"q": quantize_q6_k(w)}
     if scheme.name in KQUANT_BYTES:
         raise ConfigError(kquant_source_error(scheme))
     n, k = w.shape
@@ -472,14 +473,97 @@ def unpack_q4_0(packed: torch.Tensor) -> torch.Tensor:
 
 
 def kquant_source_error(scheme: QuantScheme) -> str:
-    """Why a weight cannot be written in a K-quant (llama.cpp's search for its scales and mins is
-    not reimplemented here), and the fix."""
+    """Why experts cannot be written in a K-quant from float weights (q4_k / q5_k: llama.cpp's
+    search for scales and mins is not reimplemented; q6_k is written only as the 4-bit rules'
+    output layer), and the fix."""
     t = scheme.name.upper()
-    return (
-        f"--quant {scheme.name} keeps a GGUF's {t} blocks as they are; moestream does not quantize "
-        f"into {scheme.name}: convert a GGUF whose expert tensors are all {t} (or drop --quant: "
-        "a GGUF's blocks then keep their own types), or use --quant int4, q4_0 or int8"
+    what = (
+        "writes q6_k only for the output layer under 4-bit --quant"
+        if scheme.name == "q6_k"
+        else f"does not quantize into {scheme.name}"
     )
+    return (
+        f"--quant {scheme.name} keeps a GGUF's {t} blocks as they are; moestream {what}: convert "
+        f"a GGUF whose expert tensors are all {t} (or drop --quant: a GGUF's blocks then keep "
+        "their own types), or use --quant int4, q4_0 or int8"
+    )
+
+
+# q6_k's sub-block search (llama.cpp's make_qx_quants, rmse_type 1): scales -(32 + c / 10) / max
+# for c in 0, -9..-1, 1..9, each scored by the x^2-weighted least-squares fit of its rounding.
+Q6_K_TRIES = (0, *range(-9, 0), *range(1, 10))
+
+
+def quantize_q6_k(w: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
+    """w [N, K] float (K a multiple of 256) -> GGUF block_q6_K bytes uint8 [N, K/256, 210], the
+    algorithm of llama.cpp's quantize_row_q6_K_ref (not its code): per sub-block of 16 the scale
+    whose rounding fits x best in the x^2-weighted least-squares sense among 19 tries, the 16
+    sub-block scales as int8 of the super-block's fp16 d = -(the scale of largest magnitude) / 128,
+    then each value rounded against its sub-block's d * sc, clamped to -32..31. Rounding is
+    half-to-even (ggml's nearest_int). Chunked over rows: an output layer has ~300 M weights."""
+    n, k = w.shape
+    if k % QK_K:
+        raise ConfigError(f"q6_k needs an input dim that is a multiple of {QK_K}, got {k}")
+    out = torch.empty(n, k // QK_K, KQUANT_BYTES["q6_k"], dtype=torch.uint8)
+    for r0 in range(0, n, rows_per_chunk):
+        r1 = min(n, r0 + rows_per_chunk)
+        out[r0:r1] = _q6_k_rows(w[r0:r1].float())
+    return out
+
+
+def _q6_k_rows(w: torch.Tensor) -> torch.Tensor:
+    n, k = w.shape
+    x = w.reshape(-1, 16)  # sub-blocks
+    idx = x.abs().argmax(-1, keepdim=True)
+    mx = torch.gather(x, -1, idx)[:, 0]  # the value of largest magnitude, signed
+    live = mx.abs() >= 1e-15
+    safe = torch.where(live, mx, torch.ones_like(mx))
+    wt = x * x
+    best = torch.full_like(mx, -1.0)
+    best_l = torch.zeros_like(x)
+    best_scale = torch.zeros_like(mx)
+    for c in Q6_K_TRIES:
+        l = torch.round(x * (-(32 + 0.1 * c) / safe)[:, None]).clamp(-32, 31)
+        sumlx = (wt * x * l).sum(-1)
+        suml2 = (wt * l * l).sum(-1)
+        score = torch.where(suml2 > 0, sumlx * sumlx / suml2.clamp_min(1e-30), torch.zeros_like(suml2))
+        better = score > best  # the first try always takes its place (best starts below 0)
+        best = torch.where(better, score, best)
+        best_l = torch.where(better[:, None], l, best_l)
+        best_scale = torch.where(better, sumlx / suml2.clamp_min(1e-30), best_scale)
+    best_scale = torch.where(live, best_scale, torch.zeros_like(best_scale))
+    # super-blocks: [n * k / 256, 16] sub-block scales
+    scales = best_scale.view(-1, 16)
+    sidx = scales.abs().argmax(-1, keepdim=True)
+    smax = torch.gather(scales, -1, sidx)[:, 0]
+    slive = smax.abs() >= 1e-15
+    iscale = torch.where(slive, -128.0 / torch.where(slive, smax, torch.ones_like(smax)), torch.zeros_like(smax))
+    d = torch.where(slive, 1.0 / torch.where(slive, iscale, torch.ones_like(iscale)), torch.zeros_like(iscale))
+    d16 = d.to(torch.float16)
+    sc = torch.round(iscale[:, None] * scales).clamp(max=127)  # >= -128: |scale| <= |smax|
+    dj = d16.float()[:, None] * sc  # [., 16]
+    xs = x.view(-1, 16, 16)
+    l = torch.round(xs / torch.where(dj == 0, torch.ones_like(dj), dj)[..., None]).clamp(-32, 31)
+    l = torch.where((dj == 0)[..., None], best_l.view(-1, 16, 16), l)  # as the search left it
+    l = torch.where(slive[:, None, None], l, torch.full_like(l, -32))  # an all-zero block: bytes 0
+    L = (l + 32).to(torch.uint8).view(-1, 2, 4, 32)  # [super-block, half, quarter, 32]
+    lo = L & 15
+    ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)  # [., 2, 64]
+    qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
+    sc8 = torch.where(slive[:, None], sc, torch.zeros_like(sc)).to(torch.int8).view(torch.uint8)
+    blocks = torch.cat(
+        [ql.reshape(-1, 128), qh.reshape(-1, 64), sc8, d16.view(-1, 1).view(torch.uint8)], -1
+    )
+    return blocks.view(n, k // QK_K, KQUANT_BYTES["q6_k"])
+
+
+def q6_k_as_int8(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q6_k blocks [N, K/256, 210] -> (values int8 [N, K] (q - 32), steps fp32 [N, K/16] = d * sc):
+    int8 of group 16 holding exactly the weights dequantize_kquant gives, step times value."""
+    f = unpack_kquant(q)
+    n = q.shape[0]
+    steps = f["d"][..., None] * f["sc"].view(n, -1, 16).float()
+    return f["q"].contiguous(), steps.view(n, -1).contiguous()
 
 
 def unpack_kquant(q: torch.Tensor) -> dict[str, torch.Tensor]:

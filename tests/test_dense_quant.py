@@ -97,7 +97,8 @@ def test_the_rule_quantizes_projections_embedding_and_output_not_routers(dense_s
     assert m["version"] == INT4_VERSION  # int4 sections: blocked (scale, zero) pairs
     formats = {n: f["scheme"]["name"] for n, f in m["dense_formats"].items()}
     assert formats["model.embed_tokens.weight"] == "int4"
-    assert formats["lm_head.weight"] == "int8"  # the output layer keeps 8 bits under int4
+    # q6_k output under int4, but the tiny model's K (64) is not whole super-blocks of 256: int8
+    assert formats["lm_head.weight"] == "int8"
     for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
         assert formats[f"model.layers.0.self_attn.{proj}.weight"] == "int4"
     assert not any(
@@ -105,12 +106,38 @@ def test_the_rule_quantizes_projections_embedding_and_output_not_routers(dense_s
     )  # routers, norms: float
     assert "model.layers.0.mlp.gate.weight" in m["dense"]  # stored as it was
     assert "model.layers.0.self_attn.q_proj.weight.sz" in m["dense"]  # sections, checksummed
-    assert m["dense_quant"]["output"]["name"] == "int8"
+    assert m["dense_quant"]["output"]["name"] == "q6_k"
     # The default floor keeps the tiny model's (small) tensors float; bf16 / --dense float: all.
     assert make_dense("auto", make_scheme("int4")).scheme_for("linear", (64, 64)) is None
     assert make_dense("float", make_scheme("int4")) == DenseQuant()
     assert make_dense("auto", make_scheme("bf16")) == DenseQuant()
     assert make_dense("int8", make_scheme("int4")).output.name == "int8"
+    for quant in ("int4", "q4_0", "q4_1", "q5_0"):  # as llama.cpp's 4-bit files keep it
+        d = make_dense("auto", make_scheme(quant))
+        assert d.output.name == "q6_k" and d.scheme_for("output", (4096, 512)).name == "q6_k"
+        assert d.scheme_for("output", (4096, 640)).name == "int8"  # 640: not whole super-blocks
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_q6_k_output_layer_under_int4(tmp_path, tied):
+    """Hidden 256: the int4 rule writes lm_head (and a tied embedding, one table) in q6_k; the ref
+    kernel gives the float model's bits holding the dequantized table, the native kernel its
+    Q8_0-activation spec, and the lookup only the rows asked for."""
+    model = perturbed_model("qwen3_moe", hidden_size=256, tie_word_embeddings=tied)
+    src = save(model, tmp_path / "hf", "fused")
+    folder = convert(src, tmp_path / "store", make_scheme("int4"), False, every_dense("int4"))
+    store = Store(folder)
+    assert store.dense_scheme("lm_head.weight" if not tied else "model.embed_tokens.weight").name == "q6_k"
+    loaded = load_model(folder, StreamConfig(resident=True, kernel="ref"))
+    ref = dequantized_float_model(folder, loaded.provider)
+    assert torch.equal(logits(loaded.model), logits(ref))
+    if tied:
+        assert loaded.model.lm_head.qweight is loaded.model.model.embed_tokens.qweight
+    if native.available():
+        nat = load_model(folder, StreamConfig(resident=True, kernel="native"))
+        head = nat.model.lm_head
+        x = torch.randn(2, 256)
+        assert torch.equal(head(x), qlinear_q8(x, head.qweight.sections(), "w"))
 
 
 @pytest.mark.parametrize("arch", ARCHS)

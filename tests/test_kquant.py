@@ -299,6 +299,10 @@ def test_mixed_gguf_requantizes_what_it_must_and_refuses_kquant(tmp_path, capsys
         err = capsys.readouterr().err
         assert "does not quantize into q4_k" in err and "--quant int4" in err
         assert "Traceback" not in err and not (tmp_path / "k").exists()
+    assert main(["convert", str(hf), str(tmp_path / "k6"), "--quant", "q6_k"]) == 2
+    err = capsys.readouterr().err  # experts: q6_k only as kept from a GGUF
+    assert "q6_k only for the output layer" in err and "--quant int4" in err
+    assert "Traceback" not in err and not (tmp_path / "k6").exists()
 
 
 @pytest.mark.parametrize(
@@ -377,3 +381,34 @@ def test_mixed_store_bytes_are_each_records_own(mixed, tmp_path):
     assert (sim.hits, sim.misses, sim.bytes_read) == (
         engine["hits"], engine["misses"], engine["bytes_read"])  # fmt: skip
     assert engine["bytes_read"] < engine["misses"] * s.slot_size  # smaller records read less
+
+
+def test_q6_k_quantizer_writes_ggufs_blocks():
+    """quant.quantize_q6_k: bytes the gguf package reads as the values our dequantization gives;
+    every unclamped value the nearest level of its sub-block's stored step d * sc; an all-zero
+    super-block all zero bytes; a Gaussian weight within Q6_K's error (~0.018 relative RMS,
+    between int8's and int4's)."""
+    from gguf import GGMLQuantizationType, quants
+
+    from moestream.quant import quantize_q6_k, unpack_kquant
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 1024, generator=g) * 0.05
+    w[5, 256:512] = 0
+    w[7, :16] *= 40  # one sub-block far larger than its neighbours: their sc round coarsely
+    q = quantize_q6_k(w, rows_per_chunk=20)  # chunks: 20, 20, 8 rows
+    assert q.shape == (48, 4, 210) and q.dtype == torch.uint8
+    assert torch.equal(q, quantize(make_scheme("q6_k"), w)["q"])
+    ours = dequantize({"w.q": q}, "w", 256, torch.float32)
+    theirs = quants.dequantize(q.numpy().reshape(48, -1), GGMLQuantizationType.Q6_K)
+    assert torch.equal(ours, torch.from_numpy(theirs))
+    assert not q[5, 1].any() and not ours[5, 256:512].any()
+    f = unpack_kquant(q)
+    step = (f["d"].repeat_interleave(16, 1) * f["sc"].float()).repeat_interleave(16, 1)
+    free = (f["q"] > -32) & (f["q"] < 31) & (step != 0)
+    err = (ours - w).abs()
+    assert (err[free] <= step.abs()[free] * 0.5 * (1 + 1e-5)).all()
+    rel = ((ours - w)[8:].pow(2).mean() / w[8:].pow(2).mean()).sqrt()
+    assert 0.01 < rel < 0.025
+    with pytest.raises(ConfigError, match="multiple of 256"):
+        quantize_q6_k(torch.randn(2, 320))

@@ -176,6 +176,31 @@ def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(qu
     )  # the repack: the sections' size
 
 
+def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
+    """A q6_k weight (the 4-bit rules' output layer) decodes through the int8 GEMV of group 16
+    over its values and steps (held beside the blocks), within the GEMV's fp32 bound of the
+    float64 product of the stored values; a prompt dequantizes the blocks (ref's bits)."""
+    from moestream.quant import make_scheme, quantize_q6_k
+
+    n, k = 96, 512
+    g = torch.Generator().manual_seed(6)
+    blocks = quantize_q6_k(torch.randn(n, k, generator=g) * 0.05)
+    w = QuantWeight(make_scheme("q6_k"), (n, k), {"q": blocks}).to(DEVICE)
+    bias = torch.randn(n).to(DEVICE, ACT)
+    lin = QuantLinear(w, bias, "triton")
+    assert lin.gemv_unsupported(1) is None and lin.resolved_kernel(torch.device(DEVICE), 9) == "ref"
+    exact = dequantize({"w.q": blocks}, "w", 256, torch.float64)
+    assert torch.equal(lin.g16_q.cpu().double().view(n, -1, 16) * lin.g16_s.cpu().double()[..., None],
+                       exact.view(n, -1, 16))  # fmt: skip
+    x = torch.randn(1, 3, k).to(DEVICE, ACT)
+    got = lin(x)[0].cpu().double()
+    want = x[0].cpu().double() @ exact.t() + bias.cpu().double()
+    scale = x[0].cpu().double().abs() @ exact.abs().t() + bias.cpu().double().abs()
+    assert ((got - want).abs() <= 1e-5 * scale + OUT_ROUND[ACT] * want.abs() + 1e-30).all()
+    xp = torch.randn(1, 9, k).to(DEVICE, ACT)
+    assert torch.equal(lin(xp)[0], F.linear(xp[0], dequantize(w.sections(), "w", 256, ACT), bias))
+
+
 def test_q4_1_dense_weights_run_the_reference_under_triton():
     """The GEMV does not read q4_1 (a GGUF's Q4_1 dense weights kept exactly): kernel "triton"
     says so and runs dequantize + F.linear, the bits of a float layer holding those values."""

@@ -13,7 +13,8 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
   ref:    dequantize into the activation dtype + F.linear, per call, on every device: the bits of
           a float model holding the dequantized weight. native / cpu off the CPU run it too.
 No kernel keeps a dequantized copy: memory holds only the sections (and, kernel triton, an int4
-weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster).
+weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster; a q6_k
+weight's values and steps as int8 of group 16, which the GEMV reads: no q6_k GEMV yet).
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel.
 """
 
@@ -28,6 +29,7 @@ from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
 from moestream.quant import (
     QuantScheme,
+    q6_k_as_int8,
     int4_sz_blocked,
     int4_sz_kn,
     int4_to_rows,
@@ -99,6 +101,12 @@ class QuantLinear(nn.Module):
             self.register_buffer("rows_sz", words, persistent=False)
         elif self._triton is not None and weight.scheme.name == "int4":  # the GEMV's sz order
             self.register_buffer("kn_sz", int4_sz_kn(weight.sz, weight.shape[0]), persistent=False)
+        elif self._triton is not None and weight.scheme.name == "q6_k":
+            # The GEMV reads int8 of group 16: q6_k's values (q - 32) and steps d * sc exactly
+            # (an fp16 times an int8 is exact in fp32), 10 bits a weight beside the 6.6 held.
+            q, steps = q6_k_as_int8(weight.q)
+            self.register_buffer("g16_q", q, persistent=False)
+            self.register_buffer("g16_s", steps, persistent=False)
 
     @property
     def rows_layout(self) -> bool:
@@ -110,14 +118,19 @@ class QuantLinear(nn.Module):
             s.name, self.out_features, s.group_size
         )
 
+    @property
+    def _gemv_format(self) -> tuple[str, int]:
+        """The (format, group) the Triton GEMV reads this weight in: the store's, or int8 of
+        group 16 for q6_k (its transcoding, g16_q / g16_s)."""
+        s = self.qweight.scheme
+        return ("int8", 16) if s.name == "q6_k" else (s.name, s.group_size)
+
     def gemv_unsupported(self, tokens: int) -> str | None:
         """Why the Triton GEMV does not take `tokens` rows of this weight (None when it does)."""
         if self._triton is None:
             return f"the {self.kernel!r} kernel has no GEMV (kernel 'triton' has)"
-        s = self.qweight.scheme
-        return self._triton.unsupported(
-            s.name, self.out_features, self.in_features, s.group_size, tokens
-        )
+        quant, group = self._gemv_format
+        return self._triton.unsupported(quant, self.out_features, self.in_features, group, tokens)
 
     def resolved_kernel(self, device: torch.device, tokens: int = 1) -> str:
         """The kernel that runs `tokens` rows on `device`: triton where the GEMV takes them (else
@@ -140,6 +153,8 @@ class QuantLinear(nn.Module):
             y = self._triton.gemv(
                 x2, self.rows_q, self.rows_sz, self.bias, "int4_rows", self.out_features, g
             )
+        elif kind == "triton" and w.scheme.name == "q6_k":
+            y = self._triton.gemv(x2, self.g16_q, self.g16_s, self.bias, "int8", self.out_features, 16)
         elif kind == "triton":  # bias added in fp32 before the one rounding
             scales = getattr(self, "kn_sz", None)  # int4: sz in [K/g, N, 2] order
             scales = getattr(w, w.suffixes[1]) if scales is None else scales  # s (int8), d (q4_0)
