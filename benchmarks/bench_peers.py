@@ -181,9 +181,13 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
 
 
 def ensure_store(hf: Path, work: Path, quant: str) -> Path:
+    from moestream.quant import make_dense, make_scheme
     from moestream.store.format import NEWEST
 
-    dst = work / f"moestream-{quant}-v{NEWEST}"  # a store of an older version would be refused
+    # named by what convert's defaults write now (the dense rule too: a store reused by an older
+    # name would be measured silently; one of an older version would be refused)
+    tag = make_dense("auto", make_scheme(quant)).tag
+    dst = work / f"moestream-{quant}-{tag}-v{NEWEST}"
     if not (dst / "manifest.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
