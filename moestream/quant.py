@@ -489,18 +489,20 @@ def kquant_source_error(scheme: QuantScheme) -> str:
     )
 
 
-# q6_k's sub-block search (llama.cpp's make_qx_quants, rmse_type 1): scales -(32 + c / 10) / max
-# for c in 0, -9..-1, 1..9, each scored by the x^2-weighted least-squares fit of its rounding.
-Q6_K_TRIES = (0, *range(-9, 0), *range(1, 10))
+# q6_k's sub-block search (llama.cpp's make_qx_quants, rmse_type 1): the scale -32 / max, then
+# -(32 + is / 10) / max for is in -9..9 (not 0), a try kept when its x^2-weighted least-squares
+# fit beats the best so far. The constants, sums and comparisons run in fp32 in ggml's order, so
+# the bytes are llama-quantize's (tests/test_gguf_llama_cpp.py compares a Q4_0 file's output).
+Q6_K_TRIES = tuple(range(-9, 0)) + tuple(range(1, 10))
 
 
-def quantize_q6_k(w: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
-    """w [N, K] float (K a multiple of 256) -> GGUF block_q6_K bytes uint8 [N, K/256, 210], the
-    algorithm of llama.cpp's quantize_row_q6_K_ref (not its code): per sub-block of 16 the scale
-    whose rounding fits x best in the x^2-weighted least-squares sense among 19 tries, the 16
-    sub-block scales as int8 of the super-block's fp16 d = -(the scale of largest magnitude) / 128,
-    then each value rounded against its sub-block's d * sc, clamped to -32..31. Rounding is
-    half-to-even (ggml's nearest_int). Chunked over rows: an output layer has ~300 M weights."""
+def quantize_q6_k(w: torch.Tensor, rows_per_chunk: int = 4096) -> torch.Tensor:
+    """w [N, K] float (K a multiple of 256) -> GGUF block_q6_K bytes uint8 [N, K/256, 210] by the
+    algorithm of llama.cpp's quantize_row_q6_K_ref (written here from it, vectorized): per
+    sub-block of 16 a scale from the search above, the 16 sub-block scales as int8 of the
+    super-block's fp16 d = -(the scale of largest magnitude) / 128, then each value rounded
+    against its sub-block's d * sc, clamped to -32..31. Rounding is half-to-even (ggml's
+    nearest_int). Chunked over rows: an output layer has ~300 M weights."""
     n, k = w.shape
     if k % QK_K:
         raise ConfigError(f"q6_k needs an input dim that is a multiple of {QK_K}, got {k}")
@@ -511,48 +513,64 @@ def quantize_q6_k(w: torch.Tensor, rows_per_chunk: int = 1024) -> torch.Tensor:
     return out
 
 
+def _fit(x: torch.Tensor, iscale: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """One try of the search: l = clamp(round(iscale * x), -32, 31) and the x^2-weighted sums
+    of x l and l^2, accumulated element by element in fp32 as ggml does."""
+    l = torch.round(x * iscale[:, None]).clamp_(-32, 31)
+    xt, lt = x.t(), l.t().contiguous()  # x.t(): the caller's column-major copy, rows contiguous
+    wx = xt * xt * xt  # (x * x) * x, exact in ggml's order: w = x * x, then w * x
+    sumlx = wx[0] * lt[0]
+    suml2 = (xt[0] * xt[0]) * lt[0] * lt[0]
+    for i in range(1, 16):
+        sumlx += wx[i] * lt[i]
+        suml2 += (xt[i] * xt[i]) * lt[i] * lt[i]
+    return l, sumlx, suml2
+
+
 def _q6_k_rows(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
-    x = w.reshape(-1, 16)  # sub-blocks
-    idx = x.abs().argmax(-1, keepdim=True)
-    mx = torch.gather(x, -1, idx)[:, 0]  # the value of largest magnitude, signed
-    live = mx.abs() >= 1e-15
+    x = w.reshape(-1, 16).t().contiguous().t()  # sub-blocks, stored column-major for _fit
+    idx = x.abs().argmax(-1, keepdim=True)  # the first of the largest magnitude, as ggml's scan
+    mx = torch.gather(x, -1, idx)[:, 0]
+    live = mx.abs() >= 1e-15  # ggml's GROUP_MAX_EPS: else L = 0, scale 0
     safe = torch.where(live, mx, torch.ones_like(mx))
-    wt = x * x
-    best = torch.full_like(mx, -1.0)
-    best_l = torch.zeros_like(x)
-    best_scale = torch.zeros_like(mx)
+    best_l, sumlx, suml2 = _fit(x, -32.0 / safe)
+    scale = torch.where(suml2 > 0, sumlx / torch.where(suml2 > 0, suml2, 1.0), 0.0)
+    best = scale * sumlx
+    tenth = torch.tensor(0.1, dtype=torch.float32)
     for c in Q6_K_TRIES:
-        l = torch.round(x * (-(32 + 0.1 * c) / safe)[:, None]).clamp(-32, 31)
-        sumlx = (wt * x * l).sum(-1)
-        suml2 = (wt * l * l).sum(-1)
-        score = torch.where(suml2 > 0, sumlx * sumlx / suml2.clamp_min(1e-30), torch.zeros_like(suml2))
-        better = score > best  # the first try always takes its place (best starts below 0)
-        best = torch.where(better, score, best)
-        best_l = torch.where(better[:, None], l, best_l)
-        best_scale = torch.where(better, sumlx / suml2.clamp_min(1e-30), best_scale)
-    best_scale = torch.where(live, best_scale, torch.zeros_like(best_scale))
+        l, sumlx, suml2 = _fit(x, -(32.0 + tenth * c) / safe)
+        take = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+        best_l = torch.where(take[:, None], l, best_l)
+        scale = torch.where(take, sumlx / torch.where(suml2 > 0, suml2, 1.0), scale)
+        best = torch.where(take, scale * sumlx, best)
+    scale = torch.where(live, scale, 0.0)
+    best_l = torch.where(live[:, None], best_l, -32.0).contiguous()
     # super-blocks: [n * k / 256, 16] sub-block scales
-    scales = best_scale.view(-1, 16)
-    sidx = scales.abs().argmax(-1, keepdim=True)
-    smax = torch.gather(scales, -1, sidx)[:, 0]
+    scales = scale.view(-1, 16)
+    smax = torch.gather(scales, -1, scales.abs().argmax(-1, keepdim=True))[:, 0]
     slive = smax.abs() >= 1e-15
-    iscale = torch.where(slive, -128.0 / torch.where(slive, smax, torch.ones_like(smax)), torch.zeros_like(smax))
-    d = torch.where(slive, 1.0 / torch.where(slive, iscale, torch.ones_like(iscale)), torch.zeros_like(iscale))
-    d16 = d.to(torch.float16)
+    iscale = -128.0 / torch.where(slive, smax, 1.0)
+    d16 = torch.where(slive, 1.0 / iscale, 0.0).to(torch.float16)
     sc = torch.round(iscale[:, None] * scales).clamp(max=127)  # >= -128: |scale| <= |smax|
+    sc = torch.where(slive[:, None], sc, 0.0)
     dj = d16.float()[:, None] * sc  # [., 16]
-    xs = x.view(-1, 16, 16)
-    l = torch.round(xs / torch.where(dj == 0, torch.ones_like(dj), dj)[..., None]).clamp(-32, 31)
+    xs = w.reshape(-1, 16, 16)
+    l = torch.round(xs / torch.where(dj == 0, 1.0, dj)[..., None]).clamp(-32, 31)
     l = torch.where((dj == 0)[..., None], best_l.view(-1, 16, 16), l)  # as the search left it
-    l = torch.where(slive[:, None, None], l, torch.full_like(l, -32))  # an all-zero block: bytes 0
+    l = torch.where(slive[:, None, None], l, -32.0)  # an all-zero block: bytes 0
     L = (l + 32).to(torch.uint8).view(-1, 2, 4, 32)  # [super-block, half, quarter, 32]
     lo = L & 15
-    ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)  # [., 2, 64]
+    ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)
     qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
-    sc8 = torch.where(slive[:, None], sc, torch.zeros_like(sc)).to(torch.int8).view(torch.uint8)
     blocks = torch.cat(
-        [ql.reshape(-1, 128), qh.reshape(-1, 64), sc8, d16.view(-1, 1).view(torch.uint8)], -1
+        [
+            ql.reshape(-1, 128),
+            qh.reshape(-1, 64),
+            sc.to(torch.int8).view(torch.uint8),
+            d16.view(-1, 1).view(torch.uint8),
+        ],
+        -1,
     )
     return blocks.view(n, k // QK_K, KQUANT_BYTES["q6_k"])
 

@@ -763,3 +763,27 @@ def test_sentencepiece_vocabulary_encodes_as_llama_cpp(tmp_path):
         assert ids == llama_prompt_ids(path, text, tmp_path), text
         if not any(s in text for s in SPECIALS):
             assert ids == [1, *sp_ids], text
+
+
+@needs_build
+def test_q6_k_output_layer_is_llama_quantizes_bytes(tmp_path):
+    """quant.quantize_q6_k of the F32 file's table gives byte for byte the Q6_K blocks that
+    llama-quantize writes for the output layer of its Q4_0 mix (the search, sums and roundings in
+    ggml's fp32 order)."""
+    import gguf
+
+    from moestream.quant import quantize_q6_k
+
+    hf = tiny("qwen3_moe", tmp_path / "hf", hidden_size=256)
+    f32 = llama_convert(hf, tmp_path / "f32.gguf", "f32")
+    q4 = llama_quantize(f32, tmp_path / "q4_0.gguf", "Q4_0")
+    src = {t.name: t for t in gguf.GGUFReader(str(f32)).tensors}
+    checked = 0
+    for t in gguf.GGUFReader(str(q4)).tensors:
+        if t.tensor_type != gguf.GGMLQuantizationType.Q6_K:
+            continue
+        w = torch.from_numpy(np.array(src[t.name].data)).float()
+        theirs = torch.from_numpy(np.array(t.data)).view(w.shape[0], -1, 210)
+        assert torch.equal(quantize_q6_k(w), theirs), t.name
+        checked += 1
+    assert checked  # the mix keeps the output layer (or the tied table) at Q6_K
