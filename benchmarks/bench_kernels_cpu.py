@@ -120,7 +120,11 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
                 statistics.median(nbytes / t / 1e9 / ci for t, ci in zip(ts, ceil)), 3
             ),
         })  # fmt: skip
-    for op in ("cpu_expert_kernel", "cpu_moe_layer", "cpu_moe_layers"):  # vs torch, vs the first native
+    for op in (
+        "cpu_expert_kernel",
+        "cpu_moe_layer",
+        "cpu_moe_layers",
+    ):  # vs torch, vs the first native
         same = {r["variant"]: r for r in rows if r["op"] == op}
         first = next((r for v, r in same.items() if v.startswith("native")), None)
         for v, r in same.items():

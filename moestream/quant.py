@@ -562,7 +562,12 @@ def _q6_k_rows(w: torch.Tensor) -> torch.Tensor:
     L = (l + 32).to(torch.uint8).view(-1, 2, 4, 32)  # [super-block, half, quarter, 32]
     lo = L & 15
     ql = torch.cat([lo[:, :, 0] | (lo[:, :, 2] << 4), lo[:, :, 1] | (lo[:, :, 3] << 4)], -1)
-    qh = (L[:, :, 0] >> 4) | ((L[:, :, 1] >> 4) << 2) | ((L[:, :, 2] >> 4) << 4) | ((L[:, :, 3] >> 4) << 6)
+    qh = (
+        (L[:, :, 0] >> 4)
+        | ((L[:, :, 1] >> 4) << 2)
+        | ((L[:, :, 2] >> 4) << 4)
+        | ((L[:, :, 3] >> 4) << 6)
+    )
     blocks = torch.cat(
         [
             ql.reshape(-1, 128),

@@ -127,7 +127,10 @@ def test_q6_k_output_layer_under_int4(tmp_path, tied):
     src = save(model, tmp_path / "hf", "fused")
     folder = convert(src, tmp_path / "store", make_scheme("int4"), False, every_dense("int4"))
     store = Store(folder)
-    assert store.dense_scheme("lm_head.weight" if not tied else "model.embed_tokens.weight").name == "q6_k"
+    assert (
+        store.dense_scheme("lm_head.weight" if not tied else "model.embed_tokens.weight").name
+        == "q6_k"
+    )
     loaded = load_model(folder, StreamConfig(resident=True, kernel="ref"))
     ref = dequantized_float_model(folder, loaded.provider)
     assert torch.equal(logits(loaded.model), logits(ref))

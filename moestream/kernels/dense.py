@@ -29,11 +29,11 @@ from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
 from moestream.quant import (
     QuantScheme,
-    q6_k_as_int8,
     int4_sz_blocked,
     int4_sz_kn,
     int4_to_rows,
     pack_int4,
+    q6_k_as_int8,
     unpack_int4,
 )
 
@@ -154,7 +154,9 @@ class QuantLinear(nn.Module):
                 x2, self.rows_q, self.rows_sz, self.bias, "int4_rows", self.out_features, g
             )
         elif kind == "triton" and w.scheme.name == "q6_k":
-            y = self._triton.gemv(x2, self.g16_q, self.g16_s, self.bias, "int8", self.out_features, 16)
+            y = self._triton.gemv(
+                x2, self.g16_q, self.g16_s, self.bias, "int8", self.out_features, 16
+            )
         elif kind == "triton":  # bias added in fp32 before the one rounding
             scales = getattr(self, "kn_sz", None)  # int4: sz in [K/g, N, 2] order
             scales = getattr(w, w.suffixes[1]) if scales is None else scales  # s (int8), d (q4_0)
