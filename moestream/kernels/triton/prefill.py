@@ -153,17 +153,18 @@ def _rows_wm(
     """int4 rows: expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK), read as each row's
     contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and high nibbles'
     tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
-    r = r0 + tl.arange(0, BN)[:, None]  # [BN, 1]
-    j = tl.arange(0, BK // 2)[None, :]  # [1, BK / 2]
+    # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one (scale, zero) word, loaded once
+    r = r0 + tl.arange(0, BN)[:, None, None]
+    blk = tl.arange(0, BK // 32)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
     m = r < n_end
-    b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + j, mask=m, other=0)
+    b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + blk * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
-    kg = (k0 + (j // 16) * 32) // G  # both nibbles of a byte share its 32-input block's group
-    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg, mask=m, other=0)
-    sc = (v << 16).to(tl.float32, bitcast=True)
+    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G, mask=m, other=0)
+    sc = (v << 16).to(tl.float32, bitcast=True)  # [BN, BK / 32, 1]
     zp = (v & -65536).to(tl.float32, bitcast=True)
-    w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
-    w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
+    w_lo = tl.reshape(((b & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
+    w_hi = tl.reshape((((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
     return w_lo.to(DT), w_hi.to(DT)
 
 
