@@ -1,13 +1,21 @@
 """Prefill-path Triton kernels: tokens grouped by expert, each expert's weights read once per block
-of BLOCK_M (token, slot) rows and multiplied with tl.dot (tensor cores).
+of BLOCK_M (token, slot) pairs and multiplied with tl.dot (tensor cores).
 
 `align_blocks` groups the pairs on the device without a host sync (scatter-add counts, cumsum,
 searchsorted, scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
-expert -1 and exit. Weight tiles are dequantized to the activation dtype ([BK, HALF] halves as in
-decode.py, int4 from the store layout) right before the dot; accumulation is fp32. int4 rows
-(the GPU pool's layout) are read as each row's contiguous bytes and split by nibble: two dots
-per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the same
-products).
+expert -1 and exit. Accumulation is fp32; weight tiles are dequantized to the activation dtype
+right before the dot. Two families (`PrefillConfig.block_n`):
+- weight rows on the dot's M side (`_gate_up_wm`, `_down_wm`; block_n > 0, the default for bf16,
+  int8 and int4 rows): a program takes block_n rows of one expert and the block's pairs on N, so
+  each weight is dequantized by one thread (on sm_90 the dot is a wgmma with the weights from
+  registers); gate/up writes h = silu(g) * u in the dot's dtype;
+- tokens on M (`_gate_up_grouped`, `_down_grouped`; block_n 0, and always for the store's int4
+  layout): the weight tile is the dot's B operand, converted in its layout (each warp along M
+  repeats the dequant).
+int4 rows (the GPU pool's layout) are read as each row's contiguous bytes and split by nibble:
+two dots per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the
+same products). A pair's row never meets another pair's row in a dot, so pair rows from chunks
+of pairs give the bits of one call (`moe_pairs`).
 """
 
 from __future__ import annotations
