@@ -60,6 +60,52 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def kernel_times(fn, reps: int = 5) -> dict[str, float]:
+    """GPU us per call of each kernel fn launches (torch.profiler / CUPTI), by kernel name."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    out: dict[str, float] = {}
+    for ev in prof.key_averages():
+        if ev.device_type.name == "CUDA" and ev.count:
+            out[ev.key[:60]] = out.get(ev.key[:60], 0.0) + ev.device_time_total / reps
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def compiled_kernels() -> list[dict]:
+    """Registers, spills, shared memory and the matrix instructions of every compiled prefill
+    kernel (Triton 3.x's JIT cache; cuobjdump from Triton's package)."""
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    from moestream.kernels.triton import prefill as pf
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    rows: list[dict] = []
+    for name in ("_gate_up_wm", "_down_wm", "_gate_up_grouped", "_down_grouped"):
+        for cache in getattr(getattr(pf, name), "device_caches", {}).values():
+            for k in cache[0].values():
+                r = {"kernel": name, "regs": k.n_regs, "spills": k.n_spills,
+                     "shared": k.metadata.shared, "warps": k.metadata.num_warps}  # fmt: skip
+                with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+                    f.write(k.asm["cubin"])
+                    f.flush()
+                    sass = subprocess.run([str(tool), "--dump-sass", f.name], capture_output=True,
+                                          text=True).stdout  # fmt: skip
+                for op in ("HGMMA", "HMMA", "LDL", "STL", "LDGSTS", "LDS", "FFMA"):
+                    r[op] = len(re.findall(rf"\b{op}\b", sass))
+                rows.append(r)
+    return rows
+
+
 def ceilings() -> tuple[float, float]:
     """(bf16 dense GEMM TFLOP/s at 8192^3, HBM copy GB/s of 1 GiB read + written)."""
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
@@ -79,6 +125,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="2048,768,128,8", help="D,I,E,K")
     ap.add_argument("--configs", default=None, help="PrefillConfig overrides, ';' between")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time, and "
+                    "the compiled kernels' registers and matrix instructions")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -112,12 +160,20 @@ def main(argv=None) -> int:
                      "experts_touched": touched, "gbps": touched * rec / s / 1e9,
                      "hbm_fraction": touched * rec / s / 1e9 / gbps,
                      "ceiling_tflops": tflops, "ceiling_gbps": gbps}  # fmt: skip
+                if a.profile:
+                    r["kernel_us"] = kernel_times(
+                        lambda cfg=cfg: moe_prefill(x, ids, w, ex, cfg=cfg)
+                    )
+                    print("   " + ", ".join(f"{k} {v:.0f}" for k, v in r["kernel_us"].items()))
                 print(f"{quant} T={T} {over or 'default'}: {r['us_per_layer']:.1f} us/layer, "
                       f"{r['tflops']:.1f} TFLOP/s ({r['tflops_fraction']:.3f}), "
                       f"{r['gbps']:.0f} GB/s of touched experts ({r['hbm_fraction']:.2f})")  # fmt: skip
                 if a.out:
                     config = {"shape": [D, I, E, K], "reps": a.reps, "device": "cuda"}
                     write_rows(a.out, [bench_row("gpu_prefill", config, r, a.commit)])
+    if a.profile:
+        for r in compiled_kernels():
+            print("compiled:", r)
     return 0
 
 

@@ -23,7 +23,7 @@ shard() {
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
 shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
-shard prefill "$kern" "$abl" -k "prefill_cuda or dispatcher_cuda or pair_rows or fused_layer" &
+shard prefill "$kern" "$abl" -k "prefill_cuda or prefill_tiles_cuda or dispatcher_cuda or pair_rows or fused_layer" &
 shard provider -m cuda tests/test_gpu_provider.py tests/test_triton_dense.py tests/test_dense_quant.py &
 wait
 # The tile-variant sweep is slow (it has not finished in 300 s on the H200): VARIANTS=1 runs it.

@@ -217,12 +217,16 @@ def test_host_reads_give_the_pool_bits(quant, mma):
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
-@pytest.mark.parametrize("quant", ["int8", "int4", "int4r"])
-def test_prefill_interpreter(quant):
-    """fp32 only: the interpreter's bf16 tl.dot is wrong (triton 3.6), the GPU test covers bf16."""
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "int4r"])
+@pytest.mark.parametrize("block_n", [0, 32])
+def test_prefill_interpreter(quant, block_n):
+    """fp32 only: the interpreter's bf16 tl.dot is wrong (triton 3.6), the GPU test covers bf16.
+    block_n 0: tokens on the dot's M side; 32: weight rows on M (the store's int4 always 0)."""
     from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill
 
-    cfg = PrefillConfig(block_m=16, half=32, bk=32)
+    if quant == "bf16" and not block_n:
+        pytest.skip("bf16 tokens-on-M: the GPU test covers it")
+    cfg = PrefillConfig(block_m=16, half=32, bk=32, block_n=block_n)
     _check(moe_prefill, quant, 4, 64, 64, 5, 2, torch.float32, "cpu", seed=3, cfg=cfg)
 
 
@@ -289,8 +293,17 @@ def test_prefill_cuda(quant, case, T):
 
 
 # (block_m=64, half=64, bk=128 needs more shared memory than an H200 has: 233-410 KB)
-PREFILL_TILES = [dict(block_m=16), dict(bk=128), dict(block_m=64, half=64),
-                 dict(block_m=16, bk=128)]  # fmt: skip
+PREFILL_TILES = [
+    dict(block_m=16, block_n=0),
+    dict(bk=64, block_n=0),
+    dict(block_m=64, half=64, block_n=0),
+    dict(block_m=32, bk=64, block_n=0),
+    dict(block_m=32, block_n=64),
+    dict(block_m=64, block_n=128, num_warps=8),
+    dict(block_n=128, bk=256, num_warps=8),
+    dict(block_m=16, block_n=32, bk=64),
+]
+# (block_n 0: tokens on the dot's M side, the tiles before weight rows on M)
 
 
 @pytest.mark.cuda

@@ -1,5 +1,6 @@
 """Tuned Triton tiles as data (moestream/kernels/triton/configs/tiles.json, read by tuned.py): the
-shipped rows are the tiles the kernels had as literals (behaviour unchanged), an unknown device and
+shipped rows are the tiles the kernels had as literals (behaviour unchanged; the prefill rows of
+bf16, int8 and int4 rows since changed on purpose, PREFILL_ROWS), an unknown device and
 the interpreter fall back to them, a shape row wins over "any", and rows written the way
 benchmarks/tune_gpu_decode.py --write writes them read back."""
 
@@ -17,6 +18,9 @@ SHIPPED = {
 }
 FLAGS = {"bf16": (False, 0), "int8": (False, 0), "int4": (True, 3)}  # mma, stages
 PREFILL = dict(block_m=32, half=32, bk=64, num_warps=4)
+# bf16, int8 (and int4 rows) prefill since 2a9a48e: weight rows on the dot's M side (block_n)
+PREFILL_ROWS = {"bf16": {**PREFILL, "block_n": 64}, "int8": {**PREFILL, "block_n": 64},
+                "int4": PREFILL}  # fmt: skip
 SHAPES = [(2048, 768), (2048, 512), (64, 64)]
 
 
@@ -29,7 +33,7 @@ def _decode(quant: str) -> dict:
 @pytest.mark.parametrize("shape", SHAPES)
 def test_shipped_rows_are_the_tiles_the_kernels_had(quant, shape):
     assert tuned.settings("decode", quant, *shape, "NVIDIA H200") == _decode(quant)
-    assert tuned.settings("prefill", quant, *shape, "NVIDIA H200") == PREFILL
+    assert tuned.settings("prefill", quant, *shape, "NVIDIA H200") == PREFILL_ROWS[quant]
 
 
 @pytest.mark.parametrize("device", ["NVIDIA B200", "Some Future GPU", None])
@@ -37,7 +41,7 @@ def test_unknown_device_and_interpreter_take_the_fallback(device):
     assert tuned.load()["fallback_device"] == "NVIDIA H200"
     for quant in SHIPPED:
         assert tuned.settings("decode", quant, 2048, 768, device) == _decode(quant)
-        assert tuned.settings("prefill", quant, 2048, 768, device) == PREFILL
+        assert tuned.settings("prefill", quant, 2048, 768, device) == PREFILL_ROWS[quant]
 
 
 def test_a_shape_row_wins_and_written_rows_read_back(tmp_path):
@@ -50,7 +54,7 @@ def test_a_shape_row_wins_and_written_rows_read_back(tmp_path):
     # another shape, another quant or another kernel on that device: the fallback device's rows
     assert tuned.settings("decode", "int8", 2048, 512, "NVIDIA H100", path) == _decode("int8")
     assert tuned.settings("decode", "bf16", 2048, 768, "NVIDIA H100", path) == _decode("bf16")
-    assert tuned.settings("prefill", "int8", 2048, 768, "NVIDIA H100", path) == PREFILL
+    assert tuned.settings("prefill", "int8", 2048, 768, "NVIDIA H100", path) == PREFILL_ROWS["int8"]
     assert tuned.load()["devices"].keys() == {"NVIDIA H200"}  # with_row copied the file's rows
     assert tuned.dumps(tuned.load()) == tuned.CONFIG_FILE.read_text()  # the tuner's layout
 
@@ -63,7 +67,9 @@ def test_the_kernels_build_their_configs_from_the_rows():
         want = decode.DecodeConfig(**_decode(quant))
         assert decode.default_config(quant, 2048, 768, 32, None) == want
         assert decode.default_config(quant, 2048, 768, 32, "NVIDIA H200") == want
-        assert prefill.default_config(quant, 2048, 768, None) == prefill.PrefillConfig()
+        assert prefill.default_config(quant, 2048, 768, None) == prefill.PrefillConfig(
+            **PREFILL_ROWS[quant]
+        )
     # small shapes: the tuned tiles fitted (halved) until they fit, None when nothing does
     want = decode.fit_config("bf16", 64, 64, 32, decode.DecodeConfig(**_decode("bf16")))
     assert decode.default_config("bf16", 64, 64, 32, None) == want and want.bk_d == 64

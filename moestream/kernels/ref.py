@@ -132,7 +132,10 @@ def dequantize_rows(
     n, kg = q.shape[0], k // group_size
     # row r's (scale, zero) of group j in the blocked layout: its block's [K/g, rows, 2] at r0 * K/g
     r0 = rows - rows % INT4_BLOCK_N
-    at = r0[:, None] * kg + torch.arange(kg) * torch.clamp(n - r0, max=INT4_BLOCK_N)[:, None]
+    at = (
+        r0[:, None] * kg
+        + torch.arange(kg, device=rows.device) * torch.clamp(n - r0, max=INT4_BLOCK_N)[:, None]
+    )
     sz = sec[f"{name}.sz"][at + (rows - r0)[:, None]].float()  # [T, K/g, 2]
     s, z = sz[..., 0, None], sz[..., 1, None]  # [T, K/g, 1]
     w.view(t, k // group_size, group_size).sub_(8).mul_(s).add_(z)

@@ -1,13 +1,21 @@
 """Prefill-path Triton kernels: tokens grouped by expert, each expert's weights read once per block
-of BLOCK_M (token, slot) rows and multiplied with tl.dot (tensor cores).
+of BLOCK_M (token, slot) pairs and multiplied with tl.dot (tensor cores).
 
 `align_blocks` groups the pairs on the device without a host sync (scatter-add counts, cumsum,
 searchsorted, scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
-expert -1 and exit. Weight tiles are dequantized to the activation dtype ([BK, HALF] halves as in
-decode.py, int4 from the store layout) right before the dot; accumulation is fp32. int4 rows
-(the GPU pool's layout) are read as each row's contiguous bytes and split by nibble: two dots
-per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the same
-products).
+expert -1 and exit. Accumulation is fp32; weight tiles are dequantized to the activation dtype
+right before the dot. Two families (`PrefillConfig.block_n`):
+- weight rows on the dot's M side (`_gate_up_wm`, `_down_wm`; block_n > 0, the default for bf16,
+  int8 and int4 rows): a program takes block_n rows of one expert and the block's pairs on N, so
+  each weight is dequantized by one thread (on sm_90 the dot is a wgmma with the weights from
+  registers); gate/up writes h = silu(g) * u in the dot's dtype;
+- tokens on M (`_gate_up_grouped`, `_down_grouped`; block_n 0, and always for the store's int4
+  layout): the weight tile is the dot's B operand, converted in its layout (each warp along M
+  repeats the dequant).
+int4 rows (the GPU pool's layout) are read as each row's contiguous bytes and split by nibble:
+two dots per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the
+same products). A pair's row never meets another pair's row in a dot, so pair rows from chunks
+of pairs give the bits of one call (`moe_pairs`).
 """
 
 from __future__ import annotations
@@ -30,8 +38,14 @@ class PrefillConfig:
     half: int = 32  # rows per half block; int4 needs 32
     bk: int = 64
     num_warps: int = 4
+    # > 0: weight rows on the dot's M side, block_n rows a program, the block's pairs on N
+    # (`_gate_up_wm`); 0: tokens on M (`_gate_up_grouped`, and always for the store's int4)
+    block_n: int = 0
 
     def __post_init__(self):
+        assert self.block_n == 0 or self.block_n >= 16 and self.block_n & (self.block_n - 1) == 0, (
+            f"block_n must be 0 or a power of two >= 16, got {self.block_n}"
+        )
         for name in ("block_m", "half", "bk"):
             v = getattr(self, name)
             assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16, got {v}"
@@ -130,7 +144,7 @@ def _split_cols(k0, BK: tl.constexpr):
 
 
 @triton.jit
-def _rows_tiles(
+def _rows_wm(
     q_ptr,
     s_ptr,
     e,
@@ -140,25 +154,48 @@ def _rows_tiles(
     N: tl.constexpr,
     K: tl.constexpr,
     G: tl.constexpr,
+    BN: tl.constexpr,
     BK: tl.constexpr,
-    HALF: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """int4 rows: expert e's rows [r0, r0 + HALF), inputs [k0, k0 + BK), read as each row's
+    """int4 rows: expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK), read as each row's
     contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and high nibbles'
-    tiles transposed for the dot, [BK / 2, HALF] each (the inputs of _split_cols)."""
-    r = r0 + tl.arange(0, HALF)[:, None]  # [HALF, 1]
-    j = tl.arange(0, BK // 2)[None, :]  # [1, BK / 2]
+    tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
+    # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one (scale, zero) word, loaded once
+    r = r0 + tl.arange(0, BN)[:, None, None]
+    blk = tl.arange(0, BK // 32)[None, :, None]
+    j = tl.arange(0, 16)[None, None, :]
     m = r < n_end
-    b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + j, mask=m, other=0)
+    b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + blk * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
-    kg = (k0 + (j // 16) * 32) // G  # both nibbles of a byte share its 32-input block's group
-    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg, mask=m, other=0)
-    sc = (v << 16).to(tl.float32, bitcast=True)
+    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G, mask=m, other=0)
+    sc = (v << 16).to(tl.float32, bitcast=True)  # [BN, BK / 32, 1]
     zp = (v & -65536).to(tl.float32, bitcast=True)
-    w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
-    w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
-    return tl.trans(w_lo.to(DT)), tl.trans(w_hi.to(DT))
+    w_lo = tl.reshape(((b & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
+    w_hi = tl.reshape((((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
+    return w_lo.to(DT), w_hi.to(DT)
+
+
+@triton.jit
+def _rows_tiles(q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
+                G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """_rows_wm's tiles transposed for the tokens-on-M dot, [BK / 2, HALF] each."""
+    w_lo, w_hi = _rows_wm(q_ptr, s_ptr, e, r0, n_end, k0, N, K, G, HALF, BK, DT)
+    return tl.trans(w_lo), tl.trans(w_hi)
+
+
+@triton.jit
+def _dense_wm(q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
+              QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+              DT: tl.constexpr):  # fmt: skip
+    """bf16 / int8: expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK) in DT, [BN, BK]."""
+    r = r0 + tl.arange(0, BN)[:, None]
+    kk = k0 + tl.arange(0, BK)[None, :]
+    m = r < n_end
+    w = tl.load(q_ptr + e * (N * K) + r * K + kk, mask=m, other=0.0).to(tl.float32)
+    if QUANT == 1:
+        w = w * tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kk // G, mask=m, other=0.0)
+    return w.to(DT)
 
 
 @triton.jit
@@ -295,6 +332,109 @@ def _down_grouped(
     tl.store(out + HALF, acc_hi * rw[:, None], mask=valid[:, None] & (n0 + HALF + di < D))
 
 
+@triton.jit
+def _gate_up_wm(
+    x_ptr,
+    pair_ptr,
+    bexp_ptr,
+    q_ptr,
+    s_ptr,
+    h_ptr,
+    TOPK,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """h = silu(gate) * up [P, I] in DT for one block of BM pairs (one expert) and rows
+    [n0, n0 + BN) of gate and up. Weight rows sit on the dot's M side (each weight dequantized
+    by one thread: no warp repeats it), the pairs' inputs transposed [BK, BM] on N."""
+    blk = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    N: tl.constexpr = 2 * I
+    pair = tl.load(pair_ptr + blk * BM + tl.arange(0, BM))  # [BM]
+    valid = pair < P
+    tok = tl.where(valid, pair // TOPK, 0).to(tl.int64)
+    g = tl.zeros([BN, BM], tl.float32)
+    u = tl.zeros([BN, BM], tl.float32)
+    for k0 in range(0, D, BK):
+        if QUANT == 3:  # int4 rows: two dots per K step, the inputs split by nibble
+            cl, ch = _split_cols(k0, BK)
+            xl = tl.load(x_ptr + tok[None, :] * D + cl[:, None]).to(DT)  # [BK / 2, BM]
+            xh = tl.load(x_ptr + tok[None, :] * D + ch[:, None]).to(DT)
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, I, k0, N, D, G, BN, BK, DT)
+            g = tl.dot(wh, xh, tl.dot(wl, xl, g, input_precision=PREC), input_precision=PREC)
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, G, BN, BK, DT)
+            u = tl.dot(wh, xh, tl.dot(wl, xl, u, input_precision=PREC), input_precision=PREC)
+        else:
+            xt = tl.load(x_ptr + tok[None, :] * D + k0 + tl.arange(0, BK)[:, None]).to(DT)
+            w = _dense_wm(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BN, BK, DT)
+            g = tl.dot(w, xt, g, input_precision=PREC)
+            w = _dense_wm(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BN, BK, DT)
+            u = tl.dot(w, xt, u, input_precision=PREC)
+    h = g / (1.0 + tl.exp(-g)) * u  # [BN, BM]; _silu_up's arithmetic
+    r = n0 + tl.arange(0, BN)[:, None]
+    tl.store(h_ptr + pair[None, :].to(tl.int64) * I + r, h.to(DT), mask=valid[None, :] & (r < I))
+
+
+@triton.jit
+def _down_wm(
+    h_ptr,
+    pair_ptr,
+    bexp_ptr,
+    rw_ptr,
+    q_ptr,
+    s_ptr,
+    out_ptr,
+    TOPK,
+    P,
+    D: tl.constexpr,
+    I: tl.constexpr,
+    QUANT: tl.constexpr,
+    G: tl.constexpr,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BK: tl.constexpr,
+    DT: tl.constexpr,
+    PREC: tl.constexpr,
+):
+    """Pair rows out [P, D] fp32 (weight times down(h)) for one block of BM pairs and output
+    rows [n0, n0 + BN); weight rows on M as in _gate_up_wm."""
+    blk = tl.program_id(0)
+    n0 = tl.program_id(1) * BN
+    e = tl.load(bexp_ptr + blk).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(pair_ptr + blk * BM + tl.arange(0, BM))
+    valid = pair < P
+    safe = tl.where(valid, pair, 0).to(tl.int64)
+    rw = tl.load(rw_ptr + safe, mask=valid, other=0.0).to(tl.float32)  # [BM]
+    acc = tl.zeros([BN, BM], tl.float32)
+    row = h_ptr + safe[None, :] * I  # [1, BM]
+    for k0 in range(0, I, BK):
+        if QUANT == 3:
+            cl, ch = _split_cols(k0, BK)
+            hl = tl.load(row + cl[:, None])  # [BK / 2, BM]
+            hh = tl.load(row + ch[:, None])
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, D, k0, D, I, G, BN, BK, DT)
+            acc = tl.dot(wh, hh, tl.dot(wl, hl, acc, input_precision=PREC), input_precision=PREC)
+        else:
+            ht = tl.load(row + k0 + tl.arange(0, BK)[:, None])  # [BK, BM]
+            w = _dense_wm(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BN, BK, DT)
+            acc = tl.dot(w, ht, acc, input_precision=PREC)
+    r = n0 + tl.arange(0, BN)[:, None]
+    tl.store(out_ptr + safe[None, :] * D + r, acc * rw[None, :], mask=valid[None, :] & (r < D))
+
+
 @functools.cache
 def default_config(quant: str, hidden: int, inter: int, device: str | None) -> PrefillConfig:
     """The tiles for this device name and shape (tuned.py: configs/tiles.json)."""
@@ -332,7 +472,6 @@ def moe_prefill(
         for k, v in kernel_sections(experts).items()
     }
     scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
-    gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
     y = torch.empty(P, D, device=x.device, dtype=torch.float32)
     x, weights = x.contiguous(), weights.contiguous()
     f32 = x.dtype == torch.float32
@@ -342,12 +481,23 @@ def moe_prefill(
         num_warps=cfg.num_warps,
     )  # fmt: skip
     nb = block_expert.numel()
-    grid = (nb, triton.cdiv(I, 2 * cfg.half))
-    _gate_up_grouped[grid](x, pair_of_row, block_expert, sec["w13.q"], sec[f"w13.{scale}"], gu,
-                           K, P, D, I, **meta)  # fmt: skip
-    grid = (nb, triton.cdiv(D, 2 * cfg.half))
-    _down_grouped[grid](gu, pair_of_row, block_expert, weights, sec["w2.q"], sec[f"w2.{scale}"],
-                        y, K, P, D, I, **meta)  # fmt: skip
+    if cfg.block_n and quant != "int4":  # weight rows on M; h in the dot's dtype
+        del meta["HALF"]
+        h = torch.empty(P, I, device=x.device, dtype=torch.float32 if f32 else torch.bfloat16)
+        _gate_up_wm[(nb, triton.cdiv(I, cfg.block_n))](
+            x, pair_of_row, block_expert, sec["w13.q"], sec[f"w13.{scale}"], h, K, P, D, I,
+            BN=cfg.block_n, **meta)  # fmt: skip
+        _down_wm[(nb, triton.cdiv(D, cfg.block_n))](
+            h, pair_of_row, block_expert, weights, sec["w2.q"], sec[f"w2.{scale}"], y, K, P, D,
+            I, BN=cfg.block_n, **meta)  # fmt: skip
+    else:
+        gu = torch.empty(P, 2 * I, device=x.device, dtype=torch.float32)
+        grid = (nb, triton.cdiv(I, 2 * cfg.half))
+        _gate_up_grouped[grid](x, pair_of_row, block_expert, sec["w13.q"], sec[f"w13.{scale}"],
+                               gu, K, P, D, I, **meta)  # fmt: skip
+        grid = (nb, triton.cdiv(D, 2 * cfg.half))
+        _down_grouped[grid](gu, pair_of_row, block_expert, weights, sec["w2.q"],
+                            sec[f"w2.{scale}"], y, K, P, D, I, **meta)  # fmt: skip
     if not combine:
         return y
     return combine_pairs(y, K, x.dtype, out=out)
