@@ -22,7 +22,7 @@ class ResidentExperts(ExpertProvider):
         b2: dict[int, torch.Tensor] | None = None,
         act: ExpertActivation | None = None,
     ):
-        self.w13, self.w2, self.act = w13, w2, act
+        self.w13, self.w2, self.b13, self.b2, self.act = w13, w2, b13, b2, act
         # Per-expert views in Python lists: indexing a list costs no torch op on the decode path.
         # An entry is (w13, w2) or, with biases, (w13, w2, b13, b2).
         self._experts = {}
@@ -42,6 +42,16 @@ class ResidentExperts(ExpertProvider):
 
     def describe(self) -> dict:
         return {"experts": "resident", "quant": "none (checkpoint weights)"}
+
+    def to(self, device: str | torch.device) -> ResidentExperts:
+        """The same experts on `device` (train-recovery runs its fp32 teacher on the GPU)."""
+
+        def moved(d: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
+            return None if d is None else {k: v.to(device) for k, v in d.items()}
+
+        return ResidentExperts(
+            moved(self.w13), moved(self.w2), moved(self.b13), moved(self.b2), self.act
+        )
 
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
