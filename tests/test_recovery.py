@@ -1,6 +1,10 @@
 """The recovery adapter (Edge0 stages 2-3): its unmerged math equals a merged fp32 model; the
 student path over a window equals predicted routing token by token; the file is found, disabled,
-and refused when missing, corrupt or made for another model; train-recovery is deterministic."""
+and refused when missing, corrupt or made for another model; train-recovery is deterministic.
+Its --device: auto is what torch sees, --device cpu the CPU run bit for bit, cuda without a GPU a
+one-line error; the GPU path's code (experts on the differentiable "torch" kernel, the teacher
+moved beside them) trains on CPU tensors as the CPU path does; on a GPU (marked cuda) a few
+steps lower the loss, a seed gives the same file, and the adapter loads and runs."""
 
 from __future__ import annotations
 
@@ -11,10 +15,13 @@ import numpy as np
 import pytest
 import torch
 
+from moestream.config import ConfigError
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
-from moestream.experts.config import PredictConfig, StreamConfig
+from moestream.experts.config import GpuConfig, PredictConfig, StreamConfig
 from moestream.experts.predicting import attach
+from moestream.kernels.dispatch import moe_kernel
+from moestream.kernels.triton.layout import moe_stacked_ref, moe_stacked_torch, quantize_stacked
 from moestream.loader import load_model
 from moestream.models.lowrank import plus_lora
 from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
@@ -35,7 +42,9 @@ from moestream.recovery.train import (
     RecoveryConfig,
     RecoveryTrainer,
     eval_loss,
+    fit,
     tail_topk_reverse_kl,
+    teacher_on,
 )
 from moestream.runtime import open_model
 
@@ -393,3 +402,119 @@ def test_trace_on_the_student_path_records_what_the_heads_see(hf_with_heads, tmp
         assert np.array_equal(student.ids[:, col], i.numpy())
         np.testing.assert_allclose(student.hidden[:, col], x.half().numpy(), atol=2e-3)
     assert not np.array_equal(exact.hidden, student.hidden)  # the student path drifted
+
+
+TRAIN = ["--quant", "int8", "--rank", "2", "--steps", "3", "--batch", "1", "--ctx", "16",
+         "--on-policy-steps", "1", "--gen-tokens", "4", "--seed", "3", "--json"]  # fmt: skip
+
+
+def _train(cli, src, corpus, out, *extra):
+    r = cli("train-recovery", "-m", src, "--corpus", corpus, *TRAIN, "-o", out, *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_device_auto_is_the_cpu_without_a_gpu_and_cpu_gives_the_same_bytes(
+    hf_with_heads, tmp_path, cli, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    auto = _train(cli, hf_with_heads, corpus, tmp_path / "auto.lora")
+    cpu = _train(cli, hf_with_heads, corpus, tmp_path / "cpu.lora", "--device", "cpu")
+    assert auto["device"] == cpu["device"] == "cpu" and auto["config"]["device"] == "auto"
+    assert (tmp_path / "auto.lora").read_bytes() == (tmp_path / "cpu.lora").read_bytes()
+    assert [h["loss"] for h in auto["history"]] == [h["loss"] for h in cpu["history"]]
+    assert auto["step_seconds"] > 0 and auto["seconds"] >= sum(
+        h["seconds"] for h in auto["history"]
+    )
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error(hf_with_heads, tmp_path, cli, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "a.lora"
+    r = cli("train-recovery", "-m", hf_with_heads, "--corpus", corpus, "--device", "cuda",
+            "-o", out)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--device cuda" in r.stderr and "sees no CUDA GPU" in r.stderr
+    assert "drop --device cuda" in r.stderr and not out.exists()
+
+
+def test_torch_expert_kernel_is_the_ref_spec_and_passes_gradients():
+    g = torch.Generator().manual_seed(0)
+    E, D, I, T, K = 6, 64, 32, 9, 2
+    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
+    experts = quantize_stacked(make_scheme("int4"), w13, w2)
+    x = torch.randn(T, D, generator=g, requires_grad=True)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    w = torch.rand(T, K, generator=g)
+    y = moe_stacked_torch(x, ids, w, experts)
+    assert torch.equal(y, moe_stacked_ref(x, ids, w, experts))
+    assert moe_kernel("torch") is moe_stacked_torch
+    y.square().sum().backward()
+    x2 = x.detach().clone().requires_grad_(True)
+    moe_stacked_ref(x2, ids, w, experts).square().sum().backward()
+    assert x.grad.abs().sum() > 0 and torch.equal(x.grad, x2.grad)
+    with pytest.raises(ConfigError, match="unknown GPU kernel"):
+        GpuConfig(resident=True, kernel="cuda")
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_the_gpu_path_trains_on_cpu_tensors_as_the_cpu_path(hf_with_heads, quant):
+    """GpuExperts on the "torch" kernel (device cpu) against the CPU path's ref provider: the same
+    student, the same losses step by step."""
+    corpus = TEXT
+    cfg = RecoveryConfig(rank=2, alpha=4.0, steps=3, batch=1, ctx=16, on_policy_steps=1,
+                         gen_tokens=4, seed=3)  # fmt: skip
+    heads = heads_for(load_model(hf_with_heads).model)
+    runs = []
+    for experts in (StreamConfig(resident=True, kernel="ref"),
+                    GpuConfig(resident=True, kernel="torch", device="cpu", cuda_graph=False)):  # fmt: skip
+        with open_model(hf_with_heads, experts=experts, quant=quant) as rt:
+            with open_model(hf_with_heads) as teacher:
+                model = teacher_on(teacher, "cpu")
+                _, history = fit(rt, model, heads, cfg, corpus)
+            runs.append((rt.provider.describe()["experts"], [h["loss"] for h in history]))
+    assert runs[0][0] == "resident" and runs[1][0] == "vram resident"
+    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_recovery_trains_on_cuda_deterministically_and_the_adapter_runs(
+    hf_with_heads, tiny_dir, tmp_path, cli
+):
+    src = hf_with_heads
+    # a few steps on fixed windows lower the distillation loss on the GPU
+    store = convert(src, tmp_path / "st", make_scheme("int8"), False)
+    student = load_model(store, GpuConfig(resident=True, kernel="torch", cuda_graph=False))
+    model = student.model
+    model.requires_grad_(False)
+    add_adapter(model, rank=4, alpha=8.0, seed=0)
+    params = [p for m in adapter_modules(model).values() for p in m.parameters()]
+    assert all(p.is_cuda for p in params)
+    for p in params:
+        p.requires_grad_(True)
+    heads = heads_for(load_model(src).model).to("cuda")
+    model.set_provider(StudentPath(student.provider, heads, model.moe_blocks))
+    with open_model(src) as teacher:
+        tr = RecoveryTrainer(model, teacher_on(teacher, "cuda"), params,
+                             RecoveryConfig(rank=4, steps=12, batch=2, ctx=len(IDS), lr=2e-2))  # fmt: skip
+        wins = [IDS, IDS[::-1]]
+        before = eval_loss(tr, wins)
+        for step in range(12):
+            tr.distill_step(step, wins)
+        assert eval_loss(tr, wins) < before - 1e-3
+    # the CLI on cuda: a seed gives the same file; step 0 (B = 0) is the CPU's loss
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    reps = [_train(cli, src, corpus, tmp_path / f"g{i}.lora", "--device", "cuda") for i in (0, 1)]
+    assert reps[0]["device"] == "cuda" and reps[0]["device_name"] != "cpu"
+    assert (tmp_path / "g0.lora").read_bytes() == (tmp_path / "g1.lora").read_bytes()
+    cpu = _train(cli, src, corpus, tmp_path / "c.lora", "--device", "cpu")
+    assert reps[0]["history"][0]["loss"] == pytest.approx(cpu["history"][0]["loss"], rel=2e-2)
+    # the GPU-trained adapter loads and runs under predicted routing (on the CPU)
+    r = cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
+            "--predictor", "prerouter", "--routing", "predicted", "--lora", tmp_path / "g0.lora")  # fmt: skip
+    assert r.returncode == 0 and "lora r2 on" in r.stderr, r.stderr
