@@ -516,5 +516,6 @@ def test_recovery_trains_on_cuda_deterministically_and_the_adapter_runs(
     assert reps[0]["history"][0]["loss"] == pytest.approx(cpu["history"][0]["loss"], rel=2e-2)
     # the GPU-trained adapter loads and runs under predicted routing (on the CPU)
     r = cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
-            "--predictor", "prerouter", "--routing", "predicted", "--lora", tmp_path / "g0.lora")  # fmt: skip
+            "--kernel", "cpu", "--predictor", "prerouter", "--routing", "predicted",
+            "--lora", tmp_path / "g0.lora")  # fmt: skip
     assert r.returncode == 0 and "lora r2 on" in r.stderr, r.stderr
