@@ -969,7 +969,13 @@ def cmd_train_recovery(a: argparse.Namespace) -> int:
     from moestream.config import ConfigError
     from moestream.quality.eval import oracle_folder
     from moestream.recovery.adapter import ADAPTER_FILE, file_sha256, save_adapter
-    from moestream.recovery.train import RecoveryConfig, fit, student_experts, teacher_on
+    from moestream.recovery.train import (
+        STUDENT_EXPERTS,
+        RecoveryConfig,
+        fit,
+        student_on,
+        teacher_on,
+    )
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
@@ -983,13 +989,12 @@ def cmd_train_recovery(a: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--corpus {a.corpus}: cannot read it ({e})") from e
     teacher_dir, _ = oracle_folder(a.model, None)
-    experts = student_experts(device)  # kernels differentiable in the activations
-    with open_model(a.model, progress=not a.json, experts=experts, quant=a.quant) as rt:
+    with open_model(a.model, progress=not a.json, experts=STUDENT_EXPERTS, quant=a.quant) as rt:
         heads, heads_path = _recovery_heads(rt)
         with open_model(teacher_dir, dtype="float32") as teacher:
-            model = teacher_on(teacher, device)
+            student, model = student_on(rt, device), teacher_on(teacher, device)
             t0 = time.perf_counter()
-            info, history = _fit_with_bar(rt, model, heads, cfg, text, a.json, fit)
+            info, history = _fit_with_bar(student, model, heads, cfg, text, a.json, fit)
             seconds = time.perf_counter() - t0
         out = Path(a.out) if a.out else Path(a.model) / ADAPTER_FILE
         from dataclasses import replace

@@ -220,9 +220,8 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
 
         check_scheme(store)
     model = build_model(store.args, dtype)
-    # GpuConfig's kernel is the dense layers' too (kernels/dense.py); "torch" experts take the
-    # dense "ref" kernel, which dequantizes on the weight's device
-    load_dense(store, model, dtype, progress, "ref" if cfg.kernel == "torch" else cfg.kernel)
+    # GpuConfig's kernel ("triton" or "ref") is the dense layers' too (kernels/dense.py)
+    load_dense(store, model, dtype, progress, cfg.kernel)
     store.release_dense()
     # The native kernels' run also takes the fused one-token ops for its dense math (fp32 CPU).
     model.set_fused_decode(

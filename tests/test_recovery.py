@@ -2,14 +2,15 @@
 student path over a window equals predicted routing token by token; the file is found, disabled,
 and refused when missing, corrupt or made for another model; train-recovery is deterministic.
 Its --device: auto is what torch sees, --device cpu the CPU run bit for bit, cuda without a GPU a
-one-line error; the GPU path's code (experts on the differentiable "torch" kernel, the teacher
-moved beside them) trains on CPU tensors as the CPU path does; on a GPU (marked cuda) a few
+one-line error; the GPU path's code (both models' experts as BatchedExperts: every expert in
+batched GEMMs) trains on CPU tensors as the CPU path does; on a GPU (marked cuda) a few
 steps lower the loss, a seed gives the same file, and the adapter loads and runs."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -18,10 +19,10 @@ import torch
 from moestream.config import ConfigError
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.batched import BatchedExperts
 from moestream.experts.config import GpuConfig, PredictConfig, StreamConfig
 from moestream.experts.predicting import attach
-from moestream.kernels.dispatch import moe_kernel
-from moestream.kernels.triton.layout import moe_stacked_ref, moe_stacked_torch, quantize_stacked
+from moestream.kernels.moe_cpu import moe_grouped
 from moestream.loader import load_model
 from moestream.models.lowrank import plus_lora
 from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
@@ -39,14 +40,17 @@ from moestream.recovery.adapter import (
 )
 from moestream.recovery.student import StudentPath
 from moestream.recovery.train import (
+    STUDENT_EXPERTS,
     RecoveryConfig,
     RecoveryTrainer,
     eval_loss,
     fit,
+    student_on,
     tail_topk_reverse_kl,
     teacher_on,
 )
 from moestream.runtime import open_model
+from moestream.store.format import Store
 
 IDS = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(5)).tolist()
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40
@@ -442,43 +446,57 @@ def test_device_cuda_without_a_gpu_is_a_one_line_error(hf_with_heads, tmp_path, 
     assert "drop --device cuda" in r.stderr and not out.exists()
 
 
-def test_torch_expert_kernel_is_the_ref_spec_and_passes_gradients():
+@pytest.mark.parametrize("tokens", [9, 1])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: biases, clamped SwiGLU
+def test_batched_experts_are_the_routed_sum_with_its_gradients(tiny_dir, arch, tokens):
+    res = load_model(tiny_dir(arch)).provider
+    batched = BatchedExperts(res.w13, res.w2, res.b13, res.b2, res.act)
+    layer = next(iter(res.w13))
+    E, _, D = res.w13[layer].shape
     g = torch.Generator().manual_seed(0)
-    E, D, I, T, K = 6, 64, 32, 9, 2
-    w13, w2 = torch.randn(E, 2 * I, D, generator=g) * 0.1, torch.randn(E, D, I, generator=g) * 0.1
-    experts = quantize_stacked(make_scheme("int4"), w13, w2)
-    x = torch.randn(T, D, generator=g, requires_grad=True)
-    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
-    w = torch.rand(T, K, generator=g)
-    y = moe_stacked_torch(x, ids, w, experts)
-    assert torch.equal(y, moe_stacked_ref(x, ids, w, experts))
-    assert moe_kernel("torch") is moe_stacked_torch
-    y.square().sum().backward()
-    x2 = x.detach().clone().requires_grad_(True)
-    moe_stacked_ref(x2, ids, w, experts).square().sum().backward()
-    assert x.grad.abs().sum() > 0 and torch.equal(x.grad, x2.grad)
+    x = torch.randn(tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+
+    def grouped(layer, x, ids, w):  # the prefill path's per-expert loop (ResidentExperts')
+        biases = (res.b13[layer], res.b2[layer]) if res.b13 is not None else ()
+        weights = (res.w13[layer], res.w2[layer], *biases)
+        return moe_grouped(x, ids, w, lambda e: [t[e] for t in weights], res.act)
+
+    outs, grads = [], []
+    for run in (grouped, batched.experts):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = run(layer, xg, ids, wg)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append((xg.grad, wg.grad))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
     with pytest.raises(ConfigError, match="unknown GPU kernel"):
-        GpuConfig(resident=True, kernel="cuda")
+        GpuConfig(resident=True, kernel="torch")
 
 
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_the_gpu_path_trains_on_cpu_tensors_as_the_cpu_path(hf_with_heads, quant):
-    """GpuExperts on the "torch" kernel (device cpu) against the CPU path's ref provider: the same
-    student, the same losses step by step."""
-    corpus = TEXT
+    """What student_on / teacher_on run on a GPU (the store's experts dequantized once, both
+    models on BatchedExperts), here on CPU tensors: the CPU path's losses step by step."""
     cfg = RecoveryConfig(rank=2, alpha=4.0, steps=3, batch=1, ctx=16, on_policy_steps=1,
                          gen_tokens=4, seed=3)  # fmt: skip
     heads = heads_for(load_model(hf_with_heads).model)
     runs = []
-    for experts in (StreamConfig(resident=True, kernel="ref"),
-                    GpuConfig(resident=True, kernel="torch", device="cpu", cuda_graph=False)):  # fmt: skip
-        with open_model(hf_with_heads, experts=experts, quant=quant) as rt:
+    for batched in (False, True):
+        with open_model(hf_with_heads, experts=STUDENT_EXPERTS, quant=quant) as rt:
             with open_model(hf_with_heads) as teacher:
-                model = teacher_on(teacher, "cpu")
-                _, history = fit(rt, model, heads, cfg, corpus)
-            runs.append((rt.provider.describe()["experts"], [h["loss"] for h in history]))
-    assert runs[0][0] == "resident" and runs[1][0] == "vram resident"
-    torch.testing.assert_close(runs[1][1], runs[0][1], rtol=1e-5, atol=1e-6)
+                student, model = rt, teacher.model
+                if batched:
+                    experts = BatchedExperts.from_store(Store(rt.folder), torch.float32)
+                    rt.model.set_provider(experts)
+                    student = replace(rt, provider=experts)
+                    p = teacher.provider
+                    model.set_provider(BatchedExperts(p.w13, p.w2, p.b13, p.b2, p.act))
+                _, history = fit(student, model, heads, cfg, TEXT)
+            runs.append([h["loss"] for h in history])
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.cuda
@@ -487,20 +505,19 @@ def test_recovery_trains_on_cuda_deterministically_and_the_adapter_runs(
 ):
     src = hf_with_heads
     # a few steps on fixed windows lower the distillation loss on the GPU
-    store = convert(src, tmp_path / "st", make_scheme("int8"), False)
-    student = load_model(store, GpuConfig(resident=True, kernel="torch", cuda_graph=False))
-    model = student.model
-    model.requires_grad_(False)
-    add_adapter(model, rank=4, alpha=8.0, seed=0)
-    params = [p for m in adapter_modules(model).values() for p in m.parameters()]
-    assert all(p.is_cuda for p in params)
-    for p in params:
-        p.requires_grad_(True)
-    heads = heads_for(load_model(src).model).to("cuda")
-    model.set_provider(StudentPath(student.provider, heads, model.moe_blocks))
-    with open_model(src) as teacher:
-        tr = RecoveryTrainer(model, teacher_on(teacher, "cuda"), params,
-                             RecoveryConfig(rank=4, steps=12, batch=2, ctx=len(IDS), lr=2e-2))  # fmt: skip
+    with open_model(src, experts=STUDENT_EXPERTS, quant="int8") as opened, open_model(src) as t:
+        rt = student_on(opened, "cuda")
+        model = rt.model
+        model.requires_grad_(False)
+        add_adapter(model, rank=4, alpha=8.0, seed=0)
+        params = [p for m in adapter_modules(model).values() for p in m.parameters()]
+        assert all(p.is_cuda for p in params)
+        for p in params:
+            p.requires_grad_(True)
+        heads = heads_for(load_model(src).model).to("cuda")
+        model.set_provider(StudentPath(rt.provider, heads, model.moe_blocks))
+        cfg = RecoveryConfig(rank=4, steps=12, batch=2, ctx=len(IDS), lr=2e-2)
+        tr = RecoveryTrainer(model, teacher_on(t, "cuda"), params, cfg)
         wins = [IDS, IDS[::-1]]
         before = eval_loss(tr, wins)
         for step in range(12):

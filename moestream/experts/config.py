@@ -14,9 +14,7 @@ from moestream.store.io import IOConfig
 
 ROUTINGS = ("exact", "predicted")
 CPU_KERNELS = ("native", "cpu", "ref")
-# "triton": the CUDA kernels; "torch": the spec's math on the pool's device, differentiable in the
-# activations (recovery training: recovery/); "ref": the pure-torch spec, run on the CPU (tests).
-GPU_KERNELS = ("triton", "torch", "ref")
+GPU_KERNELS = ("triton", "ref")  # the CUDA kernels; the pure-torch spec (run on the CPU: tests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -43,16 +43,6 @@ class ResidentExperts(ExpertProvider):
     def describe(self) -> dict:
         return {"experts": "resident", "quant": "none (checkpoint weights)"}
 
-    def to(self, device: str | torch.device) -> ResidentExperts:
-        """The same experts on `device` (train-recovery runs its fp32 teacher on the GPU)."""
-
-        def moved(d: dict[int, torch.Tensor] | None) -> dict[int, torch.Tensor] | None:
-            return None if d is None else {k: v.to(device) for k, v in d.items()}
-
-        return ResidentExperts(
-            moved(self.w13), moved(self.w2), moved(self.b13), moved(self.b2), self.act
-        )
-
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     ) -> torch.Tensor:

@@ -21,23 +21,17 @@ def qlinear(kind: str = "cpu"):
 
 def moe_kernel(kind: str = "ref"):
     """Whole routed-MoE kernel over a layer's `StackedExperts` (device tensors): 'ref' is the
-    pure-torch spec (run on the CPU), 'torch' the spec's math on the experts' device
-    (differentiable: recovery training on a GPU), 'triton' the CUDA kernels (imported only when
-    asked: triton is optional). All are called (x, ids, weights, experts, expert_ids=None): ids
-    index `experts`."""
+    pure-torch spec, 'triton' the CUDA kernels (imported only when asked: triton is optional).
+    Both are called (x, ids, weights, experts, expert_ids=None): ids index `experts`."""
     if kind == "ref":
         from moestream.kernels.triton.layout import moe_stacked_ref
 
         return moe_stacked_ref
-    if kind == "torch":
-        from moestream.kernels.triton.layout import moe_stacked_torch
-
-        return moe_stacked_torch
     if kind == "triton":
         from moestream.kernels.triton import moe_experts
 
         return moe_experts
-    raise ValueError(f"unknown MoE kernel {kind!r}; use ref, torch or triton")
+    raise ValueError(f"unknown MoE kernel {kind!r}; use ref or triton")
 
 
 TOPK_TRITON_MAX_TOKENS = 8  # decode rows; a prompt's many rows go to torch.topk

@@ -16,11 +16,12 @@ minimises the reverse KL(student || teacher) over the student's top-k tokens plu
 the rest of the vocabulary (the tail-aware top-k objective: the tail's mass is kept, not
 dropped), on the generated positions.
 
-Devices (`student_experts`, `teacher_on`, `deterministic`): the same code on the CPU or a GPU;
-the student's experts run on kernels that pass gradients to the activations (the CPU's
-dequantizing `ref` spec; on a GPU the same math on the device, kernel "torch"), the teacher is
-moved to the student's device, and a GPU run uses torch's deterministic algorithms, so a seed
-gives the same adapter on the same device.
+Devices (`student_on`, `teacher_on`, `deterministic`): the same code on the CPU or a GPU. The
+student opens on the CPU with the dequantizing `ref` kernels (differentiable in the activations:
+the adapters upstream of a layer learn through its frozen experts); on a GPU its model moves
+there and its experts, dequantized once, run as `BatchedExperts` (experts/batched.py: a layer in
+a few GEMMs; the per-expert loop is launch-bound there), as do the fp32 teacher's; a GPU run uses
+torch's deterministic algorithms, so a seed gives the same adapter on the same device.
 """
 
 from __future__ import annotations
@@ -37,8 +38,11 @@ import torch.nn.functional as F
 
 from moestream.config import ConfigError
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import StreamConfig
 
 TARGETS = ("teacher", "text")
+# the student's experts as it opens: resident, on the dequantizing ref kernels (differentiable)
+STUDENT_EXPERTS = StreamConfig(resident=True, kernel="ref")
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,30 +208,38 @@ def student_sampler(model, heads, path_provider, inner, temperature: float = 1.0
     return sample
 
 
-def student_experts(device: str):
-    """The student's experts config: every expert resident, on kernels differentiable in the
-    activations (the adapters upstream of a layer learn through its frozen experts)."""
-    from moestream.experts.config import GpuConfig, StreamConfig
+def student_on(student_rt, device: str):
+    """The student runtime (opened with `STUDENT_EXPERTS`) on `device`: itself on the CPU; on a
+    GPU a copy whose model is moved there with its experts dequantized once (BatchedExperts)."""
+    from dataclasses import replace
+
+    from moestream.experts.batched import BatchedExperts
+    from moestream.store.format import Store
 
     if torch.device(device).type == "cpu":
-        return StreamConfig(resident=True, kernel="ref")
-    return GpuConfig(resident=True, kernel="torch", device=device, cuda_graph=False)
+        return student_rt
+    model = student_rt.model.to(device)
+    experts = BatchedExperts.from_store(Store(student_rt.folder), model.dtype).to(device)
+    model.set_provider(experts)
+    return replace(student_rt, provider=experts)
 
 
 def teacher_on(teacher_rt, device: str):
-    """The teacher runtime's model on `device` (its resident experts moved with it)."""
+    """The teacher runtime's model on `device`: as it is on the CPU; on a GPU moved there with its
+    resident experts as BatchedExperts."""
+    from moestream.experts.batched import BatchedExperts
     from moestream.experts.resident import ResidentExperts
 
-    model = teacher_rt.model
-    if model.device == torch.device(device):
+    model, p = teacher_rt.model, teacher_rt.provider
+    if torch.device(device).type == "cpu":
         return model
-    if not isinstance(teacher_rt.provider, ResidentExperts):
+    if not isinstance(p, ResidentExperts):
         raise ConfigError(
             f"the teacher {teacher_rt.folder} runs on {device} only as a Hugging Face folder "
             "(experts loaded resident); pass -m a store converted from one, or that folder"
         )
     model.to(device)
-    model.set_provider(teacher_rt.provider.to(device))
+    model.set_provider(BatchedExperts(p.w13, p.w2, p.b13, p.b2, p.act).to(device))
     return model
 
 
@@ -250,8 +262,8 @@ def deterministic(device: torch.device):
 
 def fit(student_rt, teacher, heads, cfg: RecoveryConfig, text: str, on_step=None):
     """Attach a fresh adapter to student_rt's model and train it (stage 2, then stage 3 when
-    cfg.on_policy_steps): student_rt = the runtime opened with `student_experts(device)`,
-    teacher = the fp32 model on the same device (`teacher_on`), heads on it too. Returns
+    cfg.on_policy_steps): student_rt = the runtime opened with `STUDENT_EXPERTS` (and moved by
+    `student_on`), teacher = the fp32 model on the same device (`teacher_on`). Returns
     (AdapterInfo, history [{stage, step, loss, lr, seconds}])."""
     with deterministic(student_rt.model.device):
         return _fit(student_rt, teacher, heads, cfg, text, on_step)

@@ -183,27 +183,6 @@ def moe_stacked_ref(
     `ids` index `experts`; when that is a slot pool, `expert_ids` (same shape) names the expert
     each slot holds, and experts are added in ascending expert id, as with every expert
     resident, so the bits do not depend on which slots hold them."""
-    ids, get = _routed_experts(experts, ids, expert_ids, x.dtype, torch.device("cpu"))
-    out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
-    return out.to(x.device)
-
-
-def moe_stacked_torch(
-    x: torch.Tensor,
-    ids: torch.Tensor,
-    weights: torch.Tensor,
-    experts: StackedExperts,
-    expert_ids: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """moe_stacked_ref's math where x is: each routed expert dequantized on the pool's device and
-    moe_ref run there, differentiable in x (the recovery adapter trains through the frozen
-    experts on a GPU: recovery/). On CPU tensors it is moe_stacked_ref, bit for bit."""
-    ids, get = _routed_experts(experts, ids, expert_ids, x.dtype, x.device)
-    return moe_ref(x, ids, weights, get)
-
-
-def _routed_experts(experts: StackedExperts, ids, expert_ids, dtype, device):
-    """(the expert ids to group by, get(e) -> (w13, w2) dequantized in dtype on device)."""
     g = experts.scheme.group_size
     where = None
     if expert_ids is not None:
@@ -212,6 +191,7 @@ def _routed_experts(experts: StackedExperts, ids, expert_ids, dtype, device):
 
     def get(e):
         sec = experts.expert(e if where is None else where[e])
-        return tuple(dequantize(sec, n, g, dtype).to(device) for n in NAMES)
+        return tuple(dequantize(sec, n, g, x.dtype).cpu() for n in NAMES)
 
-    return ids, get
+    out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
+    return out.to(x.device)
