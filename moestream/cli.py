@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from pathlib import Path
 
 from moestream.config import SamplingConfig
@@ -314,13 +315,7 @@ def _check_device_flags(a: argparse.Namespace) -> None:
             "--host-misses picks how a pool fed from pinned RAM resolves misses: it needs "
             "--gpu-budget and --pin-experts (without them misses are always resolved on the host)"
         )
-    import torch
-
-    if not torch.cuda.is_available():
-        raise ConfigError(
-            f"--device cuda, but torch {torch.__version__} sees no CUDA GPU (a CPU-only build, or "
-            "no GPU/driver); drop --device cuda to run on the CPU"
-        )
+    _require_cuda()
 
 
 def _check_policy(a: argparse.Namespace, experts) -> None:
@@ -958,6 +953,12 @@ def _add_recovery(sub) -> None:
     )
     p.add_argument("--gen-tokens", type=int, default=32, help="stage 3: tokens sampled")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--device",
+        default="auto",
+        choices=["auto", "cpu", "cuda"],
+        help="where student and teacher train (default auto: cuda when torch sees a GPU)",
+    )
     p.add_argument("-o", "--out", default=None, help="adapter file (default: beside -m)")
     p.add_argument("--plot", default=None, help="PNG of the loss curve (needs matplotlib)")
     _add_threads(p)
@@ -967,13 +968,19 @@ def _add_recovery(sub) -> None:
 
 def cmd_train_recovery(a: argparse.Namespace) -> int:
     from moestream.config import ConfigError
-    from moestream.experts.config import StreamConfig
     from moestream.quality.eval import oracle_folder
     from moestream.recovery.adapter import ADAPTER_FILE, file_sha256, save_adapter
-    from moestream.recovery.train import RecoveryConfig, fit
+    from moestream.recovery.train import (
+        STUDENT_EXPERTS,
+        RecoveryConfig,
+        fit,
+        student_on,
+        teacher_on,
+    )
     from moestream.runtime import open_model
 
     _setup_threads(a.threads)
+    device = _resolve_device(a.device)
     cfg = RecoveryConfig(
         rank=a.rank, alpha=a.alpha, steps=a.steps, batch=a.batch, ctx=a.ctx, lr=a.lr,
         target=a.target, on_policy_steps=a.on_policy_steps, gen_tokens=a.gen_tokens, seed=a.seed,
@@ -983,12 +990,13 @@ def cmd_train_recovery(a: argparse.Namespace) -> int:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"--corpus {a.corpus}: cannot read it ({e})") from e
     teacher_dir, _ = oracle_folder(a.model, None)
-    # ref kernels: the dequantizing torch spec, differentiable with respect to the activations
-    experts = StreamConfig(resident=True, kernel="ref")
-    with open_model(a.model, progress=not a.json, experts=experts, quant=a.quant) as rt:
+    with open_model(a.model, progress=not a.json, experts=STUDENT_EXPERTS, quant=a.quant) as rt:
         heads, heads_path = _recovery_heads(rt)
         with open_model(teacher_dir, dtype="float32") as teacher:
-            info, history = _fit_with_bar(rt, teacher.model, heads, cfg, text, a.json, fit)
+            student, model = student_on(rt, device), teacher_on(teacher, device)
+            t0 = time.perf_counter()
+            info, history = _fit_with_bar(student, model, heads, cfg, text, a.json, fit)
+            seconds = time.perf_counter() - t0
         out = Path(a.out) if a.out else Path(a.model) / ADAPTER_FILE
         from dataclasses import replace
 
@@ -996,20 +1004,57 @@ def cmd_train_recovery(a: argparse.Namespace) -> int:
     if a.plot:
         from moestream.obs.plots import plot_loss
 
-        plot_loss(history, a.plot, f"train-recovery: rank {a.rank}, {a.target} target")
-    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
-    report = {"out": str(out), "config": {**vars(a), "func": None}, "heads": str(heads_path),
-              "loss_first10": sum(h["loss"] for h in first) / len(first),
-              "loss_last10": sum(h["loss"] for h in last) / len(last), "history": history}  # fmt: skip
+        title = f"train-recovery: rank {a.rank}, {a.target} target, {device}"
+        plot_loss(history, a.plot, title)
+    report = _recovery_report(a, device, out, heads_path, history, seconds)
     if a.json:
         print(json.dumps(report))
     else:
         print(
             f"loss {report['loss_first10']:.4f} -> {report['loss_last10']:.4f} (mean of the "
-            f"first / last 10 steps); wrote {out}",
+            f"first / last 10 steps); {len(history)} steps on {report['device_name']} in "
+            f"{seconds:.1f} s ({report['step_seconds']:.3f} s a step, median); wrote {out}",
             file=sys.stderr,
         )
     return 0
+
+
+def _resolve_device(name: str) -> str:
+    """--device auto|cpu|cuda -> cpu or cuda; cuda that torch cannot see is refused."""
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        _require_cuda()
+    return name
+
+
+def _require_cuda() -> None:
+    import torch
+
+    from moestream.config import ConfigError
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"--device cuda, but torch {torch.__version__} sees no CUDA GPU (a CPU-only build, or "
+            "no GPU/driver); drop --device cuda to run on the CPU"
+        )
+
+
+def _recovery_report(a, device: str, out, heads_path, history: list[dict], seconds: float) -> dict:
+    """train-recovery's --json object: where it ran, the loss at both ends, the time per step."""
+    import statistics
+
+    import torch
+
+    first, last = history[: min(10, len(history))], history[-min(10, len(history)) :]
+    name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    return {"out": str(out), "config": {**vars(a), "func": None}, "heads": str(heads_path),
+            "device": device, "device_name": name, "seconds": seconds,
+            "step_seconds": statistics.median(h["seconds"] for h in history),
+            "loss_first10": sum(h["loss"] for h in first) / len(first),
+            "loss_last10": sum(h["loss"] for h in last) / len(last), "history": history}  # fmt: skip
 
 
 def _recovery_heads(rt):

@@ -1,20 +1,28 @@
 """The recovery adapter (Edge0 stages 2-3): its unmerged math equals a merged fp32 model; the
 student path over a window equals predicted routing token by token; the file is found, disabled,
-and refused when missing, corrupt or made for another model; train-recovery is deterministic."""
+and refused when missing, corrupt or made for another model; train-recovery is deterministic.
+Its --device: auto is what torch sees, --device cpu the CPU run bit for bit, cuda without a GPU a
+one-line error; the GPU path's code (both models' experts as BatchedExperts: every expert in
+batched GEMMs) trains on CPU tensors as the CPU path does; on a GPU (marked cuda) a few
+steps lower the loss, a seed gives the same file, and the adapter loads and runs."""
 
 from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 
 import numpy as np
 import pytest
 import torch
 
+from moestream.config import ConfigError
 from moestream.convert.writer import convert
 from moestream.engine.kv_cache import KVCache
-from moestream.experts.config import PredictConfig, StreamConfig
+from moestream.experts.batched import BatchedExperts
+from moestream.experts.config import GpuConfig, PredictConfig, StreamConfig
 from moestream.experts.predicting import attach
+from moestream.kernels.moe_cpu import moe_grouped
 from moestream.loader import load_model
 from moestream.models.lowrank import plus_lora
 from moestream.predict.prerouter import PrerouterHeads, PrerouterPredictor
@@ -32,12 +40,17 @@ from moestream.recovery.adapter import (
 )
 from moestream.recovery.student import StudentPath
 from moestream.recovery.train import (
+    STUDENT_EXPERTS,
     RecoveryConfig,
     RecoveryTrainer,
     eval_loss,
+    fit,
+    student_on,
     tail_topk_reverse_kl,
+    teacher_on,
 )
 from moestream.runtime import open_model
+from moestream.store.format import Store
 
 IDS = torch.randint(0, 320, (14,), generator=torch.Generator().manual_seed(5)).tolist()
 TEXT = "def f(x):\n    return x + 1\n\nclass A:\n    pass\n" * 40
@@ -393,3 +406,133 @@ def test_trace_on_the_student_path_records_what_the_heads_see(hf_with_heads, tmp
         assert np.array_equal(student.ids[:, col], i.numpy())
         np.testing.assert_allclose(student.hidden[:, col], x.half().numpy(), atol=2e-3)
     assert not np.array_equal(exact.hidden, student.hidden)  # the student path drifted
+
+
+TRAIN = ["--quant", "int8", "--rank", "2", "--steps", "3", "--batch", "1", "--ctx", "16",
+         "--on-policy-steps", "1", "--gen-tokens", "4", "--seed", "3", "--json"]  # fmt: skip
+
+
+def _train(cli, src, corpus, out, *extra):
+    r = cli("train-recovery", "-m", src, "--corpus", corpus, *TRAIN, "-o", out, *extra)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def test_device_auto_is_the_cpu_without_a_gpu_and_cpu_gives_the_same_bytes(
+    hf_with_heads, tmp_path, cli, monkeypatch
+):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    auto = _train(cli, hf_with_heads, corpus, tmp_path / "auto.lora")
+    cpu = _train(cli, hf_with_heads, corpus, tmp_path / "cpu.lora", "--device", "cpu")
+    assert auto["device"] == cpu["device"] == "cpu" and auto["config"]["device"] == "auto"
+    assert (tmp_path / "auto.lora").read_bytes() == (tmp_path / "cpu.lora").read_bytes()
+    assert [h["loss"] for h in auto["history"]] == [h["loss"] for h in cpu["history"]]
+    assert auto["step_seconds"] > 0 and auto["seconds"] >= sum(
+        h["seconds"] for h in auto["history"]
+    )
+
+
+def test_device_cuda_without_a_gpu_is_a_one_line_error(hf_with_heads, tmp_path, cli, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    out = tmp_path / "a.lora"
+    r = cli("train-recovery", "-m", hf_with_heads, "--corpus", corpus, "--device", "cuda",
+            "-o", out)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "--device cuda" in r.stderr and "sees no CUDA GPU" in r.stderr
+    assert "drop --device cuda" in r.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("tokens", [9, 1])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "gpt_oss"])  # gpt_oss: biases, clamped SwiGLU
+def test_batched_experts_are_the_routed_sum_with_its_gradients(tiny_dir, arch, tokens):
+    res = load_model(tiny_dir(arch)).provider
+    batched = BatchedExperts(res.w13, res.w2, res.b13, res.b2, res.act)
+    layer = next(iter(res.w13))
+    E, _, D = res.w13[layer].shape
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(tokens, D, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(tokens)])
+    w = torch.rand(tokens, 2, generator=g)
+
+    def grouped(layer, x, ids, w):  # the prefill path's per-expert loop (ResidentExperts')
+        biases = (res.b13[layer], res.b2[layer]) if res.b13 is not None else ()
+        weights = (res.w13[layer], res.w2[layer], *biases)
+        return moe_grouped(x, ids, w, lambda e: [t[e] for t in weights], res.act)
+
+    outs, grads = [], []
+    for run in (grouped, batched.experts):
+        xg, wg = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        y = run(layer, xg, ids, wg)
+        y.square().sum().backward()
+        outs.append(y.detach())
+        grads.append((xg.grad, wg.grad))
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ConfigError, match="unknown GPU kernel"):
+        GpuConfig(resident=True, kernel="torch")
+
+
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_the_gpu_path_trains_on_cpu_tensors_as_the_cpu_path(hf_with_heads, quant):
+    """What student_on / teacher_on run on a GPU (the store's experts dequantized once, both
+    models on BatchedExperts), here on CPU tensors: the CPU path's losses step by step."""
+    cfg = RecoveryConfig(rank=2, alpha=4.0, steps=3, batch=1, ctx=16, on_policy_steps=1,
+                         gen_tokens=4, seed=3)  # fmt: skip
+    heads = heads_for(load_model(hf_with_heads).model)
+    runs = []
+    for batched in (False, True):
+        with open_model(hf_with_heads, experts=STUDENT_EXPERTS, quant=quant) as rt:
+            with open_model(hf_with_heads) as teacher:
+                student, model = rt, teacher.model
+                if batched:
+                    experts = BatchedExperts.from_store(Store(rt.folder), torch.float32)
+                    rt.model.set_provider(experts)
+                    student = replace(rt, provider=experts)
+                    p = teacher.provider
+                    model.set_provider(BatchedExperts(p.w13, p.w2, p.b13, p.b2, p.act))
+                _, history = fit(student, model, heads, cfg, TEXT)
+            runs.append([h["loss"] for h in history])
+    torch.testing.assert_close(runs[1], runs[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.cuda
+def test_recovery_trains_on_cuda_deterministically_and_the_adapter_runs(
+    hf_with_heads, tiny_dir, tmp_path, cli
+):
+    src = hf_with_heads
+    # a few steps on fixed windows lower the distillation loss on the GPU
+    with open_model(src, experts=STUDENT_EXPERTS, quant="int8") as opened, open_model(src) as t:
+        rt = student_on(opened, "cuda")
+        model = rt.model
+        model.requires_grad_(False)
+        add_adapter(model, rank=4, alpha=8.0, seed=0)
+        params = [p for m in adapter_modules(model).values() for p in m.parameters()]
+        assert all(p.is_cuda for p in params)
+        for p in params:
+            p.requires_grad_(True)
+        heads = heads_for(load_model(src).model).to("cuda")
+        model.set_provider(StudentPath(rt.provider, heads, model.moe_blocks))
+        cfg = RecoveryConfig(rank=4, steps=12, batch=2, ctx=len(IDS), lr=2e-2)
+        tr = RecoveryTrainer(model, teacher_on(t, "cuda"), params, cfg)
+        wins = [IDS, IDS[::-1]]
+        before = eval_loss(tr, wins)
+        for step in range(12):
+            tr.distill_step(step, wins)
+        assert eval_loss(tr, wins) < before - 1e-3
+    # the CLI on cuda: a seed gives the same file; step 0 (B = 0) is the CPU's loss
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TEXT)
+    reps = [_train(cli, src, corpus, tmp_path / f"g{i}.lora", "--device", "cuda") for i in (0, 1)]
+    assert reps[0]["device"] == "cuda" and reps[0]["device_name"] != "cpu"
+    assert (tmp_path / "g0.lora").read_bytes() == (tmp_path / "g1.lora").read_bytes()
+    cpu = _train(cli, src, corpus, tmp_path / "c.lora", "--device", "cpu")
+    assert reps[0]["history"][0]["loss"] == pytest.approx(cpu["history"][0]["loss"], rel=2e-2)
+    # the GPU-trained adapter loads and runs under predicted routing (on the CPU)
+    r = cli("generate", "-m", src, "-p", "def", "-n", "3", "--quant", "int8", "--resident",
+            "--kernel", "cpu", "--predictor", "prerouter", "--routing", "predicted",
+            "--lora", tmp_path / "g0.lora")  # fmt: skip
+    assert r.returncode == 0 and "lora r2 on" in r.stderr, r.stderr

@@ -14,6 +14,7 @@ from moestream.store.io import IOConfig
 
 ROUTINGS = ("exact", "predicted")
 CPU_KERNELS = ("native", "cpu", "ref")
+GPU_KERNELS = ("triton", "ref")  # the CUDA kernels; the pure-torch spec (run on the CPU: tests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,7 +98,7 @@ class GpuConfig:
     pinned_mirror: bool = False  # every record in pinned host RAM; misses skip the disk
     io: IOConfig = field(default_factory=lambda: IOConfig(mode="pagecache"))
     policy: str = "lrfu"
-    kernel: str = "triton"  # or "ref" (pure torch: CPU tests)
+    kernel: str = "triton"  # GPU_KERNELS
     device: str = "cuda"
     # Decode steps captured as CUDA graphs where the model allows it (engine/graph.py).
     cuda_graph: bool = True
@@ -111,6 +112,8 @@ class GpuConfig:
     device_misses: bool | None = None
 
     def __post_init__(self):
+        if self.kernel not in GPU_KERNELS:
+            raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")
         if not self.resident and self.gpu_budget is None:
             raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
         _check_bytes(self.gpu_budget, "--gpu-budget")

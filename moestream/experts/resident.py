@@ -22,7 +22,7 @@ class ResidentExperts(ExpertProvider):
         b2: dict[int, torch.Tensor] | None = None,
         act: ExpertActivation | None = None,
     ):
-        self.w13, self.w2, self.act = w13, w2, act
+        self.w13, self.w2, self.b13, self.b2, self.act = w13, w2, b13, b2, act
         # Per-expert views in Python lists: indexing a list costs no torch op on the decode path.
         # An entry is (w13, w2) or, with biases, (w13, w2, b13, b2).
         self._experts = {}

@@ -81,6 +81,7 @@ class PrerouterHeads(nn.Module):
         heads: layer 0's router input of each row's next token) -> [T, D + 2E (+ D)]."""
         assert (nxt is not None) == self.next_state, "nxt is given exactly to next-state heads"
         T = h.shape[0]
+        ids, prev = ids.to(h.device), prev.to(h.device)  # a decode step's lists arrive on the CPU
         one = torch.zeros(T, 2 * self.experts, dtype=torch.float32, device=h.device)
         one.scatter_(1, ids.long(), 1.0)
         has_prev = prev[:, 0] >= 0

@@ -77,7 +77,7 @@ def base_fingerprint(model) -> str:
         f"{a.model_type}:{a.num_hidden_layers}:{a.hidden_size}:{a.num_experts}".encode()
     )
     for block in model.moe_blocks:
-        h.update(block.gate.weight.detach().float().contiguous().numpy().tobytes())
+        h.update(block.gate.weight.detach().float().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -89,7 +89,8 @@ def add_adapter(
     model, rank: int, alpha: float, targets: list[str] | None = None, seed: int = 0
 ) -> AdapterInfo:
     """Fresh adapters on `targets` (default: every site), A as PEFT initialises it (Kaiming
-    uniform), B zero: the delta starts at 0, so training starts from the unadapted model."""
+    uniform), B zero: the delta starts at 0, so training starts from the unadapted model. Drawn
+    on the CPU and moved to the model's device: the same start on every device."""
     sites = lora_sites(model)
     names = sorted(sites) if targets is None else list(targets)
     unknown = [n for n in names if n not in sites]
@@ -102,7 +103,7 @@ def add_adapter(
         bound = 1.0 / lr.A.shape[1] ** 0.5  # kaiming_uniform_(a=sqrt(5)) on [r, in]
         with torch.no_grad():
             lr.A.uniform_(-bound, bound, generator=g)
-        owner.lora[proj] = lr
+        owner.lora[proj] = lr.to(model.device)
     model.modules_changed()
     return AdapterInfo(None, rank, float(alpha), tuple(names), base_fingerprint(model))
 
@@ -124,8 +125,8 @@ def save_adapter(model, info: AdapterInfo, path: str | Path) -> Path:
     mods = adapter_modules(model)
     sd = {}
     for n, m in mods.items():
-        sd[f"{n}.A"] = m.A.detach().float().contiguous()
-        sd[f"{n}.B"] = m.B.detach().float().contiguous()
+        sd[f"{n}.A"] = m.A.detach().float().cpu().contiguous()
+        sd[f"{n}.B"] = m.B.detach().float().cpu().contiguous()
     meta = {"format": FORMAT, "rank": info.rank, "alpha": info.alpha,
             "targets": sorted(mods), "base": info.base, "heads": info.heads}  # fmt: skip
     save_file(sd, str(path), metadata={META_KEY: json.dumps(meta)})

@@ -15,12 +15,22 @@ a corpus prompt token by token; teacher and student score it in one pass each, a
 minimises the reverse KL(student || teacher) over the student's top-k tokens plus one bin for
 the rest of the vocabulary (the tail-aware top-k objective: the tail's mass is kept, not
 dropped), on the generated positions.
+
+Devices (`student_on`, `teacher_on`, `deterministic`): the same code on the CPU or a GPU. The
+student opens on the CPU with the dequantizing `ref` kernels (differentiable in the activations:
+the adapters upstream of a layer learn through its frozen experts); on a GPU its model moves
+there and its experts, dequantized once, run as `BatchedExperts` (experts/batched.py: a layer in
+a few GEMMs; the per-expert loop is launch-bound there), as do the fp32 teacher's; a GPU run uses
+torch's deterministic algorithms, so a seed gives the same adapter on the same device.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import random
+import time
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +38,11 @@ import torch.nn.functional as F
 
 from moestream.config import ConfigError
 from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import StreamConfig
 
 TARGETS = ("teacher", "text")
+# the student's experts as it opens: resident, on the dequantizing ref kernels (differentiable)
+STUDENT_EXPERTS = StreamConfig(resident=True, kernel="ref")
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,9 +195,10 @@ def student_sampler(model, heads, path_provider, inner, temperature: float = 1.0
             cache = KVCache(model.args, len(prompt) + n, model.dtype, model.device)
             seq, out = list(prompt), []
             for pos in range(len(prompt) + n - 1):
-                logits = model(torch.tensor([seq[pos]]), cache, pos, last_only=True)[-1]
-                if pos >= len(prompt) - 1:
-                    probs = (logits.float() / temperature).softmax(-1)
+                tok = torch.tensor([seq[pos]], device=model.device)
+                logits = model(tok, cache, pos, last_only=True)[-1]
+                if pos >= len(prompt) - 1:  # sampled on the CPU: `gen` is a CPU generator
+                    probs = (logits.float() / temperature).softmax(-1).cpu()
                     seq.append(int(torch.multinomial(probs, 1, generator=gen)))
                     out.append(seq[-1])
             return out
@@ -194,15 +208,74 @@ def student_sampler(model, heads, path_provider, inner, temperature: float = 1.0
     return sample
 
 
+def student_on(student_rt, device: str):
+    """The student runtime (opened with `STUDENT_EXPERTS`) on `device`: itself on the CPU; on a
+    GPU a copy whose model is moved there with its experts dequantized once (BatchedExperts)."""
+    from dataclasses import replace
+
+    from moestream.experts.batched import BatchedExperts
+    from moestream.store.format import Store
+
+    if torch.device(device).type == "cpu":
+        return student_rt
+    model = student_rt.model.to(device)
+    experts = BatchedExperts.from_store(Store(student_rt.folder), model.dtype).to(device)
+    model.set_provider(experts)
+    return replace(student_rt, provider=experts)
+
+
+def teacher_on(teacher_rt, device: str):
+    """The teacher runtime's model on `device`: as it is on the CPU; on a GPU moved there with its
+    resident experts as BatchedExperts."""
+    from moestream.experts.batched import BatchedExperts
+    from moestream.experts.resident import ResidentExperts
+
+    model, p = teacher_rt.model, teacher_rt.provider
+    if torch.device(device).type == "cpu":
+        return model
+    if not isinstance(p, ResidentExperts):
+        raise ConfigError(
+            f"the teacher {teacher_rt.folder} runs on {device} only as a Hugging Face folder "
+            "(experts loaded resident); pass -m a store converted from one, or that folder"
+        )
+    model.to(device)
+    model.set_provider(BatchedExperts(p.w13, p.w2, p.b13, p.b2, p.act).to(device))
+    return model
+
+
+@contextlib.contextmanager
+def deterministic(device: torch.device):
+    """torch's deterministic algorithms on a GPU (index_add_ and the index backward without float
+    atomics; cuBLAS with a fixed workspace, which it reads from the environment); nothing on the
+    CPU, whose kernels are deterministic at a fixed thread count."""
+    if device.type == "cpu":
+        yield
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    before = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before)
+
+
 def fit(student_rt, teacher, heads, cfg: RecoveryConfig, text: str, on_step=None):
     """Attach a fresh adapter to student_rt's model and train it (stage 2, then stage 3 when
-    cfg.on_policy_steps): student_rt = the runtime opened with differentiable (ref) kernels,
-    teacher = the fp32 model. Returns (AdapterInfo, history [{stage, step, loss, lr}])."""
+    cfg.on_policy_steps): student_rt = the runtime opened with `STUDENT_EXPERTS` (and moved by
+    `student_on`), teacher = the fp32 model on the same device (`teacher_on`). Returns
+    (AdapterInfo, history [{stage, step, loss, lr, seconds}])."""
+    with deterministic(student_rt.model.device):
+        return _fit(student_rt, teacher, heads, cfg, text, on_step)
+
+
+def _fit(student_rt, teacher, heads, cfg: RecoveryConfig, text: str, on_step):
     from moestream.recovery.adapter import adapter_modules, add_adapter
     from moestream.recovery.student import StudentPath
 
     torch.manual_seed(cfg.seed)
     model = student_rt.model
+    heads.to(model.device)
     model.requires_grad_(False)
     info = add_adapter(model, cfg.rank, cfg.alpha, seed=cfg.seed)
     params = [p for m in adapter_modules(model).values() for p in m.parameters()]
@@ -215,17 +288,15 @@ def fit(student_rt, teacher, heads, cfg: RecoveryConfig, text: str, on_step=None
     trainer = RecoveryTrainer(model, teacher, params, cfg, sampler)
     tok, history = student_rt.tokenizer, []
     wins = corpus_windows(tok, text, cfg.steps * cfg.batch, cfg.ctx, cfg.seed)
+    n_prompt = cfg.on_policy_steps * cfg.batch
+    prompts = corpus_windows(tok, text, n_prompt, cfg.prompt_tokens, cfg.seed + 1)
+    steps = [(2, i, trainer.distill_step, wins) for i in range(cfg.steps)]
+    steps += [(3, i, trainer.on_policy_step, prompts) for i in range(cfg.on_policy_steps)]
     try:
-        for step in range(cfg.steps):
-            loss = trainer.distill_step(step, wins[step * cfg.batch : (step + 1) * cfg.batch])
-            history.append(_record(2, step, loss, trainer))
-            if on_step is not None:
-                on_step(history[-1])
-        n_prompt = cfg.on_policy_steps * cfg.batch
-        prompts = corpus_windows(tok, text, n_prompt, cfg.prompt_tokens, cfg.seed + 1)
-        for step in range(cfg.on_policy_steps):
-            loss = trainer.on_policy_step(step, prompts[step * cfg.batch : (step + 1) * cfg.batch])
-            history.append(_record(3, step, loss, trainer))
+        for stage, i, run, data in steps:
+            t0 = time.perf_counter()  # reading each window's loss syncs the device
+            loss = run(i, data[i * cfg.batch : (i + 1) * cfg.batch])
+            history.append(_record(stage, i, loss, trainer, time.perf_counter() - t0))
             if on_step is not None:
                 on_step(history[-1])
     finally:
@@ -235,5 +306,6 @@ def fit(student_rt, teacher, heads, cfg: RecoveryConfig, text: str, on_step=None
     return info, history
 
 
-def _record(stage: int, step: int, loss: float, trainer: RecoveryTrainer) -> dict:
-    return {"stage": stage, "step": step, "loss": loss, "lr": trainer.opt.param_groups[0]["lr"]}
+def _record(stage: int, step: int, loss: float, trainer: RecoveryTrainer, seconds: float) -> dict:
+    lr = trainer.opt.param_groups[0]["lr"]
+    return {"stage": stage, "step": step, "loss": loss, "lr": lr, "seconds": seconds}
