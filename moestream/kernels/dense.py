@@ -91,45 +91,49 @@ class QuantLinear(nn.Module):
         self.out_features, self.in_features = weight.shape
         self.kernel, self.wide = kernel, wide and weight.scheme.name in ("int8", "q8_0")
         self._triton = None
+        # kernel triton: (format, q buffer, scale buffer, group) of what its GEMV reads
+        self._gemv: tuple[str, str, str | None, int] | None = None
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
             from moestream.kernels.triton import dense as triton_dense
 
             self._triton = triton_dense
-        if self.rows_layout:  # made here, not at the first call (that may be inside a compile)
-            rows, words = int4_to_rows(weight.q, weight.sz, weight.scheme.group_size)
+            self._gemv = self._gemv_operands(weight)
+
+    def _gemv_operands(self, w: QuantWeight) -> tuple[str, str, str | None, int]:
+        """The GEMV's operands, made here rather than at the first call (that may be inside a
+        compile): an int4 weight's row-major repack (or its sz in [K/g, N, 2] order), a q6_k
+        weight's values and steps as int8 of group 16, else the sections as stored."""
+        s, g = w.scheme, w.scheme.group_size
+        if self._triton.rows_layout(s.name, self.out_features, g):
+            rows, words = int4_to_rows(w.q, w.sz, g)
             self.register_buffer("rows_q", rows, persistent=False)
             self.register_buffer("rows_sz", words, persistent=False)
-        elif self._triton is not None and weight.scheme.name == "int4":  # the GEMV's sz order
-            self.register_buffer("kn_sz", int4_sz_kn(weight.sz, weight.shape[0]), persistent=False)
-        elif self._triton is not None and weight.scheme.name == "q6_k":
-            # The GEMV reads int8 of group 16: q6_k's values (q - 32) and steps d * sc exactly
-            # (an fp16 times an int8 is exact in fp32), 10 bits a weight beside the 6.6 held.
-            q, steps = q6_k_as_int8(weight.q)
+            return "int4_rows", "rows_q", "rows_sz", g
+        if s.name == "int4":
+            self.register_buffer("kn_sz", int4_sz_kn(w.sz, w.shape[0]), persistent=False)
+            return "int4", "qweight.q", "kn_sz", g
+        if s.name == "q6_k":
+            # q6_k's values (q - 32) and steps d * sc exactly (an fp16 times an int8 is exact in
+            # fp32), 10 bits a weight beside the 6.6 held: the GEMV has no q6_k loop
+            q, steps = q6_k_as_int8(w.q)
             self.register_buffer("g16_q", q, persistent=False)
             self.register_buffer("g16_s", steps, persistent=False)
+            return "int8", "g16_q", "g16_s", 16
+        scales = f"qweight.{w.suffixes[1]}" if len(w.suffixes) > 1 else None  # s, d
+        return s.name, "qweight.q", scales, g
 
     @property
     def rows_layout(self) -> bool:
         """Kernel triton runs this int4 weight's decode GEMV from a row-major repack held beside
         its sections (buffers rows_q, rows_sz: kernels/triton/dense.py: rows_layout, int4_rows)
         instead of reading the store's 64-row blocks; a prompt dequantizes the sections."""
-        s = self.qweight.scheme
-        return self._triton is not None and self._triton.rows_layout(
-            s.name, self.out_features, s.group_size
-        )
-
-    @property
-    def _gemv_format(self) -> tuple[str, int]:
-        """The (format, group) the Triton GEMV reads this weight in: the store's, or int8 of
-        group 16 for q6_k (its transcoding, g16_q / g16_s)."""
-        s = self.qweight.scheme
-        return ("int8", 16) if s.name == "q6_k" else (s.name, s.group_size)
+        return self._gemv is not None and self._gemv[0] == "int4_rows"
 
     def gemv_unsupported(self, tokens: int) -> str | None:
         """Why the Triton GEMV does not take `tokens` rows of this weight (None when it does)."""
         if self._triton is None:
             return f"the {self.kernel!r} kernel has no GEMV (kernel 'triton' has)"
-        quant, group = self._gemv_format
+        quant, _, _, group = self._gemv
         return self._triton.unsupported(quant, self.out_features, self.in_features, group, tokens)
 
     def resolved_kernel(self, device: torch.device, tokens: int = 1) -> str:
@@ -149,18 +153,12 @@ class QuantLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         w, g = self.qweight, self.qweight.scheme.group_size
         kind = self.resolved_kernel(x.device, x2.shape[0])
-        if kind == "triton" and self.rows_layout:
+        if kind == "triton":  # bias added in fp32 before the one rounding
+            quant, q, scales, group = self._gemv
             y = self._triton.gemv(
-                x2, self.rows_q, self.rows_sz, self.bias, "int4_rows", self.out_features, g
-            )
-        elif kind == "triton" and w.scheme.name == "q6_k":
-            y = self._triton.gemv(
-                x2, self.g16_q, self.g16_s, self.bias, "int8", self.out_features, 16
-            )
-        elif kind == "triton":  # bias added in fp32 before the one rounding
-            scales = getattr(self, "kn_sz", None)  # int4: sz in [K/g, N, 2] order
-            scales = getattr(w, w.suffixes[1]) if scales is None else scales  # s (int8), d (q4_0)
-            y = self._triton.gemv(x2, w.q, scales, self.bias, w.scheme.name, self.out_features, g)
+                x2, self.get_buffer(q), self.get_buffer(scales), self.bias, quant,
+                self.out_features, group,
+            )  # fmt: skip
         elif kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
             y = F.linear(x2, dequantize(w.sections(), "w", g, x.dtype), self.bias)
         else:
