@@ -613,36 +613,6 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
-// q5_0, one row front to back: q5_0_blocks8's values in maddubs with the int8 activations (<= 2 *
-// 31 * 127: no saturation), eight blocks' dots to int32 at once, minus 16 * sum x (exactly
-// sum (q - 16) x); the fp32 terms added into their 8 lanes (q4_0_row_avx2's steps).
-__attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2(const Weight& w, int r, const QAct& a, int t, float* y) {
-  const int nb = w.K / G;
-  const int8_t* xq = a.qr(t);
-  const float* d = a.dr(t);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256 accv = _mm256_setzero_ps();  // lane b: blocks j + b (BlockLanes' order)
-  int j = 0;
-  for (; j + 8 <= nb; j += 8) {
-    __m256i wv[8], p[8];
-    const __m256 ws = q5_0_blocks8(w, r, j, wv);
-    for (int b = 0; b < 8; ++b)
-      p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
-    const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(t) + j)), 4);
-    const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
-    const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(d + j));
-    accv = _mm256_add_ps(accv, _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
-  }
-  float l[8];
-  _mm256_storeu_ps(l, accv);
-  float acc = lanes_sum(l);
-  for (; j < nb; ++j) {  // the last blocks: the scalar path's arithmetic
-    const uint8_t* blk = q5_0_block(w, r, j);
-    acc = acc + (Q5Block{blk}.d() * d[j]) * (float)q5_0_dot(blk, xq + j * G);
-  }
-  *y = acc;
-}
-
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
 // Each kernel below reads a weight block once for up to kTile activation rows and gives every
 // output element the bits of the one-row kernel above: the same exact integer block dots, then
@@ -978,8 +948,11 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
   }
 }
 
-// q5_0, one row x NT activation rows: eight blocks' values unpacked once, then per row
-// q5_0_row_avx2's sums (madd to int32: a half block's 16 products reach 16 * 31 * 127, past int16).
+// q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
+// (q5_0_blocks8), in maddubs with each row's int8 activations (<= 2 * 31 * 127: no saturation),
+// then madd to int32 (a half block's 16 products reach 16 * 31 * 127, past int16), minus
+// 16 * sum x (exactly sum (q - 16) x); the fp32 terms into their 8 lanes (q4_0_row_avx2's steps),
+// the last blocks in the scalar path's arithmetic.
 template <int NT>
 __attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
                                                            float* y, size_t ys) {
@@ -1048,7 +1021,7 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
   }
   if (w.kind == kQ5_0) {  // no AVX-512 rows: the AVX2 ones run there
     if (isa >= kAvx2)
-      for (int i = 0; i < n; ++i) q5_0_row_avx2(w, r0 + i, a, t, y + i);
+      for (int i = 0; i < n; ++i) q5_0_row_avx2_nt<1>(w, r0 + i, a, &t, y + i, 1);
     else
       q5_0_rows_scalar(w, r0, n, a, t, y);
     return;
