@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     for quant in a.quant:
         ex = layer(quant, E, D, I)
         rec = sum(t.numel() * t.element_size() for t in ex.sections.values()) // E
-        base = default_config(quant, D, I, torch.cuda.get_device_name())
         for T in a.tokens:
+            base = default_config(quant, D, I, torch.cuda.get_device_name(), T)  # T picks tiles
             g = torch.Generator().manual_seed(T)
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
             w = torch.rand(T, K, generator=g).cuda()

@@ -28,8 +28,9 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 `GpuConfig(resident=True)`, CUDA-graph decode, kernel `triton` as captured and `compiled` with the
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
-of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with misses read by
-the kernels from pinned RAM (captured step), `host-misses` with the per-layer host round trip; a
+of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with a step's misses
+staged into VRAM by one launch per layer (captured step), `direct` with the decode kernels
+reading them from pinned RAM themselves, `host-misses` with the per-layer host round trip; a
 `-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
 read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
@@ -118,6 +119,9 @@ def child_rss(cmd: list[str]) -> tuple[str, int]:
     return "".join(chunks), usage.ru_maxrss * 1024
 
 
+POOL_ONLY = ("host-misses", "direct")  # variants of a streamed pool (shares < 1)
+
+
 def child_experts(kernel: str, device: str, share: float):
     """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool."""
     from moestream.config import Budget
@@ -129,9 +133,11 @@ def child_experts(kernel: str, device: str, share: float):
         return StreamConfig(memory_budget=Budget(fraction=share), kernel=kernel)
     if share >= 1:  # kernel "compiled": the captured step torch.compile'd (GpuConfig.compile_step)
         return GpuConfig(resident=True, device=device, compile_step=kernel == "compiled")
-    # kernel "host-misses": the per-layer host round trip (GpuConfig.device_misses=False)
+    # kernel "host-misses": the per-layer host round trip (GpuConfig.device_misses=False);
+    # "direct": the decode kernels read misses from the mirror (GpuConfig.miss_reads)
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, device=device,
                      device_misses=False if kernel == "host-misses" else None,
+                     miss_reads="direct" if kernel == "direct" else "stage",
                      compile_step=kernel == "compiled")  # fmt: skip
 
 
@@ -307,7 +313,7 @@ def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: 
     for rep in range(a.reps):
         for ours, theirs in pairs:
             for sh in shares:
-                ks = [k for k in kernels if sh < 1 or k != "host-misses"]  # a pool's variant
+                ks = [k for k in kernels if sh < 1 or k not in POOL_ONLY]
                 # On the CPU llama.cpp has no memory cap: it runs once, at share 1.
                 base = [(theirs, sh)] if gpu or sh == 1 else []
                 order = base + [(ours, k, sh) for k in ks]

@@ -425,7 +425,9 @@ def mode_line(mode: dict) -> str:
             f"experts, {mode['policy']})"
         )
         if mode.get("misses") == "device":
-            parts[0] += ", misses read from pinned RAM on the device"
+            parts[0] += (", misses staged from pinned RAM on the device"
+                         if mode.get("miss_reads") == "stage" else
+                         ", misses read from pinned RAM on the device")  # fmt: skip
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
     if mode.get("ranks"):
         parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")

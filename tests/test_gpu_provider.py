@@ -171,23 +171,27 @@ def test_cli_device_flags(monkeypatch):
 
 
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
-def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False):
+def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
+                     reads: str = "stage"):  # fmt: skip
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
-    expert resident, then a pool of `slots` slots with device-side misses; both with the Triton
-    kernels (the interpreter on CPU), two prompts each so the second starts on a warm pool.
-    `ahead` (CPU): the streamed run decodes through the eager stand-in of a captured step, so
-    the generator runs one step ahead of the host (the loop a CUDA graph takes)."""
+    expert resident, then a pool whose slot table has `slots` slots with device-side misses
+    (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels);
+    both with the Triton kernels (the interpreter on CPU), two prompts each so the second starts
+    on a warm pool. `ahead` (CPU): the streamed run decodes through the eager stand-in of a
+    captured step, so the generator runs one step ahead of the host (the loop a CUDA graph
+    takes)."""
     from eager_ahead import AheadGraphs
 
     from moestream.config import SamplingConfig
     from moestream.runtime import open_model
 
-    size = Store(store).layout.size
+    st = Store(store)
+    budget = (slots + (st.args.num_experts_per_tok if reads == "stage" else 0)) * st.slot_size
     cfg = SamplingConfig(max_new_tokens=n, ignore_eos=True)
     out = []
     for experts in (GpuConfig(resident=True, device=device),
-                    GpuConfig(gpu_budget=slots * size, pinned_mirror=True, io=IO,
-                              device=device)):  # fmt: skip
+                    GpuConfig(gpu_budget=budget, pinned_mirror=True, io=IO, device=device,
+                              miss_reads=reads)):  # fmt: skip
         rt = open_model(store, dtype=dtype, experts=experts)
         if ahead and not experts.resident:
             rt.generator.graphs = AheadGraphs(rt.generator.model, rt.args, [])
@@ -197,14 +201,18 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=F
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-@pytest.mark.parametrize("quant,ahead", [("int8", False), ("int4", False), ("int4", True)])
-def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead):
+@pytest.mark.parametrize("quant,ahead,reads", [("int8", False, "direct"), ("int4", False, "direct"),
+                                               ("int4", True, "direct"), ("int8", True, "stage"),
+                                               ("int4", True, "stage")])  # fmt: skip
+def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads):
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
-    pool of 3 slots): one-token calls read absent experts from the mirror and the table admits
-    them between steps; the tokens and log-probs are the resident run's, the counters say what
-    the kernels read (every routed pair of every step the table took: all but the last of each
-    generation), and the pool holds what slot_map says (int4: repacked into the kernels' row
-    layout in the pool and the mirror). `ahead`: decoded one step ahead of the host."""
+    slot table of 3 slots): one-token calls get absent experts from the mirror (`reads`: staged
+    into the pool's staging slots by one launch, or read by the decode kernels) and the table
+    admits them between steps; the tokens and log-probs are the resident run's, the counters say
+    what crossed from the mirror (every routed pair of every step the table took: all but the
+    last of each generation), and the pool holds what slot_map says (int4: repacked into the
+    kernels' row layout in the pool and the mirror). `ahead`: decoded one step ahead of the
+    host."""
     pytest.importorskip("triton")
     from tiny_models import perturbed_model, save
 
@@ -223,9 +231,12 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead):
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
     n = 10
-    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead, reads)
     p = rt.provider
-    assert p.device_misses and p.describe()["misses"] == "device"
+    mode = p.describe()
+    assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
+    assert p.n_slots == 3 and p.staged == (reads == "stage")
+    assert p.pool.num_experts == 3 + (p.K if p.staged else 0)
     assert p.pool.rows == p.mirror.rows == (quant == "int4")
     for a, b in zip(want, got):
         assert a.ids == b.ids and a.logprobs == b.logprobs

@@ -1,7 +1,8 @@
 """The small decode kernels against their specs: the router top-k (kernels/triton/router.py) equals
 torch.topk; the one-pass greedy choice (kernels/triton/pick.py): the first maximum equals
 torch.argmax's, the log-probability log_softmax's in fp32 within summation-order rounding; the
-record copy (kernels/triton/copy.py) equals plain indexing, every section in one launch. Runs
+record copy and the decode misses' staging (kernels/triton/copy.py) equal plain indexing, every
+section in one launch. Runs
 through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), compiled on CUDA."""
 
 from __future__ import annotations
@@ -42,6 +43,35 @@ def test_section_copy_equals_indexing(n_sections):
     assert all(torch.equal(d[[1, 3, 4]].cpu(), torch.full_like(d[[1, 3, 4]].cpu(), 77))
                for d in dsts)  # fmt: skip
     SectionCopy(srcs, dsts)(rows[:0], slots[:0])  # nothing to copy: no launch
+
+
+def test_stage_misses_equals_spec():
+    """A decode call's misses into its staging slots: pairs with a negative code get mirror row
+    -1 - code copied into slot base + p (every section, one larger than the kernel's chunks x
+    BLOCK words), pairs with a slot keep it and copy nothing; the returned slots are the spec's."""
+    from moestream.kernels.triton.copy import BLOCK, STAGE_CHUNKS, StageMisses, stage_misses_ref
+
+    g = torch.Generator().manual_seed(5)
+    shapes = [((STAGE_CHUNKS * BLOCK + 40) * 2,), (3, 8), (7, 16), (5,)]
+    dtypes = [torch.int16, torch.uint8, torch.int32, torch.float32]
+    pin = torch.cuda.is_available()
+    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
+    srcs = [s.pin_memory() for s in srcs] if pin else srcs
+    base, P = 5, 4
+    dsts = [torch.full((base + P, *sh), 77, dtype=dt, device=DEVICE)
+            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
+    want = [d.clone() for d in dsts]
+    codes = torch.tensor([3, -1 - 9, 1, -1 - 0], device=DEVICE)  # slots 3, 1; rows 9, 0
+    slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
+    StageMisses(srcs, dsts)(codes, slots, base)
+    want_slots = stage_misses_ref(srcs, want, codes, base)
+    assert slots.tolist() == want_slots.tolist() == [3, base + 1, 1, base + 3]
+    for s, d, w in zip(srcs, dsts, want):
+        assert torch.equal(d.cpu(), w.cpu())
+        assert torch.equal(d[base + 1].cpu(), s[9]) and torch.equal(d[base + 3].cpu(), s[0])
+    untouched = [0, 1, 2, 3, 4, base, base + 2]
+    assert all(torch.equal(d[untouched].cpu(), torch.full_like(d[untouched].cpu(), 77))
+               for d in dsts)  # fmt: skip
 
 
 @pytest.mark.parametrize("V", [7, BLOCK, BLOCK + 1, 3 * BLOCK + 17])

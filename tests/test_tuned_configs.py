@@ -21,6 +21,9 @@ PREFILL = dict(block_m=32, half=32, bk=64, num_warps=4)
 # bf16, int8 (and int4 rows) prefill since 2a9a48e: weight rows on the dot's M side (block_n)
 PREFILL_ROWS = {"bf16": {**PREFILL, "block_n": 64}, "int8": {**PREFILL, "block_n": 64},
                 "int4": PREFILL}  # fmt: skip
+# int4 rows: the tokens-on-M family up to SHORT tokens (faster at 64, slower at 512)
+SHORT = 128
+INT4R = {**PREFILL, "block_n": 64, "short": {"max_tokens": SHORT, "block_n": 0}}
 SHAPES = [(2048, 768), (2048, 512), (64, 64)]
 
 
@@ -67,9 +70,17 @@ def test_the_kernels_build_their_configs_from_the_rows():
         want = decode.DecodeConfig(**_decode(quant))
         assert decode.default_config(quant, 2048, 768, 32, None) == want
         assert decode.default_config(quant, 2048, 768, 32, "NVIDIA H200") == want
-        assert prefill.default_config(quant, 2048, 768, None) == prefill.PrefillConfig(
-            **PREFILL_ROWS[quant]
-        )
+        for tokens in (None, 9, SHORT, 512):  # one family at every length
+            assert prefill.default_config(quant, 2048, 768, None, tokens) == prefill.PrefillConfig(
+                **PREFILL_ROWS[quant]
+            )
+    # int4 rows: the prompt's length picks the family (a chunk passes its call's length)
+    assert tuned.settings("prefill", "int4r", 2048, 768, "NVIDIA H200") == INT4R
+    long = prefill.PrefillConfig(**PREFILL, block_n=64)
+    short = prefill.PrefillConfig(**PREFILL, block_n=0)
+    got = {t: prefill.default_config("int4r", 2048, 768, "NVIDIA H200", t) for t in
+           (None, 9, SHORT, SHORT + 1, 512)}  # fmt: skip
+    assert got == {None: long, 9: short, SHORT: short, SHORT + 1: long, 512: long}
     # small shapes: the tuned tiles fitted (halved) until they fit, None when nothing does
     want = decode.fit_config("bf16", 64, 64, 32, decode.DecodeConfig(**_decode("bf16")))
     assert decode.default_config("bf16", 64, 64, 32, None) == want and want.bk_d == 64

@@ -88,6 +88,9 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
         raise ConfigError(f"{flag} must be > 0, got {budget}")
 
 
+MISS_READS = ("stage", "direct")
+
+
 @dataclass(frozen=True, slots=True)
 class GpuConfig:
     """Experts of a store in a VRAM slot pool on `device` (every one with `resident`), misses
@@ -110,8 +113,17 @@ class GpuConfig:
     # nothing syncs per layer and the step is captured. None: on wherever it can run (CUDA,
     # Triton kernels, --pin-experts); False: misses resolved on the host per layer (--host-misses).
     device_misses: bool | None = None
+    # How a device-side miss reaches the decode kernels: "stage" = one launch per layer copies the
+    # step's missed records from the mirror into K staging slots of the pool (taken from the
+    # budget), the kernels then read VRAM only; "direct" = the kernels read the mirror's rows
+    # themselves. Same bytes, so the same bits; the benchmarks run both.
+    miss_reads: str = "stage"
 
     def __post_init__(self):
+        if self.miss_reads not in MISS_READS:
+            raise ConfigError(
+                f"unknown miss reads {self.miss_reads!r}; use {', '.join(MISS_READS)}"
+            )
         if self.kernel not in GPU_KERNELS:
             raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")
         if not self.resident and self.gpu_budget is None:

@@ -103,7 +103,17 @@ class GpuExperts(ExpertProvider):
         # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
         self.rows = (store.scheme.name == "int4" and store.scheme.group_size % 32 == 0
                      and cfg.kernel == "triton")  # fmt: skip
-        self.pool = StackedExperts(store.scheme, self._sections((self.n_slots,), self.device))
+        # the decode kernels must take the shape (else the reference kernel runs, host misses)
+        shape_only = StackedExperts(store.scheme, self._sections((0,), self.device))
+        self.device_misses = cfg.device_side_misses() and unsupported(shape_only, 1) is None
+        # Staged misses: K slots of the budget past the table's hold one decode layer's misses
+        # (a budget of fewer than 2K slots leaves the kernels reading the mirror: describe()).
+        self.staged = (self.device_misses and cfg.miss_reads == "stage"
+                       and self.n_slots >= 2 * self.K)  # fmt: skip
+        if self.staged:
+            self.n_slots -= self.K
+        n_pool = self.n_slots + (self.K if self.staged else 0)
+        self.pool = StackedExperts(store.scheme, self._sections((n_pool,), self.device))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
         self.syncs = 0
@@ -115,8 +125,6 @@ class GpuExperts(ExpertProvider):
         self._copy_gpu_ms = 0.0
         self._last_copy: torch.cuda.Event | None = None
         self.table = None
-        # the decode kernels must take the shape (else the reference kernel runs, host misses)
-        self.device_misses = cfg.device_side_misses() and unsupported(self.pool, 1) is None
         self.mirror: StackedExperts | None = None
         if cfg.resident:
             self.reader, self.host = None, None
@@ -210,11 +218,13 @@ class GpuExperts(ExpertProvider):
         cuda_event = torch.cuda.Event if self.cuda else lambda: None
         self._seen_ev = [cuda_event() for _ in range(self.AHEAD)]
         self._idx_ev = [cuda_event() for _ in range(self.AHEAD)]
-        from moestream.kernels.triton.copy import SectionCopy  # triton: the gpu extra only
+        from moestream.kernels.triton.copy import SectionCopy, StageMisses  # the gpu extra
 
         names = list(self.pool.sections)
-        self._copy_rows = SectionCopy([self.mirror.sections[n] for n in names],
-                                      [self.pool.sections[n] for n in names])  # fmt: skip
+        pairs = [self.mirror.sections[n] for n in names], [self.pool.sections[n] for n in names]
+        self._copy_rows = SectionCopy(*pairs)
+        self._stage = StageMisses(*pairs) if self.staged else None
+        self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
         self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
         self.device_hits = 0
@@ -227,14 +237,17 @@ class GpuExperts(ExpertProvider):
     AHEAD = 2  # routing buffers: a step in flight while the host reads the one before
 
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
-        """One token: codes gathered on the device, misses read from the mirror. Syncs nothing."""
+        """One token: codes gathered on the device, misses staged into VRAM (or read from the
+        mirror by the kernels). Syncs nothing."""
         from moestream.kernels.triton.decode import moe_decode  # triton: the gpu extra only
 
         self._seen[li].copy_(ids.reshape(-1))
         codes = self._seen[len(self.layers) + li]  # the gather written where the host reads it
         torch.index_select(self.slot_map[li], 0, ids.reshape(-1), out=codes)
-        codes = codes.view_as(ids)
-        return moe_decode(x, codes, weights, self.pool, host=self.mirror)
+        if self._stage is not None:  # staging slots n_slots .. n_slots + K - 1, this layer's
+            self._stage(codes, self._stage_slots, self.n_slots)
+            return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
+        return moe_decode(x, codes.view_as(ids), weights, self.pool, host=self.mirror)
 
     def decode_issued(self) -> None:
         if not self.device_misses:
@@ -554,6 +567,10 @@ class GpuExperts(ExpertProvider):
                      cache_fraction=self.n_slots / total, policy=self.cfg.policy,
                      host="pinned mirror" if self.cfg.pinned_mirror else self.cfg.io.mode,
                      misses="device" if self.device_misses else "host")  # fmt: skip
+            if self.device_misses:
+                d["miss_reads"] = "stage" if self.staged else "direct"
+            if self.staged:
+                d["staging_slots"] = self.K
         return d
 
     # ---- stats ---------------------------------------------------------------------------------

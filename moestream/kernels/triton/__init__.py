@@ -33,7 +33,8 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     if tokens <= DECODE_MAX_TOKENS:
         cfg = decode.default_config(q, D, I, s.group_size, device)
         return None if cfg else f"no decode tile fits D={D}, I={I}"
-    return prefill.check_shapes(q, D, I, s.group_size, prefill.default_config(q, D, I, device))
+    cfg = prefill.default_config(q, D, I, device, tokens)
+    return prefill.check_shapes(q, D, I, s.group_size, cfg)
 
 
 def moe_experts(
@@ -68,7 +69,7 @@ def moe_pairs(
         raise NotImplementedError(f"pair rows need the Triton kernels: {why}")
     if tokens <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts, combine=False)
-    return prefill.moe_prefill(x, ids, weights, experts, combine=False)
+    return prefill.moe_prefill(x, ids, weights, experts, combine=False, tokens=tokens)
 
 
 def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:

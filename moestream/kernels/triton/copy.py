@@ -1,7 +1,10 @@
 """Copy expert records by row on the device: rows of a pinned host mirror (read through unified
 addressing, so no staging buffer or per-record memcpy call) into VRAM pool slots, every section
 of a record in one launch. The GPU provider admits experts into its pool with it, on its copy
-stream. Spec: `dst[slots[i]] = src[rows[i]]` per section (`copy_rows_ref`)."""
+stream (`SectionCopy`, spec `dst[slots[i]] = src[rows[i]]` per section: `copy_rows_ref`), and
+stages a decode step's misses with it inside the captured step (`StageMisses`: a routed pair
+whose code is negative gets its mirror row copied into the pool's staging slot of that pair;
+spec `stage_misses_ref`)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,9 @@ import triton.language as tl
 BLOCK = 1024  # int32 words per step of a program
 CHUNKS = 32  # programs per record and section (enough loads in flight to keep PCIe busy)
 MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
+# Programs per staged pair: each copies its share of every section, so one miss keeps 64
+# programs' loads in flight over PCIe (a layer's misses are on the step's critical path).
+STAGE_CHUNKS = 64
 
 
 @triton.jit
@@ -41,6 +47,30 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, s0, d0, s1, d1, s2, d2, s3, d3,
         _copy_one(s2, d2, r, s, c, n, W2, BLOCK)
     else:
         _copy_one(s3, d3, r, s, c, n, W3, BLOCK)
+
+
+@triton.jit
+def _stage_kernel(codes_ptr, slots_ptr, base, s0, d0, s1, d1, s2, d2, s3, d3,
+                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
+                  BLOCK: tl.constexpr):  # fmt: skip
+    """Program (p, c): pair p's code >= 0 is its slot; a code < 0 names mirror row -1 - code,
+    whose chunk c of every section goes to staging slot base + p. slots[p]: the slot the
+    decode kernels then read."""
+    p = tl.program_id(0)
+    c, n = tl.program_id(1), tl.num_programs(1)
+    code = tl.load(codes_ptr + p).to(tl.int64)
+    if c == 0:
+        tl.store(slots_ptr + p, tl.where(code < 0, base + p, code))
+    if code < 0:
+        r = -1 - code
+        s = base + p
+        _copy_one(s0, d0, r, s, c, n, W0, BLOCK)
+        if W1 > 0:
+            _copy_one(s1, d1, r, s, c, n, W1, BLOCK)
+        if W2 > 0:
+            _copy_one(s2, d2, r, s, c, n, W2, BLOCK)
+        if W3 > 0:
+            _copy_one(s3, d3, r, s, c, n, W3, BLOCK)
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -77,6 +107,33 @@ class SectionCopy:
             grid = (n, self.chunks, len(self.pairs))
             _copy_sections_kernel[grid](rows, slots, *self.args, BLOCK=BLOCK, num_warps=4,
                                         **self.consts)  # fmt: skip
+
+
+class StageMisses(SectionCopy):
+    """A one-token decode call's misses into VRAM before its kernels run: for codes [P] (a slot,
+    or -1 - mirror row), mirror row -> staging slot `base + p` of pair p, every section, one
+    launch; `slots` [P] gets the slot each pair is read from. The decode kernels then read only
+    VRAM: a miss crosses PCIe once, as whole rows from 64 programs a pair, instead of as the
+    decode kernels' small tiles (which read pinned memory at about half the link's rate)."""
+
+    def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int) -> None:
+        """codes, slots: int64 [P] contiguous on dst's device (P pairs, the staging slots base
+        .. base + P - 1). Runs on the current stream, syncs nothing: capturable."""
+        assert codes.is_contiguous() and slots.is_contiguous() and codes.numel() == slots.numel()
+        grid = (codes.numel(), STAGE_CHUNKS)
+        _stage_kernel[grid](codes, slots, base, *self.args, BLOCK=BLOCK, num_warps=4,
+                            **self.consts)  # fmt: skip
+
+
+def stage_misses_ref(src: list[torch.Tensor], dst: list[torch.Tensor], codes: torch.Tensor,
+                     base: int) -> torch.Tensor:  # fmt: skip
+    """The spec of StageMisses: plain indexing per section; returns the slots."""
+    codes = codes.reshape(-1)
+    miss = codes < 0
+    slots = torch.where(miss, base + torch.arange(codes.numel(), device=codes.device), codes)
+    for s, d in zip(src, dst):
+        copy_rows_ref(s, d, (-1 - codes[miss]), slots[miss])
+    return slots
 
 
 def copy_rows_ref(src: torch.Tensor, dst: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor):

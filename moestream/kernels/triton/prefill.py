@@ -4,7 +4,8 @@ of BLOCK_M (token, slot) pairs and multiplied with tl.dot (tensor cores).
 `align_blocks` groups the pairs on the device without a host sync (scatter-add counts, cumsum,
 searchsorted, scatter): every expert's pairs are padded to a multiple of BLOCK_M, blocks past the used ones get
 expert -1 and exit. Accumulation is fp32; weight tiles are dequantized to the activation dtype
-right before the dot. Two families (`PrefillConfig.block_n`):
+right before the dot. Two families (`PrefillConfig.block_n`; a tiles.json row may name the
+family for prompts up to some length, "short": `default_config` takes the call's token count):
 - weight rows on the dot's M side (`_gate_up_wm`, `_down_wm`; block_n > 0, the default for bf16,
   int8 and int4 rows): a program takes block_n rows of one expert and the block's pairs on N, so
   each weight is dequantized by one thread (on sm_90 the dot is a wgmma with the weights from
@@ -435,10 +436,24 @@ def _down_wm(
     tl.store(out_ptr + safe[None, :] * D + r, acc * rw[None, :], mask=valid[None, :] & (r < D))
 
 
+def default_config(quant: str, hidden: int, inter: int, device: str | None,
+                   tokens: int | None = None) -> PrefillConfig:  # fmt: skip
+    """The tiles for this device name and shape (tuned.py: configs/tiles.json) for a call of
+    `tokens` tokens: a row's "short" entry (fields with "max_tokens") replaces its fields up to
+    that many tokens, where the other family is faster (None: the long row)."""
+    row = tuned.settings("prefill", quant, hidden, inter, device)
+    short = row.get("short")
+    is_short = short is not None and tokens is not None and tokens <= short["max_tokens"]
+    return _config(quant, hidden, inter, device, is_short)
+
+
 @functools.cache
-def default_config(quant: str, hidden: int, inter: int, device: str | None) -> PrefillConfig:
-    """The tiles for this device name and shape (tuned.py: configs/tiles.json)."""
-    return PrefillConfig(**tuned.settings("prefill", quant, hidden, inter, device))
+def _config(quant: str, hidden: int, inter: int, device: str | None, short: bool):
+    row = tuned.settings("prefill", quant, hidden, inter, device)
+    fields = {k: v for k, v in row.items() if k != "short"}
+    if short:
+        fields.update({k: v for k, v in row["short"].items() if k != "max_tokens"})
+    return PrefillConfig(**fields)
 
 
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillConfig) -> str | None:
@@ -452,18 +467,18 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillCo
     return None
 
 
-def moe_prefill(
-    x, ids, weights, experts, cfg: PrefillConfig | None = None, out=None, combine: bool = True
-) -> torch.Tensor:
+def moe_prefill(x, ids, weights, experts, cfg: PrefillConfig | None = None, out=None,
+                combine: bool = True, tokens: int | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, tokens grouped by expert.
     `combine=False` returns the fp32 pair rows [T * K, D] (weight times expert output): each row
     is computed alone (a row of the dot never meets another row), so rows from chunks of pairs,
-    added by `combine_pairs`, give the bits of one call. No atomics: deterministic."""
+    added by `combine_pairs`, give the bits of one call, when the chunks pass that call's token
+    count as `tokens` (it picks the tiles, and so the summation order). No atomics."""
     quant = experts.kernel_quant
     T, D = x.shape
     K = ids.shape[1]
     P, I, G = T * K, experts.inter, experts.scheme.group_size
-    cfg = cfg or default_config(quant, D, I, tuned.device_name(x.device))
+    cfg = cfg or default_config(quant, D, I, tuned.device_name(x.device), tokens or T)
     why = check_shapes(quant, D, I, G, cfg)
     assert why is None, why
     pair_of_row, block_expert = align_blocks(ids, experts.num_experts, cfg.block_m)
