@@ -186,14 +186,17 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     print(json.dumps(row))
 
 
-def ensure_store(hf: Path, work: Path, quant: str) -> Path:
+def store_name(quant: str) -> str:
+    """A store's folder name, by what convert's defaults write now (the dense rule too: a store
+    reused by an older name would be measured silently; one of an older version is refused)."""
     from moestream.quant import make_dense, make_scheme
     from moestream.store.format import NEWEST
 
-    # named by what convert's defaults write now (the dense rule too: a store reused by an older
-    # name would be measured silently; one of an older version would be refused)
-    tag = make_dense("auto", make_scheme(quant)).tag
-    dst = work / f"moestream-{quant}-{tag}-v{NEWEST}"
+    return f"moestream-{quant}-{make_dense('auto', make_scheme(quant)).tag}-v{NEWEST}"
+
+
+def ensure_store(hf: Path, work: Path, quant: str) -> Path:
+    dst = work / store_name(quant)
     if not (dst / "manifest.json").is_file():
         subprocess.run(
             [sys.executable, "-m", "moestream", "convert", str(hf), str(dst), "--quant", quant],
@@ -302,8 +305,15 @@ def cpu_moe_layers(layers: int, share: float) -> int:
     return round(layers * (1 - share))
 
 
+def share_kernels(kernels: list[str], pool_kernels: list[str] | None, share: float) -> list[str]:
+    """The moestream variants run at a share: --kernels, at shares < 1 --pool-kernels if given;
+    the pool's own variants (POOL_ONLY) only where there is a pool."""
+    ks = pool_kernels if pool_kernels is not None and share < 1 else kernels
+    return [k for k in ks if share < 1 or k not in POOL_ONLY]
+
+
 def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: Path, a,
-            layers: int) -> dict:  # fmt: skip
+            layers: int, pool_kernels: list[str] | None = None) -> dict:  # fmt: skip
     """Interleaved repeats: per repeat, pair and share, llama.cpp and each moestream kernel, the
     order reversed every other repeat. Keys: (llama.cpp format, share) or (moestream format,
     kernel, share)."""
@@ -313,7 +323,7 @@ def measure(pairs, kernels: list[str], shares: list[float], files: dict, llama: 
     for rep in range(a.reps):
         for ours, theirs in pairs:
             for sh in shares:
-                ks = [k for k in kernels if sh < 1 or k not in POOL_ONLY]
+                ks = share_kernels(kernels, pool_kernels, sh)
                 # On the CPU llama.cpp has no memory cap: it runs once, at share 1.
                 base = [(theirs, sh)] if gpu or sh == 1 else []
                 order = base + [(ours, k, sh) for k in ks]
@@ -389,6 +399,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--kernels", default="cpu", help="moestream expert kernels to run, e.g. native,cpu"
     )
+    ap.add_argument("--pool-kernels", default=None,
+                    help="the variants at shares < 1 (default: --kernels), e.g. triton,direct")  # fmt: skip
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (llama.cpp built with CUDA)")
     ap.add_argument(
         "--shares",
@@ -421,7 +433,8 @@ def main(argv=None) -> int:
     ceiling = dram_gbps(a.threads, device=a.device)
     pcie = h2d_gbps() if gpu else None
     kernels = a.kernels.split(",")
-    runs = measure(pairs, kernels, shares, files, llama, a, args.num_hidden_layers)
+    pool_kernels = a.pool_kernels.split(",") if a.pool_kernels else None
+    runs = measure(pairs, kernels, shares, files, llama, a, args.num_hidden_layers, pool_kernels)
     rows = []
     for ours, theirs in pairs:
         for sh in shares:
@@ -429,7 +442,7 @@ def main(argv=None) -> int:
             mine = [("llama.cpp", theirs, base)] if gpu or sh == 1 else []
             variants = mine + [
                 ("moestream", f"{ours}/{k}", summarize(runs[(ours, k, sh)], bpt[ours], ceiling))
-                for k in kernels
+                for k in share_kernels(kernels, pool_kernels, sh)
                 if (ours, k, sh) in runs
             ]
             for engine, fmt, s in variants:
@@ -470,7 +483,8 @@ def main(argv=None) -> int:
     if a.out:
         config = {"hf": str(hf) if hf else None, "gguf": a.gguf,
                   "layers": args.num_hidden_layers, "threads": a.threads,
-                  "kernels": kernels, "device": a.device, "shares": shares,
+                  "kernels": kernels, "pool_kernels": pool_kernels, "device": a.device,
+                  "shares": shares,
                   "prompt_tokens": a.prompt_tokens, "tokens": a.tokens, "reps": a.reps}  # fmt: skip
         write_rows(a.out, [bench_row("peers", config, r, a.commit) for r in rows])
     return 0

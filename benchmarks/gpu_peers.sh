@@ -22,8 +22,9 @@ prepare)
    echo "llama.cpp build exit $?" >"$WORK/build.done") &
   # vocab 32000: gen_model_b.py's corpus trains at most ~56,000 BPE tokens (151936 exits)
   python "$SRC/gen_model_b.py" "$WORK/hf" --layers "$LAYERS" --vocab 32000
-  v=$(python -c 'from moestream.store.format import VERSION; print(VERSION)')
-  python -m moestream convert "$WORK/hf" "$WORK/work/moestream-int4-v$v" --quant int4 -q ${DENSE:+--dense $DENSE} &
+  # the store's name as bench_peers.ensure_store gives it (else the bench converts again)
+  name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
+  python -m moestream convert "$WORK/hf" "$WORK/work/$name" --quant int4 -q &
   python "$SRC/llama/convert_hf_to_gguf.py" "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
   wait
   cat "$WORK/build.done"
@@ -36,7 +37,8 @@ prepare)
 bench)
   out=${2:?OUT folder}
   python benchmarks/bench_peers.py --device cuda --hf "$WORK/hf" --llama "$WORK/llama" --work "$WORK/work" \
-    --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled,direct}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
+    --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
+    --pool-kernels "${POOL_KERNELS:-triton,direct}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
     --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
   ;;
 esac

@@ -182,3 +182,20 @@ def test_gpu_dense_bytes_are_the_quantized_sections(tiny_dir, tmp_path, quant):
     assert any(m.rows_layout for m in mods) == (quant == "int4")
     assert got == store_bytes_per_token(store, gpu=True)
     assert held < as_bf16
+
+
+def test_bench_peers_variants_per_share():
+    """The GPU run's variants: --kernels at share 1, --pool-kernels below it; the pool's own
+    variants never at share 1; each kernel name maps to the GpuConfig it claims to run."""
+    from bench_peers import child_experts, share_kernels
+
+    top, pool = ["triton", "compiled"], ["triton", "direct"]
+    assert share_kernels(top, pool, 1.0) == top and share_kernels(top, pool, 0.5) == pool
+    assert share_kernels(["triton", "direct", "host-misses"], None, 1.0) == ["triton"]
+    assert share_kernels(["triton", "direct"], None, 0.25) == ["triton", "direct"]
+    staged, direct = (child_experts(k, "cuda", 0.5) for k in ("triton", "direct"))
+    assert (staged.miss_reads, direct.miss_reads) == ("stage", "direct")
+    assert staged.device_side_misses() and direct.device_side_misses()
+    host = child_experts("host-misses", "cuda", 0.5)
+    assert not host.device_side_misses()
+    assert child_experts("compiled", "cuda", 1.0).compile_step

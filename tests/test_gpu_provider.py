@@ -253,13 +253,15 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_cuda_device_misses_equal_resident(stores, quant):
+@pytest.mark.parametrize("quant,reads", [("int8", "stage"), ("int4", "stage"), ("int4", "direct")])
+def test_cuda_device_misses_equal_resident(stores, quant, reads):
     """With device-side misses a streamed pool's decode step is captured (no host round trip per
-    layer) and gives the resident captured step's tokens and log-probs exactly, misses read from
-    pinned host memory by the kernels, admissions copied behind the running step."""
+    layer) and gives the resident captured step's tokens and log-probs exactly, misses staged
+    into VRAM from pinned host memory inside the step (or read there by the kernels),
+    admissions copied behind the running step."""
     store = stores(quant)
-    (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24, reads=reads)
+    assert rt.provider.staged == (reads == "stage")
     assert res_rt.generator.graphs is not None and rt.generator.graphs is not None
     for a, b in zip(want, got):
         assert a.ids == b.ids and a.logprobs == b.logprobs
