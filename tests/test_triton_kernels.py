@@ -316,6 +316,8 @@ def test_prefill_tiles_cuda(quant, tiles):
     """The tile candidates bench_gpu_prefill.py times, at Qwen3-30B-A3B's D and I."""
     from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill
 
+    if quant == "int8" and tiles == PREFILL_TILES[6]:  # H200, 28fa220: OutOfResources
+        pytest.skip("int8 at block_n 128, bk 256 needs 704 KB of shared memory (H200: 227 KB)")
     _check(moe_prefill, quant, 16, 2048, 768, 40, 8, torch.bfloat16, "cuda", seed=5,
            cfg=PrefillConfig(**tiles))  # fmt: skip
 

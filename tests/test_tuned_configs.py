@@ -22,7 +22,7 @@ PREFILL = dict(block_m=32, half=32, bk=64, num_warps=4)
 PREFILL_ROWS = {"bf16": {**PREFILL, "block_n": 64}, "int8": {**PREFILL, "block_n": 64},
                 "int4": PREFILL}  # fmt: skip
 # int4 rows: the tokens-on-M family up to SHORT tokens (faster at 64, slower at 512)
-SHORT = 128
+SHORT = 64
 INT4R = {**PREFILL, "block_n": 64, "short": {"max_tokens": SHORT, "block_n": 0}}
 SHAPES = [(2048, 768), (2048, 512), (64, 64)]
 

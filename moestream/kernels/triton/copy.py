@@ -12,12 +12,16 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 1024  # int32 words per step of a program
-CHUNKS = 32  # programs per record and section (enough loads in flight to keep PCIe busy)
+BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per program
+# Programs per admitted record and section. Few: admissions run on the copy stream beside the
+# decode steps, and every program resident on an SM takes warp slots from the step's kernels
+# (32 a section starved them: a 50% pool's token took compute + admissions + misses, serially);
+# 4 x 16 KB in flight per large section still cover PCIe's bandwidth-latency product.
+CHUNKS = 4
 MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
-# Programs per staged pair: each copies its share of every section, so one miss keeps 64
-# programs' loads in flight over PCIe (a layer's misses are on the step's critical path).
-STAGE_CHUNKS = 64
+# Programs per staged pair: each copies its share of every section; a layer's misses are on
+# the step's critical path, with nothing else of the step to run beside them.
+STAGE_CHUNKS = 32
 
 
 @triton.jit
@@ -113,7 +117,7 @@ class StageMisses(SectionCopy):
     """A one-token decode call's misses into VRAM before its kernels run: for codes [P] (a slot,
     or -1 - mirror row), mirror row -> staging slot `base + p` of pair p, every section, one
     launch; `slots` [P] gets the slot each pair is read from. The decode kernels then read only
-    VRAM: a miss crosses PCIe once, as whole rows from 64 programs a pair, instead of as the
+    VRAM: a miss crosses PCIe once, as whole rows from 32 programs a pair, instead of as the
     decode kernels' small tiles (which read pinned memory at about half the link's rate)."""
 
     def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int) -> None:
