@@ -24,7 +24,10 @@ shard() {
 shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
 shard prefill "$kern" "$abl" -k "prefill_cuda or prefill_tiles_cuda or dispatcher_cuda or pair_rows or fused_layer" &
-shard provider -m cuda tests/test_gpu_provider.py tests/test_triton_dense.py tests/test_dense_quant.py &
+shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
+# The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
+# the q6_k output layer's GEMV, the record copy and the misses' staging).
+shard dense tests/test_triton_dense.py tests/test_triton_small.py &
 wait
 # The tile-variant sweep is slow (it has not finished in 300 s on the H200): VARIANTS=1 runs it.
 [ "${VARIANTS:-0}" = 1 ] && shard variants -m cuda "$abl" -k variants_cuda
