@@ -181,3 +181,27 @@ def test_rms_norm_rows_matches_the_module(T, D, dtype):
     step = 2**-8 if dtype == torch.bfloat16 else 2**-10
     torch.testing.assert_close(got.float(), want.float(), rtol=2 * step, atol=0)
     assert (got != want).float().mean() < 0.05  # rounding flips, not a different function
+
+
+def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
+    """benchmarks/bench_pcie.py --dry-run: the copy engine's, the admission kernel's and the
+    staging's moves of 1-16 tiny records end to end on the CPU (each checked against the mirror's
+    rows inside the script), one row per variant and count."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "rows.jsonl"
+    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_pcie.py"), "--dry-run",
+                        "--out", str(out)], env={**os.environ, "PYTHONPATH": str(root)},
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    got = {(x["variant"], x["records"]) for x in rows}
+    counts = (1, 2, 4, 8, 16)
+    want = {(v, n) for v in ("memcpy", "section_copy") for n in counts}
+    assert got == want | {("stage", n) for n in counts if n <= 8}
+    assert all(x["bench"] == "pcie" and x["config"]["dry_run"] and x["us"] > 0 for x in rows)

@@ -1,0 +1,161 @@
+"""How fast expert records cross PCIe from pinned host RAM into VRAM, by who moves them: the copy
+engine (`cudaMemcpyAsync`, one call per record and section), the admission kernel
+(`kernels/triton/copy.py` SectionCopy: SM loads through unified addressing, few programs) and the
+decode step's miss staging (StageMisses: a one-token call's K pairs, the misses among them copied).
+The 50% pool's PCIe fraction (docs/gpu.md, "Staged misses") rests on the SM-issued rate of
+these reads, measured here on an otherwise idle GPU beside the copy engine's, in one run.
+
+Records have the GPU pool's int4-rows sections at a model shape (default Qwen3-30B-A3B: D 2048,
+I 768, group 32); a pinned mirror of `--rows` records; each timed call moves n distinct records
+to n slots (CUDA events, median of `--reps`). Rows: variant, records, MB moved, us, GB/s and
+its fraction of the 1 GiB pinned copy measured in the same run.
+
+    PYTHONPATH=. python benchmarks/bench_pcie.py --out rows.jsonl --commit abc1234
+    python benchmarks/bench_pcie.py --dry-run   # CPU: tiny records through the interpreter
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import bench_row, write_rows  # noqa: E402
+
+COUNTS = (1, 2, 4, 8, 16)
+TOPK = 8  # a decode call's pairs (the staging grid)
+
+
+def sections(D: int, I: int, G: int, n: int, device, pin: bool) -> list[torch.Tensor]:
+    """int4 rows sections [n, ...]: w13.q, w13.rz, w2.q, w2.rz (bytes, int32 words)."""
+    shapes = [((2 * I, D // 2), torch.uint8), ((2 * I, D // G), torch.int32),
+              ((D, I // 2), torch.uint8), ((D, I // G), torch.int32)]  # fmt: skip
+    out = []
+    for sh, dt in shapes:
+        t = torch.randint(0, 100, (n, *sh), dtype=dt)
+        out.append(t.pin_memory() if pin else t.to(device))
+    return out
+
+
+def h2d_ceiling(reps: int = 5) -> float:
+    """GB/s of one pinned 1 GiB host->device copy (the copy engine), best of reps."""
+    src = torch.empty(2**30, dtype=torch.uint8).pin_memory()
+    dst = torch.empty_like(src, device="cuda")
+    best = 0.0
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        best = max(best, src.numel() / (a.elapsed_time(b) / 1e3) / 1e9)
+    return best
+
+
+def timed(fn, reps: int, cuda: bool) -> float:
+    """Median seconds of fn() (one warm-up call)."""
+    fn()
+    ts = []
+    for _ in range(reps):
+        if cuda:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn()
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
+def variants(src, dst, n: int, gen, device):
+    """name -> a call moving n records (rows of src -> slots of dst), each checked once."""
+    from moestream.kernels.triton.copy import SectionCopy, StageMisses
+
+    rows = torch.randperm(src[0].shape[0], generator=gen)[:n]
+    slots = torch.randperm(dst[0].shape[0] - TOPK, generator=gen)[:n]
+    out = {}
+
+    def memcpy():
+        for s, d in zip(src, dst):
+            for r, t in zip(rows.tolist(), slots.tolist()):
+                d[t].copy_(s[r], non_blocking=True)
+
+    out["memcpy"] = memcpy
+    rows_d, slots_d = rows.to(device), slots.to(device)
+    admit = SectionCopy(src, dst)
+    out["section_copy"] = lambda: admit(rows_d, slots_d)
+    if n <= TOPK:  # the staging grid is one call's pairs: n misses among TOPK
+        stage = StageMisses(src, dst)
+        codes = torch.arange(TOPK, dtype=torch.int64)  # hits on slots 0..TOPK-1
+        codes[:n] = -1 - rows
+        codes = codes.to(device)
+        got = torch.empty(TOPK, dtype=torch.int64, device=device)
+        base = dst[0].shape[0] - TOPK
+        out["stage"] = lambda: stage(codes, got, base)
+    return out, rows, slots
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="2048,768,32", help="D,I,group of the int4 rows records")
+    ap.add_argument("--rows", type=int, default=256, help="records in the pinned mirror")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny records")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    a = ap.parse_args(argv)
+    if a.dry_run:  # before triton is imported: it reads the variable when kernels are decorated
+        os.environ["TRITON_INTERPRET"] = "1"
+    elif not torch.cuda.is_available():
+        print("bench_pcie.py: no CUDA device; --dry-run checks it on the CPU", file=sys.stderr)
+        return 2
+    cuda = not a.dry_run
+    device = "cuda" if cuda else "cpu"
+    D, I, G = (64, 64, 32) if a.dry_run else (int(v) for v in a.shape.split(","))
+    n_rows = 20 if a.dry_run else a.rows
+    src = sections(D, I, G, n_rows, device, pin=cuda)
+    dst = [torch.zeros((max(COUNTS) + TOPK, *t.shape[1:]), dtype=t.dtype, device=device)
+           for t in src]  # fmt: skip
+    record = sum(t[0].numel() * t.element_size() for t in src)
+    ceiling = h2d_ceiling() if cuda else None
+    print(f"record {record / 1e6:.2f} MB" + (f", pinned 1 GiB copy {ceiling:.1f} GB/s" if cuda
+                                              else ", dry run: nothing measured"))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    rows_out = []
+    for n in COUNTS:
+        calls, rows, slots = variants(src, dst, n, gen, device)
+        for name, fn in calls.items():
+            for d in dst:
+                d.zero_()
+            s = timed(fn, 1 if a.dry_run else a.reps, cuda)
+            if cuda:
+                torch.cuda.synchronize()
+            at = slots if name != "stage" else torch.arange(n) + dst[0].shape[0] - TOPK
+            for x, d in zip(src, dst):  # every variant moved the right bytes
+                assert torch.equal(d[at].cpu(), x[rows].cpu()), name
+            gbps = n * record / s / 1e9
+            r = {"variant": name, "records": n, "mb": n * record / 1e6, "us": s * 1e6,
+                 "gbps": gbps, "h2d_gbps": ceiling,
+                 "h2d_fraction": gbps / ceiling if ceiling else None}  # fmt: skip
+            rows_out.append(r)
+            print(f"{name:<13} {n:>3} records {r['mb']:7.1f} MB {r['us']:9.1f} us "
+                  f"{gbps:7.1f} GB/s" + (f" ({r['h2d_fraction']:.2f})" if ceiling else ""))  # fmt: skip
+    if a.out:
+        config = {"shape": [D, I, G], "record_bytes": record, "mirror_rows": n_rows,
+                  "reps": a.reps, "dry_run": a.dry_run}  # fmt: skip
+        write_rows(a.out, [bench_row("pcie", config, r, a.commit) for r in rows_out])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
