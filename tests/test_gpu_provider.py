@@ -156,6 +156,12 @@ def test_gpu_budget_below_top_k_is_refused(stores):
         GpuExperts(store, GpuConfig(gpu_budget=store.layout.size, kernel="ref", device="cpu"))
     with pytest.raises(ConfigError, match="--gpu-budget"):
         GpuConfig()
+    with pytest.raises(ConfigError, match="unknown miss reads"):
+        GpuConfig(gpu_budget=1, pinned_mirror=True, miss_reads="fast")
+    for no_device_misses in (dict(resident=True), dict(gpu_budget=1, pinned_mirror=False),
+                             dict(gpu_budget=1, pinned_mirror=True, device_misses=False)):  # fmt: skip
+        with pytest.raises(ConfigError, match="device-side misses"):
+            GpuConfig(miss_reads="direct", **no_device_misses)
 
 
 def test_cli_device_flags(monkeypatch):

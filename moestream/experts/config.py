@@ -126,6 +126,12 @@ class GpuConfig:
             )
         if self.kernel not in GPU_KERNELS:
             raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")
+        if self.miss_reads != "stage" and not self.device_side_misses():
+            raise ConfigError(
+                f"miss_reads={self.miss_reads!r} chooses how device-side misses reach the kernels; "
+                "this config resolves misses on the host or has none: drop it, or stream with "
+                "--gpu-budget and --pin-experts"
+            )
         if not self.resident and self.gpu_budget is None:
             raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
         _check_bytes(self.gpu_budget, "--gpu-budget")
