@@ -12,7 +12,6 @@ appended to --out as soon as it is measured.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import fields, replace
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_row, write_rows  # noqa: E402
+from common import bench_row, cuda_median_seconds, write_rows  # noqa: E402
 
 
 def parse_configs(text: str | None) -> list[dict]:
@@ -46,18 +45,7 @@ def layer(quant: str, E: int, D: int, I: int):
 
 def timed(fn, reps: int) -> float:
     """Median seconds of fn(), the L2 flushed before each call."""
-    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
-    fn()
-    times = []
-    for _ in range(reps):
-        flush.zero_()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    return cuda_median_seconds(fn, reps, flush_bytes=256 << 20)
 
 
 def kernel_times(fn, reps: int = 5) -> dict[str, float]:

@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import bench_row, write_rows  # noqa: E402
+from bench_peers import h2d_gbps  # noqa: E402
+from common import bench_row, cuda_median_seconds, write_rows  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16)
 TOPK = 8  # a decode call's pairs (the staging grid)
@@ -43,37 +44,16 @@ def sections(D: int, I: int, G: int, n: int, device, pin: bool) -> list[torch.Te
     return out
 
 
-def h2d_ceiling(reps: int = 5) -> float:
-    """GB/s of one pinned 1 GiB host->device copy (the copy engine), best of reps."""
-    src = torch.empty(2**30, dtype=torch.uint8).pin_memory()
-    dst = torch.empty_like(src, device="cuda")
-    best = 0.0
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        dst.copy_(src, non_blocking=True)
-        b.record()
-        b.synchronize()
-        best = max(best, src.numel() / (a.elapsed_time(b) / 1e3) / 1e9)
-    return best
-
-
 def timed(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of fn() (one warm-up call)."""
+    """Median seconds of fn() (one warm-up call): CUDA events, or the clock for a dry run."""
+    if cuda:
+        return cuda_median_seconds(fn, reps)
     fn()
     ts = []
     for _ in range(reps):
-        if cuda:
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            b.synchronize()
-            ts.append(a.elapsed_time(b) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            ts.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
 
 
@@ -127,7 +107,7 @@ def main(argv=None) -> int:
     dst = [torch.zeros((max(COUNTS) + TOPK, *t.shape[1:]), dtype=t.dtype, device=device)
            for t in src]  # fmt: skip
     record = sum(t[0].numel() * t.element_size() for t in src)
-    ceiling = h2d_ceiling() if cuda else None
+    ceiling = h2d_gbps() if cuda else None
     print(f"record {record / 1e6:.2f} MB" + (f", pinned 1 GiB copy {ceiling:.1f} GB/s" if cuda
                                               else ", dry run: nothing measured"))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
