@@ -224,9 +224,10 @@ class GpuExperts(ExpertProvider):
         pairs = [self.mirror.sections[n] for n in names], [self.pool.sections[n] for n in names]
         self._copy_rows = SectionCopy(*pairs)
         self._stage = StageMisses(*pairs) if self.staged else None
-        self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
+        if self.staged:  # the slots a call's pairs are read from (written by the staging)
+            self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
-        self.host_reads = 0  # routed pairs read from pinned host memory by the kernels
+        self.host_reads = 0  # routed pairs whose records came from pinned host memory
         self.device_hits = 0
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
         self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')

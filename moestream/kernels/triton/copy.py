@@ -14,9 +14,9 @@ import triton.language as tl
 
 BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per program
 # Programs per admitted record and section. Few: admissions run on the copy stream beside the
-# decode steps, and every program resident on an SM takes warp slots from the step's kernels
-# (32 a section starved them: a 50% pool's token took compute + admissions + misses, serially);
-# 4 x 16 KB in flight per large section still cover PCIe's bandwidth-latency product.
+# decode steps, and every program resident on an SM takes warp slots from the step's kernels;
+# 4 x 16 KB in flight per large section still cover PCIe's bandwidth-latency product. (Against
+# 32 programs of 4 KB: +1.8% at a 50% pool on the H200, docs/gpu.md; not what bounds it.)
 CHUNKS = 4
 MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 # Programs per staged pair: each copies its share of every section; a layer's misses are on
