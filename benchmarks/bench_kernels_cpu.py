@@ -120,11 +120,8 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
                 statistics.median(nbytes / t / 1e9 / ci for t, ci in zip(ts, ceil)), 3
             ),
         })  # fmt: skip
-    for op in (
-        "cpu_expert_kernel",
-        "cpu_moe_layer",
-        "cpu_moe_layers",
-    ):  # vs torch, vs the first native
+    # each native variant vs torch and vs the first native one, same run
+    for op in ("cpu_expert_kernel", "cpu_moe_layer", "cpu_moe_layers"):
         same = {r["variant"]: r for r in rows if r["op"] == op}
         first = next((r for v, r in same.items() if v.startswith("native")), None)
         for v, r in same.items():

@@ -1,5 +1,6 @@
 """How fast expert records cross PCIe from pinned host RAM into VRAM, by who moves them: the copy
-engine (`cudaMemcpyAsync`, one call per record and section), the admission kernel
+engine (`cudaMemcpyAsync`, one call per record and section, so its time includes issuing those
+calls from the host, as a host-driven miss path would), the admission kernel
 (`kernels/triton/copy.py` SectionCopy: SM loads through unified addressing, few programs) and the
 decode step's miss staging (StageMisses: a one-token call's K pairs, the misses among them copied).
 The 50% pool's PCIe fraction (docs/gpu.md, "Staged misses") rests on the SM-issued rate of

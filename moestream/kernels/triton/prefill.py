@@ -441,19 +441,19 @@ def default_config(quant: str, hidden: int, inter: int, device: str | None,
     """The tiles for this device name and shape (tuned.py: configs/tiles.json) for a call of
     `tokens` tokens: a row's "short" entry (fields with "max_tokens") replaces its fields up to
     that many tokens, where the other family is faster (None: the long row)."""
-    row = tuned.settings("prefill", quant, hidden, inter, device)
-    short = row.get("short")
-    is_short = short is not None and tokens is not None and tokens <= short["max_tokens"]
-    return _config(quant, hidden, inter, device, is_short)
+    long, short, max_tokens = _configs(quant, hidden, inter, device)
+    return short if tokens is not None and tokens <= max_tokens else long
 
 
 @functools.cache
-def _config(quant: str, hidden: int, inter: int, device: str | None, short: bool):
+def _configs(quant: str, hidden: int, inter: int, device: str | None):
+    """(the long row's config, the short one's or None, its max_tokens or -1), read once."""
     row = tuned.settings("prefill", quant, hidden, inter, device)
     fields = {k: v for k, v in row.items() if k != "short"}
-    if short:
-        fields.update({k: v for k, v in row["short"].items() if k != "max_tokens"})
-    return PrefillConfig(**fields)
+    if "short" not in row:
+        return PrefillConfig(**fields), None, -1
+    short = {k: v for k, v in row["short"].items() if k != "max_tokens"}
+    return PrefillConfig(**fields), PrefillConfig(**{**fields, **short}), row["short"]["max_tokens"]
 
 
 def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillConfig) -> str | None:
