@@ -4,7 +4,13 @@ calls from the host, as a host-driven miss path would), the admission kernel
 (`kernels/triton/copy.py` SectionCopy: SM loads through unified addressing, few programs) and the
 decode step's miss staging (StageMisses: a one-token call's K pairs, the misses among them copied).
 The 50% pool's PCIe fraction (docs/gpu.md, "Staged misses") rests on the SM-issued rate of
-these reads, measured here on an otherwise idle GPU beside the copy engine's, in one run.
+these reads, measured here on an otherwise idle GPU beside the copy engine's, in one run, for
+several admission programs (`programs`: its bytes in flight) and staging chunks a pair.
+
+Contention rows: in a streamed decode the admissions of one step run on the copy stream while
+the next step stages its misses, both reading pinned memory over the same link. Each such row
+starts an admission of ADMIT_N records on one stream and, beside it, STAGE_CALLS staging calls
+of one missed pair each on another, and reports both rates while they share the link.
 
 Records have the GPU pool's int4-rows sections at a model shape (default Qwen3-30B-A3B: D 2048,
 I 768, group 32); a pinned mirror of `--rows` records; each timed call moves n distinct records
@@ -32,6 +38,9 @@ from common import bench_row, cuda_median_seconds, write_rows  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16)
 TOPK = 8  # a decode call's pairs (the staging grid)
+PROGRAMS = (4, 8, 32, 256)  # admission programs (SectionCopy); 256 ~ the old grid's at 16 records
+STAGE_CHUNKS = (32, 128)  # staging programs a pair (StageMisses)
+ADMIT_N, STAGE_CALLS = 16, 8  # contention rows: one admission beside that many staging calls
 
 
 def sections(D: int, I: int, G: int, n: int, device, pin: bool) -> list[torch.Tensor]:
@@ -58,8 +67,17 @@ def timed(fn, reps: int, cuda: bool) -> float:
     return statistics.median(ts)
 
 
-def variants(src, dst, n: int, gen, device):
-    """name -> a call moving n records (rows of src -> slots of dst), each checked once."""
+def stage_call(stage, n: int, rows, device, base: int):
+    """A staging call with n misses (mirror rows) among TOPK pairs; the others hit slots 0.."""
+    codes = torch.arange(TOPK, dtype=torch.int64)
+    codes[:n] = -1 - rows[:n]
+    codes = codes.to(device)
+    got = torch.empty(TOPK, dtype=torch.int64, device=device)
+    return lambda: stage(codes, got, base)
+
+
+def variants(src, dst, n: int, gen, device, programs=PROGRAMS, chunks=STAGE_CHUNKS):
+    """name -> (config, a call moving n records: rows of src -> slots of dst), each checked."""
     from moestream.kernels.triton.copy import SectionCopy, StageMisses
 
     rows = torch.randperm(src[0].shape[0], generator=gen)[:n]
@@ -71,19 +89,65 @@ def variants(src, dst, n: int, gen, device):
             for r, t in zip(rows.tolist(), slots.tolist()):
                 d[t].copy_(s[r], non_blocking=True)
 
-    out["memcpy"] = memcpy
+    out["memcpy"] = ({}, memcpy)
     rows_d, slots_d = rows.to(device), slots.to(device)
-    admit = SectionCopy(src, dst)
-    out["section_copy"] = lambda: admit(rows_d, slots_d)
+    for p in programs:
+        admit = SectionCopy(src, dst, programs=p)
+        out[f"section_copy/{p}"] = ({"programs": p}, lambda a=admit: a(rows_d, slots_d))
     if n <= TOPK:  # the staging grid is one call's pairs: n misses among TOPK
-        stage = StageMisses(src, dst)
-        codes = torch.arange(TOPK, dtype=torch.int64)  # hits on slots 0..TOPK-1
-        codes[:n] = -1 - rows
-        codes = codes.to(device)
-        got = torch.empty(TOPK, dtype=torch.int64, device=device)
         base = dst[0].shape[0] - TOPK
-        out["stage"] = lambda: stage(codes, got, base)
+        for c in chunks:
+            call = stage_call(StageMisses(src, dst, chunks=c), n, rows, device, base)
+            out[f"stage/{c}"] = ({"chunks": c}, call)
     return out, rows, slots
+
+
+def contention(src, dst, reps: int, gen, device) -> list[dict]:
+    """Rows of an admission (ADMIT_N records, `programs`) and STAGE_CALLS one-miss staging
+    calls (`chunks`) running at once on two streams: each side's time and rate."""
+    from moestream.kernels.triton.copy import SectionCopy, StageMisses
+
+    record = sum(t[0].numel() * t.element_size() for t in src)
+    rows = torch.randperm(src[0].shape[0], generator=gen)
+    admit_rows, stage_rows = rows[:ADMIT_N].to(device), rows[ADMIT_N:]
+    slots = torch.arange(ADMIT_N, dtype=torch.int64, device=device)
+    base = dst[0].shape[0] - TOPK
+    s_admit, s_stage = torch.cuda.Stream(), torch.cuda.Stream()
+    out = []
+    for c in STAGE_CHUNKS:
+        stage = StageMisses(src, dst, chunks=c)
+        calls = [stage_call(stage, 1, stage_rows[i : i + 1], device, base)
+                 for i in range(STAGE_CALLS)]  # fmt: skip
+        for p in (*PROGRAMS, None):  # None: the staging alone
+            admit = SectionCopy(src, dst, programs=p or 1)
+            times = []
+            for _ in range(reps + 1):  # the first: warm-up
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                torch.cuda.synchronize()
+                ev[0].record()
+                s_admit.wait_event(ev[0])
+                s_stage.wait_event(ev[0])
+                if p is not None:
+                    with torch.cuda.stream(s_admit):
+                        admit(admit_rows, slots)
+                        ev[1].record()
+                with torch.cuda.stream(s_stage):
+                    for call in calls:
+                        call()
+                    ev[2].record()
+                torch.cuda.synchronize()
+                times.append((ev[0].elapsed_time(ev[1]) / 1e3 if p is not None else None,
+                              ev[0].elapsed_time(ev[2]) / 1e3))  # fmt: skip
+            times = times[1:]
+            stage_s = statistics.median(t[1] for t in times)
+            row = {"variant": "contention", "chunks": c, "programs": p,
+                   "stage_us": stage_s * 1e6,
+                   "stage_gbps": STAGE_CALLS * record / stage_s / 1e9}  # fmt: skip
+            if p is not None:
+                admit_s = statistics.median(t[0] for t in times)
+                row.update(admit_us=admit_s * 1e6, admit_gbps=ADMIT_N * record / admit_s / 1e9)
+            out.append(row)
+    return out
 
 
 def main(argv=None) -> int:
@@ -105,7 +169,8 @@ def main(argv=None) -> int:
     D, I, G = (64, 64, 32) if a.dry_run else (int(v) for v in a.shape.split(","))
     n_rows = 20 if a.dry_run else a.rows
     src = sections(D, I, G, n_rows, device, pin=cuda)
-    dst = [torch.zeros((max(COUNTS) + TOPK, *t.shape[1:]), dtype=t.dtype, device=device)
+    dst = [torch.zeros((max(*COUNTS, ADMIT_N) + TOPK, *t.shape[1:]), dtype=t.dtype,
+                       device=device)
            for t in src]  # fmt: skip
     record = sum(t[0].numel() * t.element_size() for t in src)
     ceiling = h2d_gbps() if cuda else None
@@ -114,23 +179,32 @@ def main(argv=None) -> int:
     gen = torch.Generator().manual_seed(0)
     rows_out = []
     for n in COUNTS:
-        calls, rows, slots = variants(src, dst, n, gen, device)
-        for name, fn in calls.items():
+        # the interpreter runs every program in turn: few of them in a dry run
+        sweep = ((1, 4), (1, 2)) if a.dry_run else (PROGRAMS, STAGE_CHUNKS)
+        calls, rows, slots = variants(src, dst, n, gen, device, *sweep)
+        for name, (cfg, fn) in calls.items():
             for d in dst:
                 d.zero_()
             s = timed(fn, 1 if a.dry_run else a.reps, cuda)
             if cuda:
                 torch.cuda.synchronize()
-            at = slots if name != "stage" else torch.arange(n) + dst[0].shape[0] - TOPK
+            at = slots if not name.startswith("stage") else torch.arange(n) + dst[0].shape[0] - TOPK
             for x, d in zip(src, dst):  # every variant moved the right bytes
                 assert torch.equal(d[at].cpu(), x[rows].cpu()), name
             gbps = n * record / s / 1e9
-            r = {"variant": name, "records": n, "mb": n * record / 1e6, "us": s * 1e6,
-                 "gbps": gbps, "h2d_gbps": ceiling,
+            r = {"variant": name.split("/")[0], **cfg, "records": n, "mb": n * record / 1e6,
+                 "us": s * 1e6, "gbps": gbps, "h2d_gbps": ceiling,
                  "h2d_fraction": gbps / ceiling if ceiling else None}  # fmt: skip
             rows_out.append(r)
-            print(f"{name:<13} {n:>3} records {r['mb']:7.1f} MB {r['us']:9.1f} us "
+            print(f"{name:<17} {n:>3} records {r['mb']:7.1f} MB {r['us']:9.1f} us "
                   f"{gbps:7.1f} GB/s" + (f" ({r['h2d_fraction']:.2f})" if ceiling else ""))  # fmt: skip
+    if cuda:  # two streams at once: the interpreter runs one kernel at a time
+        for r in contention(src, dst, a.reps, gen, device):
+            r["h2d_gbps"] = ceiling
+            rows_out.append(r)
+            admit = (f"admission ({r['programs']} programs) {r['admit_gbps']:5.1f} GB/s beside "
+                     if r["programs"] else "alone: ")  # fmt: skip
+            print(f"contention: {admit}staging ({r['chunks']} chunks) {r['stage_gbps']:5.1f} GB/s")
     if a.out:
         config = {"shape": [D, I, G], "record_bytes": record, "mirror_rows": n_rows,
                   "reps": a.reps, "dry_run": a.dry_run}  # fmt: skip

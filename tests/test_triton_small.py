@@ -18,11 +18,11 @@ except ImportError:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n_sections", [1, 2, 4])
-def test_section_copy_equals_indexing(n_sections):
+@pytest.mark.parametrize("n_sections,programs", [(1, 8), (2, 1), (4, 5), (4, 64)])
+def test_section_copy_equals_indexing(n_sections, programs):
     """Rows of a (pinned on CUDA) host mirror into device slots, sections of different widths
-    (one of more than the kernel's chunks x BLOCK words, one under a block); slots not named keep
-    their poison."""
+    (one of more than the kernel's chunks x BLOCK words, one under a block), by fewer programs
+    than work items (each walks several) or more; slots not named keep their poison."""
     from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
 
     g = torch.Generator().manual_seed(n_sections)
@@ -36,7 +36,7 @@ def test_section_copy_equals_indexing(n_sections):
     want = [d.clone() for d in dsts]
     rows = torch.tensor([9, 0, 4], device=DEVICE)
     slots = torch.tensor([2, 5, 0], device=DEVICE)
-    SectionCopy(srcs, dsts)(rows, slots)
+    SectionCopy(srcs, dsts, programs=programs)(rows, slots)
     for s, d, w in zip(srcs, dsts, want):
         copy_rows_ref(s, w, rows, slots)
         assert torch.equal(d.cpu(), w.cpu())
@@ -45,10 +45,12 @@ def test_section_copy_equals_indexing(n_sections):
     SectionCopy(srcs, dsts)(rows[:0], slots[:0])  # nothing to copy: no launch
 
 
-def test_stage_misses_equals_spec():
+@pytest.mark.parametrize("chunks", [None, 3])
+def test_stage_misses_equals_spec(chunks):
     """A decode call's misses into its staging slots: pairs with a negative code get mirror row
     -1 - code copied into slot base + p (every section, one larger than the kernel's chunks x
-    BLOCK words), pairs with a slot keep it and copy nothing; the returned slots are the spec's."""
+    BLOCK words), pairs with a slot keep it and copy nothing; the returned slots are the spec's
+    (the default chunks a pair, and fewer)."""
     from moestream.kernels.triton.copy import BLOCK, STAGE_CHUNKS, StageMisses, stage_misses_ref
 
     g = torch.Generator().manual_seed(5)
@@ -63,7 +65,8 @@ def test_stage_misses_equals_spec():
     want = [d.clone() for d in dsts]
     codes = torch.tensor([3, -1 - 9, 1, -1 - 0], device=DEVICE)  # slots 3, 1; rows 9, 0
     slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
-    StageMisses(srcs, dsts)(codes, slots, base)
+    stage = StageMisses(srcs, dsts) if chunks is None else StageMisses(srcs, dsts, chunks=chunks)
+    stage(codes, slots, base)
     want_slots = stage_misses_ref(srcs, want, codes, base)
     assert slots.tolist() == want_slots.tolist() == [3, base + 1, 1, base + 3]
     for s, d, w in zip(srcs, dsts, want):
@@ -184,9 +187,10 @@ def test_rms_norm_rows_matches_the_module(T, D, dtype):
 
 
 def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
-    """benchmarks/bench_pcie.py --dry-run: the copy engine's, the admission kernel's and the
-    staging's moves of 1-16 tiny records end to end on the CPU (each checked against the mirror's
-    rows inside the script), one row per variant and count."""
+    """benchmarks/bench_pcie.py --dry-run: the copy engine's, the admission kernel's (by 1 and 4
+    programs) and the staging's (1 and 2 chunks a pair) moves of 1-16 tiny records end to end on
+    the CPU (each checked against the mirror's rows inside the script), one row per variant,
+    setting and count."""
     import json
     import os
     import subprocess
@@ -200,8 +204,9 @@ def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
                        capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    got = {(x["variant"], x["records"]) for x in rows}
+    got = {(x["variant"], x.get("programs", x.get("chunks")), x["records"]) for x in rows}
     counts = (1, 2, 4, 8, 16)
-    want = {(v, n) for v in ("memcpy", "section_copy") for n in counts}
-    assert got == want | {("stage", n) for n in counts if n <= 8}
+    want = {("memcpy", None, n) for n in counts} | {("section_copy", p, n) for p in (1, 4)
+                                                    for n in counts}  # fmt: skip
+    assert got == want | {("stage", c, n) for c in (1, 2) for n in counts if n <= 8}
     assert all(x["bench"] == "pcie" and x["config"]["dry_run"] and x["us"] > 0 for x in rows)

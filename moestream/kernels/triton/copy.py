@@ -13,11 +13,13 @@ import triton
 import triton.language as tl
 
 BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per program
-# Programs per admitted record and section. Few: admissions run on the copy stream beside the
-# decode steps, and every program resident on an SM takes warp slots from the step's kernels;
-# 4 x 16 KB in flight per large section still cover PCIe's bandwidth-latency product. (Against
-# 32 programs of 4 KB: +1.8% at a 50% pool on the H200, docs/gpu.md; not what bounds it.)
-CHUNKS = 4
+# Admissions: a fixed number of programs walk every (record, section, chunk) of a call, so the
+# bytes in flight stay ADMIT_PROGRAMS x 16 KB however many records one call admits. Admissions
+# share PCIe with the next step's staging, which is on that step's critical path; the link
+# serves outstanding reads roughly in proportion, so a bounded admission leaves staging most of
+# it (bench_pcie.py's contention rows measure that trade; docs/gpu.md).
+ADMIT_PROGRAMS = 8
+CHUNKS = 4  # chunks per section of an admitted record (work items of the admission's programs)
 MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 # Programs per staged pair: each copies its share of every section; a layer's misses are on
 # the step's critical path, with nothing else of the step to run beside them.
@@ -36,21 +38,26 @@ def _copy_one(src, dst, r, s, c, n, WORDS: tl.constexpr, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _copy_sections_kernel(rows_ptr, slots_ptr, s0, d0, s1, d1, s2, d2, s3, d3,
+def _copy_sections_kernel(rows_ptr, slots_ptr, items, s0, d0, s1, d1, s2, d2, s3, d3,
                           W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-                          W3: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
-    """Program (i, c, section): chunk c of that section of record rows[i] -> slot slots[i]."""
-    r = tl.load(rows_ptr + tl.program_id(0)).to(tl.int64)
-    s = tl.load(slots_ptr + tl.program_id(0)).to(tl.int64)
-    c, n, sec = tl.program_id(1), tl.num_programs(1), tl.program_id(2)
-    if sec == 0:
-        _copy_one(s0, d0, r, s, c, n, W0, BLOCK)
-    elif sec == 1:
-        _copy_one(s1, d1, r, s, c, n, W1, BLOCK)
-    elif sec == 2:
-        _copy_one(s2, d2, r, s, c, n, W2, BLOCK)
-    else:
-        _copy_one(s3, d3, r, s, c, n, W3, BLOCK)
+                          W3: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
+                          BLOCK: tl.constexpr):  # fmt: skip
+    """Program p of P: work items p, p + P, ... of `items` = records x S sections x C chunks;
+    item (i, sec, c) copies chunk c of that section of record rows[i] -> slot slots[i]."""
+    for item in range(tl.program_id(0), items, tl.num_programs(0)):
+        i = item // (S * C)
+        sec = (item // C) % S
+        c = item % C
+        r = tl.load(rows_ptr + i).to(tl.int64)
+        s = tl.load(slots_ptr + i).to(tl.int64)
+        if sec == 0:
+            _copy_one(s0, d0, r, s, c, C, W0, BLOCK)
+        elif sec == 1:
+            _copy_one(s1, d1, r, s, c, C, W1, BLOCK)
+        elif sec == 2:
+            _copy_one(s2, d2, r, s, c, C, W2, BLOCK)
+        else:
+            _copy_one(s3, d3, r, s, c, C, W3, BLOCK)
 
 
 @triton.jit
@@ -86,17 +93,20 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 
 class SectionCopy:
     """`dst[slots[i]] = src[rows[i]]` for every section pair (src may be pinned host memory,
-    dst on the device; the same shapes and dtypes per pair), one launch per call. The int32
-    views are made once: a call only launches."""
+    dst on the device; the same shapes and dtypes per pair), one launch of `programs` programs
+    per call. The int32 views are made once: a call only launches."""
 
-    def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor]):
+    def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
+                 programs: int = ADMIT_PROGRAMS):  # fmt: skip
         assert 0 < len(srcs) == len(dsts) <= MAX_SECTIONS, "1 to 4 section pairs"
+        assert programs > 0
         for a, b in zip(srcs, dsts):
             assert a.shape[1:] == b.shape[1:] and a.dtype == b.dtype, "section shapes differ"
             assert a.is_contiguous() and b.is_contiguous(), "sections must be contiguous"
         self.pairs = [(_words(a), _words(b)) for a, b in zip(srcs, dsts)]
         words = [a.shape[1] for a, _ in self.pairs]
         self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), BLOCK)))
+        self.programs = programs
         pad = MAX_SECTIONS - len(self.pairs)
         ptrs = [t for pair in self.pairs for t in pair] + [self.pairs[0][0]] * (2 * pad)
         self.args = ptrs
@@ -108,23 +118,30 @@ class SectionCopy:
         n = rows.numel()
         assert slots.numel() == n and rows.is_contiguous() and slots.is_contiguous()
         if n:
-            grid = (n, self.chunks, len(self.pairs))
-            _copy_sections_kernel[grid](rows, slots, *self.args, BLOCK=BLOCK, num_warps=4,
-                                        **self.consts)  # fmt: skip
+            items = n * len(self.pairs) * self.chunks
+            _copy_sections_kernel[(min(self.programs, items),)](
+                rows, slots, items, *self.args, S=len(self.pairs), C=self.chunks, BLOCK=BLOCK,
+                num_warps=4, **self.consts)  # fmt: skip
 
 
 class StageMisses(SectionCopy):
     """A one-token decode call's misses into VRAM before its kernels run: for codes [P] (a slot,
     or -1 - mirror row), mirror row -> staging slot `base + p` of pair p, every section, one
-    launch; `slots` [P] gets the slot each pair is read from. The decode kernels then read only
-    VRAM: a miss crosses PCIe once, as whole rows from 32 programs a pair, instead of as the
-    decode kernels' small tiles (which read pinned memory at about half the link's rate)."""
+    launch of `chunks` programs a pair; `slots` [P] gets the slot each pair is read from. The
+    decode kernels then read only VRAM: a miss crosses PCIe once, as whole rows, instead of as
+    the decode kernels' small tiles (which read pinned memory at about half the link's rate)."""
+
+    def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
+                 chunks: int = STAGE_CHUNKS):  # fmt: skip
+        super().__init__(srcs, dsts)
+        assert chunks > 0
+        self.stage_chunks = chunks
 
     def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int) -> None:
         """codes, slots: int64 [P] contiguous on dst's device (P pairs, the staging slots base
         .. base + P - 1). Runs on the current stream, syncs nothing: capturable."""
         assert codes.is_contiguous() and slots.is_contiguous() and codes.numel() == slots.numel()
-        grid = (codes.numel(), STAGE_CHUNKS)
+        grid = (codes.numel(), self.stage_chunks)
         _stage_kernel[grid](codes, slots, base, *self.args, BLOCK=BLOCK, num_warps=4,
                             **self.consts)  # fmt: skip
 
