@@ -341,7 +341,12 @@ def _no_cache(experts) -> str:
 def _note_prediction(predict, experts) -> None:
     """Prediction without a slot cache runs (predictions are scored; predicted routing changes
     which experts run, as `eval` measures) but nothing is prefetched: say so, it is no error."""
-    if not predict.active or (experts is not None and experts.slot_cache):
+    from moestream.experts.config import GpuConfig
+
+    # a GPU config is checked by open_model: it prefetches inside the step or is refused
+    if not predict.active or isinstance(experts, GpuConfig):
+        return
+    if experts is not None and experts.slot_cache:
         return
     what = (
         "the predicted experts run (lossy) but no reads are saved"
@@ -428,6 +433,8 @@ def mode_line(mode: dict) -> str:
             parts[0] += (", misses staged from pinned RAM on the device"
                          if mode.get("miss_reads") == "stage" else
                          ", misses read from pinned RAM on the device")  # fmt: skip
+        if mode.get("prefetch"):
+            parts[0] += f", {mode['prefetch']} prefetch one layer ahead"
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
     if mode.get("ranks"):
         parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")
@@ -451,10 +458,16 @@ def _expert_stats(s: dict) -> str:
     looked_up = s["hits"] + s["misses"]
     hit = 100 * s["hits"] / looked_up if looked_up else 0.0
     per_tok = s["bytes_read"] / max(s["prompt_tokens"] + s["generated_tokens"], 1) / 2**20
-    return (
+    out = (
         f"experts hit {hit:.0f}%, {per_tok:.2f} MiB read/tok, {s['read_gbps']:.2f} GB/s read "
         f"({s['stall_read_gbps']:.2f} GB/s while stalled) | "
     )
+    if s.get("predict_routed"):  # a predictor ran: how often it named the routed experts
+        rec = 100 * s["predict_correct"] / s["predict_routed"]
+        used = f"{s['prefetch_used']}/{s['prefetch_reads']} prefetches used, " if s.get(
+            "prefetch_reads") else ""  # fmt: skip
+        out += f"{used}prediction recall {rec:.0f}% | "
+    return out
 
 
 def cmd_generate(a: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -104,6 +104,22 @@ def _heads_folders(given: Path, folder: Path) -> tuple[Path, ...]:
         if src:
             out.append(Path(src))
     return tuple(out)
+
+
+def _gpu_prefetch(experts: GpuConfig, predict: PredictConfig) -> GpuConfig:
+    """On a GPU the stale gate's prefetch runs inside the decode step (GpuConfig.prefetch);
+    the other predictors and predicted routing run only on the CPU providers."""
+    if predict.predictor != "stale-gate" or predict.routing != "exact" or predict.ahead != 1:
+        raise ConfigError(
+            "with --device cuda only --predictor stale-gate (exact routing, one layer ahead) "
+            "is implemented; run other predictors and --routing predicted on the CPU"
+        )
+    if predict.min_score:
+        raise ConfigError(
+            "--min-score: the GPU's stale gate prefetches the next layer's top-k as the router "
+            "picks it (no ranking to cut); drop --min-score"
+        )
+    return replace(experts, prefetch="stale-gate")
 
 
 def _attach_predictor(loaded, cfg: PredictConfig, folders) -> ExpertProvider:
@@ -212,7 +228,7 @@ def open_model(
     predict = predict or PredictConfig()
     on_gpu = isinstance(experts, GpuConfig)
     if on_gpu and predict.active:
-        raise ConfigError("routing prediction is not implemented with --device cuda")
+        experts = _gpu_prefetch(experts, predict)
     folder = Path(path)
     if is_gguf(folder):  # always through a store: GGUF weights are converted once
         folder = cached_store(folder, source_scheme(folder, quant), progress)
@@ -227,7 +243,9 @@ def open_model(
     tokenizer = Tokenizer(folder)
     loaded = load_model(folder, experts, dtype=dtype, progress=progress)
     provider, sources = loaded.provider, _heads_folders(Path(path), folder)
-    if predict.active:
+    if on_gpu and experts.prefetch != "none":  # inside the captured step (experts/gpu.py)
+        provider.set_routes([b.route for b in loaded.model.moe_blocks])
+    elif predict.active:
         provider = _attach_predictor(loaded, predict, sources)
     adapter = _attach_lora(loaded.model, predict, sources)
     eos = eos_ids(folder, loaded.args, tokenizer)

@@ -423,3 +423,19 @@ def test_the_cli_quant_choices_are_the_schemes():
     from moestream.quant import SCHEMES
 
     assert QUANT_CHOICES == SCHEMES
+
+
+def test_stats_line_reports_prediction_recall_and_prefetch_use():
+    """With a predictor the stats line adds its recall and, where it prefetched, how many of the
+    prefetched records a routed expert read; without one it stays as it was."""
+    from moestream.cli import _expert_stats
+
+    s = {"hits": 30, "misses": 10, "bytes_read": 0, "prompt_tokens": 4, "generated_tokens": 4,
+         "read_gbps": 0.0, "stall_read_gbps": 0.0}  # fmt: skip
+    plain = _expert_stats(s)
+    assert plain.startswith("experts hit 75%") and "recall" not in plain
+    pred = _expert_stats({**s, "predict_routed": 64, "predict_correct": 48, "prefetch_reads": 20,
+                          "prefetch_used": 15})  # fmt: skip
+    assert pred == plain + "15/20 prefetches used, prediction recall 75% | "
+    scored = _expert_stats({**s, "predict_routed": 64, "predict_correct": 16})
+    assert scored == plain + "prediction recall 25% | "

@@ -178,27 +178,31 @@ def test_cli_device_flags(monkeypatch):
 
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
 def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
-                     reads: str = "stage"):  # fmt: skip
+                     reads: str = "stage", prefetch: bool = False):  # fmt: skip
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
     expert resident, then a pool whose slot table has `slots` slots with device-side misses
-    (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels);
-    both with the Triton kernels (the interpreter on CPU), two prompts each so the second starts
-    on a warm pool. `ahead` (CPU): the streamed run decodes through the eager stand-in of a
-    captured step, so the generator runs one step ahead of the host (the loop a CUDA graph
-    takes)."""
+    (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels;
+    `prefetch`: --predictor stale-gate, 2K more slots); both with the Triton kernels (the
+    interpreter on CPU), two prompts each so the second starts on a warm pool. `ahead` (CPU): the
+    streamed run decodes through the eager stand-in of a captured step, so the generator runs
+    one step ahead of the host (the loop a CUDA graph takes)."""
     from eager_ahead import AheadGraphs
 
     from moestream.config import SamplingConfig
+    from moestream.experts.config import PredictConfig
     from moestream.runtime import open_model
 
     st = Store(store)
-    budget = (slots + (st.args.num_experts_per_tok if reads == "stage" else 0)) * st.slot_size
+    K = st.args.num_experts_per_tok
+    budget = (slots + (K if reads == "stage" else 0) + 2 * K * prefetch) * st.slot_size
+    predict = PredictConfig(predictor="stale-gate" if prefetch else "none")
     cfg = SamplingConfig(max_new_tokens=n, ignore_eos=True)
     out = []
     for experts in (GpuConfig(resident=True, device=device),
                     GpuConfig(gpu_budget=budget, pinned_mirror=True, io=IO, device=device,
                               miss_reads=reads)):  # fmt: skip
-        rt = open_model(store, dtype=dtype, experts=experts)
+        rt = open_model(store, dtype=dtype, experts=experts,
+                        predict=None if experts.resident else predict)  # fmt: skip
         if ahead and not experts.resident:
             rt.generator.graphs = AheadGraphs(rt.generator.model, rt.args, [])
         res = [rt.generator.generate(rt.encode_prompt(p), cfg) for p in (PROMPT, "class Node:")]
@@ -258,16 +262,102 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     rt.close()
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
+@pytest.mark.parametrize("quant", ["int8", "int4"])
+def test_cpu_stale_gate_prefetch_equals_resident(tmp_path, monkeypatch, quant):
+    """--predictor stale-gate on the GPU provider (the interpreter, a tiny Qwen3-MoE of 3 MoE
+    layers, 8 experts, top-2, a table of 3 slots): each decode layer prefetches the next layer's
+    predicted misses into the prefetch set of its parity and the next layer reads the misses it
+    named from there. Tokens and log-probs are the resident run's; the counters add up (every
+    routed pair of layers 1-2 scored, prefetched misses used, the bytes read from the mirror =
+    staged misses + prefetch copies) and the pool holds what slot_map says."""
+    pytest.importorskip("triton")
+    from tiny_models import perturbed_model, save
+
+    from moestream.convert.writer import convert
+    from moestream.kernels.triton import decode
+    from moestream.quant import make_scheme
+
+    hf = save(perturbed_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[],
+                              moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
+    store = convert(hf, tmp_path / quant, make_scheme(quant), False)
+    tile = decode.DecodeConfig(bn=64, bk=64, bn_d=64, bk_d=64)
+    monkeypatch.setattr(decode, "default_config", lambda *a: tile)
+    n = 10
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, True, "stage",
+                                                 prefetch=True)  # fmt: skip
+    p = rt.provider
+    mode = p.describe()
+    assert mode["prefetch"] == "stale-gate" and mode["prefetch_slots"] == 2 * p.K
+    from moestream.cli import mode_line
+
+    assert "misses staged from pinned RAM on the device, stale-gate prefetch one layer ahead" in (
+        mode_line({**mode, "device": "cpu", "dtype": "float32"}))  # fmt: skip
+    assert p.n_slots == 3 and p.pool.num_experts == 3 + 3 * p.K
+    for a, b in zip(want, got):
+        assert a.ids == b.ids and a.logprobs == b.logprobs
+    s = p.stats()
+    steps = 2 * (n - 2)  # decode steps whose routing the table took, both prompts
+    assert s["predict_routed"] == steps * (len(p.layers) - 1) * p.K
+    assert 0 < s["predict_correct"] <= s["predict_routed"]
+    assert 0 < s["prefetch_used"] <= min(s["prefetch_reads"], s["host_reads"]), s
+    copies = s["host_reads"] - s["prefetch_used"] + s["prefetch_reads"]
+    assert s["host_read_bytes"] == copies * p.size
+    p._drain()
+    check_pool(p)
+    res_rt.close()
+    rt.close()
+
+
+def test_gpu_prefetch_is_refused_where_it_cannot_run(stores):
+    """The stale gate's GPU prefetch needs staged device-side misses and room for its slots;
+    other predictors and predicted routing are not built for the GPU: each is a ConfigError
+    that names the fix."""
+    pytest.importorskip("triton")
+    from moestream.config import ConfigError
+    from moestream.experts.config import PredictConfig
+    from moestream.runtime import _gpu_prefetch
+
+    st = Store(stores("int8"))  # top-8: staging 8 slots, prefetch 16, a table of at least 8
+    small = GpuConfig(gpu_budget=31 * st.slot_size, pinned_mirror=True, device="cpu",
+                      prefetch="stale-gate")  # fmt: skip
+    with pytest.raises(ConfigError, match="takes 24 slots .* holds 31 slots"):
+        GpuExperts(st, small)
+
+    with pytest.raises(ConfigError, match="--pin-experts"):
+        GpuConfig(gpu_budget=2**20, device="cpu", prefetch="stale-gate")  # no pinned mirror
+    with pytest.raises(ConfigError, match="--pin-experts"):
+        GpuConfig(gpu_budget=2**20, pinned_mirror=True, device="cpu", miss_reads="direct",
+                  prefetch="stale-gate")  # fmt: skip
+    with pytest.raises(ConfigError, match="unknown GPU prefetch"):
+        GpuConfig(gpu_budget=2**20, pinned_mirror=True, device="cpu", prefetch="oracle")
+    cfg = GpuConfig(gpu_budget=2**20, pinned_mirror=True, device="cpu")
+    assert _gpu_prefetch(cfg, PredictConfig(predictor="stale-gate")).prefetch == "stale-gate"
+    for bad in (PredictConfig(predictor="prerouter"), PredictConfig(predictor="stale-gate", ahead=2),
+                PredictConfig(predictor="temporal", routing="predicted")):  # fmt: skip
+        with pytest.raises(ConfigError, match="only --predictor stale-gate"):
+            _gpu_prefetch(cfg, bad)
+    with pytest.raises(ConfigError, match="--min-score"):
+        _gpu_prefetch(cfg, PredictConfig(predictor="stale-gate", min_score=0.1))
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant,reads", [("int8", "stage"), ("int4", "stage"), ("int4", "direct")])
-def test_cuda_device_misses_equal_resident(stores, quant, reads):
+@pytest.mark.parametrize("quant,reads,prefetch", [("int8", "stage", False), ("int4", "stage", False),
+                                                  ("int4", "direct", False),
+                                                  ("int4", "stage", True)])  # fmt: skip
+def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch):
     """With device-side misses a streamed pool's decode step is captured (no host round trip per
     layer) and gives the resident captured step's tokens and log-probs exactly, misses staged
     into VRAM from pinned host memory inside the step (or read there by the kernels),
-    admissions copied behind the running step."""
+    admissions copied behind the running step; `prefetch`: --predictor stale-gate, the next
+    layer's predicted misses copied on a side stream forked and joined inside the graph."""
     store = stores(quant)
-    (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24, reads=reads)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24, reads=reads,
+                                                 prefetch=prefetch)  # fmt: skip
     assert rt.provider.staged == (reads == "stage")
+    if prefetch:
+        s = rt.provider.stats()
+        assert s["prefetch_used"] > 0 and s["predict_correct"] > 0, s
     assert res_rt.generator.graphs is not None and rt.generator.graphs is not None
     for a, b in zip(want, got):
         assert a.ids == b.ids and a.logprobs == b.logprobs

@@ -77,6 +77,42 @@ def test_stage_misses_equals_spec(chunks):
                for d in dsts)  # fmt: skip
 
 
+def test_stage_misses_reads_a_prefetch_instead_of_copying():
+    """A prefetch (the same launch on a later layer's predicted codes, into its own slots) and
+    then the layer's staging with `ahead`: a miss the prefetch copied is read from the prefetch
+    slot and not copied again, a miss it did not name is staged as usual, a predicted hit or a
+    mispredicted miss costs the staging nothing; slots and pool equal the spec's."""
+    from moestream.kernels.triton.copy import StageMisses, stage_misses_ref
+
+    g = torch.Generator().manual_seed(6)
+    shapes, dtypes = [(300,), (3, 8)], [torch.int16, torch.uint8]
+    pin = torch.cuda.is_available()
+    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
+    srcs = [s.pin_memory() for s in srcs] if pin else srcs
+    base, abase, P = 4, 8, 3  # slots 0-3 the table's, 4-6 staging, 8-10 the prefetch's
+    dsts = [torch.full((abase + P, *sh), 77, dtype=dt, device=DEVICE)
+            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
+    want = [d.clone() for d in dsts]
+    stage = StageMisses(srcs, dsts, chunks=2)
+    predicted = torch.tensor([-1 - 7, 2, -1 - 5], device=DEVICE)  # rows 7, 5 prefetched; a hit
+    out = torch.empty(P, dtype=torch.int64, device=DEVICE)
+    stage(predicted, out, abase)
+    assert out.tolist() == stage_misses_ref(srcs, want, predicted, abase).tolist()
+    codes = torch.tensor([-1 - 5, 1, -1 - 3], device=DEVICE)  # row 5 prefetched, row 3 not
+    slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
+    for d in dsts:  # poison: the prefetched slot must not be written by the staging
+        d[abase + 2] = 55
+    for w in want:
+        w[abase + 2] = 55
+    stage(codes, slots, base, ahead=(predicted, abase))
+    want_slots = stage_misses_ref(srcs, want, codes, base, ahead=(predicted, abase))
+    assert slots.tolist() == want_slots.tolist() == [abase + 2, 1, base + 2]
+    for s, d, w in zip(srcs, dsts, want):
+        assert torch.equal(d.cpu(), w.cpu())
+        assert torch.equal(d[base + 2].cpu(), s[3]) and torch.equal(d[abase].cpu(), s[7])
+        assert torch.equal(d[base].cpu(), torch.full_like(d[base].cpu(), 77))  # nothing staged
+
+
 @pytest.mark.parametrize("V", [7, BLOCK, BLOCK + 1, 3 * BLOCK + 17])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_greedy_pick_matches_argmax_and_log_softmax(V, dtype):

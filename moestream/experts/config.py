@@ -88,6 +88,7 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
         raise ConfigError(f"{flag} must be > 0, got {budget}")
 
 
+GPU_PREFETCH = ("none", "stale-gate")  # GpuConfig.prefetch
 MISS_READS = ("stage", "direct")
 
 
@@ -118,11 +119,28 @@ class GpuConfig:
     # budget), the kernels then read VRAM only; "direct" = the kernels read the mirror's rows
     # themselves. Same bytes, so the same bits; the benchmarks run both.
     miss_reads: str = "stage"
+    # "stale-gate": with staged misses, each decode layer also runs the next layer's router on
+    # its own router input and copies the predicted misses into 2K more slots on a side stream
+    # while the layer computes; the next layer reads a prefetched miss from there (the same
+    # mirror row: the same bits). `--predictor stale-gate` on a GPU (runtime.open_model).
+    prefetch: str = "none"
 
     def __post_init__(self):
         if self.miss_reads not in MISS_READS:
             raise ConfigError(
                 f"unknown miss reads {self.miss_reads!r}; use {', '.join(MISS_READS)}"
+            )
+        if self.prefetch not in GPU_PREFETCH:
+            raise ConfigError(
+                f"unknown GPU prefetch {self.prefetch!r}; use {', '.join(GPU_PREFETCH)}"
+            )
+        if self.prefetch != "none" and (
+            not self.device_side_misses() or self.miss_reads != "stage"
+        ):
+            raise ConfigError(
+                f"--predictor {self.prefetch} on the GPU prefetches into the staged misses of a "
+                "streamed pool: stream with --gpu-budget and --pin-experts (misses staged, the "
+                "default), or drop --predictor"
             )
         if self.kernel not in GPU_KERNELS:
             raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")

@@ -112,7 +112,19 @@ class GpuExperts(ExpertProvider):
                        and self.n_slots >= 2 * self.K)  # fmt: skip
         if self.staged:
             self.n_slots -= self.K
-        n_pool = self.n_slots + (self.K if self.staged else 0)
+        # Prefetch (GpuConfig.prefetch): two sets of K slots past the staging, one per layer
+        # parity (a layer reads its set while the next layer's prefetch fills the other).
+        self.prefetching = cfg.prefetch != "none"
+        if self.prefetching:
+            if not self.staged or self.n_slots < 3 * self.K:
+                raise ConfigError(
+                    f"--predictor {cfg.prefetch} on the GPU takes {3 * self.K} slots of the budget "
+                    f"(the staging and two prefetch sets of {self.K}) beside a slot table of at "
+                    f"least {self.K}; this budget holds {slot_count(store, cfg)} slots of "
+                    f"{self.size / 2**20:.1f} MiB: raise --gpu-budget or drop --predictor"
+                )
+            self.n_slots -= 2 * self.K
+        n_pool = self.n_slots + (self.K if self.staged else 0) + 2 * self.K * self.prefetching
         self.pool = StackedExperts(store.scheme, self._sections((n_pool,), self.device))
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
@@ -204,9 +216,12 @@ class GpuExperts(ExpertProvider):
     def _init_device_misses(self) -> None:
         L, K = len(self.layers), self.K
         # each one-token call's routed ids and the codes its kernels ran with (rows 0..L-1 and
-        # L..2L-1), copied to one of AHEAD pinned buffers after the step is issued
-        self._seen = torch.zeros(2 * L, K, dtype=torch.int64, device=self.device)
-        self._seen_host = torch.zeros(self.AHEAD, 2 * L, K, dtype=torch.int64,
+        # L..2L-1), copied to one of AHEAD pinned buffers after the step is issued; prefetching,
+        # also the slots the kernels read (2L..), the prefetch's codes (3L..) and predicted ids
+        # (4L..) of each layer (layer 0's: never predicted, zeros)
+        rows = (5 if self.prefetching else 2) * L
+        self._seen = torch.zeros(rows, K, dtype=torch.int64, device=self.device)
+        self._seen_host = torch.zeros(self.AHEAD, rows, K, dtype=torch.int64,
                                       pin_memory=self.cuda)  # fmt: skip
         self._issued: list[int] = []  # steps issued and not read yet: their buffers
         self._ready: list = []  # read steps' [2L, K] ids + codes, for the table
@@ -226,6 +241,14 @@ class GpuExperts(ExpertProvider):
         self._stage = StageMisses(*pairs) if self.staged else None
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
             self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
+        self._routes: list | None = None  # set_routes: each MoE block's router (prefetch)
+        if self.prefetching:
+            self._side = torch.cuda.Stream(self.device) if self.cuda else None
+            self._prefetch_out = torch.zeros(K, dtype=torch.int64, device=self.device)
+        self.prefetch_reads = 0  # predicted misses copied into a prefetch set
+        self.prefetch_used = 0  # routed misses read from a prefetch set (not staged again)
+        self.predict_routed = 0  # routed pairs of predicted layers
+        self.predict_correct = 0  # of which the prediction named
         self._pending: list[tuple[object, list[tuple[int, int, int]]]] = []  # (event, admits)
         self.host_reads = 0  # routed pairs whose records came from pinned host memory
         self.device_hits = 0
@@ -237,6 +260,12 @@ class GpuExperts(ExpertProvider):
 
     AHEAD = 2  # routing buffers: a step in flight while the host reads the one before
 
+    def set_routes(self, routes: list) -> None:
+        """Prefetch: each MoE block's `route` (x [1, D] -> (weights, ids [1, K])), in layer
+        order; decode layer li runs routes[li + 1] on its own router input (the stale gate)."""
+        assert self.prefetching and len(routes) == len(self.layers)
+        self._routes = routes
+
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
         """One token: codes gathered on the device, misses staged into VRAM (or read from the
         mirror by the kernels). Syncs nothing."""
@@ -245,10 +274,40 @@ class GpuExperts(ExpertProvider):
         self._seen[li].copy_(ids.reshape(-1))
         codes = self._seen[len(self.layers) + li]  # the gather written where the host reads it
         torch.index_select(self.slot_map[li], 0, ids.reshape(-1), out=codes)
+        if self.prefetching:
+            slots = self._prefetching_stage(li, x, codes)
+            return moe_decode(x, slots.view_as(ids), weights, self.pool)
         if self._stage is not None:  # staging slots n_slots .. n_slots + K - 1, this layer's
             self._stage(codes, self._stage_slots, self.n_slots)
             return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
         return moe_decode(x, codes.view_as(ids), weights, self.pool, host=self.mirror)
+
+    def _prefetch_base(self, li: int) -> int:
+        """First slot of layer li's prefetch set (past the table's slots and the staging)."""
+        return self.n_slots + self.K * (1 + li % 2)
+
+    def _prefetching_stage(self, li: int, x, codes) -> torch.Tensor:
+        """Stage layer li's misses, reading those the previous layer prefetched from its set;
+        then, on the side stream while this layer computes, prefetch layer li + 1's predicted
+        misses (router li + 1 on this layer's router input). Returns the slots to read."""
+        assert self._routes is not None, "set_routes before a prefetching decode step"
+        L = len(self.layers)
+        slots = self._seen[2 * L + li]
+        ahead = None
+        if li > 0:  # the prefetch issued by layer li - 1 must have landed
+            if self.cuda:
+                torch.cuda.current_stream(self.device).wait_stream(self._side)
+            ahead = (self._seen[3 * L + li], self._prefetch_base(li))
+        self._stage(codes, slots, self.n_slots, ahead=ahead)
+        if li + 1 < L:
+            pred, pcodes = self._seen[4 * L + li + 1], self._seen[3 * L + li + 1]
+            pred.copy_(self._routes[li + 1](x)[1].reshape(-1))
+            torch.index_select(self.slot_map[li + 1], 0, pred, out=pcodes)
+            if self.cuda:
+                self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side) if self.cuda else contextlib.nullcontext():
+                self._stage(pcodes, self._prefetch_out, self._prefetch_base(li + 1))
+        return slots
 
     def decode_issued(self) -> None:
         if not self.device_misses:
@@ -296,9 +355,12 @@ class GpuExperts(ExpertProvider):
         """One read step's routing through the slot table: evicted keys' codes back, admitted
         records copied behind every issued step (published when done)."""
         t, E, L = self.table, self.E, len(self.layers)
-        reads = int((seen[L:] < 0).sum())  # the codes the step's kernels ran with
+        codes = seen[L : 2 * L]  # the codes the step's kernels ran with
+        reads = int((codes < 0).sum())
         self.host_reads += reads
-        self.device_hits += seen[L:].size - reads
+        self.device_hits += codes.size - reads
+        if self.prefetching:
+            self._account_prefetch(seen)
         h0, m0, t0 = t.hits, t.misses, time.perf_counter()
         fix: list[int] = []  # mirror rows of evicted keys (their code: -1 - row)
         admits: list[tuple[int, int, int]] = []  # (layer index, expert, slot)
@@ -324,6 +386,16 @@ class GpuExperts(ExpertProvider):
         self.decode_table_seconds += time.perf_counter() - t0
         if fix or admits:
             self._apply(fix, admits)
+
+    def _account_prefetch(self, seen) -> None:
+        """A read step's prefetch counters: copies, misses served by them, recall (layers 1..)."""
+        L, K = len(self.layers), self.K
+        codes, slots = seen[L + 1 : 2 * L], seen[2 * L + 1 : 3 * L]
+        self.prefetch_reads += int((seen[3 * L + 1 : 4 * L] < 0).sum())
+        self.prefetch_used += int(((codes < 0) & (slots >= self.n_slots + K)).sum())
+        self.predict_routed += (L - 1) * K
+        self.predict_correct += sum(len(set(a) & set(b)) for a, b in
+                                    zip(seen[1:L].tolist(), seen[4 * L + 1 : 5 * L].tolist()))  # fmt: skip
 
     def _published(self, wait: bool) -> None:
         """Admissions whose copies are done (all of them with `wait`) leave the busy set (their
@@ -572,6 +644,8 @@ class GpuExperts(ExpertProvider):
                 d["miss_reads"] = "stage" if self.staged else "direct"
             if self.staged:
                 d["staging_slots"] = self.K
+            if self.prefetching:
+                d.update(prefetch=self.cfg.prefetch, prefetch_slots=2 * self.K)
         return d
 
     # ---- stats ---------------------------------------------------------------------------------
@@ -586,10 +660,16 @@ class GpuExperts(ExpertProvider):
         if self.device_misses:  # decode steps count what the kernels read, not the table's view
             hits += self.device_hits - self._table_counted[0]
             misses += self.host_reads - self._table_counted[1]
-            extra = {"host_reads": self.host_reads, "host_read_bytes": self.host_reads * self.size,
+            # records read from pinned memory in decode: staged misses and prefetch copies
+            copies = self.host_reads - self.prefetch_used + self.prefetch_reads
+            extra = {"host_reads": self.host_reads, "host_read_bytes": copies * self.size,
                      "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped,
                      "bookkeeping_seconds": self.bookkeeping_seconds,
                      "decode_table_seconds": self.decode_table_seconds}  # fmt: skip
+            if self.prefetching:
+                extra.update(prefetch_reads=self.prefetch_reads, prefetch_used=self.prefetch_used,
+                             predict_routed=self.predict_routed,
+                             predict_correct=self.predict_correct)  # fmt: skip
         return {
             "bytes_read": 0 if self.reader is None else self.reader.bytes_read,
             "io_seconds": 0.0 if self.reader is None else self.reader.io_seconds,

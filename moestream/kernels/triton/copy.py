@@ -61,18 +61,25 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, s0, d0, s1, d1, s2, d2, s3
 
 
 @triton.jit
-def _stage_kernel(codes_ptr, slots_ptr, base, s0, d0, s1, d1, s2, d2, s3, d3,
+def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, s0, d0, s1, d1, s2, d2, s3, d3,
                   W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-                  BLOCK: tl.constexpr):  # fmt: skip
-    """Program (p, c): pair p's code >= 0 is its slot; a code < 0 names mirror row -1 - code,
-    whose chunk c of every section goes to staging slot base + p. slots[p]: the slot the
-    decode kernels then read."""
+                  A: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+    """Program (p, c): pair p's code >= 0 is its slot; a code < 0 names mirror row -1 - code:
+    if one of the A prefetched codes (acodes) is that code, its prefetch slot abase + j holds
+    the row already; else chunk c of every section goes to staging slot base + p. slots[p]: the
+    slot the decode kernels then read."""
     p = tl.program_id(0)
     c, n = tl.program_id(1), tl.num_programs(1)
     code = tl.load(codes_ptr + p).to(tl.int64)
+    slot = tl.where(code < 0, base + p, code)
+    found = code != code  # False
+    for j in tl.static_range(A):
+        match = (code < 0) & (tl.load(acodes_ptr + j).to(tl.int64) == code)
+        found = found | match
+        slot = tl.where(match, abase + j, slot)
     if c == 0:
-        tl.store(slots_ptr + p, tl.where(code < 0, base + p, code))
-    if code < 0:
+        tl.store(slots_ptr + p, slot)
+    if (code < 0) & (found == 0):
         r = -1 - code
         s = base + p
         _copy_one(s0, d0, r, s, c, n, W0, BLOCK)
@@ -129,7 +136,10 @@ class StageMisses(SectionCopy):
     or -1 - mirror row), mirror row -> staging slot `base + p` of pair p, every section, one
     launch of `chunks` programs a pair; `slots` [P] gets the slot each pair is read from. The
     decode kernels then read only VRAM: a miss crosses PCIe once, as whole rows, instead of as
-    the decode kernels' small tiles (which read pinned memory at about half the link's rate)."""
+    the decode kernels' small tiles (which read pinned memory at about half the link's rate).
+    `ahead`: (codes [A], base) of an earlier call that copied its misses into slots base .. base
+    + A - 1 (a prefetch: the same launch with other codes); a miss among them is read from there,
+    not copied again (the same mirror row, so the same bytes)."""
 
     def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
                  chunks: int = STAGE_CHUNKS):  # fmt: skip
@@ -137,21 +147,30 @@ class StageMisses(SectionCopy):
         assert chunks > 0
         self.stage_chunks = chunks
 
-    def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int) -> None:
+    def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int,
+                 ahead: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
         """codes, slots: int64 [P] contiguous on dst's device (P pairs, the staging slots base
         .. base + P - 1). Runs on the current stream, syncs nothing: capturable."""
         assert codes.is_contiguous() and slots.is_contiguous() and codes.numel() == slots.numel()
+        acodes, abase = ahead if ahead is not None else (codes, 0)
+        assert acodes.is_contiguous()
         grid = (codes.numel(), self.stage_chunks)
-        _stage_kernel[grid](codes, slots, base, *self.args, BLOCK=BLOCK, num_warps=4,
-                            **self.consts)  # fmt: skip
+        _stage_kernel[grid](codes, slots, base, acodes, abase, *self.args,
+                            A=acodes.numel() if ahead is not None else 0, BLOCK=BLOCK,
+                            num_warps=4, **self.consts)  # fmt: skip
 
 
 def stage_misses_ref(src: list[torch.Tensor], dst: list[torch.Tensor], codes: torch.Tensor,
-                     base: int) -> torch.Tensor:  # fmt: skip
+                     base: int, ahead: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
     """The spec of StageMisses: plain indexing per section; returns the slots."""
     codes = codes.reshape(-1)
     miss = codes < 0
     slots = torch.where(miss, base + torch.arange(codes.numel(), device=codes.device), codes)
+    if ahead is not None:  # misses a prefetch copied: read from its slot, nothing copied
+        for j, a in enumerate(ahead[0].reshape(-1).tolist()):
+            hit = miss & (codes == a)
+            slots[hit] = ahead[1] + j
+            miss = miss & ~hit
     for s, d in zip(src, dst):
         copy_rows_ref(s, d, (-1 - codes[miss]), slots[miss])
     return slots
