@@ -29,8 +29,10 @@ fraction of expert bytes in VRAM. 1 = every layer on the GPU (llama-bench `-ngl 
 step torch.compile'd); s < 1 = llama.cpp computes the experts of
 round(L * (1 - s)) layers on the CPU (`--n-cpu-moe`), moestream streams them into a VRAM slot pool
 of s of the expert bytes from a pinned host mirror: `triton` and `compiled` with a step's misses
-staged into VRAM by one launch per layer (captured step), `direct` with the decode kernels
-reading them from pinned RAM themselves, `host-misses` with the per-layer host round trip; a
+staged into VRAM by one launch per layer (captured step), `prefetch` staged as `triton` plus the
+stale gate's prefetch of the next layer's predicted misses (`--predictor stale-gate`), `direct`
+with the decode kernels reading them from pinned RAM themselves, `host-misses` with the
+per-layer host round trip; a
 `-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
 read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
@@ -119,7 +121,7 @@ def child_rss(cmd: list[str]) -> tuple[str, int]:
     return "".join(chunks), usage.ru_maxrss * 1024
 
 
-POOL_ONLY = ("host-misses", "direct")  # variants of a streamed pool (shares < 1)
+POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool (shares < 1)
 
 
 def child_experts(kernel: str, device: str, share: float):
@@ -147,15 +149,18 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     import torch
 
     from moestream.config import SamplingConfig
+    from moestream.experts.config import PredictConfig
     from moestream.runtime import open_model
 
     torch.set_num_threads(threads)
     # "-step" (ablation): each decode step issued after the host read the one before
     kernel, step = kernel.removesuffix("-step"), kernel.endswith("-step")
     experts = child_experts(kernel, device, share)
+    # "prefetch": the staged pool plus the stale gate's prefetch inside the step
+    predict = PredictConfig(predictor="stale-gate") if kernel == "prefetch" else None
     dtype = "float32" if device == "cpu" else "bfloat16"
     t0 = time.perf_counter()
-    with open_model(store, dtype=dtype, experts=experts, threads=threads) as rt:
+    with open_model(store, dtype=dtype, experts=experts, threads=threads, predict=predict) as rt:
         if step:
             rt.provider.decodes_ahead = lambda: False
         g = torch.Generator().manual_seed(0)
@@ -179,6 +184,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             row["pcie_bytes_per_token"] = moved / max(len(res.ids) - 1, 1)
             if "host_ms_per_token" in s:  # decode wall time not blocked on the GPU
                 row["host_ms_per_token"] = s["host_ms_per_token"]
+            if s.get("predict_routed"):  # prefetch: recall, and the copies a routed pair read
+                row["prediction_recall"] = s["predict_correct"] / s["predict_routed"]
+                row["prefetch_precision"] = s["prefetch_used"] / max(s["prefetch_reads"], 1)
             if "bookkeeping_seconds" in s:  # device misses: slot-table work between steps
                 steps = max(len(res.ids) - 1, 1)
                 row["bookkeeping_ms_per_token"] = s["bookkeeping_seconds"] * 1e3 / steps
@@ -353,7 +361,7 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     first = runs[0][0]
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
               "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
-              "load_and_warm_s"):  # fmt: skip
+              "load_and_warm_s", "prediction_recall", "prefetch_precision"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out

@@ -191,11 +191,13 @@ def test_bench_peers_variants_per_share():
 
     top, pool = ["triton", "compiled"], ["triton", "direct"]
     assert share_kernels(top, pool, 1.0) == top and share_kernels(top, pool, 0.5) == pool
-    assert share_kernels(["triton", "direct", "host-misses"], None, 1.0) == ["triton"]
+    assert share_kernels(["triton", "direct", "host-misses", "prefetch"], None, 1.0) == ["triton"]
     assert share_kernels(["triton", "direct"], None, 0.25) == ["triton", "direct"]
     staged, direct = (child_experts(k, "cuda", 0.5) for k in ("triton", "direct"))
     assert (staged.miss_reads, direct.miss_reads) == ("stage", "direct")
     assert staged.device_side_misses() and direct.device_side_misses()
+    # "prefetch": the staged pool; the child adds --predictor stale-gate (GpuConfig.prefetch)
+    assert child_experts("prefetch", "cuda", 0.5) == staged
     host = child_experts("host-misses", "cuda", 0.5)
     assert not host.device_side_misses()
     assert child_experts("compiled", "cuda", 1.0).compile_step
