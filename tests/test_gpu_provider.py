@@ -323,6 +323,9 @@ def test_gpu_prefetch_is_refused_where_it_cannot_run(stores):
                       prefetch="stale-gate")  # fmt: skip
     with pytest.raises(ConfigError, match="takes 24 slots .* holds 31 slots"):
         GpuExperts(st, small)
+    unstaged = dataclasses.replace(small, gpu_budget=12 * st.slot_size)  # under 2K: no staging
+    with pytest.raises(ConfigError, match="does not stage them .* raise --gpu-budget"):
+        GpuExperts(st, unstaged)
 
     with pytest.raises(ConfigError, match="--pin-experts"):
         GpuConfig(gpu_budget=2**20, device="cpu", prefetch="stale-gate")  # no pinned mirror

@@ -116,7 +116,14 @@ class GpuExperts(ExpertProvider):
         # parity (a layer reads its set while the next layer's prefetch fills the other).
         self.prefetching = cfg.prefetch != "none"
         if self.prefetching:
-            if not self.staged or self.n_slots < 3 * self.K:
+            if not self.staged:
+                raise ConfigError(
+                    f"--predictor {cfg.prefetch} on the GPU prefetches beside the staged misses, "
+                    "and this pool does not stage them (the Triton decode kernels do not take "
+                    f"this model's shape, or the budget holds under {2 * self.K} slots): raise "
+                    "--gpu-budget or drop --predictor"
+                )
+            if self.n_slots < 3 * self.K:
                 raise ConfigError(
                     f"--predictor {cfg.prefetch} on the GPU takes {3 * self.K} slots of the budget "
                     f"(the staging and two prefetch sets of {self.K}) beside a slot table of at "
@@ -224,7 +231,7 @@ class GpuExperts(ExpertProvider):
         self._seen_host = torch.zeros(self.AHEAD, rows, K, dtype=torch.int64,
                                       pin_memory=self.cuda)  # fmt: skip
         self._issued: list[int] = []  # steps issued and not read yet: their buffers
-        self._ready: list = []  # read steps' [2L, K] ids + codes, for the table
+        self._ready: list = []  # read steps' rows of _seen (ids, codes, ...), for the table
         self._n_issued = 0
         # one account's index uploads (evicted rows + codes, admitted rows + slots: at most
         # 4 L K values) through AHEAD pinned buffers, each reused once its last upload is done
