@@ -201,3 +201,40 @@ def test_bench_peers_variants_per_share():
     host = child_experts("host-misses", "cuda", 0.5)
     assert not host.device_side_misses()
     assert child_experts("compiled", "cuda", 1.0).compile_step
+
+
+def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):
+    """benchmarks/sim_gpu_prefetch.py on a --hidden trace of the tiny model: the staged replay's
+    misses are the cache simulator's decode misses at the same slots (the same replay), the
+    prefetch variant gives up 2K slots, covers at most its misses, copies only predicted experts
+    (each layer after the first, K at most), and the MB add up from the record size."""
+    import sim_gpu_prefetch
+
+    from moestream.obs.simulate import simulate
+    from moestream.obs.trace import load_trace
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("def fibonacci(n):\nclass Node:\nimport os\n")
+    tr = tmp_path / "tr"
+    argv = ["trace", "-m", str(store), "--prompts", str(prompts), "-n", "12", "--ignore-eos"]
+    assert main([*argv, "--hidden", "-o", str(tr)]) == 0
+    out = tmp_path / "rows.jsonl"
+    assert sim_gpu_prefetch.main(["-m", str(store), "--trace", str(tr), "--shares", "0.75",
+                                  "--out", str(out)]) == 0  # fmt: skip
+    staged, pre = (json.loads(line) for line in out.read_text().splitlines())
+    t, st = load_trace(tr), Store(store)
+    K, L, size = t.top_k, t.n_layers, st.slot_size
+    assert (staged["variant"], pre["variant"]) == ("staged", "prefetch")
+    assert staged["table_slots"] - pre["table_slots"] == 2 * K
+    sim = simulate(t, "lrfu", staged["table_slots"], size)
+    tokens = int((~t.is_prompt).sum())
+    assert staged["misses"] == pytest.approx(sim.decode_misses / tokens)
+    assert staged["covered"] == staged["prefetch_copies"] == 0
+    assert 0 < pre["prefetch_copies"] <= (L - 1) * K and 0 <= pre["covered"] <= pre["misses"]
+    assert pre["critical_mb_per_token"] == pytest.approx(
+        (pre["misses"] - pre["covered"]) * size / 1e6
+    )
+    assert pre["pcie_mb_per_token"] == pytest.approx(
+        pre["critical_mb_per_token"] + (pre["prefetch_copies"] + pre["misses"]) * size / 1e6
+    )
+    assert staged["routed"] == L * K and staged["decode_tokens"] == tokens

@@ -210,6 +210,24 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=F
     return out
 
 
+def tiny_moe_store(tmp_path, monkeypatch, quant: str, layers: int) -> Path:
+    """A tiny Qwen3-MoE store (`layers` MoE layers of 8 experts, top-2) for the interpreter, and
+    one decode tile for it (the H200's tiles fitted to this shape take the interpreter 13x
+    longer); every run of the test uses it."""
+    pytest.importorskip("triton")
+    from tiny_models import perturbed_model, save
+
+    from moestream.convert.writer import convert
+    from moestream.kernels.triton import decode
+    from moestream.quant import make_scheme
+
+    hf = save(perturbed_model("qwen3_moe", num_hidden_layers=layers, mlp_only_layers=[],
+                              moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
+    tile = decode.DecodeConfig(bn=64, bk=64, bn_d=64, bk_d=64)
+    monkeypatch.setattr(decode, "default_config", lambda *a: tile)
+    return convert(hf, tmp_path / quant, make_scheme(quant), False)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
 @pytest.mark.parametrize("quant,ahead,reads", [("int8", False, "direct"), ("int4", False, "direct"),
                                                ("int4", True, "direct"), ("int8", True, "stage"),
@@ -223,21 +241,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     last of each generation), and the pool holds what slot_map says (int4: repacked into the
     kernels' row layout in the pool and the mirror). `ahead`: decoded one step ahead of the
     host."""
-    pytest.importorskip("triton")
-    from tiny_models import perturbed_model, save
-
-    from moestream.convert.writer import convert
-    from moestream.quant import make_scheme
-
-    hf = save(perturbed_model("qwen3_moe", num_hidden_layers=2, mlp_only_layers=[],
-                              moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
-    store = convert(hf, tmp_path / quant, make_scheme(quant), False)
-    # one tile per layer (the H200's tiles fitted to this shape take the interpreter 13x longer);
-    # both runs use it
-    from moestream.kernels.triton import decode
-
-    tile = decode.DecodeConfig(bn=64, bk=64, bn_d=64, bk_d=64)
-    monkeypatch.setattr(decode, "default_config", lambda *a: tile)
+    store = tiny_moe_store(tmp_path, monkeypatch, quant, layers=2)
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
     n = 10
@@ -263,27 +267,17 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-@pytest.mark.parametrize("quant", ["int8", "int4"])
-def test_cpu_stale_gate_prefetch_equals_resident(tmp_path, monkeypatch, quant):
-    """--predictor stale-gate on the GPU provider (the interpreter, a tiny Qwen3-MoE of 3 MoE
-    layers, 8 experts, top-2, a table of 3 slots): each decode layer prefetches the next layer's
+def test_cpu_stale_gate_prefetch_equals_resident(tmp_path, monkeypatch):
+    """--predictor stale-gate on the GPU provider (the interpreter, int4 rows, a tiny Qwen3-MoE
+    of 3 MoE layers, 8 experts, top-2, a table of 3 slots; the staging copies section words
+    whatever the quant, and int8 runs it in test_cpu_device_misses_equal_resident): each decode
+    layer prefetches the next layer's
     predicted misses into the prefetch set of its parity and the next layer reads the misses it
     named from there. Tokens and log-probs are the resident run's; the counters add up (every
     routed pair of layers 1-2 scored, prefetched misses used, the bytes read from the mirror =
     staged misses + prefetch copies) and the pool holds what slot_map says."""
-    pytest.importorskip("triton")
-    from tiny_models import perturbed_model, save
-
-    from moestream.convert.writer import convert
-    from moestream.kernels.triton import decode
-    from moestream.quant import make_scheme
-
-    hf = save(perturbed_model("qwen3_moe", num_hidden_layers=3, mlp_only_layers=[],
-                              moe_intermediate_size=64), tmp_path / "hf", "fused")  # fmt: skip
-    store = convert(hf, tmp_path / quant, make_scheme(quant), False)
-    tile = decode.DecodeConfig(bn=64, bk=64, bn_d=64, bk_d=64)
-    monkeypatch.setattr(decode, "default_config", lambda *a: tile)
-    n = 10
+    store = tiny_moe_store(tmp_path, monkeypatch, "int4", layers=3)
+    n = 8
     (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, True, "stage",
                                                  prefetch=True)  # fmt: skip
     p = rt.provider

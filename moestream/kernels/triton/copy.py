@@ -145,7 +145,9 @@ class StageMisses(SectionCopy):
                  chunks: int = STAGE_CHUNKS):  # fmt: skip
         super().__init__(srcs, dsts)
         assert chunks > 0
-        self.stage_chunks = chunks
+        # no more programs a pair than the largest section has blocks (small records: tests)
+        words = max(a.shape[1] for a, _ in self.pairs)
+        self.stage_chunks = max(1, min(chunks, triton.cdiv(words, BLOCK)))
 
     def __call__(self, codes: torch.Tensor, slots: torch.Tensor, base: int,
                  ahead: tuple[torch.Tensor, int] | None = None) -> None:  # fmt: skip
