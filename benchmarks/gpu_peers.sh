@@ -2,6 +2,7 @@
 # The GPU machine's side-by-side run (issue 22), in two steps so each fits one device call:
 #   bash benchmarks/gpu_peers.sh prepare   # llama.cpp CUDA build (background) + checkpoint + conversions
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]
+#   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # the admission programs A/B on the same store
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
 # as llama/ and gen_model_b.py (the repository's tracked files already take ~61 of the 64 MiB a
 # device call carries, so the source travels compressed, ~4.4 MB).
@@ -40,5 +41,11 @@ bench)
     --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
     --pool-kernels "${POOL_KERNELS:-triton,prefetch}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
     --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
+  ;;
+admit)
+  out=${2:?OUT folder}
+  name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
+  python benchmarks/ablations/bench_admit.py "$WORK/work/$name" --share "${SHARE:-0.5}" \
+    --programs "${PROGRAMS:-8,256}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
   ;;
 esac

@@ -238,3 +238,22 @@ def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_p
         pre["critical_mb_per_token"] + (pre["prefetch_copies"] + pre["misses"]) * size / 1e6
     )
     assert staged["routed"] == L * K and staged["decode_tokens"] == tokens
+
+
+def test_bench_admit_child_sets_the_admission_programs(monkeypatch):
+    """ablations/bench_admit.py's child runs bench_peers' child with every SectionCopy made from
+    then on using its variant's programs (what the A/B varies), the staged pool at the share."""
+    import torch
+    from ablations import bench_admit
+
+    from moestream.kernels.triton import copy
+
+    calls = []
+    monkeypatch.setattr(
+        copy.SectionCopy.__init__, "__defaults__", copy.SectionCopy.__init__.__defaults__
+    )
+    monkeypatch.setattr(bench_admit, "moestream_child", lambda *a: calls.append(a))
+    bench_admit.child("STORE", 256, 0.5, 16, 64, 32)
+    assert calls == [("STORE", "triton", 16, 64, 32, "cuda", 0.5)]
+    src = [torch.zeros(3, 8, dtype=torch.int32)]
+    assert copy.SectionCopy(src, [torch.zeros(2, 8, dtype=torch.int32)]).programs == 256
