@@ -1,6 +1,7 @@
 """Admission programs A/B at a streamed share (docs/gpu.md, "Bounded admissions"), off the product
-path: the same store decoded by bench_peers' child with `SectionCopy`'s programs (its bytes in
-flight over PCIe, `kernels/triton/copy.py` ADMIT_PROGRAMS) set per variant, interleaved, the
+path: the same store decoded by bench_peers' child with the decode admissions' programs (their
+bytes in flight over PCIe: `SectionCopy`'s default, `kernels/triton/copy.py` ADMIT_PROGRAMS; a
+prompt's fill names its own, FILL_PROGRAMS) set per variant, interleaved, the
 order reversed every other repeat. Rows: programs, decode tok/s (median), PCIe MB per token, the
 fraction of the pinned-copy rate measured in the same run, hit rate.
 

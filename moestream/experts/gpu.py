@@ -240,11 +240,12 @@ class GpuExperts(ExpertProvider):
         cuda_event = torch.cuda.Event if self.cuda else lambda: None
         self._seen_ev = [cuda_event() for _ in range(self.AHEAD)]
         self._idx_ev = [cuda_event() for _ in range(self.AHEAD)]
-        from moestream.kernels.triton.copy import SectionCopy, StageMisses  # the gpu extra
+        from moestream.kernels.triton.copy import FILL_PROGRAMS, SectionCopy, StageMisses
 
         names = list(self.pool.sections)
         pairs = [self.mirror.sections[n] for n in names], [self.pool.sections[n] for n in names]
-        self._copy_rows = SectionCopy(*pairs)
+        self._admit_rows = SectionCopy(*pairs)  # decode admissions: few bytes in flight
+        self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
         self._stage = StageMisses(*pairs) if self.staged else None
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
             self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
@@ -454,7 +455,7 @@ class GpuExperts(ExpertProvider):
             self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             vals.record_stream(self.copy_stream)  # read there after this stream moves on
         with torch.cuda.stream(self.copy_stream) if self.cuda else contextlib.nullcontext():
-            self._copy_rows(rows, slots)
+            self._admit_rows(rows, slots)
             flat[rows] = slots
             if self.cuda:
                 ev = torch.cuda.Event()

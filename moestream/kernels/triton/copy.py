@@ -3,8 +3,9 @@ addressing, so no staging buffer or per-record memcpy call) into VRAM pool slots
 of a record in one launch. The GPU provider admits experts into its pool with it, on its copy
 stream (`SectionCopy`, spec `dst[slots[i]] = src[rows[i]]` per section: `copy_rows_ref`), and
 stages a decode step's misses with it inside the captured step (`StageMisses`: a routed pair
-whose code is negative gets its mirror row copied into the pool's staging slot of that pair;
-spec `stage_misses_ref`)."""
+whose code is negative gets its mirror row copied into the pool's staging slot of that pair,
+unless a prefetch launch of an earlier layer copied it into its own slots already; spec
+`stage_misses_ref`)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per 
 # serves outstanding reads roughly in proportion, so a bounded admission leaves staging most of
 # it (bench_pcie.py's contention rows measure that trade; docs/gpu.md).
 ADMIT_PROGRAMS = 8
+# A prompt's misses (the provider's host path): the compute waits for them and nothing else
+# reads the link, so as many programs as the old per-record grid had at 16 records.
+FILL_PROGRAMS = 256
 CHUNKS = 4  # chunks per section of an admitted record (work items of the admission's programs)
 MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 # Programs per staged pair: each copies its share of every section; a layer's misses are on
