@@ -257,3 +257,25 @@ def test_bench_admit_child_sets_the_admission_programs(monkeypatch):
     assert calls == [("STORE", "triton", 16, 64, 32, "cuda", 0.5)]
     src = [torch.zeros(3, 8, dtype=torch.int32)]
     assert copy.SectionCopy(src, [torch.zeros(2, 8, dtype=torch.int32)]).programs == 256
+
+
+def test_bench_peers_child_warms_up_on_another_prompt(store, monkeypatch, capsys):
+    """bench_peers' moestream child (CPU, a streamed slot cache at share 0.5): the untimed
+    warm-up runs a different random prompt of the same length than the measured generation, so
+    the pool is not warmed by the measured prompt's own experts; the row it prints has the
+    measured run's figures."""
+    from bench_peers import moestream_child
+
+    calls = []
+    real = Generator.generate
+
+    def spy(self, ids, cfg, *a, **k):
+        calls.append((list(ids), cfg.max_new_tokens))
+        return real(self, ids, cfg, *a, **k)
+
+    monkeypatch.setattr(Generator, "generate", spy)
+    moestream_child(str(store), "native", 1, 12, 5, "cpu", 0.5)
+    (warm, n_warm), (ids, n) = calls
+    assert (n_warm, n) == (8, 5) and len(warm) == len(ids) == 12 and warm != ids
+    row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert row["decode_tok_s"] > 0 and row["mode"]["experts"] != "resident"
