@@ -189,6 +189,9 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             row["pcie_bytes_per_token"] = moved / max(len(res.ids) - 1, 1)
             if "host_ms_per_token" in s:  # decode wall time not blocked on the GPU
                 row["host_ms_per_token"] = s["host_ms_per_token"]
+            if "decode_hits" in s:  # device misses: the decode steps' own lookups (no prompt)
+                looked = s["decode_hits"] + s["host_reads"]
+                row["decode_hit_rate"] = s["decode_hits"] / looked if looked else 1.0
             if s.get("predict_routed"):  # prefetch: recall, and the copies a routed pair read
                 row["prediction_recall"] = s["predict_correct"] / s["predict_routed"]
                 row["prefetch_precision"] = s["prefetch_used"] / max(s["prefetch_reads"], 1)
@@ -366,7 +369,8 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     first = runs[0][0]
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
               "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
-              "load_and_warm_s", "prediction_recall", "prefetch_precision"):  # fmt: skip
+              "load_and_warm_s", "prediction_recall", "prefetch_precision",
+              "decode_hit_rate"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out

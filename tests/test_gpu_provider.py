@@ -258,6 +258,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert s["host_reads"] > 0 and s["hits"] > 0, s
     # n - 1 decode steps per prompt, the last one's routing never taken (no later step)
     assert p.host_reads + p.device_hits == 2 * (n - 2) * len(p.layers) * p.K
+    assert (s["decode_hits"], s["host_reads"]) == (p.device_hits, p.host_reads)
     assert s["h2d_bytes"] > 0 and s["evictions"] > 0  # admissions copied into evicted slots
     assert s["admissions_skipped"] > 0
     p._drain()

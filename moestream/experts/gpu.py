@@ -670,7 +670,8 @@ class GpuExperts(ExpertProvider):
             misses += self.host_reads - self._table_counted[1]
             # records read from pinned memory in decode: staged misses and prefetch copies
             copies = self.host_reads - self.prefetch_used + self.prefetch_reads
-            extra = {"host_reads": self.host_reads, "host_read_bytes": copies * self.size,
+            extra = {"host_reads": self.host_reads, "decode_hits": self.device_hits,
+                     "host_read_bytes": copies * self.size,
                      "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped,
                      "bookkeeping_seconds": self.bookkeeping_seconds,
                      "decode_table_seconds": self.decode_table_seconds}  # fmt: skip
