@@ -19,7 +19,7 @@ BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per 
 # share PCIe with the next step's staging, which is on that step's critical path; the link
 # serves outstanding reads roughly in proportion, so a bounded admission leaves staging most of
 # it (bench_pcie.py's contention rows measure that trade; docs/gpu.md).
-ADMIT_PROGRAMS = 8
+ADMIT_PROGRAMS = 32
 # A prompt's misses (the provider's host path): the compute waits for them and nothing else
 # reads the link, so as many programs as the old per-record grid had at 16 records.
 FILL_PROGRAMS = 256
