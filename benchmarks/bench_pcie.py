@@ -150,6 +150,15 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
     return out
 
 
+def interpreter_too_old() -> bool:
+    """Triton < 3.7: its interpreter cannot run the copy kernels' loops (checked 3.6.0 against
+    3.7.0 and 3.9.0 with NumPy 2.4)."""
+    from importlib.metadata import version
+
+    major, minor = (int(v) for v in version("triton").split(".")[:2])
+    return (major, minor) < (3, 7)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="2048,768,32", help="D,I,group of the int4 rows records")
@@ -159,6 +168,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
+    if a.dry_run and interpreter_too_old():
+        print("bench_pcie.py: --dry-run needs Triton >= 3.7 (3.6's interpreter passes launch "
+              "arguments as 1-element arrays, which NumPy 2 refuses as range bounds); on a GPU "
+              "run it without --dry-run", file=sys.stderr)  # fmt: skip
+        return 2
     if a.dry_run:  # before triton is imported: it reads the variable when kernels are decorated
         os.environ["TRITON_INTERPRET"] = "1"
     elif not torch.cuda.is_available():
