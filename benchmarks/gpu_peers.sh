@@ -39,7 +39,7 @@ bench)
   out=${2:?OUT folder}
   python benchmarks/bench_peers.py --device cuda --hf "$WORK/hf" --llama "$WORK/llama" --work "$WORK/work" \
     --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
-    --pool-kernels "${POOL_KERNELS:-triton,prefetch}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
+    --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
     --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
   ;;
 admit)

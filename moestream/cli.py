@@ -188,7 +188,8 @@ def _add_store_args(p) -> None:
         "--predictor",
         default="none",
         choices=["none", "temporal", "stale-gate", "prerouter", "oracle"],
-        help="predict upcoming experts and prefetch them (default none: on-demand reads)",
+        help="predict upcoming experts and prefetch them (default none: on-demand reads; on "
+        "--device cuda only stale-gate, measured slower there: docs/gpu.md)",
     )
     g.add_argument(
         "--routing",
