@@ -17,8 +17,9 @@ BLOCK = 4096  # int32 words per step of a program: 16 KB of loads in flight per 
 # Admissions: a fixed number of programs walk every (record, section, chunk) of a call, so the
 # bytes in flight stay ADMIT_PROGRAMS x 16 KB however many records one call admits. Admissions
 # share PCIe with the next step's staging, which is on that step's critical path; the link
-# serves outstanding reads roughly in proportion, so a bounded admission leaves staging most of
-# it (bench_pcie.py's contention rows measure that trade; docs/gpu.md).
+# serves outstanding reads roughly in proportion, so a bounded admission leaves staging more of
+# it (bench_pcie.py's contention rows); but a slower admission keeps its victims' slots busy
+# and admits less. 32 was the best of 8 / 32 / 256 end to end on the H200 (docs/gpu.md).
 ADMIT_PROGRAMS = 32
 # A prompt's misses (the provider's host path): the compute waits for them and nothing else
 # reads the link, so as many programs as the old per-record grid had at 16 records.
