@@ -102,3 +102,68 @@ def test_decode_variants_cuda(quant, elem, split):
         for T in (1, 2):
             _check(moe_decode, quant, 16, 2048, 768, T, 8, torch.bfloat16, "cuda", seed=5 + T,
                    cfg=cfg)  # fmt: skip
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequant_rows_equals_the_spec(dtype):
+    """benchmarks/ablations/prefill_grouped.py: the int4 rows dequantized by the Triton launch
+    equal kernels/ref.py's dequantize of every expert bit for bit (a partial row block: N = 24 of
+    BN = 16; two groups a K block), both weights."""
+    from ablations.prefill_grouped import dequant_rows, dequant_rows_ref
+
+    device = "cuda" if CUDA else "cpu"
+    ex = _layer("int4r", 3, 128, 64, device, torch.Generator().manual_seed(5))
+    for name in ("w13", "w2"):
+        got = dequant_rows(ex, name, dtype, bk=64)
+        want = dequant_rows_ref(ex, name, dtype)
+        assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), name
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", ["int4r", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm_prefill_matches_the_spec(quant, dtype):
+    """The dequantize-then-grouped-GEMM prefill against the float64 spec (the tolerance of the
+    product kernels), experts that no token routes to included (E = 16 > T * K / 2), and its
+    result within rounding of prefill.moe_prefill's on the same layer (CPU: torch's grouped-GEMM
+    loop, the Triton kernels in fp32, as test_prefill_interpreter; CUDA: CUTLASS, bf16 only)."""
+    from ablations.prefill_grouped import moe_prefill_grouped
+
+    from moestream.kernels.triton.prefill import moe_prefill
+
+    if CUDA and dtype == torch.float32:
+        pytest.skip("torch._grouped_mm takes bf16 on CUDA")
+    device = "cuda" if CUDA else "cpu"
+    _check(moe_prefill_grouped, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)  # asserts
+    if not CUDA and dtype != torch.float32:
+        return
+    gen = torch.Generator().manual_seed(8)
+    ex = _layer(quant, 16, 128, 64, device, gen)
+    x = torch.randn(5, 128, generator=gen).to(device=device, dtype=dtype)
+    ids, weights = _routing(5, 16, 2, device, gen)
+    a, b = moe_prefill_grouped(x, ids, weights, ex), moe_prefill(x, ids, weights, ex)
+    torch.testing.assert_close(a.float(), b.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@needs_triton
+def test_the_grouped_prefill_benchmark_dry_run(tmp_path):
+    """benchmarks/ablations/bench_prefill_grouped.py --dry-run: a tiny int4 rows layer through
+    both prefill paths on the CPU (the script asserts they agree), one row per variant."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "rows.jsonl"
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(root / "benchmarks/ablations/bench_prefill_grouped.py"),
+                        "--dry-run", "--out", str(out)], env={**os.environ, "PYTHONPATH": path},
+                       capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [x["variant"] for x in rows] == ["triton", "grouped_mm", "dequant", "gemms"]
+    assert all(x["bench"] == "prefill_grouped" and x["config"]["dry_run"] for x in rows)
+    assert all(x["us_per_layer"] > 0 and x["rel_diff_vs_triton"] < 1e-5 for x in rows)
