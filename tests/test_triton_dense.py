@@ -149,8 +149,9 @@ def test_the_gemv_says_what_it_does_not_take():
 @pytest.mark.parametrize("quant", ["int8", "int4"])
 def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(quant):
     """kernel "triton": <= 8 rows the GEMV's bits (int4: from its row-major repack), more rows
-    dequantize + F.linear's; the module holds the sections (and the bias; int4 the repack, of
-    the same size), no dequantized copy."""
+    dequantize + F.linear's (int4: the repack dequantized by one launch, the reference's
+    values bit for bit); the module holds the sections (and the bias; int4 the repack, of the
+    same size), no dequantized copy."""
     n, k = 160, 128
     w = _weight(quant, n, k, seed=3).to(DEVICE)
     bias = torch.randn(n).to(DEVICE, ACT)
@@ -174,6 +175,27 @@ def test_quant_linear_runs_the_gemv_for_decode_and_the_reference_for_a_prompt(qu
     assert sum(lin.get_buffer(b).nbytes for b in rows) == sum(t.nbytes for t in w.buffers()) * (
         quant == "int4"
     )  # the repack: the sections' size
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_int4_rows_dequantize_to_the_reference_values(group, dtype):
+    """kernels/triton/dequant.py: int4 rows -> dtype equal kernels/ref.py's dequantize bit for bit
+    (rounded to nearest even), one weight with N off the 16-row block and K of one or more
+    launch blocks, and three stacked weights in one launch."""
+    from moestream.kernels.triton.dequant import dequant_int4_rows
+
+    for n, k, seed in ((200, 256, 1), (24, 512, 2)):
+        w = _weight("int4", n, k, seed, group).to(DEVICE)
+        rows, words = int4_to_rows(w.q, w.sz, group)
+        want = dequantize(w.sections(), "w", group, dtype)
+        assert torch.equal(dequant_int4_rows(rows, words, group, dtype, bk=128), want)
+    ws = [_weight("int4", 64, 256, s, group).to(DEVICE) for s in (3, 4, 5)]
+    rows, words = int4_to_rows(
+        torch.stack([w.q for w in ws]), torch.stack([w.sz for w in ws]), group
+    )
+    got = dequant_int4_rows(rows, words, group, dtype)
+    assert torch.equal(got, torch.stack([dequantize(w.sections(), "w", group, dtype) for w in ws]))
 
 
 def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():

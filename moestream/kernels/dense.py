@@ -38,6 +38,7 @@ from moestream.quant import (
 )
 
 DENSE_KERNELS = ("native", "cpu", "triton", "ref")
+DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/triton/dequant.py's
 
 
 class QuantWeight(nn.Module):
@@ -160,7 +161,7 @@ class QuantLinear(nn.Module):
                 self.out_features, group,
             )  # fmt: skip
         elif kind == "ref":  # F.linear with the bias inside: a float nn.Linear's bits
-            y = F.linear(x2, dequantize(w.sections(), "w", g, x.dtype), self.bias)
+            y = F.linear(x2, self._dequantized(x.dtype), self.bias)
         else:
             if kind == "native":
                 y = native.linear(x2, w.sections(), "w", wide=self.wide).to(x.dtype)
@@ -169,6 +170,17 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
         return y.view(*x.shape[:-1], self.out_features)
+
+    def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The weight in dtype for F.linear, transient: an int4 row repack by one Triton launch
+        (kernels/triton/dequant.py: the same values as the reference, bit for bit, without its
+        fp32 passes; not inside torch.compile, which traces the reference), else the reference."""
+        if self.rows_layout and dtype in DEQUANT_DTYPES and not torch.compiler.is_compiling():
+            from moestream.kernels.triton.dequant import dequant_int4_rows
+
+            g = self.qweight.scheme.group_size
+            return dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
+        return dequantize(self.qweight.sections(), "w", self.qweight.scheme.group_size, dtype)
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:
