@@ -164,6 +164,7 @@ def test_the_grouped_prefill_benchmark_dry_run(tmp_path):
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [x["variant"] for x in rows] == ["triton", "grouped_mm", "dequant", "gemms"]
+    assert [x["variant"] for x in rows] == ["triton", "grouped_mm", "dequant", "gemms",
+                                            "triton_bf16"]  # fmt: skip
     assert all(x["bench"] == "prefill_grouped" and x["config"]["dry_run"] for x in rows)
     assert all(x["us_per_layer"] > 0 and x["rel_diff_vs_triton"] < 1e-5 for x in rows)

@@ -1,7 +1,8 @@
 """Prefill MoE on one layer of int4 rows (the GPU pool's layout), two paths side by side: the
 grouped Triton kernels (`prefill.moe_prefill`, the product's) and the candidate of
 `prefill_grouped.py` (dequantize every expert to bf16, two `torch._grouped_mm`), with the
-candidate's two parts timed alone (the dequant; the GEMMs on weights already dequantized).
+candidate's two parts timed alone (the dequant; the GEMMs on weights already dequantized), and
+the Triton kernels on that bf16 layer (a third design: dequant, then the bf16 kernels).
 Tokens routed uniformly at random, interleaved rounds (the variants' order rotated each round),
 medians of CUDA-event times with the L2 flushed, the HBM copy rate measured in the same run, and
 the candidate's output against the product's (relative norm of the difference). One row per
@@ -63,7 +64,7 @@ def main(argv=None) -> int:
     from common import bench_row, write_rows
     from prefill_grouped import layer_weights, moe_prefill_grouped
 
-    from moestream.kernels.triton.layout import quantize_stacked
+    from moestream.kernels.triton.layout import StackedExperts, quantize_stacked
     from moestream.kernels.triton.prefill import moe_prefill
     from moestream.quant import make_scheme
 
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
         ex_bytes = sum(t.numel() * t.element_size() for t in ex.sections.values())
         scratch = E * 3 * D * I * torch.finfo(dtype).bits // 8
         w = layer_weights(ex, dtype)
+        ex16 = StackedExperts(make_scheme("bf16"), {"w13.q": w[0], "w2.q": w[1]})
         for T in tokens:
             gen = torch.Generator().manual_seed(T)
             ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(device)
@@ -100,11 +102,17 @@ def main(argv=None) -> int:
                 "grouped_mm": lambda: moe_prefill_grouped(x, ids, wt, ex),
                 "dequant": lambda: layer_weights(ex, dtype),
                 "gemms": lambda: moe_prefill_grouped(x, ids, wt, ex, w=w),
+                # the product's kernels on the same layer already in bf16: with "dequant" the
+                # third design (it keeps the Triton path's bits per pair in any chunk)
+                "triton_bf16": lambda: moe_prefill(x, ids, wt, ex16),
             }
             want = moe_prefill(x, ids, wt, ex).float()
             got = moe_prefill_grouped(x, ids, wt, ex).float()
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 1e-2, f"{name} T={T}: grouped_mm differs from moe_prefill by {rel:.2e}"
+            b16 = moe_prefill(x, ids, wt, ex16).float()
+            rel16 = ((b16 - want).norm() / want.norm()).item()
+            assert rel16 < 1e-2, f"{name} T={T}: the bf16 layer's kernels differ by {rel16:.2e}"
             times: dict[str, list[float]] = {v: [] for v in variants}
             names = list(variants)
             for r in range(a.rounds if cuda else 1):
