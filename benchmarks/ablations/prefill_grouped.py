@@ -1,10 +1,10 @@
 """A candidate prefill MoE path for issue 22, off the product path until an H200 run says it is
 faster: the layer's int4 rows dequantized to the activation dtype by one Triton launch per
-weight (`dequant_rows`: kernels/triton/dequant.py, spec `dequant_rows_ref`: the spec's
-`(v - 8) * s + z` in fp32, then rounded, so the same weights the grouped kernels multiply), then the routed products as two
-vendor grouped GEMMs (`torch._grouped_mm`: CUTLASS on sm_90, a loop on the CPU) over the pairs
-sorted by expert, and the pairs combined by `combine_pairs` (each token's rows in slot order, no
-atomics). The products' blocking is the library's, so the bits differ from
+weight (`dequant_rows`: kernels/triton/dequant.py; spec `dequant_rows_ref`, the spec's
+`(v - 8) * s + z` in fp32 then rounded, so the weights the grouped kernels multiply), then the
+routed products as two vendor grouped GEMMs (`torch._grouped_mm`: CUTLASS on sm_90, a loop on
+the CPU) over the pairs sorted by expert, and the pairs combined by `combine_pairs` (each
+token's rows in slot order, no atomics). The products' blocking is the library's, so the bits differ from
 `prefill.moe_prefill`'s and from the spec within rounding; the experts' outputs are rounded to
 the activation dtype as the spec's are.
 
