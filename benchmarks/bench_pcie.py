@@ -27,14 +27,13 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import h2d_gbps  # noqa: E402
-from common import bench_row, cuda_median_seconds, write_rows  # noqa: E402
+from common import bench_row, median_seconds, write_rows  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16)
 TOPK = 8  # a decode call's pairs (the staging grid)
@@ -52,19 +51,6 @@ def sections(D: int, I: int, G: int, n: int, device, pin: bool) -> list[torch.Te
         t = torch.randint(0, 100, (n, *sh), dtype=dt)
         out.append(t.pin_memory() if pin else t.to(device))
     return out
-
-
-def timed(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of fn() (one warm-up call): CUDA events, or the clock for a dry run."""
-    if cuda:
-        return cuda_median_seconds(fn, reps)
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def stage_call(stage, n: int, rows, device, base: int):
@@ -199,7 +185,7 @@ def main(argv=None) -> int:
         for name, (cfg, fn) in calls.items():
             for d in dst:
                 d.zero_()
-            s = timed(fn, 1 if a.dry_run else a.reps, cuda)
+            s = median_seconds(fn, 1 if a.dry_run else a.reps, cuda)
             if cuda:
                 torch.cuda.synchronize()
             at = slots if not name.startswith("stage") else torch.arange(n) + dst[0].shape[0] - TOPK

@@ -8,8 +8,8 @@ from dataclasses import replace
 
 from moestream.obs.rows import RESERVED, SCHEMA, bench_row, hardware, source, write_rows
 
-__all__ = ["RESERVED", "SCHEMA", "bench_row", "cuda_median_seconds", "hardware", "override",
-           "source", "write_rows"]  # fmt: skip
+__all__ = ["RESERVED", "SCHEMA", "bench_row", "cuda_median_seconds", "hardware",
+           "median_seconds", "override", "source", "write_rows"]  # fmt: skip
 
 
 def override(cfg, spec: str):
@@ -37,3 +37,19 @@ def cuda_median_seconds(fn, reps: int, flush_bytes: int = 0) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / 1e3)
     return statistics.median(times)
+
+
+def median_seconds(fn, reps: int, cuda: bool, flush_bytes: int = 0) -> float:
+    """Median seconds of fn() after one warm-up call: CUDA events (cuda_median_seconds, the L2
+    flushed with `flush_bytes`), or the wall clock for a CPU dry run."""
+    if cuda:
+        return cuda_median_seconds(fn, reps, flush_bytes)
+    import time
+
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)

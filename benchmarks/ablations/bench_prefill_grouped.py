@@ -19,29 +19,14 @@ import argparse
 import os
 import statistics
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+FLUSH = 256 << 20  # bytes zeroed before each timed call: the L2 flushed
 SHAPES = {"qwen3-30b-a3b": (2048, 768, 128, 8), "qwen3.5-35b-a3b": (2048, 512, 256, 8)}
-
-
-def timed(fn, reps: int, cuda: bool) -> float:
-    """Median seconds of fn() (CUDA events, L2 flushed; on the CPU the wall clock)."""
-    if cuda:
-        from common import cuda_median_seconds
-
-        return cuda_median_seconds(fn, reps, flush_bytes=256 << 20)
-    fn()
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
 
 
 def main(argv=None) -> int:
@@ -61,7 +46,7 @@ def main(argv=None) -> int:
         print("bench_prefill_grouped.py: no CUDA device; --dry-run checks it on the CPU",
               file=sys.stderr)  # fmt: skip
         return 2
-    from common import bench_row, write_rows
+    from common import bench_row, median_seconds, write_rows
     from prefill_grouped import layer_weights, moe_prefill_grouped
 
     from moestream.kernels.triton.layout import StackedExperts, quantize_stacked
@@ -79,7 +64,7 @@ def main(argv=None) -> int:
     if cuda:
         src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        copy_gbps = 2 * src.numel() / timed(lambda: dst.copy_(src), 5, cuda) / 1e9
+        copy_gbps = 2 * src.numel() / median_seconds(lambda: dst.copy_(src), 5, cuda) / 1e9
         del src, dst
         print(f"HBM copy {copy_gbps:.0f} GB/s (read + write)")
     for name, (D, I, E, K) in shapes.items():
@@ -117,7 +102,7 @@ def main(argv=None) -> int:
             names = list(variants)
             for r in range(a.rounds if cuda else 1):
                 for v in names[r % len(names) :] + names[: r % len(names)]:
-                    times[v].append(timed(variants[v], reps, cuda))
+                    times[v].append(median_seconds(variants[v], reps, cuda, FLUSH))
             base = statistics.median(times["triton"])
             touched = int(torch.unique(ids).numel())
             rows = []
