@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU machine's side-by-side run (issue 22), in two steps so each fits one device call:
 #   bash benchmarks/gpu_peers.sh prepare   # llama.cpp CUDA build (background) + checkpoint + conversions
-#   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]
+#   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]   # PROMPT=512 TOKENS=16 SHARES=1: long prompts
 #   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # the admission programs A/B on the same store
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
 # as llama/ and gen_model_b.py (the repository's tracked files already take ~61 of the 64 MiB a
@@ -39,13 +39,13 @@ bench)
   out=${2:?OUT folder}
   python benchmarks/bench_peers.py --device cuda --hf "$WORK/hf" --llama "$WORK/llama" --work "$WORK/work" \
     --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
-    --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p 64 -n 64 --reps "${REPS:-2}" \
-    --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
+    --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p "${PROMPT:-64}" -n "${TOKENS:-64}" \
+    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
   ;;
 admit)
   out=${2:?OUT folder}
   name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
   python benchmarks/ablations/bench_admit.py "$WORK/work/$name" --share "${SHARE:-0.5}" \
-    --programs "${PROGRAMS:-8,256}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
+    --programs "${PROGRAMS:-8,32,256}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
   ;;
 esac
