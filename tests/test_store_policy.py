@@ -155,3 +155,54 @@ def test_heap_policies_stay_bounded_under_hits(name):
     t.access(0, [3])
     assert len(policy.heap) <= 4 * 3 + 64
     assert t.access(0, [4]).evicted == [(0, 3)]  # used once, vs 10,000 times
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lrfu", "pinned", "sticky"])
+def test_busy_keys_are_held_out_of_the_order_with_the_same_choices(name, monkeypatch):
+    """Keys reserved while their reads are in flight (the GPU pool's admissions, a few steps
+    long) are never victims. Heap policies hold them out of their order (hold / unhold): a
+    just-admitted key is the lowest there, so a victim search would otherwise step over every
+    busy one at each miss. The choices equal the same policy's with holding disabled (the busy
+    set as protection only); lfu and lrfu pop far fewer heap entries."""
+    import heapq
+
+    from moestream.store import policy as P
+
+    pops = [0]
+    real_pop = heapq.heappop
+
+    def counted(heap):
+        pops[0] += 1
+        return real_pop(heap)
+
+    monkeypatch.setattr(P.heapq, "heappop", counted)
+
+    def run(hold: bool):
+        policy = make_policy(name, layers=[0, 1, 2], pinned=[(0, 0), (1, 0)])
+        if not hold:
+            policy.hold = policy.unhold = lambda keys: None
+        rng = random.Random(3)
+        t = SlotTable(40, policy, min_slots=4)
+        pending, log = [], []
+        pops[0] = 0
+        for _ in range(150):
+            if len(pending) > 2:  # reads land three steps later
+                t.release(pending.pop(0))
+            admitted = []
+            for layer in (0, 1, 2):
+                try:
+                    step = t.access(layer, rng.sample(range(32), 4))
+                except PolicyError as err:
+                    log.append(("skipped", err.evicted))
+                    continue
+                log.append((step.slots, step.misses, step.evicted))
+                keys = [(layer, e) for e, _ in step.misses]
+                t.reserve(keys)
+                admitted += keys
+            pending.append(admitted)
+        return log, pops[0]
+
+    (want, pops_off), (got, pops_on) = run(hold=False), run(hold=True)
+    assert got == want and sum(len(s[2]) for s in got if s[0] != "skipped") > 100
+    if name in ("lfu", "lrfu"):
+        assert pops_on < pops_off / 2, (pops_on, pops_off)

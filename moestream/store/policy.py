@@ -20,6 +20,7 @@ call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a
 
     wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
     victim(incoming, protected) -> key           a resident key not in `protected`
+    hold(key) / unhold(key)                      not a victim meanwhile (a read in flight)
 
 Policies: `lru`, `lfu` (frequency kept across evictions, LRU tie-break), `lrfu` (the engine's
 default: uses weighed by a per-token decay, recency and frequency in one score), `pinned`
@@ -33,7 +34,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from moestream.config import ConfigError
@@ -52,7 +53,27 @@ class PolicyError(ConfigError):
     evicted: tuple = ()
 
 
-def heap_victim(heap: list[tuple], valid, protected: set[Key]) -> Key:
+class AnyOf:
+    """Membership in any of several sets without building their union: a victim search tests a
+    few keys, and the busy set can hold hundreds (one union per miss was most of the table's
+    time with reads in flight)."""
+
+    __slots__ = ("sets",)
+
+    def __init__(self, *sets: Container[Key]):
+        self.sets = sets
+
+    def __contains__(self, key: object) -> bool:
+        for s in self.sets:  # a loop, not any(): this runs once per candidate victim
+            if key in s:
+                return True
+        return False
+
+    def __or__(self, other: Container[Key]) -> AnyOf:
+        return AnyOf(*self.sets, other)
+
+
+def heap_victim(heap: list[tuple], valid, protected: Container[Key]) -> Key:
     """Victim from a lazily updated heap of entries ending in their key: the smallest entry
     that `valid(entry)` still holds and whose key is not protected. Stale entries are dropped;
     the valid ones looked at stay."""
@@ -89,11 +110,19 @@ class EvictionPolicy:
     def evicted(self, key: Key) -> None:
         raise NotImplementedError
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         raise NotImplementedError
 
     def wants_victim(self, incoming: Key, free_slots: int) -> bool:
         return free_slots == 0
+
+    def hold(self, keys: list[Key]) -> None:
+        """`keys` may not be victims until `unhold` (SlotTable's busy keys: reads in flight).
+        Heap policies take them out of their order meanwhile: a just-admitted key is the lowest
+        there, and the victim search would otherwise step over every busy one at each miss."""
+
+    def unhold(self, keys: list[Key]) -> None:
+        """`keys` may be victims again (hold's inverse)."""
 
     def check(self, n_slots: int, min_slots: int) -> None:
         """Raise PolicyError if this policy cannot run with n_slots (min_slots = top-k)."""
@@ -116,7 +145,7 @@ class LRU(EvictionPolicy):
     def evicted(self, key: Key) -> None:
         del self.order[key]
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         for key in self.order:
             if key not in protected:
                 return key
@@ -133,6 +162,7 @@ class LFU(EvictionPolicy):
         self.last: dict[Key, int] = {}
         self.clock = 0
         self.heap: list[tuple[int, int, Key]] = []  # (count, last use, key); stale entries skipped
+        self.held: set[Key] = set()  # entries of these keys are dropped, pushed again on unhold
 
     def touch(self, key: Key) -> None:
         self.clock += 1
@@ -146,10 +176,23 @@ class LFU(EvictionPolicy):
     def evicted(self, key: Key) -> None:
         del self.last[key]  # the count is kept as history
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
-        # stale: the key was touched again or evicted since the entry was pushed
+    def hold(self, keys: list[Key]) -> None:
+        self.held.update(keys)
+
+    def unhold(self, keys: list[Key]) -> None:
+        self.held.difference_update(keys)
+        for key in keys:
+            if key in self.last:
+                heapq.heappush(self.heap, (self.count[key], self.last[key], key))
+
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
+        # stale: the key was touched again or evicted since the entry was pushed, or is held
         return heap_victim(
-            self.heap, lambda e: self.last.get(e[2]) == e[1] and self.count[e[2]] == e[0], protected
+            self.heap,
+            lambda e: (
+                e[2] not in self.held and self.last.get(e[2]) == e[1] and self.count[e[2]] == e[0]
+            ),
+            protected,
         )
 
 
@@ -172,6 +215,7 @@ class LRFU(EvictionPolicy):
         self.score: dict[Key, tuple[float, float]] = {}  # key -> (score at time t, t)
         self.resident: dict[Key, float] = {}  # key -> its heap priority
         self.heap: list[tuple[float, Key]] = []  # (ln score - t ln decay, key); stale skipped
+        self.held: set[Key] = set()  # entries of these keys are dropped, pushed again on unhold
 
     def begin(self, layer: int) -> None:
         self.clock += self.step
@@ -200,8 +244,21 @@ class LRFU(EvictionPolicy):
     def evicted(self, key: Key) -> None:
         del self.resident[key]
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
-        return heap_victim(self.heap, lambda e: self.resident.get(e[1]) == e[0], protected)
+    def hold(self, keys: list[Key]) -> None:
+        self.held.update(keys)
+
+    def unhold(self, keys: list[Key]) -> None:
+        self.held.difference_update(keys)
+        for key in keys:
+            if key in self.resident:
+                heapq.heappush(self.heap, (self.resident[key], key))
+
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
+        return heap_victim(
+            self.heap,
+            lambda e: e[1] not in self.held and self.resident.get(e[1]) == e[0],
+            protected,
+        )
 
 
 class Pinned(LRU):
@@ -213,7 +270,7 @@ class Pinned(LRU):
         super().__init__()
         self.pinned = frozenset(pinned)
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         return super().victim(incoming, protected | self.pinned)
 
     def capacity(self, n_slots: int) -> int:
@@ -258,7 +315,7 @@ class Sticky(EvictionPolicy):
     def wants_victim(self, incoming: Key, free_slots: int) -> bool:
         return free_slots == 0 or len(self.per_layer[incoming[0]].order) >= self.quota
 
-    def victim(self, incoming: Key, protected: set[Key]) -> Key:
+    def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         return self.per_layer[incoming[0]].victim(incoming, protected)
 
 
@@ -316,11 +373,17 @@ class SlotTable:
 
     def reserve(self, keys: Iterable[Key]) -> None:
         """Mark keys busy: their slots are being written (a read in flight) and cannot be taken."""
-        self._busy.update(keys)
+        new = [key for key in keys if key not in self._busy]
+        if new:
+            self._busy.update(new)
+            self.policy.hold(new)
 
     def release(self, keys: Iterable[Key]) -> None:
         """The reads of these keys ended (landed or failed)."""
-        self._busy.difference_update(keys)
+        done = [key for key in keys if key in self._busy]
+        if done:
+            self._busy.difference_update(done)
+            self.policy.unhold(done)
 
     def is_busy(self, key: Key) -> bool:
         return key in self._busy
@@ -376,7 +439,7 @@ class SlotTable:
     def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
         if self.free and not self.policy.wants_victim(key, len(self.free)):
             return self.free.pop()
-        hard = protected | self._busy if self._busy else protected
+        hard = AnyOf(protected, self._busy) if self._busy else protected
         old = None
         if self._keep:
             try:
