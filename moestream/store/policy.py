@@ -132,6 +132,29 @@ class EvictionPolicy:
         return n_slots
 
 
+class HeldHeap(EvictionPolicy):
+    """A policy with a lazily updated heap (`heap`, entries ending in their key): held keys'
+    entries are dropped when popped (the victim test checks `held`) and pushed again, current,
+    on unhold, so each busy key costs one pop and one push instead of one per miss."""
+
+    heap: list[tuple]
+    held: set[Key]
+
+    def _entry(self, key: Key) -> tuple | None:
+        """The key's current heap entry, or None when it is not resident."""
+        raise NotImplementedError
+
+    def hold(self, keys: list[Key]) -> None:
+        self.held.update(keys)
+
+    def unhold(self, keys: list[Key]) -> None:
+        self.held.difference_update(keys)
+        for key in keys:
+            entry = self._entry(key)
+            if entry is not None:
+                heapq.heappush(self.heap, entry)
+
+
 class LRU(EvictionPolicy):
     name = "lru"
 
@@ -152,7 +175,7 @@ class LRU(EvictionPolicy):
         raise PolicyError("every resident expert is in use by this step; add slots")
 
 
-class LFU(EvictionPolicy):
+class LFU(HeldHeap):
     """Least frequently used; counts survive eviction (an expert that was hot comes back hot)."""
 
     name = "lfu"
@@ -176,14 +199,8 @@ class LFU(EvictionPolicy):
     def evicted(self, key: Key) -> None:
         del self.last[key]  # the count is kept as history
 
-    def hold(self, keys: list[Key]) -> None:
-        self.held.update(keys)
-
-    def unhold(self, keys: list[Key]) -> None:
-        self.held.difference_update(keys)
-        for key in keys:
-            if key in self.last:
-                heapq.heappush(self.heap, (self.count[key], self.last[key], key))
+    def _entry(self, key: Key) -> tuple | None:
+        return (self.count[key], self.last[key], key) if key in self.last else None
 
     def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         # stale: the key was touched again or evicted since the entry was pushed, or is held
@@ -196,7 +213,7 @@ class LFU(EvictionPolicy):
         )
 
 
-class LRFU(EvictionPolicy):
+class LRFU(HeldHeap):
     """Least recently/frequently used (Lee et al., 1999): each key's score is its uses, each
     weighed by `decay` ** (tokens since that use); the lowest score goes. Scores survive eviction.
     A token is one access of every MoE layer. At decay 0.9 (half-life ~6.6 tokens), replaying
@@ -244,14 +261,8 @@ class LRFU(EvictionPolicy):
     def evicted(self, key: Key) -> None:
         del self.resident[key]
 
-    def hold(self, keys: list[Key]) -> None:
-        self.held.update(keys)
-
-    def unhold(self, keys: list[Key]) -> None:
-        self.held.difference_update(keys)
-        for key in keys:
-            if key in self.resident:
-                heapq.heappush(self.heap, (self.resident[key], key))
+    def _entry(self, key: Key) -> tuple | None:
+        return (self.resident[key], key) if key in self.resident else None
 
     def victim(self, incoming: Key, protected: Container[Key]) -> Key:
         return heap_victim(
