@@ -1,6 +1,6 @@
 """The slot table's host time per decode token with reads in flight, as the GPU pool drives it
 (`experts/gpu.py`: one `access` per MoE layer, the misses reserved until their admission lands
-`--lag` steps later), with the policy holding busy keys out of its order (`hold` / `unhold`)
+`--lag` steps later), with the policy dropping busy keys' heap entries (`watch_busy` / `released`)
 and with holding disabled (the busy set as protection only: what the table did before). Uniform
 random routing at Qwen3-30B-A3B's 128 experts x top-8, 16 layers; interleaved rounds, medians.
 The two variants make the same choices (tests/test_store_policy.py); only the time differs.
@@ -28,7 +28,7 @@ def run(policy_name: str, hold: bool, slots: int, lag: int, layers: int, experts
     """(ms of table work per token, hit rate) of one replay."""
     policy = make_policy(policy_name, layers=list(range(layers)))
     if not hold:
-        policy.hold = policy.unhold = lambda keys: None
+        policy.watch_busy = policy.released = lambda keys: None
     t = SlotTable(slots, policy, min_slots=topk)
     rng = random.Random(1)
     pending: list[list] = []

@@ -160,10 +160,10 @@ def test_heap_policies_stay_bounded_under_hits(name):
 @pytest.mark.parametrize("name", ["lru", "lfu", "lrfu", "pinned", "sticky"])
 def test_busy_keys_are_held_out_of_the_order_with_the_same_choices(name, monkeypatch):
     """Keys reserved while their reads are in flight (the GPU pool's admissions, a few steps
-    long) are never victims. Heap policies hold them out of their order (hold / unhold): a
-    just-admitted key is the lowest there, so a victim search would otherwise step over every
-    busy one at each miss. The choices equal the same policy's with holding disabled (the busy
-    set as protection only); lfu and lrfu pop far fewer heap entries."""
+    long) are never victims. Heap policies drop their entries while busy (watch_busy /
+    released): a just-admitted key is the lowest there, so a victim search would otherwise step
+    over every busy one at each miss. The choices equal the same policy's with that disabled
+    (the busy set as protection only); lfu and lrfu pop far fewer heap entries."""
     import heapq
 
     from moestream.store import policy as P
@@ -180,7 +180,7 @@ def test_busy_keys_are_held_out_of_the_order_with_the_same_choices(name, monkeyp
     def run(hold: bool):
         policy = make_policy(name, layers=[0, 1, 2], pinned=[(0, 0), (1, 0)])
         if not hold:
-            policy.hold = policy.unhold = lambda keys: None
+            policy.watch_busy = policy.released = lambda keys: None
         rng = random.Random(3)
         t = SlotTable(40, policy, min_slots=4)
         pending, log = [], []

@@ -1,7 +1,8 @@
 """Prefill MoE on one layer of int4 rows (the GPU pool's layout), two paths side by side: the
 grouped Triton kernels (`prefill.moe_prefill`, the product's) and the candidate of
 `prefill_grouped.py` (dequantize every expert to bf16, two `torch._grouped_mm`), with the
-candidate's two parts timed alone (the dequant; the GEMMs on weights already dequantized), and
+candidate's two parts timed alone ("dequant"; "gemms": the rest of its path, sort, gathers,
+two GEMMs and the combine, on weights already dequantized), and
 the Triton kernels on that bf16 layer (a third design: dequant, then the bf16 kernels).
 Tokens routed uniformly at random, interleaved rounds (the variants' order rotated each round),
 medians of CUDA-event times with the L2 flushed, the HBM copy rate measured in the same run, and

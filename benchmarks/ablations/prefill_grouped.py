@@ -8,8 +8,8 @@ token's rows in slot order, no atomics). The products' blocking is the library's
 `prefill.moe_prefill`'s and from the spec within rounding; the experts' outputs are rounded to
 the activation dtype as the spec's are.
 
-Why try it: the grouped Triton kernels take 1.6-1.8 ms a layer at 64-512 tokens, 12-18x the
-floor of the int4 rows they read (docs/gpu.md, "GPU prefill"); writing and reading the layer
+Why try it: the grouped Triton kernels take 1.6-1.8 ms a layer at 64-512 tokens, 0.04-0.07 of
+the HBM rate for the int4 rows they read (docs/gpu.md, "GPU prefill"); writing and reading the layer
 once as bf16 (1.2 GB at Qwen3-30B-A3B's shapes) is ~0.6 ms of HBM time, and the GEMMs are the
 library's. The cost: a scratch of E x 3 x D x I values, all experts dequantized whatever the
 prompt touches (so it only pays from some tens of tokens on). `bench_prefill_grouped.py`

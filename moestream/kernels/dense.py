@@ -38,7 +38,6 @@ from moestream.quant import (
 )
 
 DENSE_KERNELS = ("native", "cpu", "triton", "ref")
-DEQUANT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # kernels/triton/dequant.py's
 
 
 class QuantWeight(nn.Module):
@@ -175,11 +174,12 @@ class QuantLinear(nn.Module):
         """The weight in dtype for F.linear, transient: an int4 row repack by one Triton launch
         (kernels/triton/dequant.py: the same values as the reference, bit for bit, without its
         fp32 passes; not inside torch.compile, which traces the reference), else the reference."""
-        if self.rows_layout and dtype in DEQUANT_DTYPES and not torch.compiler.is_compiling():
-            from moestream.kernels.triton.dequant import dequant_int4_rows
+        if self.rows_layout and not torch.compiler.is_compiling():
+            from moestream.kernels.triton import dequant
 
-            g = self.qweight.scheme.group_size
-            return dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
+            if dtype in dequant.DTYPES:
+                g = self.qweight.scheme.group_size
+                return dequant.dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
         return dequantize(self.qweight.sections(), "w", self.qweight.scheme.group_size, dtype)
 
     @staticmethod

@@ -20,7 +20,7 @@ call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a
 
     wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
     victim(incoming, protected) -> key           a resident key not in `protected`
-    hold(key) / unhold(key)                      not a victim meanwhile (a read in flight)
+    watch_busy(busy) / released(keys)            the table's busy keys (reads in flight)
 
 Policies: `lru`, `lfu` (frequency kept across evictions, LRU tie-break), `lrfu` (the engine's
 default: uses weighed by a per-token decay, recency and frequency in one score), `pinned`
@@ -116,13 +116,13 @@ class EvictionPolicy:
     def wants_victim(self, incoming: Key, free_slots: int) -> bool:
         return free_slots == 0
 
-    def hold(self, keys: list[Key]) -> None:
-        """`keys` may not be victims until `unhold` (SlotTable's busy keys: reads in flight).
-        Heap policies take them out of their order meanwhile: a just-admitted key is the lowest
-        there, and the victim search would otherwise step over every busy one at each miss."""
+    def watch_busy(self, busy: set[Key]) -> None:
+        """The table's set of busy keys (reads in flight; never victims: the table protects
+        them). Heap policies read it to drop busy keys' entries instead of stepping over them at
+        every miss (a just-admitted key is the lowest there)."""
 
-    def unhold(self, keys: list[Key]) -> None:
-        """`keys` may be victims again (hold's inverse)."""
+    def released(self, keys: list[Key]) -> None:
+        """These keys left the busy set: victims again."""
 
     def check(self, n_slots: int, min_slots: int) -> None:
         """Raise PolicyError if this policy cannot run with n_slots (min_slots = top-k)."""
@@ -133,22 +133,22 @@ class EvictionPolicy:
 
 
 class HeldHeap(EvictionPolicy):
-    """A policy with a lazily updated heap (`heap`, entries ending in their key): held keys'
-    entries are dropped when popped (the victim test checks `held`) and pushed again, current,
-    on unhold, so each busy key costs one pop and one push instead of one per miss."""
+    """A policy with a lazily updated heap (`heap`, entries ending in their key): a busy key's
+    entries are dropped when popped (the victim test checks `held`, the table's busy set) and
+    its current entry pushed again when released, so each busy key costs one pop and one push
+    instead of one per miss."""
 
     heap: list[tuple]
-    held: set[Key]
+    held: frozenset[Key] | set[Key] = frozenset()
 
     def _entry(self, key: Key) -> tuple | None:
         """The key's current heap entry, or None when it is not resident."""
         raise NotImplementedError
 
-    def hold(self, keys: list[Key]) -> None:
-        self.held.update(keys)
+    def watch_busy(self, busy: set[Key]) -> None:
+        self.held = busy
 
-    def unhold(self, keys: list[Key]) -> None:
-        self.held.difference_update(keys)
+    def released(self, keys: list[Key]) -> None:
         for key in keys:
             entry = self._entry(key)
             if entry is not None:
@@ -185,7 +185,6 @@ class LFU(HeldHeap):
         self.last: dict[Key, int] = {}
         self.clock = 0
         self.heap: list[tuple[int, int, Key]] = []  # (count, last use, key); stale entries skipped
-        self.held: set[Key] = set()  # entries of these keys are dropped, pushed again on unhold
 
     def touch(self, key: Key) -> None:
         self.clock += 1
@@ -232,7 +231,6 @@ class LRFU(HeldHeap):
         self.score: dict[Key, tuple[float, float]] = {}  # key -> (score at time t, t)
         self.resident: dict[Key, float] = {}  # key -> its heap priority
         self.heap: list[tuple[float, Key]] = []  # (ln score - t ln decay, key); stale skipped
-        self.held: set[Key] = set()  # entries of these keys are dropped, pushed again on unhold
 
     def begin(self, layer: int) -> None:
         self.clock += self.step
@@ -372,6 +370,7 @@ class SlotTable:
         self.hits = self.misses = self.evictions = 0
         # Keys whose slots are being written by an asynchronous read: never victims.
         self._busy: set[Key] = set()
+        policy.watch_busy(self._busy)
         # Keys a predictor expects to be used soon: victims only when nothing else can go.
         self._keep: set[Key] = set()
 
@@ -384,17 +383,14 @@ class SlotTable:
 
     def reserve(self, keys: Iterable[Key]) -> None:
         """Mark keys busy: their slots are being written (a read in flight) and cannot be taken."""
-        new = [key for key in keys if key not in self._busy]
-        if new:
-            self._busy.update(new)
-            self.policy.hold(new)
+        self._busy.update(keys)
 
     def release(self, keys: Iterable[Key]) -> None:
         """The reads of these keys ended (landed or failed)."""
         done = [key for key in keys if key in self._busy]
         if done:
             self._busy.difference_update(done)
-            self.policy.unhold(done)
+            self.policy.released(done)
 
     def is_busy(self, key: Key) -> bool:
         return key in self._busy
