@@ -7,6 +7,7 @@ conftest.py puts benchmarks/ on the path."""
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -118,6 +119,10 @@ def test_dequant_rows_equals_the_spec(dtype):
         got = dequant_rows(ex, name, dtype, bk=64)
         want = dequant_rows_ref(ex, name, dtype)
         assert got.shape == want.shape and torch.equal(got.cpu(), want.cpu()), name
+        # src: out[c] is expert src[c]; -1 entries are neither read nor written
+        src = torch.tensor([2, 0, -1], dtype=torch.int32, device=device)
+        part = dequant_rows(ex, name, dtype, bk=64, src=src)
+        assert torch.equal(part[:2].cpu(), want[[2, 0]].cpu()), name
 
 
 @needs_triton
@@ -136,6 +141,8 @@ def test_grouped_gemm_prefill_matches_the_spec(quant, dtype):
         pytest.skip("torch._grouped_mm takes bf16 on CUDA")
     device = "cuda" if CUDA else "cpu"
     _check(moe_prefill_grouped, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)  # asserts
+    every = partial(moe_prefill_grouped, touched=False)  # every expert dequantized
+    _check(every, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)
     if not CUDA and dtype != torch.float32:
         return
     gen = torch.Generator().manual_seed(8)
@@ -164,7 +171,54 @@ def test_the_grouped_prefill_benchmark_dry_run(tmp_path):
                        capture_output=True, text=True, timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [x["variant"] for x in rows] == ["triton", "grouped_mm", "dequant", "gemms",
-                                            "triton_bf16"]  # fmt: skip
+    assert [x["variant"] for x in rows] == ["triton", "grouped_mm", "grouped_all", "dequant",
+                                            "gemms", "triton_bf16"]  # fmt: skip
     assert all(x["bench"] == "prefill_grouped" and x["config"]["dry_run"] for x in rows)
     assert all(x["us_per_layer"] > 0 and x["rel_diff_vs_triton"] < 1e-5 for x in rows)
+
+
+@pytest.mark.cuda
+def test_grouped_mm_rows_do_not_depend_on_the_call_cuda():
+    """torch._grouped_mm (CUTLASS on sm_90) picks its tile config per call from the average group
+    size (rows / groups <= 128: 64x128x128 ping-pong, else 128x256x64 cooperative). A prompt's
+    pool path runs chunks of a layer's experts, so a group's rows must come out with the same
+    bits whatever else is in the call: fewer groups, other groups empty, rows past the last
+    group, and the average on either side of 128. This records which calls differ."""
+    torch.manual_seed(0)
+    D, N, E = 2048, 1536, 16
+    b = (torch.randn(E, N, D, device="cuda") / D**0.5).to(torch.bfloat16)
+    sizes = torch.tensor([40, 0, 200, 7, 300, 1, 64, 129, 0, 33, 250, 16, 5, 90, 400, 12])
+    a = torch.randn(int(sizes.sum()), D, device="cuda").to(torch.bfloat16)
+    ends = torch.cumsum(sizes, 0)
+    starts = ends - sizes
+    full = torch._grouped_mm(a, b.transpose(1, 2), offs=ends.to(torch.int32).cuda())
+    differ = {}
+    for case in ("alone", "alone_padded_large", "subset_other_empty", "first_groups_only",
+                 "split_rows_per_group"):  # fmt: skip
+        for g in range(E):
+            n = int(sizes[g])
+            if n == 0:
+                continue
+            rows = a[starts[g] : ends[g]]
+            if case == "alone":  # one group, few rows: the small config
+                got = torch._grouped_mm(rows, b[g : g + 1].transpose(1, 2),
+                                        offs=torch.tensor([n], dtype=torch.int32, device="cuda"))  # fmt: skip
+            elif case == "alone_padded_large":  # rows past the group: an average above 128
+                pad = torch.zeros(n + 1024, D, device="cuda", dtype=a.dtype)
+                pad[:n] = rows
+                got = torch._grouped_mm(pad, b[g : g + 1].transpose(1, 2),
+                                        offs=torch.tensor([n], dtype=torch.int32, device="cuda"))[:n]  # fmt: skip
+            elif case == "subset_other_empty":  # all E groups given, only g has rows
+                offs = torch.where(torch.arange(E) >= g, n, 0).to(torch.int32).cuda()
+                got = torch._grouped_mm(rows, b.transpose(1, 2), offs=offs)
+            elif case == "first_groups_only":  # the groups up to g, in a call of g + 1 groups
+                m = int(ends[g])
+                got = torch._grouped_mm(a[:m], b[: g + 1].transpose(1, 2),
+                                        offs=ends[: g + 1].to(torch.int32).cuda())[int(starts[g]) :]  # fmt: skip
+            else:  # the group's rows in two calls (a chunk boundary inside a group never happens)
+                continue
+            want = full[starts[g] : ends[g]]
+            if not torch.equal(got, want):
+                differ.setdefault(case, []).append(
+                    (g, n, (got.float() - want.float()).abs().max().item()))  # fmt: skip
+    assert not differ, f"rows differ by call: {differ}"

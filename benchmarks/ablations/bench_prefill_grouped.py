@@ -1,8 +1,9 @@
 """Prefill MoE on one layer of int4 rows (the GPU pool's layout), two paths side by side: the
 grouped Triton kernels (`prefill.moe_prefill`, the product's) and the candidate of
-`prefill_grouped.py` (dequantize every expert to bf16, two `torch._grouped_mm`), with the
-candidate's two parts timed alone ("dequant"; "gemms": the rest of its path, sort, gathers,
-two GEMMs and the combine, on weights already dequantized), and
+`prefill_grouped.py` (dequantize the routed experts to bf16, two `torch._grouped_mm`; and
+"grouped_all", every expert dequantized), with the
+candidate's two parts timed alone ("dequant": every expert; "gemms": the rest of its path, sort,
+gathers, two GEMMs and the combine, on weights already dequantized), and
 the Triton kernels on that bf16 layer (a third design: dequant, then the bf16 kernels).
 Tokens routed uniformly at random, interleaved rounds (the variants' order rotated each round),
 medians of CUDA-event times with the L2 flushed, the HBM copy rate measured in the same run, and
@@ -85,7 +86,8 @@ def main(argv=None) -> int:
             x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
             variants = {
                 "triton": lambda: moe_prefill(x, ids, wt, ex),
-                "grouped_mm": lambda: moe_prefill_grouped(x, ids, wt, ex),
+                "grouped_mm": lambda: moe_prefill_grouped(x, ids, wt, ex),  # routed experts only
+                "grouped_all": lambda: moe_prefill_grouped(x, ids, wt, ex, touched=False),
                 "dequant": lambda: layer_weights(ex, dtype),
                 "gemms": lambda: moe_prefill_grouped(x, ids, wt, ex, w=w),
                 # the product's kernels on the same layer already in bf16: with "dequant" the

@@ -25,14 +25,17 @@ from moestream.kernels.triton.dequant import dequant_int4_rows
 from moestream.kernels.triton.layout import NAMES, StackedExperts
 
 
-def dequant_rows(
-    experts: StackedExperts, name: str, dtype: torch.dtype, bk: int = 256
-) -> torch.Tensor:
+def dequant_rows(experts: StackedExperts, name: str, dtype: torch.dtype, bk: int = 256,
+                 src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """An int4 rows layer's weight `name` ("w13" / "w2") -> [E, N, K] in dtype, every expert
-    (kernels/triton/dequant.py, one launch)."""
+    (kernels/triton/dequant.py, one launch); `src` [C]: [C, N, K], the experts src names (-1:
+    left unwritten)."""
     assert experts.rows, "int4 in the GPU's row layout (StackedExperts.to_rows)"
     q, words = experts.sections[f"{name}.q"], experts.sections[f"{name}.rz"]
-    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, bk=bk)
+    out = None
+    if src is not None:
+        out = torch.empty(src.numel(), q.shape[1], 2 * q.shape[2], device=q.device, dtype=dtype)
+    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, out=out, bk=bk, src=src)
 
 
 def dequant_rows_ref(experts: StackedExperts, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -53,18 +56,40 @@ def layer_weights(experts: StackedExperts, dtype: torch.dtype) -> tuple[torch.Te
     return tuple(experts.sections[f"{n}.q"].to(dtype) for n in NAMES)
 
 
+def routed_groups(flat: torch.Tensor, n: int, groups: int):
+    """flat [P] matrix ids (< n) -> (src [groups] int32: the matrix of each group in ascending id
+    order, -1 past the routed ones; offs [groups] int32: the groups' row ends). No host sync."""
+    counts = torch.zeros(n, dtype=torch.int64, device=flat.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    used = counts > 0
+    rank = torch.where(used, torch.cumsum(used, 0) - 1, groups)  # unrouted -> a dump entry
+    src = torch.full((groups + 1,), -1, dtype=torch.int32, device=flat.device)
+    src.scatter_(0, rank, torch.arange(n, dtype=torch.int32, device=flat.device))
+    size = torch.zeros(groups + 1, dtype=torch.int64, device=flat.device)
+    size.scatter_(0, rank, counts)  # the dump entry's value is never read
+    return src[:groups], torch.cumsum(size[:groups], 0).to(torch.int32)
+
+
 def moe_prefill_grouped(x, ids, weights, experts: StackedExperts, out=None,
-                        w: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
-    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype. `w`: the layer already
-    dequantized (layer_weights), to time the GEMMs alone."""
+                        w: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        touched: bool = True) -> torch.Tensor:  # fmt: skip
+    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype. `touched`: int4 rows
+    dequantize only the routed experts, into groups in ascending expert order (else every
+    expert, one group each). `w`: the layer already dequantized (layer_weights), to time the
+    GEMMs alone."""
     T, K = ids.shape
     E, I = experts.num_experts, experts.inter
-    w13, w2 = w if w is not None else layer_weights(experts, x.dtype)
     flat = ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices  # pairs by expert
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # group ends, no host sync
+    order = torch.sort(flat, stable=True).indices  # pairs by expert: by group, either way
+    if w is None and touched and experts.rows:
+        groups = min(E, flat.numel())
+        src, offs = routed_groups(flat, E, groups)
+        w13, w2 = (dequant_rows(experts, n, x.dtype, src=src) for n in NAMES)
+    else:
+        w13, w2 = w if w is not None else layer_weights(experts, x.dtype)
+        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # group ends, no host sync
     xs = x[order // K]  # [P, D]
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I] in x's dtype
     h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)  # rounded once

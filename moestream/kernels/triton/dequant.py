@@ -29,19 +29,25 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
-def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DT: tl.constexpr):  # fmt: skip
-    """Program (e, n block, k block): rows n0.. of matrix e, inputs k0 .. k0 + BK - 1. A row's
+                         DT: tl.constexpr, SRC: tl.constexpr):  # fmt: skip
+    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1. A row's
     16 bytes per 32 inputs hold input i in the low nibble and i + 16 in the high one; the word of
-    (row, group) holds its bf16 scale (low half) and zero (high half)."""
-    e = tl.program_id(0).to(tl.int64)
+    (row, group) holds its bf16 scale (low half) and zero (high half). SRC: out[d] is matrix
+    src[d], and nothing is read or written where src[d] < 0 (the loads are masked off)."""
+    d = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     k0 = tl.program_id(2) * BK
     r = n0 + tl.arange(0, BN)[:, None, None]  # [BN, 1, 1]
     c = tl.arange(0, BK // 32)[None, :, None]  # 32-input chunks of the block
     j = tl.arange(0, 16)[None, None, :]
-    m = r < N
+    e = d
+    rows = N
+    if SRC:
+        e = tl.load(src_ptr + d).to(tl.int64)
+        rows = tl.where(e >= 0, N, 0)  # no rows of an unnamed matrix
+    m = r < rows
     b = tl.load(q_ptr + e * (N * K // 2) + r * (K // 2) + k0 // 2 + c * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
     g = (k0 + c * 32) // G  # both nibbles of a chunk are in one group (G % 32 == 0)
@@ -51,23 +57,30 @@ def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr
     # (v - 8) * s is exact in fp32 (4 x 8 significant bits), so a fused add rounds as the spec's
     lo = ((b & 15) - 8).to(tl.float32) * s + z
     hi = ((b >> 4) - 8).to(tl.float32) * s + z
-    at = out_ptr + e * (N * K) + r * K + k0 + c * 32 + j
+    at = out_ptr + d * (N * K) + r * K + k0 + c * 32 + j
     tl.store(at, _round(lo, DT), mask=m)
     tl.store(at + 16, _round(hi, DT), mask=m)
 
 
 def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype: torch.dtype,
-                      out: torch.Tensor | None = None, bn: int = 16, bk: int = 256) -> torch.Tensor:  # fmt: skip
+                      out: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
+                      src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [..., N, K/2] uint8 and words [..., N, K/G] int32 (one weight, or [E] stacked) ->
-    [..., N, K] in dtype. Runs on the current stream, syncs nothing."""
+    [..., N, K] in dtype. `src` [C] int (stacked weights; `out` [C, N, K] given): out[c] is matrix
+    src[c], and out[c] is left as it was (nothing read) where src[c] < 0, so a prompt
+    dequantizes only the experts it routes to. Runs on the current stream, syncs nothing."""
     lead = rows.shape[:-2]
     N, K = rows.shape[-2], 2 * rows.shape[-1]
     bk = math.gcd(K, bk)
     assert group % 32 == 0 and bk % group == 0, f"K={K}, BK={bk}: multiples of G={group} (of 32)"
     assert words.shape == (*lead, N, K // group) and rows.is_contiguous() and words.is_contiguous()
-    if out is None:
+    if src is not None:
+        assert len(lead) == 1 and out is not None and src.dim() == 1, "src [C] and out [C, N, K]"
+        assert out.shape == (src.numel(), N, K) and out.dtype == dtype and out.is_contiguous()
+    elif out is None:
         out = torch.empty(*lead, N, K, device=rows.device, dtype=dtype)
-    grid = (math.prod(lead), triton.cdiv(N, bn), K // bk)
-    _dequant_rows_kernel[grid](rows, words, out, N=N, K=K, G=group, BN=bn, BK=bk,
-                               DT=DTYPES[dtype], num_warps=4)  # fmt: skip
+    grid = (out.shape[0] if src is not None else math.prod(lead), triton.cdiv(N, bn), K // bk)
+    _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
+                               G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
+                               SRC=src is not None, num_warps=4)  # fmt: skip
     return out
