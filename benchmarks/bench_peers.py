@@ -35,7 +35,9 @@ stale gate's prefetch of the next layer's predicted misses (`--predictor stale-g
 with the decode kernels reading them from pinned RAM themselves, `host-misses` with the
 per-layer host round trip; a
 `-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
-read the one before (as the device-miss pool did before it decoded ahead). The ceiling is then
+read the one before (as the device-miss pool did before it decoded ahead), and a `-tprefill`
+suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead of the grouped
+GEMMs (`GpuConfig.prefill`). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -46,6 +48,7 @@ Build llama.cpp first (../shared/peers/README.md: build_llamacpp.sh); nothing of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -156,7 +159,11 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     torch.set_num_threads(threads)
     # "-step" (ablation): each decode step issued after the host read the one before
     kernel, step = kernel.removesuffix("-step"), kernel.endswith("-step")
+    # "-tprefill" (ablation): a prompt on the Triton kernels, not the grouped GEMMs
+    kernel, tprefill = kernel.removesuffix("-tprefill"), kernel.endswith("-tprefill")
     experts = child_experts(kernel, device, share)
+    if tprefill:
+        experts = dataclasses.replace(experts, prefill="triton")
     # "prefetch": the staged pool plus the stale gate's prefetch inside the step
     predict = PredictConfig(predictor="stale-gate") if kernel == "prefetch" else None
     dtype = "float32" if device == "cpu" else "bfloat16"

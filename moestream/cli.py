@@ -142,6 +142,14 @@ def _add_store_args(p) -> None:
         "(copies, no CUDA graph) instead of reading them on the device from pinned RAM",
     )
     g.add_argument(
+        "--gpu-prefill",
+        default=None,
+        choices=["grouped", "triton"],
+        help="--device cuda: a prompt's expert kernels; grouped (default): int4 experts "
+        "dequantized to bf16 + torch's grouped GEMM (sm_90+, bf16; ~1.2 GB scratch at "
+        "Qwen3-30B-A3B); triton: the Triton kernels on the int4 rows",
+    )
+    g.add_argument(
         "--no-cuda-graph",
         action="store_true",
         help="--device cuda: run each decode step eagerly instead of replaying a captured graph",
@@ -287,6 +295,7 @@ def _gpu_config(a: argparse.Namespace):
         cuda_graph=not a.no_cuda_graph,
         compile_step=a.compile,
         device_misses=False if a.host_misses else None,
+        prefill=a.gpu_prefill or "grouped",
     )
 
 
@@ -301,6 +310,7 @@ def _check_device_flags(a: argparse.Namespace) -> None:
             "--host-misses": a.host_misses,
             "--no-cuda-graph": a.no_cuda_graph,
             "--compile": a.compile,
+            "--gpu-prefill": a.gpu_prefill is not None,
         }
         for flag, given in gpu_only.items():
             if given:

@@ -174,6 +174,22 @@ def test_cli_device_flags(monkeypatch):
     assert isinstance(cfg, GpuConfig) and cfg.gpu_budget == Budget(nbytes=8 * 2**20)
     assert not cfg.resident
     assert _store_kwargs(build_parser().parse_args(base))["experts"].resident
+    assert _store_kwargs(build_parser().parse_args(base))["experts"].prefill == "grouped"
+    tri = build_parser().parse_args([*base, "--gpu-prefill", "triton"])
+    assert _store_kwargs(tri)["experts"].prefill == "triton"
+
+
+def test_gpu_prefill_is_checked():
+    """GpuConfig.prefill names the prompt kernels; anything else is refused with the choices,
+    and --gpu-prefill without --device cuda says it is a GPU flag."""
+    from moestream.cli import _store_kwargs, build_parser
+    from moestream.config import ConfigError
+
+    with pytest.raises(ConfigError, match="grouped, triton"):
+        GpuConfig(resident=True, prefill="cutlass")
+    a = build_parser().parse_args(["generate", "-m", "x", "-p", "y", "--gpu-prefill", "triton"])
+    with pytest.raises(ConfigError, match="--gpu-prefill is for the GPU"):
+        _store_kwargs(a)
 
 
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------

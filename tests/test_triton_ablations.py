@@ -7,7 +7,6 @@ conftest.py puts benchmarks/ on the path."""
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 import pytest
 import torch
@@ -140,9 +139,11 @@ def test_grouped_gemm_prefill_matches_the_spec(quant, dtype):
     if CUDA and dtype == torch.float32:
         pytest.skip("torch._grouped_mm takes bf16 on CUDA")
     device = "cuda" if CUDA else "cpu"
+    from moestream.kernels.triton.grouped import moe_grouped
+
     _check(moe_prefill_grouped, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)  # asserts
-    every = partial(moe_prefill_grouped, touched=False)  # every expert dequantized
-    _check(every, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)
+    if quant == "int4r":  # the product's: the routed experts only
+        _check(moe_grouped, quant, 16, 128, 64, 5, 2, dtype, device, seed=7)
     if not CUDA and dtype != torch.float32:
         return
     gen = torch.Generator().manual_seed(8)

@@ -179,6 +179,69 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
 
 
 @needs_triton
+def test_routed_groups_name_the_routed_experts_in_order():
+    """kernels/triton/grouped.py's one-launch bookkeeping: the routed matrices in ascending order
+    (-1 past them) and each group's row end (the pairs past the last group: none), for ids of
+    more pairs than one block, a pool larger than its layer, and every matrix routed."""
+    from moestream.kernels.triton.grouped import routed_groups
+
+    device = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    for n, P, groups, pick in ((40, 2500, 12, 12), (1000, 37, 37, 9), (16, 64, 16, 16)):
+        chosen = torch.randperm(n, generator=gen)[:pick]
+        flat = chosen[torch.randint(pick, (P,), generator=gen)]
+        src, offs = routed_groups(flat.to(device), n, groups)
+        used = torch.unique(flat)  # ascending
+        counts = torch.stack([(flat == e).sum() for e in used])
+        want_src = torch.full((groups,), -1, dtype=torch.int32)
+        want_src[: len(used)] = used.to(torch.int32)
+        want_offs = torch.full((groups,), P, dtype=torch.int32)
+        want_offs[: len(used)] = torch.cumsum(counts, 0).to(torch.int32)
+        assert torch.equal(src.cpu(), want_src) and torch.equal(offs.cpu(), want_offs), (n, P)
+
+
+@needs_triton
+@pytest.mark.parametrize("T", [10, 150])
+def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(T):
+    """The grouped-GEMM prompt path (int4 rows; kernels/triton/grouped.py), as the GPU provider's
+    chunked prefill runs it: pair rows of chunks of experts (K=1 calls over their tokens, the
+    experts in a pool of more slots than the layer has experts, `routed` bounding the scratch),
+    then combine_pairs, equal the resident call bit for bit; the call is deterministic and
+    `moe_experts` takes this path for a prompt (prefill="grouped") and not for decode."""
+    from moestream.kernels.triton import combine_pairs, moe_experts, moe_pairs
+    from moestream.kernels.triton.grouped import moe_grouped
+    from moestream.kernels.triton.layout import StackedExperts
+
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    E, D, I, K = 8, 64, 64, 2
+    if CUDA:  # the library's tile configs at a real layer's shapes
+        E, D, I, K = 128, 2048, 768, 8
+    gen = torch.Generator().manual_seed(40 + T)
+    ex = _layer("int4r", E, D, I, device, gen)
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, K, device, gen)
+    want = moe_experts(x, ids, w, ex)
+    assert torch.equal(want, moe_grouped(x, ids, w, ex))  # the dispatch's choice, deterministic
+    pool = StackedExperts(ex.scheme, {k: torch.cat([v, v]) for k, v in ex.sections.items()}, E)
+    flat = ids.reshape(-1)
+    rows = torch.full((T * K, D), float("nan"), device=device)
+    step = max(E // 4, 1)
+    for lo in range(0, E, step):  # chunks of experts, read from the pool's second copy
+        sel = torch.nonzero((flat >= lo) & (flat < lo + step)).reshape(-1)
+        if len(sel):
+            slots = (flat[sel] + E).reshape(-1, 1)
+            rows[sel] = moe_pairs(x[sel // K], slots, w.reshape(-1)[sel].reshape(-1, 1), pool,
+                                  tokens=T)  # fmt: skip
+    assert torch.equal(combine_pairs(rows, K, dtype), want)
+    one = moe_experts(x[:1], ids[:1], w[:1], ex)  # decode: the decode kernels
+    assert torch.equal(one, moe_experts(x[:1], ids[:1], w[:1], ex, prefill="triton"))
+    if T > 8:
+        tri = moe_experts(x, ids, w, ex, prefill="triton")
+        assert not torch.equal(tri, want)  # another path (the library's products)
+        torch.testing.assert_close(tri.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+
+
+@needs_triton
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("mma", [False, True])
 def test_host_reads_give_the_pool_bits(quant, mma):

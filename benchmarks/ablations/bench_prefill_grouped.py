@@ -1,7 +1,7 @@
 """Prefill MoE on one layer of int4 rows (the GPU pool's layout), two paths side by side: the
-grouped Triton kernels (`prefill.moe_prefill`, the product's) and the candidate of
-`prefill_grouped.py` (dequantize the routed experts to bf16, two `torch._grouped_mm`; and
-"grouped_all", every expert dequantized), with the
+grouped Triton kernels (`prefill.moe_prefill`) and the grouped GEMMs of
+kernels/triton/grouped.py (the routed experts dequantized to bf16, two `torch._grouped_mm`),
+"grouped_all" (prefill_grouped.py: every expert dequantized), with the
 candidate's two parts timed alone ("dequant": every expert; "gemms": the rest of its path, sort,
 gathers, two GEMMs and the combine, on weights already dequantized), and
 the Triton kernels on that bf16 layer (a third design: dequant, then the bf16 kernels).
@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     from common import bench_row, median_seconds, write_rows
     from prefill_grouped import layer_weights, moe_prefill_grouped
 
+    from moestream.kernels.triton.grouped import moe_grouped
     from moestream.kernels.triton.layout import StackedExperts, quantize_stacked
     from moestream.kernels.triton.prefill import moe_prefill
     from moestream.quant import make_scheme
@@ -86,8 +87,8 @@ def main(argv=None) -> int:
             x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
             variants = {
                 "triton": lambda: moe_prefill(x, ids, wt, ex),
-                "grouped_mm": lambda: moe_prefill_grouped(x, ids, wt, ex),  # routed experts only
-                "grouped_all": lambda: moe_prefill_grouped(x, ids, wt, ex, touched=False),
+                "grouped_mm": lambda: moe_grouped(x, ids, wt, ex),  # the product: routed only
+                "grouped_all": lambda: moe_prefill_grouped(x, ids, wt, ex),  # every expert
                 "dequant": lambda: layer_weights(ex, dtype),
                 "gemms": lambda: moe_prefill_grouped(x, ids, wt, ex, w=w),
                 # the product's kernels on the same layer already in bf16: with "dequant" the
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
                 "triton_bf16": lambda: moe_prefill(x, ids, wt, ex16),
             }
             want = moe_prefill(x, ids, wt, ex).float()
-            got = moe_prefill_grouped(x, ids, wt, ex).float()
+            got = moe_grouped(x, ids, wt, ex).float()
             rel = ((got - want).norm() / want.norm()).item()
             assert rel < 1e-2, f"{name} T={T}: grouped_mm differs from moe_prefill by {rel:.2e}"
             b16 = moe_prefill(x, ids, wt, ex16).float()

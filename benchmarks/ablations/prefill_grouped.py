@@ -1,19 +1,12 @@
-"""A candidate prefill MoE path for issue 22, off the product path until an H200 run says it is
-faster: the layer's int4 rows dequantized to the activation dtype by one Triton launch per
-weight (`dequant_rows`: kernels/triton/dequant.py; spec `dequant_rows_ref`, the spec's
-`(v - 8) * s + z` in fp32 then rounded, so the weights the grouped kernels multiply), then the
-routed products as two vendor grouped GEMMs (`torch._grouped_mm`: CUTLASS on sm_90, a loop on
-the CPU) over the pairs sorted by expert, and the pairs combined by `combine_pairs` (each
-token's rows in slot order, no atomics). The products' blocking is the library's, so the bits differ from
-`prefill.moe_prefill`'s and from the spec within rounding; the experts' outputs are rounded to
-the activation dtype as the spec's are.
-
-Why try it: the grouped Triton kernels take 1.6-1.8 ms a layer at 64-512 tokens, 0.04-0.07 of
-the HBM rate for the int4 rows they read (docs/gpu.md, "GPU prefill"); writing and reading the layer
-once as bf16 (1.2 GB at Qwen3-30B-A3B's shapes) is ~0.6 ms of HBM time, and the GEMMs are the
-library's. The cost: a scratch of E x 3 x D x I values, all experts dequantized whatever the
-prompt touches (so it only pays from some tens of tokens on). `bench_prefill_grouped.py`
-measures both paths side by side."""
+"""The every-expert variant of the grouped-GEMM prompt path (the product's is
+moestream/kernels/triton/grouped.py, which dequantizes only the routed experts): the layer's
+int4 rows dequantized to the activation dtype by one Triton launch per weight (`dequant_rows`:
+kernels/triton/dequant.py; spec `dequant_rows_ref`, the spec's `(v - 8) * s + z` in fp32 then
+rounded), two vendor grouped GEMMs (`torch._grouped_mm`: CUTLASS on sm_90, a loop on the CPU)
+over the pairs sorted by expert, one group per expert, and `combine_pairs`. Kept to measure
+what dequantizing every expert costs against the routed ones (`bench_prefill_grouped.py`: on
+the H200 it was faster at 512-2048 tokens at Qwen3-30B-A3B's shapes, where nearly every expert
+is routed, and it needs no group bookkeeping); it cannot serve a slot pool (a scratch per slot)."""
 
 from __future__ import annotations
 
@@ -56,40 +49,19 @@ def layer_weights(experts: StackedExperts, dtype: torch.dtype) -> tuple[torch.Te
     return tuple(experts.sections[f"{n}.q"].to(dtype) for n in NAMES)
 
 
-def routed_groups(flat: torch.Tensor, n: int, groups: int):
-    """flat [P] matrix ids (< n) -> (src [groups] int32: the matrix of each group in ascending id
-    order, -1 past the routed ones; offs [groups] int32: the groups' row ends). No host sync."""
-    counts = torch.zeros(n, dtype=torch.int64, device=flat.device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    used = counts > 0
-    rank = torch.where(used, torch.cumsum(used, 0) - 1, groups)  # unrouted -> a dump entry
-    src = torch.full((groups + 1,), -1, dtype=torch.int32, device=flat.device)
-    src.scatter_(0, rank, torch.arange(n, dtype=torch.int32, device=flat.device))
-    size = torch.zeros(groups + 1, dtype=torch.int64, device=flat.device)
-    size.scatter_(0, rank, counts)  # the dump entry's value is never read
-    return src[:groups], torch.cumsum(size[:groups], 0).to(torch.int32)
-
-
 def moe_prefill_grouped(x, ids, weights, experts: StackedExperts, out=None,
-                        w: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        touched: bool = True) -> torch.Tensor:  # fmt: skip
-    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype. `touched`: int4 rows
-    dequantize only the routed experts, into groups in ascending expert order (else every
-    expert, one group each). `w`: the layer already dequantized (layer_weights), to time the
-    GEMMs alone."""
+                        w: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:  # fmt: skip
+    """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, every expert dequantized
+    (one group each; the product's kernels/triton/grouped.py dequantizes the routed ones only).
+    `w`: the layer already dequantized (layer_weights), to time the GEMMs alone."""
     T, K = ids.shape
     E, I = experts.num_experts, experts.inter
+    w13, w2 = w if w is not None else layer_weights(experts, x.dtype)
     flat = ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices  # pairs by expert: by group, either way
-    if w is None and touched and experts.rows:
-        groups = min(E, flat.numel())
-        src, offs = routed_groups(flat, E, groups)
-        w13, w2 = (dequant_rows(experts, n, x.dtype, src=src) for n in NAMES)
-    else:
-        w13, w2 = w if w is not None else layer_weights(experts, x.dtype)
-        counts = torch.zeros(E, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))
-        offs = torch.cumsum(counts, 0).to(torch.int32)  # group ends, no host sync
+    order = torch.sort(flat, stable=True).indices  # pairs by expert
+    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # group ends, no host sync
     xs = x[order // K]  # [P, D]
     gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I] in x's dtype
     h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)  # rounded once

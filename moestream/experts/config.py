@@ -90,6 +90,7 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
 
 GPU_PREFETCH = ("none", "stale-gate")  # GpuConfig.prefetch
 MISS_READS = ("stage", "direct")
+GPU_PREFILL = ("grouped", "triton")  # GpuConfig.prefill (kernels/triton/grouped.PREFILL)
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,8 +125,16 @@ class GpuConfig:
     # while the layer computes; the next layer reads a prefetched miss from there (the same
     # mirror row: the same bits). `--predictor stale-gate` on a GPU (runtime.open_model).
     prefetch: str = "none"
+    # A prompt's MoE on CUDA: "grouped" = int4 rows dequantized to bf16, then torch's grouped
+    # GEMM (kernels/triton/grouped.py; bf16 on sm_90+, else the Triton kernels), "triton" = the
+    # grouped Triton kernels (prefill.py) always. Decode is the same either way.
+    prefill: str = "grouped"
 
     def __post_init__(self):
+        if self.prefill not in GPU_PREFILL:
+            raise ConfigError(
+                f"unknown GPU prefill kernels {self.prefill!r}; use {', '.join(GPU_PREFILL)}"
+            )
         if self.miss_reads not in MISS_READS:
             raise ConfigError(
                 f"unknown miss reads {self.miss_reads!r}; use {', '.join(MISS_READS)}"

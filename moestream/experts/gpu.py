@@ -36,6 +36,7 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 
 import torch
@@ -44,7 +45,9 @@ from moestream.config import ConfigError
 from moestream.experts.base import ExpertProvider
 from moestream.experts.config import GpuConfig, slot_count
 from moestream.kernels.dispatch import moe_kernel
-from moestream.kernels.triton import SCHEMES, combine_pairs, moe_pairs, unsupported
+from moestream.kernels.triton import (
+    SCHEMES, combine_pairs, moe_pairs, prompt_path, unsupported
+)  # fmt: skip
 from moestream.kernels.triton.layout import StackedExperts, pool_shapes, rows_sections
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
@@ -93,6 +96,8 @@ class GpuExperts(ExpertProvider):
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
         self.kernel = moe_kernel(cfg.kernel)
+        if cfg.kernel == "triton":  # a prompt's kernels (GpuConfig.prefill)
+            self.kernel = functools.partial(self.kernel, prefill=cfg.prefill)
         layout, a = store.layout, store.args
         self.layers = sorted(store.crc)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -132,7 +137,8 @@ class GpuExperts(ExpertProvider):
                 )
             self.n_slots -= 2 * self.K
         n_pool = self.n_slots + (self.K if self.staged else 0) + 2 * self.K * self.prefetching
-        self.pool = StackedExperts(store.scheme, self._sections((n_pool,), self.device))
+        # routed=E: a call's ids are one layer's experts (the grouped prefill's scratch bound)
+        self.pool = StackedExperts(store.scheme, self._sections((n_pool,), self.device), self.E)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
         self.syncs = 0
@@ -612,7 +618,9 @@ class GpuExperts(ExpertProvider):
         host = flat.cpu()
         experts = sorted(set(host.tolist()))
         cap = self.table.policy.capacity(self.n_slots)
-        pairs = self.cfg.kernel == "triton" and not unsupported(self.pool, T)
+        pairs = self.cfg.kernel == "triton" and (
+            prompt_path(self.pool, x, T, self.cfg.prefill) or not unsupported(self.pool, T)
+        )
         if pairs:
             rows = torch.empty(T * K, x.shape[1], device=self.device, dtype=torch.float32)
         else:
@@ -629,7 +637,8 @@ class GpuExperts(ExpertProvider):
             slots = self.slot_map[li][flat[sel]].reshape(-1, 1)
             w = weights.reshape(-1)[sel].reshape(-1, 1)
             if pairs:
-                rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T)
+                rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T,
+                                      prefill=self.cfg.prefill)  # fmt: skip
             else:
                 y = self.kernel(x[tok], slots, w, self.pool, expert_ids=flat[sel].reshape(-1, 1))
                 y = y.to(out.dtype)
@@ -642,6 +651,10 @@ class GpuExperts(ExpertProvider):
     def describe(self) -> dict:
         d = {"experts": "vram resident" if self.cfg.resident else "vram slot cache",
              "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
+        if self.cfg.kernel == "triton":  # a prompt's kernels (bf16 prompts; fp32 ones: triton)
+            sm90 = not self.cuda or torch.cuda.get_device_capability(self.device) >= (9, 0)
+            grouped = self.cfg.prefill == "grouped" and self.rows and sm90
+            d["prefill"] = "grouped-gemm" if grouped else "triton"
         if not self.cfg.resident:
             total = len(self.layers) * self.E
             d.update(cache_bytes=self.n_slots * self.size, cache_slots=self.n_slots,

@@ -8,7 +8,11 @@
   int4). Variants measured slower (one persistent launch per layer, ...) are benchmark code:
   benchmarks/ablations/triton_decode.py.
 - `prefill.py`: tokens grouped by expert on the device, tl.dot per block of BLOCK_M rows.
-`moe_experts` picks the path; shapes the kernels do not take fall back to the reference.
+- `grouped.py`: a prompt on int4 rows (bf16, sm_90): the routed experts dequantized to bf16, then
+  torch's grouped GEMM (CUTLASS); the default for prompts (`prefill="grouped"`), faster per
+  layer at 16-128 tokens on the H200.
+`moe_experts` picks the path (`prompt_path`); shapes the kernels do not take fall back to the
+reference.
 `moe_pairs` + `combine_pairs` split a call into per-pair rows and their slot-order sum, with the
 bits of `moe_experts` (the GPU provider's chunked prefill when the pool cannot hold all experts).
 `layout.py` imports without triton; the kernels need it (the `gpu` extra, never the CPU install).
@@ -37,39 +41,55 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     return prefill.check_shapes(q, D, I, s.group_size, cfg)
 
 
+def prompt_path(experts: StackedExperts, x: torch.Tensor, tokens: int, prefill: str) -> bool:
+    """The one rule for the grouped-GEMM prompt path: asked for (GpuConfig.prefill), a prompt
+    (more than DECODE_MAX_TOKENS tokens in the whole call) and a layer it takes."""
+    from moestream.kernels.triton import grouped
+
+    if prefill not in grouped.PREFILL:
+        raise ValueError(f"unknown prefill kernels {prefill!r}; use {', '.join(grouped.PREFILL)}")
+    return (prefill == "grouped" and tokens > DECODE_MAX_TOKENS
+            and grouped.unsupported(experts, x) is None)  # fmt: skip
+
+
 def moe_experts(
     x: torch.Tensor,
     ids: torch.Tensor,
     weights: torch.Tensor,
     experts: StackedExperts,
     expert_ids: torch.Tensor | None = None,
+    prefill: str = "grouped",
 ) -> torch.Tensor:
     """x [T, D], ids [T, K], weights [T, K] -> [T, D]: the routed experts' weighted sum.
     `expert_ids`: see `moe_stacked_ref` (only the reference fallback's summation order needs them;
-    the kernels add a token's experts in slot order)."""
-    from moestream.kernels.triton import decode, prefill
+    the kernels add a token's experts in slot order). `prefill`: a prompt's kernels ("grouped":
+    grouped.py where it applies, else "triton": prefill.py)."""
+    from moestream.kernels.triton import decode, grouped, prefill as tiles
 
+    if prompt_path(experts, x, x.shape[0], prefill):
+        return grouped.moe_grouped(x, ids, weights, experts)
     if unsupported(experts, x.shape[0]):
         return moe_stacked_ref(x, ids, weights, experts, expert_ids)
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts)
-    return prefill.moe_prefill(x, ids, weights, experts)
+    return tiles.moe_prefill(x, ids, weights, experts)
 
 
-def moe_pairs(
-    x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, experts: StackedExperts, tokens: int
-) -> torch.Tensor:
+def moe_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+              experts: StackedExperts, tokens: int, prefill: str = "grouped") -> torch.Tensor:  # fmt: skip
     """Pair rows [T * K, D] fp32 (weight times expert output) as `moe_experts` computes them for a
     call of `tokens` tokens: the kernel is chosen by `tokens`, not by this call's size, so a
     chunk of a call's pairs gets the same rows. A workspace view: copy it before the next call."""
-    from moestream.kernels.triton import decode, prefill
+    from moestream.kernels.triton import decode, grouped, prefill as tiles
 
+    if prompt_path(experts, x, tokens, prefill):
+        return grouped.moe_grouped(x, ids, weights, experts, combine=False)
     why = unsupported(experts, tokens)
     if why:
         raise NotImplementedError(f"pair rows need the Triton kernels: {why}")
     if tokens <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts, combine=False)
-    return prefill.moe_prefill(x, ids, weights, experts, combine=False, tokens=tokens)
+    return tiles.moe_prefill(x, ids, weights, experts, combine=False, tokens=tokens)
 
 
 def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tensor:
@@ -80,5 +100,6 @@ def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tenso
 
 
 __all__ = [
-    "StackedExperts", "combine_pairs", "moe_experts", "moe_pairs", "moe_stacked_ref", "unsupported"
+    "StackedExperts", "combine_pairs", "moe_experts", "moe_pairs", "moe_stacked_ref",
+    "prompt_path", "unsupported",
 ]  # fmt: skip

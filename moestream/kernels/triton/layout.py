@@ -39,6 +39,9 @@ NAMES = ("w13", "w2")
 class StackedExperts:
     scheme: QuantScheme
     sections: dict[str, torch.Tensor]  # "w13.q" -> [E, ...]
+    # the most distinct matrices one call routes to: a slot pool's layer expert count (a call's
+    # ids are one layer's experts); None: all of them (the grouped prefill sizes its scratch so)
+    routed: int | None = None
 
     def __post_init__(self):
         if "b13" in self.sections:  # the kernels and moe_stacked_ref would drop them silently
@@ -92,14 +95,15 @@ class StackedExperts:
     def to_rows(self) -> StackedExperts:
         """This int4 layer in the GPU's row layout (the same numbers)."""
         assert self.scheme.name == "int4" and not self.rows
-        return StackedExperts(self.scheme, rows_sections(self.scheme, self.sections))
+        return StackedExperts(self.scheme, rows_sections(self.scheme, self.sections), self.routed)
 
     def expert_bytes(self) -> int:
         """Bytes of one expert's sections (what a kernel must read per routed expert)."""
         return sum(t[0].numel() * t.element_size() for t in self.sections.values())
 
     def to(self, device) -> StackedExperts:
-        return StackedExperts(self.scheme, {k: v.to(device) for k, v in self.sections.items()})
+        secs = {k: v.to(device) for k, v in self.sections.items()}
+        return StackedExperts(self.scheme, secs, self.routed)
 
 
 def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:

@@ -1,0 +1,106 @@
+"""A prompt's routed experts on tensor cores through the vendor's grouped GEMM (int4 rows).
+
+The routed experts of a layer are dequantized to bf16 (kernels/triton/dequant.py, only the
+experts the prompt routes to, into one group each in ascending expert order), then the pairs,
+sorted by expert, run as two `torch._grouped_mm` calls (CUTLASS on sm_90): gate/up, h = silu(g)
+* u rounded to x's dtype, down; each pair's fp32 row (weight times expert output) is combined in
+slot order by `combine_pairs`, no atomics. Everything stays on the device (no host sync).
+
+Why: the grouped Triton kernels (prefill.py) dequantize inside the dot and reach 0.04-0.07 of
+the HBM rate; dequantize + CUTLASS is 1.1-1.6x faster per layer at 16-128 tokens on the H200
+(`benchmarks/ablations/bench_prefill_grouped.py`, docs/gpu.md). The cost: a bf16 scratch of
+the routed experts (up to E x 3 x D x I values, 1.2 GB at Qwen3-30B-A3B's shapes) while the
+layer runs, held by torch's caching allocator after it.
+
+Bits: a pair's row depends only on its expert's rows in the call (its group), whatever else is
+in the call: tested on the H200 (`test_grouped_mm_rows_do_not_depend_on_the_call_cuda`: fewer
+groups, empty groups, the library's small and large tile configs). So a prompt's pool path,
+which runs chunks of a layer's experts, gives the bits of the resident call, as with the Triton
+kernels. The products are the library's (bf16 in, fp32 accumulate), so the bits differ from
+prefill.py's within rounding (float64 spec tests)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from moestream.kernels.triton.decode import combine_pairs
+from moestream.kernels.triton.dequant import dequant_int4_rows
+from moestream.kernels.triton.layout import NAMES, StackedExperts
+
+PREFILL = ("grouped", "triton")  # GpuConfig.prefill: the prompt MoE kernels on CUDA
+
+
+def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
+    """Why this layer's prompt cannot take the grouped-GEMM path (None when it can)."""
+    if not experts.rows:
+        return "the grouped-GEMM prefill reads int4 rows (the GPU pool's int4 layout)"
+    if x.is_cuda:
+        if x.dtype != torch.bfloat16:
+            return "torch._grouped_mm takes bf16 activations on CUDA"
+        if torch.cuda.get_device_capability(x.device) < (9, 0):
+            return "torch._grouped_mm's CUTLASS kernels need sm_90 or newer"
+    if experts.hidden % 16 or experts.inter % 16:  # the GEMMs' 16-byte strides
+        return f"D={experts.hidden} and I={experts.inter} must be multiples of 16"
+    return None
+
+
+@triton.jit
+def _groups_kernel(ids_ptr, src_ptr, offs_ptr, P, groups, EB: tl.constexpr, BP: tl.constexpr):
+    """One program: the pairs' matrix ids [P] -> src [groups] (the routed matrices in ascending
+    order, -1 past them) and offs [groups] (each group's row end; P past them)."""
+    acc = tl.zeros([EB], dtype=tl.int32)
+    for p0 in range(0, P, BP):
+        o = p0 + tl.arange(0, BP)
+        acc += tl.histogram(tl.load(ids_ptr + o, mask=o < P, other=0).to(tl.int32), EB)
+    e = tl.arange(0, EB)
+    acc -= tl.where(e == 0, tl.cdiv(P, BP) * BP - P, 0)  # the padding counted as matrix 0
+    used = acc > 0
+    rank = tl.cumsum(used.to(tl.int32), 0) - 1
+    ends = tl.cumsum(acc, 0)  # unrouted matrices add nothing: a routed one's end is its group's
+    n_used = tl.sum(used.to(tl.int32), 0)
+    for g0 in range(0, groups, EB):  # the groups past the routed ones: empty, no matrix
+        g = g0 + e
+        rest = (g >= n_used) & (g < groups)
+        tl.store(src_ptr + g, tl.full([EB], -1, tl.int32), mask=rest)
+        tl.store(offs_ptr + g, tl.zeros([EB], dtype=tl.int32) + P, mask=rest)
+    ok = used & (rank < groups)  # always, when `groups` bounds the distinct ids (memory safety)
+    tl.store(src_ptr + rank, e, mask=ok)
+    tl.store(offs_ptr + rank, ends, mask=ok)
+
+
+def routed_groups(flat: torch.Tensor, n: int, groups: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flat [P] ids of n matrices (at most `groups` distinct) -> (src, offs) [groups] int32: the
+    routed matrices in ascending order (-1 past them) and the groups' row ends. One launch."""
+    src = torch.empty(groups, dtype=torch.int32, device=flat.device)
+    offs = torch.empty(groups, dtype=torch.int32, device=flat.device)
+    eb = triton.next_power_of_2(max(n, 16))
+    _groups_kernel[(1,)](flat, src, offs, flat.numel(), groups, EB=eb, BP=1024, num_warps=4)
+    return src, offs
+
+
+def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                experts: StackedExperts, out=None, combine: bool = True) -> torch.Tensor:  # fmt: skip
+    """x [T, D], ids [T, K] (into `experts`), weights [T, K] -> [T, D] in x's dtype; with
+    `combine=False` the fp32 pair rows [T * K, D] (chunks of a call's pairs give its rows)."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)
+    P, I = flat.numel(), experts.inter
+    groups = min(experts.routed or experts.num_experts, P)
+    src, offs = routed_groups(flat, experts.num_experts, groups)
+    w13, w2 = (_dequant(experts, name, x.dtype, src) for name in NAMES)
+    order = torch.sort(flat, stable=True).indices  # pairs by expert, a token's in slot order
+    gu = torch._grouped_mm(x[order // K], w13.transpose(1, 2), offs=offs)  # [P, 2I]
+    h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)  # rounded once, as the spec
+    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x's dtype
+    rows = torch.empty(P, y.shape[1], device=x.device, dtype=torch.float32)
+    rows[order] = y.float() * weights.reshape(-1)[order, None].float()  # back in pair order
+    return combine_pairs(rows, K, x.dtype, out=out) if combine else rows
+
+
+def _dequant(experts: StackedExperts, name: str, dtype: torch.dtype, src: torch.Tensor):
+    q, words = experts.sections[f"{name}.q"], experts.sections[f"{name}.rz"]
+    out = torch.empty(src.numel(), q.shape[1], 2 * q.shape[2], device=q.device, dtype=dtype)
+    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, out=out, src=src)
