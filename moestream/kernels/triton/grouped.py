@@ -48,21 +48,24 @@ def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
 
 
 @triton.jit
-def _groups_kernel(ids_ptr, src_ptr, offs_ptr, P, groups, EB: tl.constexpr, BP: tl.constexpr):
+def _groups_kernel(ids_ptr, src_ptr, offs_ptr, P, groups, EB: tl.constexpr, BP: tl.constexpr,
+                   NP: tl.constexpr, NG: tl.constexpr):  # fmt: skip
     """One program: the pairs' matrix ids [P] -> src [groups] (the routed matrices in ascending
-    order, -1 past them) and offs [groups] (each group's row end; P past them)."""
+    order, -1 past them) and offs [groups] (each group's row end; P past them). The loops run
+    NP >= P / BP and NG >= groups / EB blocks (constexpr: Triton 3.6's interpreter cannot take
+    a launch argument as a range bound; NP is a power of two, so few compiles)."""
     acc = tl.zeros([EB], dtype=tl.int32)
-    for p0 in range(0, P, BP):
-        o = p0 + tl.arange(0, BP)
+    for i in range(0, NP):
+        o = i * BP + tl.arange(0, BP)
         acc += tl.histogram(tl.load(ids_ptr + o, mask=o < P, other=0).to(tl.int32), EB)
     e = tl.arange(0, EB)
-    acc -= tl.where(e == 0, tl.cdiv(P, BP) * BP - P, 0)  # the padding counted as matrix 0
+    acc -= tl.where(e == 0, NP * BP - P, 0)  # the padding counted as matrix 0
     used = acc > 0
     rank = tl.cumsum(used.to(tl.int32), 0) - 1
     ends = tl.cumsum(acc, 0)  # unrouted matrices add nothing: a routed one's end is its group's
     n_used = tl.sum(used.to(tl.int32), 0)
-    for g0 in range(0, groups, EB):  # the groups past the routed ones: empty, no matrix
-        g = g0 + e
+    for j in range(0, NG):  # the groups past the routed ones: empty, no matrix
+        g = j * EB + e
         rest = (g >= n_used) & (g < groups)
         tl.store(src_ptr + g, tl.full([EB], -1, tl.int32), mask=rest)
         tl.store(offs_ptr + g, tl.zeros([EB], dtype=tl.int32) + P, mask=rest)
@@ -76,8 +79,10 @@ def routed_groups(flat: torch.Tensor, n: int, groups: int) -> tuple[torch.Tensor
     routed matrices in ascending order (-1 past them) and the groups' row ends. One launch."""
     src = torch.empty(groups, dtype=torch.int32, device=flat.device)
     offs = torch.empty(groups, dtype=torch.int32, device=flat.device)
-    eb = triton.next_power_of_2(max(n, 16))
-    _groups_kernel[(1,)](flat, src, offs, flat.numel(), groups, EB=eb, BP=1024, num_warps=4)
+    eb, bp, P = triton.next_power_of_2(max(n, 16)), 1024, flat.numel()
+    _groups_kernel[(1,)](flat, src, offs, P, groups, EB=eb, BP=bp,
+                         NP=triton.next_power_of_2(triton.cdiv(P, bp)),
+                         NG=triton.cdiv(groups, eb), num_warps=4)  # fmt: skip
     return src, offs
 
 
