@@ -457,6 +457,10 @@ def mode_line(mode: dict) -> str:
     if mode["device"] == "cuda":
         graph = "cuda graph, compiled step" if mode.get("compiled_step") else "cuda graph"
         parts.append(graph if mode["cuda_graph"] else "eager")
+    if mode.get("prefill"):  # the GPU provider's prompt kernels
+        parts.append("prompt " + mode["prefill"])
+        if mode.get("prefill_note"):
+            parts[-1] += f" ({mode['prefill_note']})"
     if mode.get("native_step"):
         parts.append("native decode step")
     return "[mode: " + ", ".join(parts) + "]"

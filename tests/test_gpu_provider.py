@@ -179,6 +179,29 @@ def test_cli_device_flags(monkeypatch):
     assert _store_kwargs(tri)["experts"].prefill == "triton"
 
 
+def test_prompt_kernels_fall_back_with_the_reason():
+    """The provider's start-up choice of a prompt's kernels: grouped GEMMs when asked for, on int4
+    rows, on sm_90+ and with their scratch free beside the pool; otherwise the Triton kernels,
+    with a reason that names the fix (the mode line prints it)."""
+    from moestream.cli import mode_line
+    from moestream.kernels.triton import SCRATCH_MARGIN, prompt_kernels, scratch_bytes
+
+    need = scratch_bytes(128, 2048, 768)
+    assert need == 128 * 3 * 2048 * 768 * 2
+    assert prompt_kernels("grouped", True, (9, 0), need + SCRATCH_MARGIN, need) == ("grouped", None)
+    assert prompt_kernels("grouped", True, None, None, need) == ("grouped", None)  # interpreter
+    assert prompt_kernels("triton", True, (9, 0), None, need) == ("triton", None)
+    kind, why = prompt_kernels("grouped", True, (9, 0), need, need)
+    assert kind == "triton" and "does not fit the free VRAM" in why and "--gpu-budget" in why
+    kind, why = prompt_kernels("grouped", True, (8, 6), None, need)
+    assert kind == "triton" and "sm_90+" in why and "sm_86" in why
+    assert prompt_kernels("grouped", False, (9, 0), None, need)[0] == "triton"
+    mode = {"experts": "vram resident", "quant": "int4", "device": "cuda", "dtype": "bfloat16",
+            "cuda_graph": True, "prefill": "triton", "prefill_note": "--gpu-prefill grouped not "
+            "used: " + why}  # fmt: skip
+    assert "prompt triton (--gpu-prefill grouped not used: torch._grouped_mm" in mode_line(mode)
+
+
 def test_gpu_prefill_is_checked():
     """GpuConfig.prefill names the prompt kernels; anything else is refused with the choices,
     and --gpu-prefill without --device cuda says it is a GPU flag."""
@@ -265,6 +288,9 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     p = rt.provider
     mode = p.describe()
     assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
+    # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)
+    assert mode["prefill"] == ("grouped-gemm" if quant == "int4" else "triton") and p.chunked > 0
+    assert res_rt.provider.describe()["prefill"] == mode["prefill"]
     assert p.n_slots == 3 and p.staged == (reads == "stage")
     assert p.pool.num_experts == 3 + (p.K if p.staged else 0)
     assert p.pool.rows == p.mirror.rows == (quant == "int4")

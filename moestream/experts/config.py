@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.config import Budget, ConfigError
+from moestream.kernels.triton import PREFILL
 from moestream.store.format import Store
 from moestream.store.io import IOConfig
 
@@ -90,7 +91,7 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
 
 GPU_PREFETCH = ("none", "stale-gate")  # GpuConfig.prefetch
 MISS_READS = ("stage", "direct")
-GPU_PREFILL = ("grouped", "triton")  # GpuConfig.prefill (kernels/triton/grouped.PREFILL)
+GPU_PREFILL = PREFILL  # GpuConfig.prefill: the prompt kernels (kernels/triton/__init__.py)
 
 
 @dataclass(frozen=True, slots=True)

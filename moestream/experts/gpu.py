@@ -46,7 +46,13 @@ from moestream.experts.base import ExpertProvider
 from moestream.experts.config import GpuConfig, slot_count
 from moestream.kernels.dispatch import moe_kernel
 from moestream.kernels.triton import (
-    SCHEMES, combine_pairs, moe_pairs, prompt_path, unsupported
+    SCHEMES,
+    combine_pairs,
+    moe_pairs,
+    prompt_kernels,
+    prompt_path,
+    scratch_bytes,
+    unsupported,
 )  # fmt: skip
 from moestream.kernels.triton.layout import StackedExperts, pool_shapes, rows_sections
 from moestream.store.format import Store
@@ -96,8 +102,6 @@ class GpuExperts(ExpertProvider):
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
         self.kernel = moe_kernel(cfg.kernel)
-        if cfg.kernel == "triton":  # a prompt's kernels (GpuConfig.prefill)
-            self.kernel = functools.partial(self.kernel, prefill=cfg.prefill)
         layout, a = store.layout, store.args
         self.layers = sorted(store.crc)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
@@ -161,7 +165,9 @@ class GpuExperts(ExpertProvider):
                                               self.pool.sections.items()})
                 for i in range(len(self.layers))
             ]  # fmt: skip
+            self._choose_prefill()
             return
+        self._choose_prefill()
         self.table = SlotTable(self.n_slots, make_policy(cfg.policy, layers=self.layers), self.K)
         # slot_map[layer index, expert] = slot, or the absent code when not resident (kept equal
         # to the table): -1, or with device misses -1 - mirror row (row = layer index * E + e).
@@ -188,6 +194,25 @@ class GpuExperts(ExpertProvider):
         self._meta = torch.empty(8 * self.E, dtype=torch.int64, pin_memory=self.cuda)
         self._meta_np = self._meta.numpy()
         self._meta_at = 0
+
+    def _choose_prefill(self) -> None:
+        """A prompt's kernels (GpuConfig.prefill), fixed once the pool is allocated: the grouped
+        GEMMs need their bf16 scratch of a layer's experts free beside it (else the Triton
+        kernels, and describe() says why). Free VRAM is read at start-up, before the KV cache."""
+        a = self.store.args
+        self.prefill_scratch = scratch_bytes(self.E, a.hidden_size, a.moe_intermediate_size)
+        free = None
+        if self.cuda:
+            dev = self.device
+            free, _ = torch.cuda.mem_get_info(dev)
+            # what torch's cache holds unused is free for the scratch too
+            free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
+        cap = torch.cuda.get_device_capability(self.device) if self.cuda else None
+        self.prefill, self.prefill_why = prompt_kernels(
+            self.cfg.prefill, self.rows, cap, free, self.prefill_scratch
+        )
+        if self.cfg.kernel == "triton":
+            self.kernel = functools.partial(self.kernel, prefill=self.prefill)
 
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
         """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
@@ -619,7 +644,7 @@ class GpuExperts(ExpertProvider):
         experts = sorted(set(host.tolist()))
         cap = self.table.policy.capacity(self.n_slots)
         pairs = self.cfg.kernel == "triton" and (
-            prompt_path(self.pool, x, T, self.cfg.prefill) or not unsupported(self.pool, T)
+            prompt_path(self.pool, x, T, self.prefill) or not unsupported(self.pool, T)
         )
         if pairs:
             rows = torch.empty(T * K, x.shape[1], device=self.device, dtype=torch.float32)
@@ -638,7 +663,7 @@ class GpuExperts(ExpertProvider):
             w = weights.reshape(-1)[sel].reshape(-1, 1)
             if pairs:
                 rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T,
-                                      prefill=self.cfg.prefill)  # fmt: skip
+                                      prefill=self.prefill)  # fmt: skip
             else:
                 y = self.kernel(x[tok], slots, w, self.pool, expert_ids=flat[sel].reshape(-1, 1))
                 y = y.to(out.dtype)
@@ -652,9 +677,11 @@ class GpuExperts(ExpertProvider):
         d = {"experts": "vram resident" if self.cfg.resident else "vram slot cache",
              "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
         if self.cfg.kernel == "triton":  # a prompt's kernels (bf16 prompts; fp32 ones: triton)
-            sm90 = not self.cuda or torch.cuda.get_device_capability(self.device) >= (9, 0)
-            grouped = self.cfg.prefill == "grouped" and self.rows and sm90
-            d["prefill"] = "grouped-gemm" if grouped else "triton"
+            d["prefill"] = "grouped-gemm" if self.prefill == "grouped" else "triton"
+            if self.prefill == "grouped":
+                d["prefill_scratch_bytes"] = self.prefill_scratch
+            if self.prefill_why:
+                d["prefill_note"] = f"--gpu-prefill grouped not used: {self.prefill_why}"
         if not self.cfg.resident:
             total = len(self.layers) * self.E
             d.update(cache_bytes=self.n_slots * self.size, cache_slots=self.n_slots,

@@ -26,6 +26,7 @@ from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
 SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0, q4_1: CPU only)
+PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
 
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:
@@ -41,13 +42,47 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     return prefill.check_shapes(q, D, I, s.group_size, cfg)
 
 
+SCRATCH_MARGIN = 256 << 20  # free VRAM kept beside the scratch (the prompt's activations)
+
+
+def scratch_bytes(experts: int, hidden: int, inter: int) -> int:
+    """The bf16 scratch of a layer's routed experts at most (w13 and w2 of `experts` experts)."""
+    return experts * 3 * hidden * inter * 2
+
+
+def arch_unsupported(capability: tuple[int, int]) -> str | None:
+    """Why a CUDA device of this capability cannot run torch._grouped_mm's kernels (None: it can)."""
+    if capability < (9, 0):
+        return f"torch._grouped_mm's CUTLASS kernels need sm_90+ (this GPU: sm_{capability[0]}{capability[1]})"
+    return None
+
+
+def prompt_kernels(asked: str, rows: bool, capability: tuple[int, int] | None, free: int | None,
+                   scratch: int) -> tuple[str, str | None]:  # fmt: skip
+    """A provider's prompt kernels at start-up: ("grouped" or "triton", why not grouped when it
+    was asked for and cannot run). capability None: not CUDA (the interpreter's tests); free:
+    VRAM free for the scratch (None: not measured)."""
+    if asked == "triton":
+        return "triton", None
+    if not rows:
+        return "triton", "the grouped GEMMs read int4 experts in groups of a multiple of 32"
+    if capability is not None and arch_unsupported(capability):
+        return "triton", arch_unsupported(capability)
+    if free is not None and free < scratch + SCRATCH_MARGIN:
+        return "triton", (
+            f"their bf16 scratch ({scratch / 2**30:.2f} GiB) does not fit the free VRAM "
+            f"({free / 2**30:.2f} GiB): lower --gpu-budget to use them"
+        )
+    return "grouped", None
+
+
 def prompt_path(experts: StackedExperts, x: torch.Tensor, tokens: int, prefill: str) -> bool:
     """The one rule for the grouped-GEMM prompt path: asked for (GpuConfig.prefill), a prompt
     (more than DECODE_MAX_TOKENS tokens in the whole call) and a layer it takes."""
     from moestream.kernels.triton import grouped
 
-    if prefill not in grouped.PREFILL:
-        raise ValueError(f"unknown prefill kernels {prefill!r}; use {', '.join(grouped.PREFILL)}")
+    if prefill not in PREFILL:
+        raise ValueError(f"unknown prefill kernels {prefill!r}; use {', '.join(PREFILL)}")
     return (prefill == "grouped" and tokens > DECODE_MAX_TOKENS
             and grouped.unsupported(experts, x) is None)  # fmt: skip
 
@@ -64,7 +99,8 @@ def moe_experts(
     `expert_ids`: see `moe_stacked_ref` (only the reference fallback's summation order needs them;
     the kernels add a token's experts in slot order). `prefill`: a prompt's kernels ("grouped":
     grouped.py where it applies, else "triton": prefill.py)."""
-    from moestream.kernels.triton import decode, grouped, prefill as tiles
+    from moestream.kernels.triton import decode, grouped
+    from moestream.kernels.triton import prefill as tiles
 
     if prompt_path(experts, x, x.shape[0], prefill):
         return grouped.moe_grouped(x, ids, weights, experts)
@@ -80,7 +116,8 @@ def moe_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     """Pair rows [T * K, D] fp32 (weight times expert output) as `moe_experts` computes them for a
     call of `tokens` tokens: the kernel is chosen by `tokens`, not by this call's size, so a
     chunk of a call's pairs gets the same rows. A workspace view: copy it before the next call."""
-    from moestream.kernels.triton import decode, grouped, prefill as tiles
+    from moestream.kernels.triton import decode, grouped
+    from moestream.kernels.triton import prefill as tiles
 
     if prompt_path(experts, x, tokens, prefill):
         return grouped.moe_grouped(x, ids, weights, experts, combine=False)
@@ -100,6 +137,6 @@ def combine_pairs(y: torch.Tensor, topk: int, dtype: torch.dtype) -> torch.Tenso
 
 
 __all__ = [
-    "StackedExperts", "combine_pairs", "moe_experts", "moe_pairs", "moe_stacked_ref",
-    "prompt_path", "unsupported",
+    "PREFILL", "StackedExperts", "combine_pairs", "moe_experts", "moe_pairs", "moe_stacked_ref",
+    "arch_unsupported", "prompt_kernels", "prompt_path", "scratch_bytes", "unsupported",
 ]  # fmt: skip

@@ -26,11 +26,10 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import arch_unsupported
 from moestream.kernels.triton.decode import combine_pairs
 from moestream.kernels.triton.dequant import dequant_int4_rows
 from moestream.kernels.triton.layout import NAMES, StackedExperts
-
-PREFILL = ("grouped", "triton")  # GpuConfig.prefill: the prompt MoE kernels on CUDA
 
 
 def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
@@ -40,8 +39,9 @@ def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
     if x.is_cuda:
         if x.dtype != torch.bfloat16:
             return "torch._grouped_mm takes bf16 activations on CUDA"
-        if torch.cuda.get_device_capability(x.device) < (9, 0):
-            return "torch._grouped_mm's CUTLASS kernels need sm_90 or newer"
+        why = arch_unsupported(torch.cuda.get_device_capability(x.device))
+        if why:
+            return why
     if experts.hidden % 16 or experts.inter % 16:  # the GEMMs' 16-byte strides
         return f"D={experts.hidden} and I={experts.inter} must be multiples of 16"
     return None
