@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU machine's side-by-side run (issue 22), in two steps so each fits one device call:
 #   bash benchmarks/gpu_peers.sh prepare   # llama.cpp CUDA build (background) + checkpoint + conversions
+#   setsid bash benchmarks/gpu_peers.sh prepare >/tmp/prep.log 2>&1 &   # detached, then in a later call:
+#   bash benchmarks/gpu_peers.sh wait [SECONDS]   # until prepare wrote $WORK/prepare.exit (exit 3: not yet)
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]   # PROMPT=512 TOKENS=16 SHARES=1: long prompts
 #   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # the admission programs A/B on the same store
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
@@ -13,8 +15,12 @@ LAYERS=${LAYERS:-16}
 SRC=$WORK/src
 export PYTHONPATH=$PWD:$SRC/llama/gguf-py PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
-case ${1:?prepare or bench} in
+case ${1:?prepare, wait, bench or admit} in
 prepare)
+  rm -f "$WORK/prepare.exit"
+  # the marker is written by this shell itself (a subshell of a device call's command can be
+  # killed with the call; a detached prepare outlives it), with prepare's exit status
+  trap 'echo "prepare exit $?" >"$WORK/prepare.exit"' EXIT
   [ -d "$SRC/llama" ] || { mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"; }
   [ -f "$WORK/build.done" ] || (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
@@ -34,6 +40,11 @@ prepare)
   mkdir -p "$WORK/llama/venv/bin" "$WORK/llama/src" && ln -sf "$(command -v python)" "$WORK/llama/venv/bin/python"
   ln -sf "$SRC/llama/convert_hf_to_gguf.py" "$WORK/llama/src/"
   ls -la "$WORK/work"
+  ;;
+wait)
+  for _ in $(seq 1 "${2:-420}"); do [ -f "$WORK/prepare.exit" ] && break; sleep 1; done
+  [ -f "$WORK/prepare.exit" ] || { echo "prepare not done after ${2:-420} s"; exit 3; }
+  cat "$WORK/prepare.exit"; grep -q "exit 0" "$WORK/prepare.exit"
   ;;
 bench)
   out=${2:?OUT folder}
