@@ -7,8 +7,8 @@ sorted by expert, run as two `torch._grouped_mm` calls (CUTLASS on sm_90): gate/
 slot order by `combine_pairs`, no atomics. Everything stays on the device (no host sync).
 
 Why: the grouped Triton kernels (prefill.py) dequantize inside the dot and reach 0.04-0.07 of
-the HBM rate; dequantize + CUTLASS is 1.1-1.6x faster per layer at 16-128 tokens on the H200
-(`benchmarks/ablations/bench_prefill_grouped.py`, docs/gpu.md). The cost: a bf16 scratch of
+the HBM rate; dequantize + CUTLASS was 1.07-1.86x faster per layer at 16-2048 tokens on the
+H200 (`benchmarks/ablations/bench_prefill_grouped.py`, docs/gpu.md; not yet end to end). The cost: a bf16 scratch of
 the routed experts (up to E x 3 x D x I values, 1.2 GB at Qwen3-30B-A3B's shapes) while the
 layer runs, held by torch's caching allocator after it.
 
