@@ -129,9 +129,14 @@ POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool
 
 
 def child_experts(kernel: str, device: str, share: float):
-    """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool."""
+    """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool;
+    a "-tprefill" suffix (ablation): a prompt on the Triton kernels, not the grouped GEMMs."""
     from moestream.config import Budget
     from moestream.experts.config import GpuConfig, StreamConfig
+
+    if kernel.endswith("-tprefill"):
+        cfg = child_experts(kernel.removesuffix("-tprefill"), device, share)
+        return dataclasses.replace(cfg, prefill="triton")
 
     if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
@@ -159,13 +164,10 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     torch.set_num_threads(threads)
     # "-step" (ablation): each decode step issued after the host read the one before
     kernel, step = kernel.removesuffix("-step"), kernel.endswith("-step")
-    # "-tprefill" (ablation): a prompt on the Triton kernels, not the grouped GEMMs
-    kernel, tprefill = kernel.removesuffix("-tprefill"), kernel.endswith("-tprefill")
     experts = child_experts(kernel, device, share)
-    if tprefill:
-        experts = dataclasses.replace(experts, prefill="triton")
     # "prefetch": the staged pool plus the stale gate's prefetch inside the step
-    predict = PredictConfig(predictor="stale-gate") if kernel == "prefetch" else None
+    prefetch = kernel.removesuffix("-tprefill") == "prefetch"
+    predict = PredictConfig(predictor="stale-gate") if prefetch else None
     dtype = "float32" if device == "cpu" else "bfloat16"
     t0 = time.perf_counter()
     with open_model(store, dtype=dtype, experts=experts, threads=threads, predict=predict) as rt:
@@ -448,6 +450,8 @@ def main(argv=None) -> int:
         a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
+    if not gpu and "-tprefill" in f"{a.kernels},{a.pool_kernels}":
+        ap.error("'-tprefill' picks the GPU's prompt kernels: run it with --device cuda")
     work, llama = Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
     hf, files, pairs, args = prepare(a, work, llama)

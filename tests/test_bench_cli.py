@@ -201,6 +201,10 @@ def test_bench_peers_variants_per_share():
     host = child_experts("host-misses", "cuda", 0.5)
     assert not host.device_side_misses()
     assert child_experts("compiled", "cuda", 1.0).compile_step
+    # "-tprefill": the same config with a prompt on the Triton kernels (GpuConfig.prefill)
+    assert child_experts("triton", "cuda", 1.0).prefill == "grouped"
+    tri = child_experts("triton-tprefill", "cuda", 0.5)
+    assert tri == dataclasses.replace(staged, prefill="triton")
 
 
 def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):
