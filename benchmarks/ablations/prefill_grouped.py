@@ -11,10 +11,10 @@ is routed, and it needs no group bookkeeping); it cannot serve a slot pool (a sc
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from moestream.kernels.triton.decode import combine_pairs
 from moestream.kernels.triton.dequant import dequant_int4_rows
+from moestream.kernels.triton.grouped import grouped_rows
 from moestream.kernels.triton.layout import NAMES, StackedExperts
 
 
@@ -25,10 +25,7 @@ def dequant_rows(experts: StackedExperts, name: str, dtype: torch.dtype, bk: int
     left unwritten)."""
     assert experts.rows, "int4 in the GPU's row layout (StackedExperts.to_rows)"
     q, words = experts.sections[f"{name}.q"], experts.sections[f"{name}.rz"]
-    out = None
-    if src is not None:
-        out = torch.empty(src.numel(), q.shape[1], 2 * q.shape[2], device=q.device, dtype=dtype)
-    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, out=out, bk=bk, src=src)
+    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, bk=bk, src=src)
 
 
 def dequant_rows_ref(experts: StackedExperts, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -54,18 +51,10 @@ def moe_prefill_grouped(x, ids, weights, experts: StackedExperts, out=None,
     """x [T, D], ids [T, K], weights [T, K] -> [T, D] in x's dtype, every expert dequantized
     (one group each; the product's kernels/triton/grouped.py dequantizes the routed ones only).
     `w`: the layer already dequantized (layer_weights), to time the GEMMs alone."""
-    T, K = ids.shape
-    E, I = experts.num_experts, experts.inter
     w13, w2 = w if w is not None else layer_weights(experts, x.dtype)
     flat = ids.reshape(-1).to(torch.int64)
-    order = torch.sort(flat, stable=True).indices  # pairs by expert
-    counts = torch.zeros(E, dtype=torch.int64, device=x.device)
+    counts = torch.zeros(experts.num_experts, dtype=torch.int64, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    offs = torch.cumsum(counts, 0).to(torch.int32)  # group ends, no host sync
-    xs = x[order // K]  # [P, D]
-    gu = torch._grouped_mm(xs, w13.transpose(1, 2), offs=offs)  # [P, 2I] in x's dtype
-    h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)  # rounded once
-    y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [P, D]
-    rows = torch.empty(flat.numel(), y.shape[1], device=x.device, dtype=torch.float32)
-    rows[order] = y.float() * weights.reshape(-1)[order, None].float()  # back in pair order
-    return combine_pairs(rows, K, x.dtype, out=out)
+    offs = torch.cumsum(counts, 0).to(torch.int32)  # one group per expert, no host sync
+    rows = grouped_rows(x, flat, weights, ids.shape[1], w13, w2, offs)
+    return combine_pairs(rows, ids.shape[1], x.dtype, out=out)

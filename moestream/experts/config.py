@@ -91,7 +91,6 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
 
 GPU_PREFETCH = ("none", "stale-gate")  # GpuConfig.prefetch
 MISS_READS = ("stage", "direct")
-GPU_PREFILL = PREFILL  # GpuConfig.prefill: the prompt kernels (kernels/triton/__init__.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +131,9 @@ class GpuConfig:
     prefill: str = "grouped"
 
     def __post_init__(self):
-        if self.prefill not in GPU_PREFILL:
+        if self.prefill not in PREFILL:  # kernels/triton/__init__.py
             raise ConfigError(
-                f"unknown GPU prefill kernels {self.prefill!r}; use {', '.join(GPU_PREFILL)}"
+                f"unknown GPU prefill kernels {self.prefill!r}; use {', '.join(PREFILL)}"
             )
         if self.miss_reads not in MISS_READS:
             raise ConfigError(

@@ -79,12 +79,13 @@ def prompt_kernels(asked: str, rows: bool, capability: tuple[int, int] | None, f
 def prompt_path(experts: StackedExperts, x: torch.Tensor, tokens: int, prefill: str) -> bool:
     """The one rule for the grouped-GEMM prompt path: asked for (GpuConfig.prefill), a prompt
     (more than DECODE_MAX_TOKENS tokens in the whole call) and a layer it takes."""
-    from moestream.kernels.triton import grouped
-
+    if tokens <= DECODE_MAX_TOKENS:  # decode (an eager step calls this per layer): nothing more
+        return False
     if prefill not in PREFILL:
         raise ValueError(f"unknown prefill kernels {prefill!r}; use {', '.join(PREFILL)}")
-    return (prefill == "grouped" and tokens > DECODE_MAX_TOKENS
-            and grouped.unsupported(experts, x) is None)  # fmt: skip
+    from moestream.kernels.triton import grouped
+
+    return prefill == "grouped" and grouped.unsupported(experts, x) is None
 
 
 def moe_experts(

@@ -66,7 +66,7 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
                       out: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
                       src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [..., N, K/2] uint8 and words [..., N, K/G] int32 (one weight, or [E] stacked) ->
-    [..., N, K] in dtype. `src` [C] int (stacked weights; `out` [C, N, K] given): out[c] is matrix
+    [..., N, K] in dtype. `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix
     src[c], and out[c] is left as it was (nothing read) where src[c] < 0, so a prompt
     dequantizes only the experts it routes to. Runs on the current stream, syncs nothing."""
     lead = rows.shape[:-2]
@@ -74,12 +74,12 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     bk = math.gcd(K, bk)
     assert group % 32 == 0 and bk % group == 0, f"K={K}, BK={bk}: multiples of G={group} (of 32)"
     assert words.shape == (*lead, N, K // group) and rows.is_contiguous() and words.is_contiguous()
-    if src is not None:
-        assert len(lead) == 1 and out is not None and src.dim() == 1, "src [C] and out [C, N, K]"
-        assert out.shape == (src.numel(), N, K) and out.dtype == dtype and out.is_contiguous()
-    elif out is None:
-        out = torch.empty(*lead, N, K, device=rows.device, dtype=dtype)
-    grid = (out.shape[0] if src is not None else math.prod(lead), triton.cdiv(N, bn), K // bk)
+    shape = (*lead, N, K) if src is None else (src.numel(), N, K)
+    assert src is None or (len(lead) == 1 and src.dim() == 1), "src [C] names stacked weights"
+    if out is None:
+        out = torch.empty(shape, device=rows.device, dtype=dtype)
+    assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
+    grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), K // bk)
     _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
                                G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
                                SRC=src is not None, num_warps=4)  # fmt: skip

@@ -90,22 +90,27 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 experts: StackedExperts, out=None, combine: bool = True) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K] (into `experts`), weights [T, K] -> [T, D] in x's dtype; with
     `combine=False` the fp32 pair rows [T * K, D] (chunks of a call's pairs give its rows)."""
-    T, K = ids.shape
     flat = ids.reshape(-1)
-    P, I = flat.numel(), experts.inter
-    groups = min(experts.routed or experts.num_experts, P)
+    groups = min(experts.routed or experts.num_experts, flat.numel())
     src, offs = routed_groups(flat, experts.num_experts, groups)
-    w13, w2 = (_dequant(experts, name, x.dtype, src) for name in NAMES)
+    secs, g = experts.sections, experts.scheme.group_size
+    w13, w2 = (
+        dequant_int4_rows(secs[f"{n}.q"], secs[f"{n}.rz"], g, x.dtype, src=src) for n in NAMES
+    )
+    rows = grouped_rows(x, flat, weights, ids.shape[1], w13, w2, offs)
+    return combine_pairs(rows, ids.shape[1], x.dtype, out=out) if combine else rows
+
+
+def grouped_rows(x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, K: int,
+                 w13: torch.Tensor, w2: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The pairs' fp32 rows [P, D] (weight times expert output) from the groups' weights (w13
+    [G, 2I, D], w2 [G, D, I] in x's dtype, group g = the g-th smallest routed id) and their
+    row ends `offs` [G]: the pairs sorted by id, two grouped GEMMs, h rounded once as the spec."""
+    I = w2.shape[2]
     order = torch.sort(flat, stable=True).indices  # pairs by expert, a token's in slot order
     gu = torch._grouped_mm(x[order // K], w13.transpose(1, 2), offs=offs)  # [P, 2I]
     h = (F.silu(gu[:, :I].float()) * gu[:, I:].float()).to(x.dtype)  # rounded once, as the spec
     y = torch._grouped_mm(h, w2.transpose(1, 2), offs=offs)  # [P, D] in x's dtype
-    rows = torch.empty(P, y.shape[1], device=x.device, dtype=torch.float32)
+    rows = torch.empty(flat.numel(), y.shape[1], device=x.device, dtype=torch.float32)
     rows[order] = y.float() * weights.reshape(-1)[order, None].float()  # back in pair order
-    return combine_pairs(rows, K, x.dtype, out=out) if combine else rows
-
-
-def _dequant(experts: StackedExperts, name: str, dtype: torch.dtype, src: torch.Tensor):
-    q, words = experts.sections[f"{name}.q"], experts.sections[f"{name}.rz"]
-    out = torch.empty(src.numel(), q.shape[1], 2 * q.shape[2], device=q.device, dtype=dtype)
-    return dequant_int4_rows(q, words, experts.scheme.group_size, dtype, out=out, src=src)
+    return rows
