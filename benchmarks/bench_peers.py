@@ -37,7 +37,8 @@ per-layer host round trip; a
 `-step` suffix (`triton-step`) is the ablation that issues each greedy step only after the host
 read the one before (as the device-miss pool did before it decoded ahead), and a `-tprefill`
 suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead of the grouped
-GEMMs (`GpuConfig.prefill`). The ceiling is then
+GEMMs (`GpuConfig.prefill`), an `-admitall` suffix (`triton-admitall`) admits every device-side miss
+into the pool instead of the scored ones (`GpuConfig.admit`). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -130,13 +131,17 @@ POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool
 
 def child_experts(kernel: str, device: str, share: float):
     """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool;
-    a "-tprefill" suffix (ablation): a prompt on the Triton kernels, not the grouped GEMMs."""
+    a "-tprefill" suffix (ablation): a prompt on the Triton kernels, not the grouped GEMMs;
+    "-admitall" (ablation): every device-side miss admitted, not only the scored ones."""
     from moestream.config import Budget
     from moestream.experts.config import GpuConfig, StreamConfig
 
     if kernel.endswith("-tprefill"):
         cfg = child_experts(kernel.removesuffix("-tprefill"), device, share)
         return dataclasses.replace(cfg, prefill="triton")
+    if kernel.endswith("-admitall"):
+        cfg = child_experts(kernel.removesuffix("-admitall"), device, share)
+        return dataclasses.replace(cfg, admit="all")
 
     if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
@@ -166,7 +171,7 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
     kernel, step = kernel.removesuffix("-step"), kernel.endswith("-step")
     experts = child_experts(kernel, device, share)
     # "prefetch": the staged pool plus the stale gate's prefetch inside the step
-    prefetch = kernel.removesuffix("-tprefill") == "prefetch"
+    prefetch = kernel.split("-")[0] == "prefetch"
     predict = PredictConfig(predictor="stale-gate") if prefetch else None
     dtype = "float32" if device == "cpu" else "bfloat16"
     t0 = time.perf_counter()
@@ -201,6 +206,11 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
             if "decode_hits" in s:  # device misses: the decode steps' own lookups (no prompt)
                 looked = s["decode_hits"] + s["host_reads"]
                 row["decode_hit_rate"] = s["decode_hits"] / looked if looked else 1.0
+                steps = max(len(res.ids) - 1, 1)  # misses left in pinned RAM / layer steps
+                row["declined_per_token"] = s["admissions_declined"] / steps  # not admitted
+                row["skipped_steps_per_token"] = (
+                    s["admissions_skipped"] / steps
+                )  # layers: victims busy
             if s.get("predict_routed"):  # prefetch: recall, and the copies a routed pair read
                 row["prediction_recall"] = s["predict_correct"] / s["predict_routed"]
                 row["prefetch_precision"] = s["prefetch_used"] / max(s["prefetch_reads"], 1)
@@ -379,7 +389,7 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
               "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
               "load_and_warm_s", "prediction_recall", "prefetch_precision",
-              "decode_hit_rate"):  # fmt: skip
+              "decode_hit_rate", "declined_per_token", "skipped_steps_per_token"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out
@@ -450,8 +460,9 @@ def main(argv=None) -> int:
         a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
-    if not gpu and "-tprefill" in f"{a.kernels},{a.pool_kernels}":
-        ap.error("'-tprefill' picks the GPU's prompt kernels: run it with --device cuda")
+    for suffix in ("-tprefill", "-admitall"):
+        if not gpu and suffix in f"{a.kernels},{a.pool_kernels}":
+            ap.error(f"'{suffix}' is a GPU provider's variant: run it with --device cuda")
     work, llama = Path(a.work), Path(a.llama)
     work.mkdir(parents=True, exist_ok=True)
     hf, files, pairs, args = prepare(a, work, llama)

@@ -4,7 +4,8 @@
 #   setsid bash benchmarks/gpu_peers.sh prepare >/tmp/prep.log 2>&1 &   # detached, then in a later call:
 #   bash benchmarks/gpu_peers.sh wait [SECONDS]   # until prepare wrote $WORK/prepare.exit (exit 3: not yet)
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]   # PROMPT=512 TOKENS=16 SHARES=1: long prompts
-#   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # the admission programs A/B on the same store
+#   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # admissions A/B on the same store (no llama.cpp):
+#     SHARE=0.25 POOL_KERNELS=triton,triton-admitall PROGRAMS=32 (LLAMA=0 prepare: the store only)
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
 # as llama/ and gen_model_b.py (the repository's tracked files already take ~61 of the 64 MiB a
 # device call carries, so the source travels compressed, ~4.4 MB).
@@ -22,6 +23,8 @@ prepare)
   # killed with the call; a detached prepare outlives it), with prepare's exit status
   trap 'echo "prepare exit $?" >"$WORK/prepare.exit"' EXIT
   [ -d "$SRC/llama" ] || { mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"; }
+  llama=${LLAMA:-1}
+  [ "$llama" = 0 ] && echo "llama.cpp build skipped (LLAMA=0)" >"$WORK/build.done"
   [ -f "$WORK/build.done" ] || (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \
      -DCMAKE_CUDA_ARCHITECTURES=90 -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TESTS=OFF \
      -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF >"$WORK/cmake.log" 2>&1 &&
@@ -32,9 +35,10 @@ prepare)
   # the store's name as bench_peers.ensure_store gives it (else the bench converts again)
   name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
   python -m moestream convert "$WORK/hf" "$WORK/work/$name" --quant int4 -q &
-  python "$SRC/llama/convert_hf_to_gguf.py" "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
+  [ "$llama" = 0 ] || python "$SRC/llama/convert_hf_to_gguf.py" "$WORK/hf" --outtype q8_0 --outfile "$WORK/work/llama-Q8_0.gguf" >"$WORK/conv.log" 2>&1
   wait
   cat "$WORK/build.done"
+  [ "$llama" = 0 ] && { rm -f "$WORK/build.done"; ls -la "$WORK/work"; exit 0; }
   "$WORK/llb/bin/llama-quantize" --allow-requantize "$WORK/work/llama-Q8_0.gguf" "$WORK/work/llama-Q4_0.gguf" Q4_0 >/dev/null 2>&1
   mkdir -p "$WORK/llama/build/bin" && ln -sf "$WORK/llb/bin/"* "$WORK/llama/build/bin/"
   mkdir -p "$WORK/llama/venv/bin" "$WORK/llama/src" && ln -sf "$(command -v python)" "$WORK/llama/venv/bin/python"
@@ -57,6 +61,6 @@ admit)
   out=${2:?OUT folder}
   name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
   python benchmarks/ablations/bench_admit.py "$WORK/work/$name" --share "${SHARE:-0.5}" \
-    --programs "${PROGRAMS:-8,32,256}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
+    --kernels "${POOL_KERNELS:-triton}" --programs "${PROGRAMS:-32}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
   ;;
 esac

@@ -150,6 +150,14 @@ def _add_store_args(p) -> None:
         "Qwen3-30B-A3B); triton: the Triton kernels on the int4 rows",
     )
     g.add_argument(
+        "--gpu-admit",
+        default=None,
+        choices=["scored", "all"],
+        help="--gpu-budget --pin-experts: which misses the VRAM pool keeps; scored (default): "
+        "only a miss whose use history beats the expert it would evict (the others are read "
+        "from pinned RAM each time); all: every miss",
+    )
+    g.add_argument(
         "--no-cuda-graph",
         action="store_true",
         help="--device cuda: run each decode step eagerly instead of replaying a captured graph",
@@ -296,6 +304,7 @@ def _gpu_config(a: argparse.Namespace):
         compile_step=a.compile,
         device_misses=False if a.host_misses else None,
         prefill=a.gpu_prefill or "grouped",
+        admit=a.gpu_admit or "scored",
     )
 
 
@@ -311,6 +320,7 @@ def _check_device_flags(a: argparse.Namespace) -> None:
             "--no-cuda-graph": a.no_cuda_graph,
             "--compile": a.compile,
             "--gpu-prefill": a.gpu_prefill is not None,
+            "--gpu-admit": a.gpu_admit is not None,
         }
         for flag, given in gpu_only.items():
             if given:
@@ -446,6 +456,9 @@ def mode_line(mode: dict) -> str:
                          ", misses read from pinned RAM on the device")  # fmt: skip
         if mode.get("prefetch"):
             parts[0] += f", {mode['prefetch']} prefetch one layer ahead"
+        if mode.get("admit"):
+            parts[0] += ", " + ("scored admission" if mode["admit"] == "scored" else
+                                "every miss admitted")  # fmt: skip
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]
     if mode.get("ranks"):
         parts.append(f"expert-parallel {mode['ranks']} ranks (e % {mode['ranks']}), per rank")

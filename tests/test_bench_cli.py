@@ -205,6 +205,9 @@ def test_bench_peers_variants_per_share():
     assert child_experts("triton", "cuda", 1.0).prefill == "grouped"
     tri = child_experts("triton-tprefill", "cuda", 0.5)
     assert tri == dataclasses.replace(staged, prefill="triton")
+    # "-admitall": every device-side miss admitted (GpuConfig.admit; scored by default)
+    assert staged.admit == "scored"
+    assert child_experts("triton-admitall", "cuda", 0.5) == dataclasses.replace(staged, admit="all")
 
 
 def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):
@@ -259,6 +262,8 @@ def test_bench_admit_child_sets_the_admission_programs(monkeypatch):
     monkeypatch.setattr(bench_admit, "moestream_child", lambda *a: calls.append(a))
     bench_admit.child("STORE", 256, 0.5, 16, 64, 32)
     assert calls == [("STORE", "triton", 16, 64, 32, "cuda", 0.5)]
+    bench_admit.child("STORE", 256, 0.25, 16, 64, 32, "triton-admitall")
+    assert calls[-1] == ("STORE", "triton-admitall", 16, 64, 32, "cuda", 0.25)
     src = [torch.zeros(3, 8, dtype=torch.int32)]
     assert copy.SectionCopy(src, [torch.zeros(2, 8, dtype=torch.int32)]).programs == 256
 

@@ -215,13 +215,43 @@ def test_gpu_prefill_is_checked():
         _store_kwargs(a)
 
 
+def test_gpu_admit_is_checked(monkeypatch):
+    """GpuConfig.admit picks which device-side misses enter the pool; it is refused where misses
+    are resolved on the host (every miss is admitted there) and off the GPU, and the mode line
+    names it."""
+    from moestream.cli import _store_kwargs, build_parser, mode_line
+    from moestream.config import ConfigError
+
+    with pytest.raises(ConfigError, match="scored, all"):
+        GpuConfig(gpu_budget=1, pinned_mirror=True, admit="lfu")
+    for host_path in (dict(resident=True), dict(gpu_budget=1, pinned_mirror=False),
+                      dict(gpu_budget=1, pinned_mirror=True, device_misses=False)):  # fmt: skip
+        with pytest.raises(ConfigError, match=r"--gpu-admit all .*\(every miss is admitted\)"):
+            GpuConfig(admit="all", **host_path)
+        assert GpuConfig(**host_path).admit == "scored"  # the default is no request
+    a = build_parser().parse_args(["generate", "-m", "x", "-p", "y", "--gpu-admit", "all"])
+    with pytest.raises(ConfigError, match="--gpu-admit is for the GPU"):
+        _store_kwargs(a)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    base = ["generate", "-m", "x", "-p", "y", "--device", "cuda", "--gpu-budget", "8MiB",
+            "--pin-experts"]  # fmt: skip
+    assert _store_kwargs(build_parser().parse_args(base))["experts"].admit == "scored"
+    cfg = _store_kwargs(build_parser().parse_args([*base, "--gpu-admit", "all"]))["experts"]
+    assert cfg.admit == "all"
+    mode = {"experts": "vram slot cache", "cache_bytes": 2**20, "cache_fraction": 0.25,
+            "policy": "lrfu", "misses": "device", "miss_reads": "stage", "admit": "scored",
+            "quant": "int4", "device": "cuda", "dtype": "bfloat16", "cuda_graph": True}  # fmt: skip
+    assert "misses staged from pinned RAM on the device, scored admission" in mode_line(mode)
+    assert "every miss admitted" in mode_line({**mode, "admit": "all"})
+
+
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
 def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
-                     reads: str = "stage", prefetch: bool = False):  # fmt: skip
+                     reads: str = "stage", prefetch: bool = False, admit: str = "scored"):  # fmt: skip
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
     expert resident, then a pool whose slot table has `slots` slots with device-side misses
     (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels;
-    `prefetch`: --predictor stale-gate, 2K more slots); both with the Triton kernels (the
+    `prefetch`: --predictor stale-gate, 2K more slots; `admit`: GpuConfig.admit); both with the Triton kernels (the
     interpreter on CPU), two prompts each so the second starts on a warm pool. `ahead` (CPU): the
     streamed run decodes through the eager stand-in of a captured step, so the generator runs
     one step ahead of the host (the loop a CUDA graph takes)."""
@@ -239,7 +269,7 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=F
     out = []
     for experts in (GpuConfig(resident=True, device=device),
                     GpuConfig(gpu_budget=budget, pinned_mirror=True, io=IO, device=device,
-                              miss_reads=reads)):  # fmt: skip
+                              miss_reads=reads, admit=admit)):  # fmt: skip
         rt = open_model(store, dtype=dtype, experts=experts,
                         predict=None if experts.resident else predict)  # fmt: skip
         if ahead and not experts.resident:
@@ -268,10 +298,11 @@ def tiny_moe_store(tmp_path, monkeypatch, quant: str, layers: int) -> Path:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-@pytest.mark.parametrize("quant,ahead,reads", [("int8", False, "direct"), ("int4", False, "direct"),
-                                               ("int4", True, "direct"), ("int8", True, "stage"),
-                                               ("int4", True, "stage")])  # fmt: skip
-def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads):
+@pytest.mark.parametrize("quant,ahead,reads,admit", [
+    ("int8", False, "direct", "scored"), ("int4", False, "direct", "all"),
+    ("int4", True, "direct", "scored"), ("int8", True, "stage", "all"),
+    ("int4", True, "stage", "scored")])  # fmt: skip
+def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads, admit):
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
     slot table of 3 slots): one-token calls get absent experts from the mirror (`reads`: staged
     into the pool's staging slots by one launch, or read by the decode kernels) and the table
@@ -279,15 +310,18 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     what crossed from the mirror (every routed pair of every step the table took: all but the
     last of each generation), and the pool holds what slot_map says (int4: repacked into the
     kernels' row layout in the pool and the mirror). `ahead`: decoded one step ahead of the
-    host."""
+    host. `admit`: every miss admitted, or only those whose history beats the victim's (the
+    others are read from the mirror again: the same bits)."""
     store = tiny_moe_store(tmp_path, monkeypatch, quant, layers=2)
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
     n = 10
-    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead, reads)
+    (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead, reads,
+                                                 admit=admit)  # fmt: skip
     p = rt.provider
     mode = p.describe()
     assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
+    assert mode["admit"] == admit and p.scored == (admit == "scored")
     # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)
     assert mode["prefill"] == ("grouped-gemm" if quant == "int4" else "triton") and p.chunked > 0
     assert res_rt.provider.describe()["prefill"] == mode["prefill"]
@@ -302,7 +336,10 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert p.host_reads + p.device_hits == 2 * (n - 2) * len(p.layers) * p.K
     assert (s["decode_hits"], s["host_reads"]) == (p.device_hits, p.host_reads)
     assert s["h2d_bytes"] > 0 and s["evictions"] > 0  # admissions copied into evicted slots
-    assert s["admissions_skipped"] > 0
+    # every miss admitted: the second layer's admissions find every victim busy (the first's);
+    # scored: misses whose history does not beat the victim's stay in the mirror
+    assert s["admissions_skipped" if admit == "all" else "admissions_declined"] > 0, s
+    assert s["admissions_declined"] == 0 or admit == "scored"
     p._drain()
     check_pool(p)
     res_rt.close()

@@ -206,3 +206,38 @@ def test_busy_keys_are_held_out_of_the_order_with_the_same_choices(name, monkeyp
     assert got == want and sum(len(s[2]) for s in got if s[0] != "skipped") > 100
     if name in ("lfu", "lrfu"):
         assert pops_on < pops_off / 2, (pops_on, pops_off)
+
+
+@pytest.mark.parametrize("name", ["lrfu", "lfu"])
+def test_scored_access_admits_a_miss_only_when_its_history_beats_the_victims(name):
+    t = SlotTable(2, make_policy(name, layers=[0]))
+    step = t.access(0, [1, 2], scored=True)  # free slots: admitted without a comparison
+    assert step.misses == [(1, 0), (2, 1)] and step.declined == []
+    t.access(0, [1, 2], scored=True)
+    step = t.access(0, [3], scored=True)  # never seen: 1 and 2 (used twice) stay
+    assert step.declined == [3] and step.slots == [-1] and step.misses == []
+    assert step.evicted == [] and 3 not in [e for _, e in t.resident()]
+    assert (t.hits, t.misses) == (2, 3)
+    for _ in range(3):  # each declined use is history: 3 ends up ahead of a victim
+        step = t.access(0, [3], scored=True)
+        if step.misses:
+            break
+    assert step.misses and step.evicted and (0, 3) in t.resident()
+    # unscored, the same table admits at once
+    assert t.access(0, [9]).misses
+
+
+def test_policies_without_history_admit_every_scored_miss():
+    t = SlotTable(2, make_policy("lru"))
+    t.access(0, [1, 2], scored=True)
+    step = t.access(0, [3], scored=True)
+    assert step.misses == [(3, 0)] and step.evicted == [(0, 1)] and step.declined == []
+
+
+def test_a_scored_access_with_no_victim_undoes_its_counts():
+    t = SlotTable(2, make_policy("lrfu", layers=[0, 1]))
+    t.access(0, [1, 2], scored=True)
+    t.reserve([(0, 1), (0, 2)])  # both copies in flight: nothing can go
+    with pytest.raises(PolicyError):
+        t.access(1, [1], scored=True)
+    assert (t.hits, t.misses) == (0, 2) and len(t.resident()) == 2

@@ -91,6 +91,7 @@ def _check_bytes(budget: int | Budget | None, flag: str) -> None:
 
 GPU_PREFETCH = ("none", "stale-gate")  # GpuConfig.prefetch
 MISS_READS = ("stage", "direct")
+ADMIT = ("scored", "all")  # GpuConfig.admit
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,12 @@ class GpuConfig:
     # GEMM (kernels/triton/grouped.py; bf16 on sm_90+, else the Triton kernels), "triton" = the
     # grouped Triton kernels (prefill.py) always. Decode is the same either way.
     prefill: str = "grouped"
+    # Device-side misses are read from the pinned mirror whether or not they are admitted, so an
+    # admission is an extra copy over the same link: "scored" admits a miss only when the
+    # policy's history of it beats its victim's (SlotTable.access(scored=True)); "all" admits
+    # every miss (what the pool did before). Only with device-side misses: on the host path a
+    # miss is computed from its slot, so every miss is admitted.
+    admit: str = "scored"
 
     def __post_init__(self):
         if self.prefill not in PREFILL:  # kernels/triton/__init__.py
@@ -150,6 +157,14 @@ class GpuConfig:
                 f"--predictor {self.prefetch} on the GPU prefetches into the staged misses of a "
                 "streamed pool: stream with --gpu-budget and --pin-experts (misses staged, the "
                 "default), or drop --predictor"
+            )
+        if self.admit not in ADMIT:
+            raise ConfigError(f"unknown admission rule {self.admit!r}; use {', '.join(ADMIT)}")
+        if self.admit != "scored" and not self.device_side_misses():
+            raise ConfigError(
+                f"--gpu-admit {self.admit} chooses which device-side misses enter the pool; this "
+                "config resolves misses on the host (every miss is admitted) or has none: drop "
+                "it, or stream with --gpu-budget and --pin-experts"
             )
         if self.kernel not in GPU_KERNELS:
             raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")

@@ -115,6 +115,8 @@ class GpuExperts(ExpertProvider):
         # the decode kernels must take the shape (else the reference kernel runs, host misses)
         shape_only = StackedExperts(store.scheme, self._sections((0,), self.device))
         self.device_misses = cfg.device_side_misses() and unsupported(shape_only, 1) is None
+        # a declined miss is read from the mirror again next time: only with device misses
+        self.scored = self.device_misses and cfg.admit == "scored"
         # Staged misses: K slots of the budget past the table's hold one decode layer's misses
         # (a budget of fewer than 2K slots leaves the kernels reading the mirror: describe()).
         self.staged = (self.device_misses and cfg.miss_reads == "stage"
@@ -292,6 +294,7 @@ class GpuExperts(ExpertProvider):
         self.host_reads = 0  # routed pairs whose records came from pinned host memory
         self.device_hits = 0
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
+        self.declined = 0  # misses the scored admission left in pinned RAM (GpuConfig.admit)
         self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
         self.bookkeeping_seconds = 0.0  # host time in decode_read + decode_issued
@@ -406,8 +409,9 @@ class GpuExperts(ExpertProvider):
         routed = seen[:L].tolist()
         for li, layer in enumerate(self.layers):
             try:
-                step = t.access(layer, sorted(set(routed[li])))
+                step = t.access(layer, sorted(set(routed[li])), scored=self.scored)
                 evicted = step.evicted
+                self.declined += len(step.declined)
             except PolicyError as err:
                 # Every victim is being copied: these misses stay host reads this step; the
                 # keys the failed access had already evicted must still get their codes back.
@@ -690,6 +694,7 @@ class GpuExperts(ExpertProvider):
                      misses="device" if self.device_misses else "host")  # fmt: skip
             if self.device_misses:
                 d["miss_reads"] = "stage" if self.staged else "direct"
+                d["admit"] = self.cfg.admit
             if self.staged:
                 d["staging_slots"] = self.K
             if self.prefetching:
@@ -713,6 +718,7 @@ class GpuExperts(ExpertProvider):
             extra = {"host_reads": self.host_reads, "decode_hits": self.device_hits,
                      "host_read_bytes": copies * self.size,
                      "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped,
+                     "admissions_declined": self.declined,
                      "bookkeeping_seconds": self.bookkeeping_seconds,
                      "decode_table_seconds": self.decode_table_seconds}  # fmt: skip
             if self.prefetching:

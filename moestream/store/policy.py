@@ -14,12 +14,20 @@ A key is `(layer, expert)`. `SlotTable(n_slots, policy)` maps resident keys to s
     step.evicted      # [(layer, expert)] keys whose slots were taken for the misses
     table.hits, table.misses, table.evictions   # running counters
 
+A caller that can serve a miss without keeping it (the GPU pool's device misses read the pinned
+host copy) passes `scored=True`: a miss that would evict is admitted only when the policy's
+history of it beats the victim's (`admits`, TinyLFU's rule); otherwise its use is recorded
+(`seen`), its slot in `step.slots` is -1 and it is listed in `step.declined`. Where moving a
+record costs the same link as reading it, this keeps one-off experts from churning the pool.
+
 All experts of one `access` are resident together (none of them is chosen as a victim), so a
 call may name at most `n_slots` experts. An `EvictionPolicy` sees every use of a key
 (`touch`, also right after it is inserted), every eviction (`evicted`), and picks victims:
 
     wants_victim(incoming, free_slots) -> bool   evict even though free slots exist?
     victim(incoming, protected) -> key           a resident key not in `protected`
+    admits(incoming, victim) -> bool             scored access: worth the victim's slot?
+    seen(key)                                    scored access: a use of a key not admitted
     watch_busy(busy) / released(keys)            the table's busy keys (reads in flight)
 
 Policies: `lru`, `lfu` (frequency kept across evictions, LRU tie-break), `lrfu` (the engine's
@@ -116,6 +124,14 @@ class EvictionPolicy:
     def wants_victim(self, incoming: Key, free_slots: int) -> bool:
         return free_slots == 0
 
+    def admits(self, incoming: Key, victim: Key) -> bool:
+        """Scored access: take `victim`'s slot for `incoming` (not yet touched for this use)?
+        Policies without a history beyond residency admit every miss."""
+        return True
+
+    def seen(self, key: Key) -> None:
+        """A use of `key` that a scored access did not admit: history only, not resident."""
+
     def watch_busy(self, busy: set[Key]) -> None:
         """The table's set of busy keys (reads in flight; never victims: the table protects
         them). Heap policies read it to drop busy keys' entries instead of stepping over them at
@@ -198,6 +214,12 @@ class LFU(HeldHeap):
     def evicted(self, key: Key) -> None:
         del self.last[key]  # the count is kept as history
 
+    def admits(self, incoming: Key, victim: Key) -> bool:
+        return self.count.get(incoming, 0) > self.count[victim]
+
+    def seen(self, key: Key) -> None:
+        self.count[key] = self.count.get(key, 0) + 1
+
     def _entry(self, key: Key) -> tuple | None:
         return (self.count[key], self.last[key], key) if key in self.last else None
 
@@ -258,6 +280,14 @@ class LRFU(HeldHeap):
 
     def evicted(self, key: Key) -> None:
         del self.resident[key]
+
+    def admits(self, incoming: Key, victim: Key) -> bool:
+        # both scores at this clock, before this use is counted: a key never seen (score 0)
+        # waits for its second use
+        return self._now(incoming) > self._now(victim)
+
+    def seen(self, key: Key) -> None:
+        self.score[key] = (self._now(key) + 1.0, self.clock)
 
     def _entry(self, key: Key) -> tuple | None:
         return (self.resident[key], key) if key in self.resident else None
@@ -352,9 +382,10 @@ def make_policy(
 
 @dataclass
 class Step:
-    slots: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # -1: declined (scored access)
     misses: list[tuple[int, int]] = field(default_factory=list)  # (expert, slot)
     evicted: list[Key] = field(default_factory=list)
+    declined: list[int] = field(default_factory=list)  # missed experts left out (scored access)
 
 
 class SlotTable:
@@ -399,7 +430,9 @@ class SlotTable:
         """Replace the set of keys eviction takes last (predicted to be used soon)."""
         self._keep = set(keys)
 
-    def access(self, layer: int, experts: Sequence[int]) -> Step:
+    def access(self, layer: int, experts: Sequence[int], scored: bool = False) -> Step:
+        """One layer's routed experts: hits, misses given slots (evicting where needed). With
+        `scored`, a miss that needs a victim is admitted only if the policy `admits` it."""
         if len(experts) > self.n_slots:
             raise PolicyError(
                 f"{len(experts)} experts requested at once but only {self.n_slots} slots"
@@ -407,15 +440,21 @@ class SlotTable:
         step = Step()
         protected = {(layer, e) for e in experts}
         self.policy.begin(layer)
+        counts = self.hits, self.misses
         try:
             for e in experts:
                 key = (layer, e)
                 slot = self._slot_of.get(key)
                 if slot is None:
-                    slot = self._take_slot(key, protected, step)
+                    self.misses += 1
+                    slot = self._take_slot(key, protected, step, scored)
+                    if slot < 0:
+                        self.policy.seen(key)
+                        step.declined.append(e)
+                        step.slots.append(slot)
+                        continue
                     self._slot_of[key] = slot
                     step.misses.append((e, slot))
-                    self.misses += 1
                 else:
                     self.hits += 1
                 self.policy.touch(key)
@@ -425,8 +464,7 @@ class SlotTable:
             # The evictions it made stand; the error names them.
             for e, _ in step.misses:
                 self.discard((layer, e))
-            self.misses -= len(step.misses)
-            self.hits -= len(step.slots) - len(step.misses)
+            self.hits, self.misses = counts
             err.evicted = tuple(step.evicted)
             raise
         return step
@@ -443,7 +481,9 @@ class SlotTable:
         self.policy.inserted(key)
         return slot, step.evicted
 
-    def _take_slot(self, key: Key, protected: set[Key], step: Step) -> int:
+    def _take_slot(self, key: Key, protected: set[Key], step: Step, scored: bool = False) -> int:
+        """A slot for key, evicting a victim if needed; -1 when `scored` and the policy would
+        keep the victim."""
         if self.free and not self.policy.wants_victim(key, len(self.free)):
             return self.free.pop()
         hard = AnyOf(protected, self._busy) if self._busy else protected
@@ -455,6 +495,8 @@ class SlotTable:
                 pass  # every other candidate is kept: fall back to the policy's own choice
         if old is None:
             old = self.policy.victim(key, hard)
+        if scored and not self.policy.admits(key, old):
+            return -1
         self.policy.evicted(old)
         step.evicted.append(old)
         self.evictions += 1
