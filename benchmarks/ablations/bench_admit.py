@@ -89,8 +89,11 @@ def main(argv=None) -> int:
             f"{row['hit_rate']:.3f}, declined {row['declined_per_token']:.1f} / layer steps skipped "
             f"{row['skipped_steps_per_token']:.1f} per token"
         )
+    from moestream.store.format import Store
+
+    st = Store(a.store)  # the checkpoint's depth decides how many misses a token has
     config = {"store": a.store, "share": a.share, "reps": a.reps, "prompt_tokens": a.prompt_tokens,
-              "tokens": a.tokens, "threads": a.threads}  # fmt: skip
+              "tokens": a.tokens, "threads": a.threads, "layers": len(st.crc)}  # fmt: skip
     write_rows(a.out, [bench_row("admit_ab", config, r, a.commit) for r in rows])
     return 0
 
