@@ -813,6 +813,12 @@ def _add_obs(sub) -> None:
     p.add_argument(
         "--pin-fraction", type=float, default=0.5, help="share of slots pinned by 'pinned'"
     )
+    p.add_argument(
+        "--gpu-admit",
+        default=None,
+        help="replay as the GPU pool with device-side misses (a decode miss crosses the link for "
+        "its step, an admitted one again), under these admission rules: all, scored or all,scored",
+    )
     p.add_argument("--plot", default=None, help="PNG file: hit rate vs budget")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=cmd_simulate)
@@ -896,8 +902,15 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     # --expert-bytes sizes every record; else each layer's record as the trace recorded it.
     sizes = None if a.expert_bytes is not None else t.model.layer_bytes()
     budgets = a.budget or ["0.125", "0.25", "0.5"]
+    admits = [None] if a.gpu_admit is None else a.gpu_admit.split(",")
     results, skipped = run_grid(
-        t, a.policy or ["lru"], budgets, expert_bytes, a.pin_fraction, record_bytes=sizes
+        t,
+        a.policy or ["lru"],
+        budgets,
+        expert_bytes,
+        a.pin_fraction,
+        record_bytes=sizes,
+        admits=admits,
     )
     if a.plot:
         from moestream.obs.plots import plot_simulation

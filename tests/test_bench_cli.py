@@ -288,3 +288,19 @@ def test_bench_peers_child_warms_up_on_another_prompt(store, monkeypatch, capsys
     assert (n_warm, n) == (8, 5) and len(warm) == len(ids) == 12 and warm != ids
     row = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert row["decode_tok_s"] > 0 and row["mode"]["experts"] != "resident"
+
+
+def test_sim_admission_replays_both_rules_through_the_slot_table(tmp_path):
+    """ablations/sim_admission.py: one row per rule and setting, from the engine's SlotTable; on
+    skewed routing without locality, scored admission moves fewer records over the link (misses +
+    admissions) with fewer admissions, as in docs/gpu.md."""
+    from ablations import sim_admission
+
+    out = tmp_path / "rows.jsonl"
+    argv = ["--slots", "504", "--skew", "1.0", "--corr", "0", "--tokens", "90", "--out", str(out)]
+    assert sim_admission.main(argv) == 0
+    rows = {r["config"]["admit"]: r for r in map(json.loads, out.read_text().splitlines())}
+    every, scored = rows["all"], rows["scored"]
+    assert scored["admissions_per_token"] < every["admissions_per_token"]
+    assert scored["records_moved_per_token"] < every["records_moved_per_token"]
+    assert 0 < scored["hit_rate"] < 1 and 0 < every["hit_rate"] < 1

@@ -107,3 +107,42 @@ def test_grid_and_cli(tmp_path, capsys):
     assert cli_main([*argv, "--budget", "1.0", "--plot", str(png)]) == 0
     assert "belady" in capsys.readouterr().out
     assert png.stat().st_size > 10_000
+
+
+def test_gpu_admission_rules_by_hand():
+    """The GPU pool's replay (admit): a decode miss crosses the link for its step and an admitted
+    one again. LFU, 2 slots, prompt [0], then decode 1 0 2 0 2 1. Every miss admitted: 2 evicts 1
+    (count 1), later 1 evicts 2: misses at 1, 2, 1 and 3 admissions. Scored: 2 (count 0, then 1)
+    never beats 1 (count 1): declined twice, 1 stays and hits; misses at 1, 2, 2, 1 admission."""
+    t = single_expert_trace([0, 1, 0, 2, 0, 2, 1])
+    cpu = simulate(t, "lfu", n_slots=2, expert_bytes=10)
+    every = simulate(t, "lfu", n_slots=2, expert_bytes=10, admit="all")
+    scored = simulate(t, "lfu", n_slots=2, expert_bytes=10, admit="scored")
+    assert (every.decode_hits, every.decode_misses, every.decode_admissions) == (3, 3, 3)
+    assert (scored.decode_hits, scored.decode_misses, scored.decode_admissions) == (3, 3, 1)
+    assert (cpu.decode_hits, cpu.decode_misses, cpu.admit) == (3, 3, None)
+    # bytes: the prompt's miss once, then misses + admissions over the link
+    assert every.bytes_read == 10 * (1 + 3 + 3) and scored.bytes_read == 10 * (1 + 3 + 1)
+    assert cpu.bytes_read == 10 * (1 + 3)
+    assert (every.label, scored.label, cpu.label) == ("lfu/all", "lfu/scored", "lfu")
+    with pytest.raises(ConfigError, match="scored"):
+        simulate(t, "lfu", n_slots=2, expert_bytes=10, admit="some")
+
+
+def test_cli_replays_the_gpu_admission_rules(tmp_path, capsys):
+    model = TraceModel("hand-made", 5, 1, [0], 8, 1, 0, "float32", expert_bytes=100)
+    w = TraceWriter(tmp_path / "tr", model, hidden=False)
+    seq = [0, 1, 0, 2, 0, 2, 1]
+    for e in seq:
+        w.append_step(np.array([[[e]]]), np.ones((1, 1, 1), np.float32), None)
+    w.end_sequence(list(range(len(seq))), prompt_tokens=1)
+    w.close()
+    argv = ["simulate", str(tmp_path / "tr"), "--policy", "lfu", "--budget", "200"]
+    assert cli_main([*argv, "--gpu-admit", "all,scored", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["results"]
+    assert [(r["policy"], r["admit"], r["decode_admissions"]) for r in rows] == [
+        ("lfu", "all", 3), ("lfu", "scored", 1), ("belady", None, 0)]  # fmt: skip
+    assert cli_main([*argv, "--gpu-admit", "scored"]) == 0
+    assert "lfu/scored" in capsys.readouterr().out
+    assert cli_main([*argv, "--gpu-admit", "most"]) == 2
+    assert "unknown admission rule 'most'" in capsys.readouterr().err

@@ -162,8 +162,8 @@ def plot_simulation(results, total_experts: int, path: str | Path) -> Path:
     """Hit rate vs budget (as a fraction of all experts) for every simulated policy."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(7, 5))
-    for name in dict.fromkeys(r.policy for r in results):
-        rs = sorted((r for r in results if r.policy == name), key=lambda r: r.n_slots)
+    for name in dict.fromkeys(r.label for r in results):
+        rs = sorted((r for r in results if r.label == name), key=lambda r: r.n_slots)
         style = dict(color="k", ls="--") if name == "belady" else {}
         ax.plot(
             [r.n_slots / total_experts for r in rs],

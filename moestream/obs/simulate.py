@@ -6,6 +6,12 @@ The replay asks the slot table exactly what the streaming provider (store/stream
 forward step and MoE layer in forward order, a decode token's K experts in ascending id order, and
 for a prefill the distinct experts of the prompt in ascending order, in chunks of at most n_slots.
 One table serves all sequences of the trace, as one engine process serves its requests.
+
+`admit` replays the GPU pool with device-side misses instead (`GpuConfig.admit`): a decode miss
+crosses the link for its own step whether or not it is kept, and an admitted one crosses it again
+into its slot, so the bytes are misses + admissions; "scored" admits a decode miss only when the
+policy's history of it beats its victim's, "all" admits every one. A prompt fills the pool as
+on the CPU (every miss admitted, read once).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from moestream.store.policy import (
 )
 
 POLICIES = (*ENGINE_POLICIES, "belady")  # the engine's, plus the offline optimum
+ADMIT = ("all", "scored")  # the GPU pool's admission rules (experts/config.py ADMIT)
 
 
 def accesses(t: Trace, n_slots: int) -> Iterator[tuple[int, list[int], bool]]:
@@ -91,6 +98,12 @@ class SimResult:
     bytes_read: int
     bytes_per_token: float
     decode_bytes_per_token: float
+    admit: str | None = None  # None: the CPU streaming provider; else the GPU pool's rule
+    decode_admissions: int = 0  # decode misses given a slot
+
+    @property
+    def label(self) -> str:
+        return self.policy if self.admit is None else f"{self.policy}/{self.admit}"
 
     @property
     def hit_rate(self) -> float:
@@ -155,23 +168,31 @@ def simulate(
     budget: str = "",
     pin_fraction=0.5,
     record_bytes: dict[int, int] | None = None,
+    admit: str | None = None,
 ) -> SimResult:
     """Replay the trace with one policy and slot count. A miss reads `record_bytes[layer]`
-    (a store of per-layer record sizes: `TraceModel.layer_bytes`), else `expert_bytes`."""
+    (a store of per-layer record sizes: `TraceModel.layer_bytes`), else `expert_bytes`.
+    `admit`: the GPU pool's rule (module docstring), None for the CPU's streaming provider."""
     if policy not in POLICIES:
         raise ConfigError(f"unknown policy {policy!r}; use {', '.join(POLICIES)}")
+    if admit is not None and admit not in ADMIT:
+        raise ConfigError(f"unknown admission rule {admit!r}; use {', '.join(ADMIT)}")
     pol, steps = make_sim_policy(policy, t, n_slots, pin_fraction)
     table = SlotTable(n_slots, pol, t.top_k)
-    dh = dm = read = dread = 0
+    dh = dm = read = dread = admitted = 0
     for layer, experts, decode in steps:
         h0, m0 = table.hits, table.misses
-        table.access(layer, experts)
+        step = table.access(layer, experts, scored=decode and admit == "scored")
         size = expert_bytes if record_bytes is None else record_bytes[layer]
-        read += (table.misses - m0) * size
+        moved = table.misses - m0
+        if decode and admit is not None:  # the staged read, then the admitted copy
+            moved += len(step.misses)
+            admitted += len(step.misses)
+        read += moved * size
         if decode:
             dh += table.hits - h0
             dm += table.misses - m0
-            dread += (table.misses - m0) * size
+            dread += moved * size
     n_dec = int((~t.is_prompt).sum())
     return SimResult(
         policy=policy,
@@ -184,6 +205,8 @@ def simulate(
         bytes_read=read,
         bytes_per_token=read / max(t.n_positions, 1),
         decode_bytes_per_token=dread / max(n_dec, 1),
+        admit=admit,
+        decode_admissions=admitted,
     )
 
 
@@ -194,8 +217,10 @@ def run_grid(
     expert_bytes: int,
     pin_fraction=0.5,
     record_bytes: dict[int, int] | None = None,
+    admits: Sequence[str | None] = (None,),
 ) -> tuple[list[SimResult], list[str]]:
-    """Every policy x budget, plus Belady's bound at each budget (once): a budget buys slots of
+    """Every policy x budget x admission rule (`admits`: None = the CPU's streaming provider),
+    plus Belady's bound at each budget (once, every miss admitted): a budget buys slots of
     `expert_bytes` each, a miss reads `record_bytes[layer]` where given (simulate). Returns the
     results and one line for each combination the policy cannot run (e.g. sticky below its
     minimum)."""
@@ -204,21 +229,24 @@ def run_grid(
     out, skipped = [], []
     for b in budgets:
         n_slots = budget_slots(b, total, expert_bytes)
-        for name in names:
+        runs = [(n, ad) for n in names if n != "belady" for ad in admits]
+        for name, admit in [*runs, ("belady", None)]:
             try:
-                out.append(simulate(t, name, n_slots, expert_bytes, b, pin_fraction, record_bytes))
+                out.append(simulate(t, name, n_slots, expert_bytes, b, pin_fraction, record_bytes,
+                                    admit))  # fmt: skip
             except PolicyError as e:
                 # The engine's prefill asks for all of a layer's distinct prompt experts (up to
                 # n_slots) at once; sticky/pinned can hold fewer, and the engine fails the same way.
+                label = name if admit is None else f"{name}/{admit}"
                 skipped.append(
-                    f"{name} at budget {b} ({n_slots} slots): {e} (the engine fails alike)"
+                    f"{label} at budget {b} ({n_slots} slots): {e} (the engine fails alike)"
                 )
     return out, skipped
 
 
 def format_results(results: list[SimResult], expert_bytes: int) -> str:
     lines = [
-        f"{'policy':<8} {'budget':>10} {'slots':>6} {'hit rate':>8} {'decode hit':>10} "
+        f"{'policy':<13} {'budget':>10} {'slots':>6} {'hit rate':>8} {'decode hit':>10} "
         f"{'MiB/token':>10} {'decode MiB/token':>16} {'vs belady':>9}"
     ]
     bound = {r.n_slots: r for r in results if r.policy == "belady"}
@@ -226,7 +254,7 @@ def format_results(results: list[SimResult], expert_bytes: int) -> str:
         b = bound.get(r.n_slots)
         gap = f"{r.misses / b.misses:.2f}x" if b and b.misses else "-"
         lines.append(
-            f"{r.policy:<8} {r.budget:>10} {r.n_slots:>6} {r.hit_rate:>8.3f} "
+            f"{r.label:<13} {r.budget:>10} {r.n_slots:>6} {r.hit_rate:>8.3f} "
             f"{r.decode_hit_rate:>10.3f} {r.bytes_per_token / 2**20:>10.3f} "
             f"{r.decode_bytes_per_token / 2**20:>16.3f} {gap:>9}"
         )
