@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every CUDA test in one device call: four shards at once (compiling is CPU-bound, the GPU has
+# Every CUDA test in one device call: six shards at once (compiling is CPU-bound, the GPU has
 # room), then the slow tile-variant sweep, each shard under its own time limit so a slow or hung
 # shard cannot take the others' results with it. Reports land in OUT_DIR/tests_<shard>.txt and a
 # one-line summary per shard is printed.
@@ -28,6 +28,8 @@ shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
 # The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
 # the q6_k output layer's GEMV, the record copy and the misses' staging).
 shard dense tests/test_triton_dense.py tests/test_triton_small.py &
+# The decode attention (one launch, and split over the positions) and recovery training.
+shard attention -m cuda tests/test_triton_attention.py tests/test_recovery.py &
 wait
 # The tile-variant sweep is slow (it has not finished in 300 s on the H200): VARIANTS=1 runs it.
 [ "${VARIANTS:-0}" = 1 ] && shard variants -m cuda "$abl" -k variants_cuda

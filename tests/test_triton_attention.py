@@ -84,6 +84,37 @@ def test_decode_attend_matches_the_torch_attention_interpreter(static, monkeypat
     run(args(), "head", None, torch.float32, "cpu", prompt=6, steps=9, static=static, capacity=40)
 
 
+@pytest.mark.parametrize("static,window", [(False, None), (True, 11)])
+def test_split_attend_matches_the_torch_attention_interpreter(static, window, monkeypatch):
+    """A cache past SPLIT_CAP split over the positions: 3 chunks of 8 positions in blocks of 4, so
+    the steps cover one chunk, several, empty chunks past the position and (window) chunks that
+    start past the window's first position. 4 heads (CI time)."""
+    from moestream.kernels.triton import attention
+
+    if torch.cuda.is_available():
+        pytest.skip("the CUDA cases below cover it")
+    calls = []
+    monkeypatch.setattr(attention, "SPLIT_CAP", 24)
+    monkeypatch.setattr(attention, "CHUNK", 8)
+    monkeypatch.setattr(attention, "BLOCK_S", 4)
+    split = attention._split_sum_kernel
+    monkeypatch.setattr(attention, "_split_sum_kernel", _Counting(split, calls))
+    a = args(num_attention_heads=4, num_key_value_heads=2)
+    run(a, "head", window, torch.float32, "cpu", prompt=5, steps=13, static=static, capacity=24)
+    assert calls == [(4,)] * 13  # every step took the split
+
+
+class _Counting:
+    """A kernel launcher that records its launches."""
+
+    def __init__(self, kernel, calls):
+        self.kernel, self.calls = kernel, calls
+
+    def __getitem__(self, grid):
+        self.calls.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("qk_norm,window", [("head", None), (None, None), ("head", 37)])
@@ -91,6 +122,19 @@ def test_decode_attend_matches_the_torch_attention_interpreter(static, monkeypat
 def test_decode_attend_matches_the_torch_attention_cuda(dtype, qk_norm, window, static):
     a = args(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
     run(a, qk_norm, window, dtype, "cuda", prompt=130, steps=6, static=static, capacity=512)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("qk_norm,window", [("head", None), ("head", 300)])
+@pytest.mark.parametrize("static", [False, True])
+def test_split_attend_matches_the_torch_attention_cuda(dtype, qk_norm, window, static):
+    """A long context's cache (2048 positions: past SPLIT_CAP, 8 chunks) at Qwen3-30B-A3B's heads."""
+    from moestream.kernels.triton import attention
+
+    assert attention.SPLIT_CAP <= 2048
+    a = args(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+    run(a, qk_norm, window, dtype, "cuda", prompt=1100, steps=4, static=static, capacity=2048)
 
 
 @pytest.mark.cuda
@@ -124,3 +168,27 @@ def test_decode_attend_in_a_compiled_captured_step_cuda():
     assert torch.equal(out, want)
     assert torch.equal(c.k[0][:, :9], caches[0].k[0][:, :9])
     assert torch.equal(c.v[0][:, :9], caches[0].v[0][:, :9])
+
+
+def test_the_attention_benchmark_dry_run(tmp_path):
+    """benchmarks/bench_gpu_attention.py --dry-run: both variants of a context split into chunks
+    (interpreter, tiny heads), one row each, the split within fp32 rounding of the one launch."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "rows.jsonl"
+    path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_gpu_attention.py"),
+                        "--dry-run", "--contexts", "100", "--reps", "1", "--out", str(out)],
+                       env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(x["variant"], x["chunks"], x["bucket"]) for x in rows] == [
+        ("one_launch", 1, 256), ("split", 4, 256)]  # fmt: skip
+    assert all(x["bench"] == "gpu_attention" and x["config"]["dry_run"] for x in rows)
+    assert all(x["us"] > 0 and x["max_rel_diff_vs_one_launch"] < 1e-5 for x in rows)

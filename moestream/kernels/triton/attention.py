@@ -17,6 +17,14 @@ KV bucket with later positions masked. Here one program per query head:
 Sums run in another order than cuBLAS's, so outputs differ from the torch code's in the last bits.
 The position is an int (eager) or a device tensor [1] (a captured step: the loop bounds are read
 on the device, so the step reads only the valid length whatever the bucket).
+
+A cache of SPLIT_CAP positions or more (a long context's bucket) is split over the positions
+instead (flash-decoding), since one program per head walks its positions serially: heads x
+cdiv(capacity, CHUNK) programs each take CHUNK positions in three launches. The first gives each
+chunk's max and sum of exponentials (and writes the new row), the second combines them into the
+head's max and sum, rounds its chunk's probabilities with them as above and weighs V, and the
+third adds the chunks' fp32 partials in chunk order. The probabilities are the same numbers; only
+fp32 sums run in another order. A captured step's bucket fixes the launch count.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import triton.language as tl
 
 FIRST = 128  # cache positions loaded up front (a context this long takes one round trip)
 BLOCK_S = 64  # cache positions per step of the loops over longer contexts
+SPLIT_CAP = 1024  # caches this long are split over the positions (three launches, not one)
+CHUNK = 256  # positions per program of the split
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -117,6 +127,105 @@ def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_pt
     tl.store(out_ptr + h * HD + d, acc.to(DT))
 
 
+@triton.jit
+def _chunk_setup(qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling,
+                 CH, H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HAS_NORM: tl.constexpr,
+                 POS_PTR: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+    """A split program's head, its chunk [start, stop) of the valid positions, its q, and the
+    new key's k, v and score (the split's chunk 0 takes the new key)."""
+    h = tl.program_id(0)
+    kvh = h // (H // HKV)
+    d = tl.arange(0, HD)
+    if POS_PTR:
+        pos = tl.load(pos_ptr).to(tl.int32)
+    else:
+        pos = pos_arg
+    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    start = lo + tl.program_id(1) * CH
+    stop = tl.minimum(start + CH, pos)
+    q = _norm_rope(qkv_ptr + h * HD, w_ptr + h * HD, cos_ptr, sin_ptr, eps, HD, HAS_NORM, DT)
+    kn = _norm_rope(qkv_ptr + (H + kvh) * HD, w_ptr + (H + kvh) * HD, cos_ptr, sin_ptr, eps, HD,
+                    HAS_NORM, DT)  # fmt: skip
+    vn = tl.load(qkv_ptr + (H + HKV + kvh) * HD + d).to(tl.float32)
+    s_new = _round(_round(tl.sum(kn * q, 0), DT) * scaling, DT)
+    return h, kvh, pos, start, stop, q, kn, vn, s_new
+
+
+@triton.jit
+def _split_stats_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, stats_ptr,
+                        pos_arg, window, cap, eps, scaling, CH, H: tl.constexpr,
+                        HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
+                        HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
+                        DT: tl.constexpr):  # fmt: skip
+    """Pass 1 of the split: the chunk's max and sum of exp(s - max) -> stats[h, j] (-inf, 0 for
+    an empty chunk); the group's first head writes the new k and v rows (nobody reads them)."""
+    h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
+        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling, CH, H, HKV,
+        HD, HAS_NORM, POS_PTR, DT)  # fmt: skip
+    j = tl.program_id(1)
+    d = tl.arange(0, HD)
+    k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
+    first = j == 0
+    if first & (h % (H // HKV) == 0):
+        tl.store(k_rows + pos * HD + d, kn.to(DT))
+        tl.store(v_ptr + kvh.to(tl.int64) * cap * HD + pos * HD + d, vn.to(DT))
+    m = tl.where(first, s_new, float("-inf"))
+    total = tl.where(first, 1.0, 0.0)
+    i = tl.arange(0, BS)
+    for b in range(start, stop, BS):
+        idx = b + i
+        s = _scores(k_rows, q, idx, idx < stop, scaling, HD, DT)
+        m_next = tl.maximum(m, tl.max(s, 0))
+        total = total * tl.exp(m - m_next) + tl.sum(tl.exp(s - m_next), 0)
+        m = m_next
+    n = tl.num_programs(1)
+    tl.store(stats_ptr + (h * n + j) * 2, m)
+    tl.store(stats_ptr + (h * n + j) * 2 + 1, total)
+
+
+@triton.jit
+def _split_out_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, stats_ptr,
+                      part_ptr, pos_arg, window, cap, eps, scaling, CH, H: tl.constexpr,
+                      HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, NS: tl.constexpr,
+                      HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
+                      DT: tl.constexpr):  # fmt: skip
+    """Pass 2: the head's max and sum from every chunk's, then the chunk's probabilities rounded
+    to the activation dtype times V -> part[h, j] (fp32)."""
+    h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
+        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling, CH, H, HKV,
+        HD, HAS_NORM, POS_PTR, DT)  # fmt: skip
+    j = tl.program_id(1)
+    n = tl.num_programs(1)
+    c = tl.arange(0, NS)
+    mc = tl.load(stats_ptr + (h * n + c) * 2, mask=c < n, other=float("-inf"))
+    tc = tl.load(stats_ptr + (h * n + c) * 2 + 1, mask=c < n, other=0.0)
+    m = tl.max(mc, 0)
+    total = tl.sum(tl.where(tc > 0, tc * tl.exp(mc - m), 0.0), 0)
+    d = tl.arange(0, HD)
+    k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
+    v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
+    acc = tl.where(j == 0, _round(tl.exp(s_new - m) / total, DT), 0.0) * vn
+    i = tl.arange(0, BS)
+    for b in range(start, stop, BS):
+        idx = b + i
+        ok = idx < stop
+        p = _round(tl.exp(_scores(k_rows, q, idx, ok, scaling, HD, DT) - m) / total, DT)
+        v = tl.load(v_rows + idx[:, None] * HD + d[None, :], mask=ok[:, None], other=0.0)
+        acc += tl.sum(p[:, None] * v.to(tl.float32), 0)
+    tl.store(part_ptr + (h * n + j) * HD + d, acc)
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, out_ptr, n, HD: tl.constexpr, DT: tl.constexpr):
+    """Pass 3: a head's output, its chunks' partials added in chunk order."""
+    h = tl.program_id(0)
+    d = tl.arange(0, HD)
+    acc = tl.zeros([HD], dtype=tl.float32)
+    for j in range(0, n):
+        acc += tl.load(part_ptr + (h * n + j) * HD + d)
+    tl.store(out_ptr + h * HD + d, acc.to(DT))
+
+
 def unsupported(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, dtype) -> str | None:
     """Why `decode_attend` cannot take this attention (None when it can)."""
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -146,6 +255,19 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
     out = torch.empty(1, heads * hd, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
     w = qkv if qk_w is None else qk_w.contiguous()
+    if cap >= SPLIT_CAP:  # a long context: split over the positions
+        n = triton.cdiv(cap, CHUNK)
+        stats = torch.empty(heads, n, 2, dtype=torch.float32, device=qkv.device)
+        part = torch.empty(heads, n, hd, dtype=torch.float32, device=qkv.device)
+        common = dict(H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S, HAS_NORM=qk_w is not None,
+                      POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=4)  # fmt: skip
+        p = kc if pos_t is None else pos_t
+        args = (qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, p, stats)
+        tail = (pos, window, cap, eps, scaling, CHUNK)
+        _split_stats_kernel[(heads, n)](*args, *tail, **common)
+        _split_out_kernel[(heads, n)](*args, part, *tail, NS=triton.next_power_of_2(n), **common)
+        _split_sum_kernel[(heads,)](part, out, n, HD=hd, DT=_TL[qkv.dtype], num_warps=4)
+        return out
     _decode_attend_kernel[(heads,)](
         qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t, out,
         pos, window, cap, eps, scaling, H=heads, HKV=kv_heads, HD=hd, FIRST=FIRST, BS=BLOCK_S,

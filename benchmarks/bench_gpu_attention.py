@@ -1,0 +1,192 @@
+"""One decode token's attention (moestream/kernels/triton/attention.py) at long contexts, on a GPU:
+the one-launch kernel (a program per query head, walking the positions serially) against the
+split over the positions (heads x chunks programs, three launches), side by side in one run.
+
+Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128, q/k head norm, bf16). Per
+context length: a captured CUDA graph of one call per cache copy (enough copies that a cycle reads
+more than `MIN_CYCLE_BYTES`, past the L2), each copy a static cache of the engine's bucket for that
+length (engine/graph.py: powers of two from 256) with the position as a device tensor, as in a
+captured decode step; the variants' graphs replayed alternately, `--reps` rounds, medians.
+Reported: us per call, the KV bytes the call must read (2 x KV heads x context x head dim x 2),
+GB/s and the fraction of the HBM read ceiling measured in the same run, and the split's max
+difference from the one-launch output (both round the probabilities as the torch code does; only
+fp32 sums run in another order).
+
+    python benchmarks/bench_gpu_attention.py --contexts 512 1024 2048 4096 8192 --out rows.jsonl
+    python benchmarks/bench_gpu_attention.py --dry-run   # CPU: interpreter, tiny heads
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+MIN_CYCLE_BYTES = 512 << 20  # per graph cycle of cache copies: well past the H200's 60 MB L2
+QWEN3 = dict(heads=32, kv_heads=4, head_dim=128)
+DRY = dict(heads=4, kv_heads=2, head_dim=32)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--reps", type=int, default=5, help="alternating rounds of graph replays")
+    ap.add_argument("--replays", type=int, default=10, help="graph replays per round")
+    ap.add_argument("--out", default=None, help="append JSON rows here")
+    ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny heads")
+    a = ap.parse_args(argv)
+    if any(c < 2 for c in a.contexts):
+        ap.error("--contexts: lengths of at least 2 positions")
+    return a
+
+
+def inputs(shape: dict, context: int, copies: int, device: str, dtype):
+    """`copies` (qkv, qk_w, cos, sin, kc, vc) of a decode token at position context - 1 over a
+    cache bucket holding context - 1 earlier positions, and the position as a device tensor."""
+    import torch
+
+    H, Hkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    cap = bucket_of(context)
+    g = torch.Generator(device=device).manual_seed(context)
+    out = []
+    for _ in range(copies):
+        qkv = torch.randn(1, (H + 2 * Hkv) * hd, device=device, generator=g).to(dtype)
+        qk_w = (1 + 0.1 * torch.randn(H + Hkv, hd, device=device, generator=g)).to(dtype)
+        ang = torch.rand(1, hd, device=device, generator=g) * 6.28
+        kc, vc = (torch.randn(Hkv, cap, hd, device=device, generator=g).to(dtype) for _ in "kv")
+        out.append((qkv, qk_w, ang.cos().to(dtype), ang.sin().to(dtype), kc, vc))
+    pos_t = torch.tensor([context - 1], device=device)
+    return out, pos_t, cap
+
+
+def measure(shape: dict, context: int, a, device: str, ceiling: float | None) -> list[dict]:
+    """Rows of one context: the one-launch kernel and the split, timed alternately."""
+    import torch
+
+    from moestream.kernels.triton import attention
+
+    cuda = device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    H, Hkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
+    kv_bytes = 2 * Hkv * context * hd * torch.tensor([], dtype=dtype).element_size()
+    per_copy = 2 * Hkv * bucket_of(context) * hd * 2  # the bucket's bytes, bf16
+    copies = max(1, -(-MIN_CYCLE_BYTES // per_copy)) if cuda else 1
+    sets, pos_t, cap = inputs(shape, context, copies, device, dtype)
+    variants = {"one_launch": 1 << 62, "split": cap}  # SPLIT_CAP: the split from this bucket up
+    outs, graphs = {}, {}
+    for name, split_cap in variants.items():
+
+        def calls(split_cap=split_cap):  # the path is chosen per call (captured once on CUDA)
+            saved, attention.SPLIT_CAP = attention.SPLIT_CAP, split_cap
+            try:
+                return [attention.attend_impl(qkv, w, c, s, kc, vc, pos_t, 0, 1e-6, hd**-0.5, 0,
+                                              H, Hkv) for qkv, w, c, s, kc, vc in sets]  # fmt: skip
+            finally:
+                attention.SPLIT_CAP = saved
+
+        outs[name] = calls()[0].float()
+        graphs[name] = capture(calls) if cuda else calls
+    times = {n: [] for n in variants}
+    for rep in range(a.reps):
+        for name in variants if rep % 2 == 0 else list(variants)[::-1]:
+            times[name].append(replay_us(graphs[name], a.replays, len(sets), cuda))
+    diff = (
+        (outs["split"] - outs["one_launch"]).abs().max() / outs["one_launch"].abs().max()
+    ).item()
+    rows = []
+    for name in variants:
+        us = statistics.median(times[name])
+        gbps = kv_bytes / (us * 1e-6) / 1e9
+        rows.append({"context": context, "bucket": cap, "variant": name, "us": us,
+                     "us_all": times[name], "kv_bytes": kv_bytes, "gbps": gbps,
+                     "hbm_read_gbps": ceiling,
+                     "of_ceiling": None if ceiling is None else gbps / ceiling,
+                     "chunks": -(-cap // attention.CHUNK) if name == "split" else 1,
+                     "calls_in_graph": len(sets), "dtype": str(dtype).removeprefix("torch."),
+                     "max_rel_diff_vs_one_launch": diff})  # fmt: skip
+    return rows
+
+
+def bucket_of(context: int) -> int:
+    from moestream.engine.graph import bucket
+
+    return bucket(context, 1 << 30)
+
+
+def capture(calls):
+    """A CUDA graph of one round of calls (compiled and warmed on a side stream first)."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        calls()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        calls()
+    g.replay()
+    return g
+
+
+def replay_us(graph, replays: int, n_calls: int, cuda: bool) -> float:
+    """us per call of `replays` replays (CUDA events); on the CPU one eager round by the clock."""
+    import time
+
+    import torch
+
+    if not cuda:
+        t0 = time.perf_counter()
+        graph()
+        return (time.perf_counter() - t0) / n_calls * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * n_calls)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    if a.dry_run:  # before triton is imported: it reads the variable when kernels are decorated
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+    from common import bench_row, write_rows
+
+    device = "cpu" if a.dry_run else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        print("bench_gpu_attention.py: no CUDA device; --dry-run checks it on the CPU",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    shape = DRY if a.dry_run else QWEN3
+    ceiling = None
+    if not a.dry_run:
+        from bench_peers import dram_gbps
+
+        ceiling = dram_gbps(1, device="cuda")
+    else:  # tiny chunks, so a short context is split into several
+        from moestream.kernels.triton import attention
+
+        attention.CHUNK, attention.BLOCK_S = 64, 16
+    rows = []
+    for context in a.contexts:
+        for r in measure(shape, context, a, device, ceiling):
+            rows.append(r)
+            print(f"context {context:>6} {r['variant']:>10}: {r['us']:8.2f} us, "
+                  f"{r['gbps']:7.1f} GB/s of KV, diff {r['max_rel_diff_vs_one_launch']:.1e}")  # fmt: skip
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    config = {**shape, "dry_run": a.dry_run, "reps": a.reps, "replays": a.replays}
+    write_rows(a.out, [bench_row("gpu_attention", config, r, a.commit) for r in rows])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
