@@ -495,6 +495,9 @@ def _expert_stats(s: dict) -> str:
         used = f"{s['prefetch_used']}/{s['prefetch_reads']} prefetches used, " if s.get(
             "prefetch_reads") else ""  # fmt: skip
         out += f"{used}prediction recall {rec:.0f}% | "
+    if s.get("host_reads"):  # the GPU pool's device misses: read from pinned RAM, kept or not
+        out += (f"{s['host_reads']} misses read from pinned RAM, "
+                f"{s.get('admissions_declined', 0)} not admitted | ")  # fmt: skip
     return out
 
 

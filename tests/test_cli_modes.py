@@ -439,3 +439,6 @@ def test_stats_line_reports_prediction_recall_and_prefetch_use():
     assert pred == plain + "15/20 prefetches used, prediction recall 75% | "
     scored = _expert_stats({**s, "predict_routed": 64, "predict_correct": 16})
     assert scored == plain + "prediction recall 25% | "
+    # the GPU pool's device misses: how many crossed from pinned RAM, how many were not kept
+    gpu = _expert_stats({**s, "host_reads": 40, "admissions_declined": 12})
+    assert gpu == plain + "40 misses read from pinned RAM, 12 not admitted | "
