@@ -74,6 +74,17 @@ def _scores(k_row_ptr, q, idx, ok, scaling, HD: tl.constexpr, DT: tl.constexpr):
 
 
 @triton.jit
+def _position(pos_ptr, pos_arg, window, POS_PTR: tl.constexpr):
+    """The new token's position (a device tensor in a captured step, else the argument) and the
+    first position it attends to (past a sliding window's, none are)."""
+    if POS_PTR:
+        pos = tl.load(pos_ptr).to(tl.int32)
+    else:
+        pos = pos_arg
+    return pos, tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+
+
+@triton.jit
 def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
                           pos_arg, window, cap, eps, scaling, H: tl.constexpr, HKV: tl.constexpr,
                           HD: tl.constexpr, FIRST: tl.constexpr, BS: tl.constexpr,
@@ -82,11 +93,7 @@ def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_pt
     h = tl.program_id(0)
     kvh = h // (H // HKV)
     d = tl.arange(0, HD)
-    if POS_PTR:
-        pos = tl.load(pos_ptr).to(tl.int32)
-    else:
-        pos = pos_arg
-    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)  # keys past the window
+    pos, lo = _position(pos_ptr, pos_arg, window, POS_PTR)
     k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
     v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
     # The first FIRST cached keys and values, loaded before q is known (a short context is done
@@ -136,11 +143,7 @@ def _chunk_setup(qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap
     h = tl.program_id(0)
     kvh = h // (H // HKV)
     d = tl.arange(0, HD)
-    if POS_PTR:
-        pos = tl.load(pos_ptr).to(tl.int32)
-    else:
-        pos = pos_arg
-    lo = tl.where(window > 0, tl.maximum(pos - window + 1, 0), 0)
+    pos, lo = _position(pos_ptr, pos_arg, window, POS_PTR)
     start = lo + tl.program_id(1) * CH
     stop = tl.minimum(start + CH, pos)
     q = _norm_rope(qkv_ptr + h * HD, w_ptr + h * HD, cos_ptr, sin_ptr, eps, HD, HAS_NORM, DT)
