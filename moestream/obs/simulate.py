@@ -11,7 +11,9 @@ One table serves all sequences of the trace, as one engine process serves its re
 crosses the link for its own step whether or not it is kept, and an admitted one crosses it again
 into its slot, so the bytes are misses + admissions; "scored" admits a decode miss only when the
 policy's history of it beats its victim's, "all" admits every one. A prompt fills the pool as
-on the CPU (every miss admitted, read once).
+on the CPU (every miss admitted, read once). Admissions land at once here: the engine's, a step
+or two behind and skipped while every victim is busy, are modelled by
+benchmarks/ablations/sim_admission.py on synthetic routing.
 """
 
 from __future__ import annotations
