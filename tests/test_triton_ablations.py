@@ -51,7 +51,8 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     cfg = fit_config(quant, D, I, 32, replace(base, split=2, bk=bk))
     gen = torch.Generator().manual_seed(40 + mma)
     ex = _layer(quant, E, D, I, device, gen)
-    for T, combine in ((3, True), (1, False), (3, True)):
+    # the third call reuses the reset counters (one token on the CPU: CI time)
+    for T, combine in ((3, True), (1, False), (3 if CUDA else 1, True)):
         x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
         ids, w = _routing(T, E, K, device, gen)
         want = moe_decode(x, ids, w, ex, cfg, combine=combine).clone().double()
