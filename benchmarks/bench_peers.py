@@ -4,7 +4,9 @@ lengths, interleaved repeats in one run (the yardstick of the speed issues).
 Each engine converts the checkpoint with its own converter (moestream `convert --quant Q`,
 llama.cpp `convert_hf_to_gguf.py --outtype q8_0` then `llama-quantize` for Q4_0) once into
 `--work`. Per repeat and pair (moestream int4 vs Q4_0, int8 vs Q8_0), each engine runs in its own
-process: llama.cpp as `llama-bench -p P -n N` (random tokens), moestream as a child of this script
+process: llama.cpp as `llama-bench -p P -n N -d 0,P` (random tokens; the prompt's rate from an
+empty cache, the decode's after P cached tokens, as moestream's decode follows its prompt; rows
+before 2026-12-03 took llama.cpp's decode from an empty cache), moestream as a child of this script
 that prefills P random token ids and decodes N greedy tokens through the Generator (every expert
 resident, `--resident`), after an untimed 8-token warm-up on another random prompt of P ids (so
 a streamed pool starts warm, but not on the measured prompt's own experts). Reported per engine and format (medians): prefill and decode tok/s, peak
@@ -190,8 +192,13 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
         ready_s = time.perf_counter() - t0
         res = rt.generator.generate(ids, cfg)
         s = res.stats()
-        row = {"prefill_tok_s": s["prefill_tok_s"], "decode_tok_s": s["decode_tok_s"],
-               "mode": rt.provider.describe(), "load_and_warm_s": ready_s}  # fmt: skip
+        row = {
+            "prefill_tok_s": s["prefill_tok_s"],
+            "decode_tok_s": s["decode_tok_s"],
+            "mode": rt.provider.describe(),
+            "load_and_warm_s": ready_s,
+            "decode_depth": P,  # decoded after the P-token prompt (llama_run: -d P)
+        }
         if device != "cpu":
             row["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
             lookups = s.get("hits", 0) + s.get("misses", 0)
@@ -314,17 +321,20 @@ def gguf_bytes_per_token(gguf: Path, llama: Path, top_k: int, experts: int) -> i
 
 def llama_run(llama: Path, gguf: Path, threads: int, P: int, N: int, cpu_moe: int | None = None
               ) -> tuple[dict, int]:  # fmt: skip
-    """llama-bench once; cpu_moe None = CPU build, else `-ngl 99 --n-cpu-moe cpu_moe`."""
+    """llama-bench once; cpu_moe None = CPU build, else `-ngl 99 --n-cpu-moe cpu_moe`. The prompt
+    is timed from an empty cache and the decode after P cached tokens (`-d 0,P`), as moestream's
+    child decodes after its prompt: llama-bench's tg alone starts from an empty cache, which at a
+    long prompt skips the attention's cost of the context."""
     bench = str(llama / "build/bin/llama-bench")
-    cmd = [bench, "-m", str(gguf), "-t", str(threads), "-p", str(P), "-n", str(N), "-r", "1",
-           "-o", "json"]  # fmt: skip
+    cmd = [bench, "-m", str(gguf), "-t", str(threads), "-p", str(P), "-n", str(N),
+           "-d", f"0,{P}", "-r", "1", "-o", "json"]  # fmt: skip
     if cpu_moe is not None:
         cmd += ["-ngl", "99", "--n-cpu-moe", str(cpu_moe)]
     out, rss = child_rss(cmd)
     rows = json.loads(out)
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0)
-    return {"prefill_tok_s": pp, "decode_tok_s": tg}, rss
+    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_depth"] == 0)
+    tg = next(r["avg_ts"] for r in rows if r["n_gen"] > 0 and r["n_depth"] == P)
+    return {"prefill_tok_s": pp, "decode_tok_s": tg, "decode_depth": P}, rss
 
 
 def ours_run(store: Path, kernel: str, a, share: float) -> tuple[dict, int]:
@@ -389,7 +399,8 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
     for k in ("mode", "peak_vram_bytes", "hit_rate", "h2d_bytes_per_token", "pcie_bytes_per_token",
               "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
               "load_and_warm_s", "prediction_recall", "prefetch_precision",
-              "decode_hit_rate", "declined_per_token", "skipped_steps_per_token"):  # fmt: skip
+              "decode_hit_rate", "declined_per_token", "skipped_steps_per_token",
+              "decode_depth"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out

@@ -304,3 +304,26 @@ def test_sim_admission_replays_both_rules_through_the_slot_table(tmp_path):
     assert scored["admissions_per_token"] < every["admissions_per_token"]
     assert scored["records_moved_per_token"] < every["records_moved_per_token"]
     assert 0 < scored["hit_rate"] < 1 and 0 < every["hit_rate"] < 1
+
+
+def test_llama_run_times_the_decode_after_the_prompt(tmp_path, monkeypatch):
+    """bench_peers.llama_run asks llama-bench for depths 0 and P and takes the prompt's rate at
+    depth 0 and the decode's at depth P: moestream's child decodes after its P-token prompt, and
+    llama-bench's tg alone starts from an empty cache."""
+    import bench_peers
+
+    seen = {}
+    rows = [{"n_prompt": 64, "n_gen": 0, "n_depth": 0, "avg_ts": 4000.0},
+            {"n_prompt": 64, "n_gen": 0, "n_depth": 64, "avg_ts": 3000.0},
+            {"n_prompt": 0, "n_gen": 16, "n_depth": 0, "avg_ts": 900.0},
+            {"n_prompt": 0, "n_gen": 16, "n_depth": 64, "avg_ts": 850.0}]  # fmt: skip
+
+    def fake(cmd):
+        seen["cmd"] = cmd
+        return json.dumps(rows), 123
+
+    monkeypatch.setattr(bench_peers, "child_rss", fake)
+    r, rss = bench_peers.llama_run(tmp_path, tmp_path / "m.gguf", 2, 64, 16, cpu_moe=8)
+    assert r == {"prefill_tok_s": 4000.0, "decode_tok_s": 850.0, "decode_depth": 64} and rss == 123
+    cmd = seen["cmd"]
+    assert cmd[cmd.index("-d") + 1] == "0,64" and cmd[cmd.index("--n-cpu-moe") + 1] == "8"
