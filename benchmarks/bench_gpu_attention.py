@@ -45,13 +45,13 @@ def parse(argv=None) -> argparse.Namespace:
     return a
 
 
-def inputs(shape: dict, context: int, copies: int, device: str, dtype):
+def inputs(shape: dict, context: int, cap: int, copies: int, device: str, dtype):
     """`copies` (qkv, qk_w, cos, sin, kc, vc) of a decode token at position context - 1 over a
-    cache bucket holding context - 1 earlier positions, and the position as a device tensor."""
+    cache bucket of `cap` positions holding context - 1 earlier ones, and the position as a
+    device tensor."""
     import torch
 
     H, Hkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    cap = bucket_of(context)
     g = torch.Generator(device=device).manual_seed(context)
     out = []
     for _ in range(copies):
@@ -60,23 +60,24 @@ def inputs(shape: dict, context: int, copies: int, device: str, dtype):
         ang = torch.rand(1, hd, device=device, generator=g) * 6.28
         kc, vc = (torch.randn(Hkv, cap, hd, device=device, generator=g).to(dtype) for _ in "kv")
         out.append((qkv, qk_w, ang.cos().to(dtype), ang.sin().to(dtype), kc, vc))
-    pos_t = torch.tensor([context - 1], device=device)
-    return out, pos_t, cap
+    return out, torch.tensor([context - 1], device=device)
 
 
 def measure(shape: dict, context: int, a, device: str, ceiling: float | None) -> list[dict]:
     """Rows of one context: the one-launch kernel and the split, timed alternately."""
     import torch
 
+    from moestream.engine.graph import bucket
     from moestream.kernels.triton import attention
 
     cuda = device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     H, Hkv, hd = shape["heads"], shape["kv_heads"], shape["head_dim"]
-    kv_bytes = 2 * Hkv * context * hd * torch.tensor([], dtype=dtype).element_size()
-    per_copy = 2 * Hkv * bucket_of(context) * hd * 2  # the bucket's bytes, bf16
-    copies = max(1, -(-MIN_CYCLE_BYTES // per_copy)) if cuda else 1
-    sets, pos_t, cap = inputs(shape, context, copies, device, dtype)
+    cap = bucket(context, 1 << 30)  # the engine's capacity bucket for this length
+    row_bytes = 2 * Hkv * hd * dtype.itemsize  # one position's k and v
+    kv_bytes = context * row_bytes
+    copies = max(1, -(-MIN_CYCLE_BYTES // (cap * row_bytes))) if cuda else 1
+    sets, pos_t = inputs(shape, context, cap, copies, device, dtype)
     variants = {"one_launch": 1 << 62, "split": cap}  # SPLIT_CAP: the split from this bucket up
     outs, graphs = {}, {}
     for name, split_cap in variants.items():
@@ -110,12 +111,6 @@ def measure(shape: dict, context: int, a, device: str, ceiling: float | None) ->
                      "calls_in_graph": len(sets), "dtype": str(dtype).removeprefix("torch."),
                      "max_rel_diff_vs_one_launch": diff})  # fmt: skip
     return rows
-
-
-def bucket_of(context: int) -> int:
-    from moestream.engine.graph import bucket
-
-    return bucket(context, 1 << 30)
 
 
 def capture(calls):

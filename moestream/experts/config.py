@@ -160,20 +160,20 @@ class GpuConfig:
             )
         if self.admit not in ADMIT:
             raise ConfigError(f"unknown admission rule {self.admit!r}; use {', '.join(ADMIT)}")
-        if self.admit != "scored" and not self.device_side_misses():
-            raise ConfigError(
-                f"--gpu-admit {self.admit} chooses which device-side misses enter the pool; this "
-                "config resolves misses on the host (every miss is admitted) or has none: drop "
-                "it, or stream with --gpu-budget and --pin-experts"
-            )
         if self.kernel not in GPU_KERNELS:
             raise ConfigError(f"unknown GPU kernel {self.kernel!r}; use {', '.join(GPU_KERNELS)}")
-        if self.miss_reads != "stage" and not self.device_side_misses():
-            raise ConfigError(
-                f"miss_reads={self.miss_reads!r} chooses how device-side misses reach the kernels; "
-                "this config resolves misses on the host or has none: drop it, or stream with "
-                "--gpu-budget and --pin-experts"
-            )
+        # the device-side misses' own options, off their defaults, need device-side misses
+        for given, what in (
+            (self.miss_reads != "stage",
+             f"miss_reads={self.miss_reads!r} chooses how device-side misses reach the kernels"),
+            (self.admit != "scored",
+             f"--gpu-admit {self.admit} chooses which device-side misses enter the pool"),
+        ):  # fmt: skip
+            if given and not self.device_side_misses():
+                raise ConfigError(
+                    f"{what}; this config resolves misses on the host (every miss is admitted) or "
+                    "has none: drop it, or stream with --gpu-budget and --pin-experts"
+                )
         if not self.resident and self.gpu_budget is None:
             raise ConfigError("--device cuda streams experts: give --gpu-budget (or --resident)")
         _check_bytes(self.gpu_budget, "--gpu-budget")

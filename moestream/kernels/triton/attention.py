@@ -135,8 +135,8 @@ def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_pt
 
 
 @triton.jit
-def _chunk_setup(qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling,
-                 CH, H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HAS_NORM: tl.constexpr,
+def _chunk_setup(qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, eps, scaling, CH,
+                 H: tl.constexpr, HKV: tl.constexpr, HD: tl.constexpr, HAS_NORM: tl.constexpr,
                  POS_PTR: tl.constexpr, DT: tl.constexpr):  # fmt: skip
     """A split program's head, its chunk [start, stop) of the valid positions, its q, and the
     new key's k, v and score (the split's chunk 0 takes the new key)."""
@@ -163,8 +163,8 @@ def _split_stats_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
     """Pass 1 of the split: the chunk's max and sum of exp(s - max) -> stats[h, j] (-inf, 0 for
     an empty chunk); the group's first head writes the new k and v rows (nobody reads them)."""
     h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
-        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling, CH, H, HKV,
-        HD, HAS_NORM, POS_PTR, DT)  # fmt: skip
+        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, eps, scaling, CH, H, HKV, HD,
+        HAS_NORM, POS_PTR, DT)  # fmt: skip
     j = tl.program_id(1)
     d = tl.arange(0, HD)
     k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
@@ -195,8 +195,8 @@ def _split_out_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, s
     """Pass 2: the head's max and sum from every chunk's, then the chunk's probabilities rounded
     to the activation dtype times V -> part[h, j] (fp32)."""
     h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
-        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, cap, eps, scaling, CH, H, HKV,
-        HD, HAS_NORM, POS_PTR, DT)  # fmt: skip
+        qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, eps, scaling, CH, H, HKV, HD,
+        HAS_NORM, POS_PTR, DT)  # fmt: skip
     j = tl.program_id(1)
     n = tl.num_programs(1)
     c = tl.arange(0, NS)
