@@ -1,6 +1,7 @@
 """One decode token's attention (moestream/kernels/triton/attention.py) at long contexts, on a GPU:
 the one-launch kernel (a program per query head, walking the positions serially) against the
-split over the positions (heads x chunks programs, three launches), side by side in one run.
+split over the positions (heads x chunks programs, three launches) at each `--chunks` size, side
+by side in one run.
 
 Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128, q/k head norm, bf16). Per
 context length: a captured CUDA graph of one call per cache copy (enough copies that a cycle reads
@@ -8,11 +9,11 @@ more than `MIN_CYCLE_BYTES`, past the L2), each copy a static cache of the engin
 length (engine/graph.py: powers of two from 256) with the position as a device tensor, as in a
 captured decode step; the variants' graphs replayed alternately, `--reps` rounds, medians.
 Reported: us per call, the KV bytes the call must read (2 x KV heads x context x head dim x 2),
-GB/s and the fraction of the HBM read ceiling measured in the same run, and the split's max
+GB/s and the fraction of the HBM read ceiling measured in the same run, and each split's max
 difference from the one-launch output (both round the probabilities as the torch code does; only
 fp32 sums run in another order).
 
-    python benchmarks/bench_gpu_attention.py --contexts 512 1024 2048 4096 8192 --out rows.jsonl
+    python benchmarks/bench_gpu_attention.py --contexts 256 1024 8192 --chunks 64 256 --out rows.jsonl
     python benchmarks/bench_gpu_attention.py --dry-run   # CPU: interpreter, tiny heads
 """
 
@@ -33,7 +34,16 @@ DRY = dict(heads=4, kv_heads=2, head_dim=32)
 
 def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--contexts", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument(
+        "--contexts", nargs="+", type=int, default=[128, 256, 512, 1024, 2048, 4096, 8192]
+    )
+    ap.add_argument(
+        "--chunks",
+        nargs="+",
+        type=int,
+        default=None,
+        help="positions per program of the split (default 64 128 256; dry run 64)",
+    )
     ap.add_argument("--reps", type=int, default=5, help="alternating rounds of graph replays")
     ap.add_argument("--replays", type=int, default=10, help="graph replays per round")
     ap.add_argument("--out", default=None, help="append JSON rows here")
@@ -42,6 +52,8 @@ def parse(argv=None) -> argparse.Namespace:
     a = ap.parse_args(argv)
     if any(c < 2 for c in a.contexts):
         ap.error("--contexts: lengths of at least 2 positions")
+    if a.chunks is not None and any(c < 1 for c in a.chunks):
+        ap.error("--chunks: at least 1 position per program")
     return a
 
 
@@ -64,7 +76,8 @@ def inputs(shape: dict, context: int, cap: int, copies: int, device: str, dtype)
 
 
 def measure(shape: dict, context: int, a, device: str, ceiling: float | None) -> list[dict]:
-    """Rows of one context: the one-launch kernel and the split, timed alternately."""
+    """Rows of one context: the one-launch kernel and the split at each chunk size, timed
+    alternately."""
     import torch
 
     from moestream.engine.graph import bucket
@@ -78,36 +91,37 @@ def measure(shape: dict, context: int, a, device: str, ceiling: float | None) ->
     kv_bytes = context * row_bytes
     copies = max(1, -(-MIN_CYCLE_BYTES // (cap * row_bytes))) if cuda else 1
     sets, pos_t = inputs(shape, context, cap, copies, device, dtype)
-    variants = {"one_launch": 1 << 62, "split": cap}  # SPLIT_CAP: the split from this bucket up
+    # (name, chunk) -> SPLIT_CAP: never for the one launch, this bucket up for a split
+    variants = {("one_launch", None): 1 << 62} | {("split", c): cap for c in a.chunks}
     outs, graphs = {}, {}
-    for name, split_cap in variants.items():
+    for (name, chunk), split_cap in variants.items():
 
-        def calls(split_cap=split_cap):  # the path is chosen per call (captured once on CUDA)
-            saved, attention.SPLIT_CAP = attention.SPLIT_CAP, split_cap
+        def calls(split_cap=split_cap, chunk=chunk):  # the path is chosen per call (captured once)
+            saved = attention.SPLIT_CAP, attention.CHUNK
+            attention.SPLIT_CAP, attention.CHUNK = split_cap, chunk or attention.CHUNK
             try:
                 return [attention.attend_impl(qkv, w, c, s, kc, vc, pos_t, 0, 1e-6, hd**-0.5, 0,
                                               H, Hkv) for qkv, w, c, s, kc, vc in sets]  # fmt: skip
             finally:
-                attention.SPLIT_CAP = saved
+                attention.SPLIT_CAP, attention.CHUNK = saved
 
-        outs[name] = calls()[0].float()
-        graphs[name] = capture(calls) if cuda else calls
+        outs[name, chunk] = calls()[0].float()
+        graphs[name, chunk] = capture(calls) if cuda else calls
     times = {n: [] for n in variants}
     for rep in range(a.reps):
-        for name in variants if rep % 2 == 0 else list(variants)[::-1]:
-            times[name].append(replay_us(graphs[name], a.replays, len(sets), cuda))
-    diff = (
-        (outs["split"] - outs["one_launch"]).abs().max() / outs["one_launch"].abs().max()
-    ).item()
+        for key in variants if rep % 2 == 0 else list(variants)[::-1]:
+            times[key].append(replay_us(graphs[key], a.replays, len(sets), cuda))
+    base = outs["one_launch", None]
     rows = []
-    for name in variants:
-        us = statistics.median(times[name])
+    for name, chunk in variants:
+        us = statistics.median(times[name, chunk])
+        diff = ((outs[name, chunk] - base).abs().max() / base.abs().max()).item()
         gbps = kv_bytes / (us * 1e-6) / 1e9
         rows.append({"context": context, "bucket": cap, "variant": name, "us": us,
-                     "us_all": times[name], "kv_bytes": kv_bytes, "gbps": gbps,
+                     "us_all": times[name, chunk], "kv_bytes": kv_bytes, "gbps": gbps,
                      "hbm_read_gbps": ceiling,
                      "of_ceiling": None if ceiling is None else gbps / ceiling,
-                     "chunks": -(-cap // attention.CHUNK) if name == "split" else 1,
+                     "chunk": chunk, "chunks": -(-cap // chunk) if chunk else 1,
                      "calls_in_graph": len(sets), "dtype": str(dtype).removeprefix("torch."),
                      "max_rel_diff_vs_one_launch": diff})  # fmt: skip
     return rows
@@ -169,16 +183,25 @@ def main(argv=None) -> int:
     else:  # tiny chunks, so a short context is split into several
         from moestream.kernels.triton import attention
 
-        attention.CHUNK, attention.BLOCK_S = 64, 16
+        attention.BLOCK_S = 16
+    if a.chunks is None:
+        a.chunks = [64] if a.dry_run else [64, 128, 256]
     rows = []
     for context in a.contexts:
         for r in measure(shape, context, a, device, ceiling):
             rows.append(r)
-            print(f"context {context:>6} {r['variant']:>10}: {r['us']:8.2f} us, "
+            name = r["variant"] + (f" {r['chunk']}" if r["chunk"] else "")
+            print(f"context {context:>6} {name:>10}: {r['us']:8.2f} us, "
                   f"{r['gbps']:7.1f} GB/s of KV, diff {r['max_rel_diff_vs_one_launch']:.1e}")  # fmt: skip
         if device == "cuda":
             torch.cuda.empty_cache()
-    config = {**shape, "dry_run": a.dry_run, "reps": a.reps, "replays": a.replays}
+    config = {
+        **shape,
+        "dry_run": a.dry_run,
+        "reps": a.reps,
+        "replays": a.replays,
+        "chunks": a.chunks,
+    }
     write_rows(a.out, [bench_row("gpu_attention", config, r, a.commit) for r in rows])
     return 0
 

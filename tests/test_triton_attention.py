@@ -97,6 +97,7 @@ def test_split_attend_matches_the_torch_attention_interpreter(static, window, mo
     monkeypatch.setattr(attention, "SPLIT_CAP", 24)
     monkeypatch.setattr(attention, "CHUNK", 8)
     monkeypatch.setattr(attention, "BLOCK_S", 4)
+    monkeypatch.setattr(attention, "SUM_BLOCK", 2)  # the partials in two loads, one masked
     split = attention._split_sum_kernel
     monkeypatch.setattr(attention, "_split_sum_kernel", _Counting(split, calls))
     a = args(num_attention_heads=4, num_key_value_heads=2)
@@ -188,7 +189,7 @@ def test_the_attention_benchmark_dry_run(tmp_path):
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [(x["variant"], x["chunks"], x["bucket"]) for x in rows] == [
-        ("one_launch", 1, 256), ("split", 4, 256)]  # fmt: skip
+    assert [(x["variant"], x["chunk"], x["chunks"], x["bucket"]) for x in rows] == [
+        ("one_launch", None, 1, 256), ("split", 64, 4, 256)]  # fmt: skip
     assert all(x["bench"] == "gpu_attention" and x["config"]["dry_run"] for x in rows)
     assert all(x["us"] > 0 and x["max_rel_diff_vs_one_launch"] < 1e-5 for x in rows)

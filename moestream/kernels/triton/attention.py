@@ -23,8 +23,11 @@ instead (flash-decoding), since one program per head walks its positions seriall
 cdiv(capacity, CHUNK) programs each take CHUNK positions in three launches. The first gives each
 chunk's max and sum of exponentials (and writes the new row), the second combines them into the
 head's max and sum, rounds its chunk's probabilities with them as above and weighs V, and the
-third adds the chunks' fp32 partials in chunk order. The probabilities are the same numbers; only
-fp32 sums run in another order. A captured step's bucket fixes the launch count.
+third adds the chunks' fp32 partials. The probabilities are the same numbers; only fp32 sums run
+in another order. A captured step's bucket fixes the launch count. A step of the loops costs a
+round trip to memory whatever its width (H200, 7b6a788: ~2.7 us, so the one launch read 512
+positions in 32 us and a split of 256-position chunks took 35 us at any length up to 2048), so a
+chunk is one step and the heads x chunks programs run side by side.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ import triton.language as tl
 FIRST = 128  # cache positions loaded up front (a context this long takes one round trip)
 BLOCK_S = 64  # cache positions per step of the loops over longer contexts
 SPLIT_CAP = 1024  # caches this long are split over the positions (three launches, not one)
-CHUNK = 256  # positions per program of the split
+CHUNK = 64  # positions per program of the split: one BLOCK_S step (see below)
+SUM_BLOCK = 16  # chunk partials per load of the split's last launch
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -219,13 +223,18 @@ def _split_out_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, s
 
 
 @triton.jit
-def _split_sum_kernel(part_ptr, out_ptr, n, HD: tl.constexpr, DT: tl.constexpr):
-    """Pass 3: a head's output, its chunks' partials added in chunk order."""
+def _split_sum_kernel(part_ptr, out_ptr, n, HD: tl.constexpr, SB: tl.constexpr,
+                      DT: tl.constexpr):  # fmt: skip
+    """Pass 3: a head's output, its chunks' partials added SB chunks a load (a long context's
+    hundred chunks are a few round trips, not a hundred)."""
     h = tl.program_id(0)
     d = tl.arange(0, HD)
+    c = tl.arange(0, SB)
     acc = tl.zeros([HD], dtype=tl.float32)
-    for j in range(0, n):
-        acc += tl.load(part_ptr + (h * n + j) * HD + d)
+    for j in range(0, n, SB):
+        ok = (j + c) < n
+        acc += tl.sum(tl.load(part_ptr + (h * n + j + c[:, None]) * HD + d[None, :],
+                              mask=ok[:, None], other=0.0), 0)  # fmt: skip
     tl.store(out_ptr + h * HD + d, acc.to(DT))
 
 
@@ -269,7 +278,8 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
         tail = (pos, window, cap, eps, scaling, CHUNK)
         _split_stats_kernel[(heads, n)](*args, *tail, **common)
         _split_out_kernel[(heads, n)](*args, part, *tail, NS=triton.next_power_of_2(n), **common)
-        _split_sum_kernel[(heads,)](part, out, n, HD=hd, DT=_TL[qkv.dtype], num_warps=4)
+        _split_sum_kernel[(heads,)](part, out, n, HD=hd, SB=SUM_BLOCK, DT=_TL[qkv.dtype],
+                                    num_warps=4)  # fmt: skip
         return out
     _decode_attend_kernel[(heads,)](
         qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t, out,
