@@ -1,7 +1,7 @@
 """One decode token's attention (moestream/kernels/triton/attention.py) at long contexts, on a GPU:
 the one-launch kernel (a program per query head, walking the positions serially) against the
-split over the positions (heads x chunks programs, three launches) at each `--chunks` size, side
-by side in one run.
+split over the positions (heads x chunks programs, three launches) at each `--chunks` size and at
+the kernel's own rule (`split_rule`: attention.split_chunk), side by side in one run.
 
 Qwen3-30B-A3B's attention (32 query heads, 4 KV heads, head dim 128, q/k head norm, bf16). Per
 context length: a captured CUDA graph of one call per cache copy (enough copies that a cycle reads
@@ -91,19 +91,23 @@ def measure(shape: dict, context: int, a, device: str, ceiling: float | None) ->
     kv_bytes = context * row_bytes
     copies = max(1, -(-MIN_CYCLE_BYTES // (cap * row_bytes))) if cuda else 1
     sets, pos_t = inputs(shape, context, cap, copies, device, dtype)
-    # (name, chunk) -> SPLIT_CAP: never for the one launch, this bucket up for a split
-    variants = {("one_launch", None): 1 << 62} | {("split", c): cap for c in a.chunks}
+    # (name, chunk) -> (SPLIT_CAP, CHUNK, MAX_CHUNKS): the one launch never splits; "split" takes
+    # a fixed chunk; "split_rule" the kernel's own (attention.split_chunk)
+    rule = (cap, attention.CHUNK, attention.MAX_CHUNKS)
+    variants = {("one_launch", None): (1 << 62, attention.CHUNK, attention.MAX_CHUNKS)}
+    variants |= {("split", c): (cap, c, 1 << 62) for c in a.chunks}
+    variants[("split_rule", attention.split_chunk(cap))] = rule
     outs, graphs = {}, {}
-    for (name, chunk), split_cap in variants.items():
+    for (name, chunk), knobs in variants.items():
 
-        def calls(split_cap=split_cap, chunk=chunk):  # the path is chosen per call (captured once)
-            saved = attention.SPLIT_CAP, attention.CHUNK
-            attention.SPLIT_CAP, attention.CHUNK = split_cap, chunk or attention.CHUNK
+        def calls(knobs=knobs):  # the path is chosen per call (captured once on CUDA)
+            saved = attention.SPLIT_CAP, attention.CHUNK, attention.MAX_CHUNKS
+            attention.SPLIT_CAP, attention.CHUNK, attention.MAX_CHUNKS = knobs
             try:
                 return [attention.attend_impl(qkv, w, c, s, kc, vc, pos_t, 0, 1e-6, hd**-0.5, 0,
                                               H, Hkv) for qkv, w, c, s, kc, vc in sets]  # fmt: skip
             finally:
-                attention.SPLIT_CAP, attention.CHUNK = saved
+                attention.SPLIT_CAP, attention.CHUNK, attention.MAX_CHUNKS = saved
 
         outs[name, chunk] = calls()[0].float()
         graphs[name, chunk] = capture(calls) if cuda else calls

@@ -121,8 +121,11 @@ class _Counting:
 @pytest.mark.parametrize("qk_norm,window", [("head", None), (None, None), ("head", 37)])
 @pytest.mark.parametrize("static", [False, True])
 def test_decode_attend_matches_the_torch_attention_cuda(dtype, qk_norm, window, static):
+    from moestream.kernels.triton import attention
+
     a = args(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
-    run(a, qk_norm, window, dtype, "cuda", prompt=130, steps=6, static=static, capacity=512)
+    assert attention.SPLIT_CAP > 256  # the one launch, its first block and its loops
+    run(a, qk_norm, window, dtype, "cuda", prompt=130, steps=6, static=static, capacity=256)
 
 
 @pytest.mark.cuda
@@ -136,6 +139,30 @@ def test_split_attend_matches_the_torch_attention_cuda(dtype, qk_norm, window, s
     assert attention.SPLIT_CAP <= 2048
     a = args(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128)
     run(a, qk_norm, window, dtype, "cuda", prompt=1100, steps=4, static=static, capacity=2048)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("static", [False, True])
+def test_split_attend_long_chunks_cuda(static):
+    """8192 positions: 256-position chunks (split_chunk keeps 32 per head), several loop steps."""
+    from moestream.kernels.triton import attention
+
+    assert attention.split_chunk(8192) == 256
+    a = args(hidden_size=2048, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+             max_position_embeddings=8192)  # fmt: skip
+    run(a, "head", None, torch.bfloat16, "cuda", prompt=4200, steps=3, static=static,
+        capacity=8192)  # fmt: skip
+
+
+def test_split_chunk_rule():
+    """One loop step a chunk while a head has at most MAX_CHUNKS of them; longer chunks past."""
+    from moestream.kernels.triton import attention
+
+    c, m = attention.CHUNK, attention.MAX_CHUNKS
+    assert attention.split_chunk(attention.SPLIT_CAP) == c
+    assert attention.split_chunk(c * m) == c
+    for cap in (2 * c * m, 8 * c * m):
+        assert cap // attention.split_chunk(cap) == m
 
 
 @pytest.mark.cuda
@@ -190,6 +217,6 @@ def test_the_attention_benchmark_dry_run(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(x["variant"], x["chunk"], x["chunks"], x["bucket"]) for x in rows] == [
-        ("one_launch", None, 1, 256), ("split", 64, 4, 256)]  # fmt: skip
+        ("one_launch", None, 1, 256), ("split", 64, 4, 256), ("split_rule", 64, 4, 256)]  # fmt: skip
     assert all(x["bench"] == "gpu_attention" and x["config"]["dry_run"] for x in rows)
     assert all(x["us"] > 0 and x["max_rel_diff_vs_one_launch"] < 1e-5 for x in rows)

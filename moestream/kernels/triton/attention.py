@@ -20,14 +20,15 @@ on the device, so the step reads only the valid length whatever the bucket).
 
 A cache of SPLIT_CAP positions or more (a long context's bucket) is split over the positions
 instead (flash-decoding), since one program per head walks its positions serially: heads x
-cdiv(capacity, CHUNK) programs each take CHUNK positions in three launches. The first gives each
+chunks programs each take `split_chunk(capacity)` positions in three launches. The first gives each
 chunk's max and sum of exponentials (and writes the new row), the second combines them into the
 head's max and sum, rounds its chunk's probabilities with them as above and weighs V, and the
 third adds the chunks' fp32 partials. The probabilities are the same numbers; only fp32 sums run
-in another order. A captured step's bucket fixes the launch count. A step of the loops costs a
-round trip to memory whatever its width (H200, 7b6a788: ~2.7 us, so the one launch read 512
-positions in 32 us and a split of 256-position chunks took 35 us at any length up to 2048), so a
-chunk is one step and the heads x chunks programs run side by side.
+in another order. A captured step's bucket fixes the launch count. Each step of the loops is a
+round trip to memory, so a chunk is one step while the programs fit the GPU (`split_chunk`).
+Measured on the H200 (bench_gpu_attention.py, Qwen3-30B-A3B's heads, results/gpu_attention.jsonl,
+5d6e30c): the one launch takes 15 / 32 / 69 / 140 us at 256 / 512 / 1024 / 2048 positions, the
+split of 64-position chunks 15 / 16 / 18 / 23 us, hence SPLIT_CAP = 512.
 """
 
 from __future__ import annotations
@@ -38,8 +39,9 @@ import triton.language as tl
 
 FIRST = 128  # cache positions loaded up front (a context this long takes one round trip)
 BLOCK_S = 64  # cache positions per step of the loops over longer contexts
-SPLIT_CAP = 1024  # caches this long are split over the positions (three launches, not one)
-CHUNK = 64  # positions per program of the split: one BLOCK_S step (see below)
+SPLIT_CAP = 512  # caches this long are split over the positions (three launches, not one)
+CHUNK = 64  # positions per program of the split, at least: one BLOCK_S step (see below)
+MAX_CHUNKS = 32  # chunks per head, at most: longer caches take longer chunks
 SUM_BLOCK = 16  # chunk partials per load of the split's last launch
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -238,6 +240,13 @@ def _split_sum_kernel(part_ptr, out_ptr, n, HD: tl.constexpr, SB: tl.constexpr,
     tl.store(out_ptr + h * HD + d, acc.to(DT))
 
 
+def split_chunk(cap: int) -> int:
+    """Positions per program of a split cache: one loop step while that keeps the chunks per head
+    at MAX_CHUNKS or fewer, else cap / MAX_CHUNKS (at 4096+ positions, 32 heads x 64-position
+    chunks were slower than 128 and 256: more programs than the SMs hold, each a round trip)."""
+    return max(CHUNK, cap // MAX_CHUNKS)
+
+
 def unsupported(heads: int, kv_heads: int, head_dim: int, rotary_dim: int, dtype) -> str | None:
     """Why `decode_attend` cannot take this attention (None when it can)."""
     if head_dim & (head_dim - 1) or head_dim < 16:
@@ -268,14 +277,15 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
     qkv = qkv.contiguous()
     w = qkv if qk_w is None else qk_w.contiguous()
     if cap >= SPLIT_CAP:  # a long context: split over the positions
-        n = triton.cdiv(cap, CHUNK)
+        chunk = split_chunk(cap)
+        n = triton.cdiv(cap, chunk)
         stats = torch.empty(heads, n, 2, dtype=torch.float32, device=qkv.device)
         part = torch.empty(heads, n, hd, dtype=torch.float32, device=qkv.device)
         common = dict(H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S, HAS_NORM=qk_w is not None,
                       POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=4)  # fmt: skip
         p = kc if pos_t is None else pos_t
         args = (qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, p, stats)
-        tail = (pos, window, cap, eps, scaling, CHUNK)
+        tail = (pos, window, cap, eps, scaling, chunk)
         _split_stats_kernel[(heads, n)](*args, *tail, **common)
         _split_out_kernel[(heads, n)](*args, part, *tail, NS=triton.next_power_of_2(n), **common)
         _split_sum_kernel[(heads,)](part, out, n, HD=hd, SB=SUM_BLOCK, DT=_TL[qkv.dtype],
