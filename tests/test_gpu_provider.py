@@ -504,6 +504,27 @@ def test_cuda_generate_cli_path(stores):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [40, 300])
+def test_cuda_prompt_never_waits_on_the_gpu(stores, tokens):
+    """A resident prompt's forward makes no synchronising call (torch's sync debug mode raises on
+    one): the host queues every layer's kernels ahead of the GPU. The attention mask's position
+    tensor, copied from the host once a layer, was one (16 a prompt in the H200 profile)."""
+    from moestream.runtime import open_model
+
+    with open_model(stores("int4"), dtype="bfloat16", experts=GpuConfig(resident=True)) as rt:
+        ids = torch.randint(0, rt.args.vocab_size, (tokens,)).cuda()
+        cache = KVCache(rt.args, tokens, torch.bfloat16, "cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            with torch.inference_mode():
+                rt.generator.model(ids, cache, 0, last_only=True)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("quant", ["bf16", "int4"])
 def test_cuda_graph_decode_equals_eager(stores, quant):
     """Replayed decode graphs give the eager decode's greedy tokens (logits within the masked

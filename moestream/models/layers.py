@@ -449,10 +449,12 @@ def attention_mask(T: int, S: int, start, window: int | None, device) -> torch.T
     static = isinstance(start, torch.Tensor)
     if not static and T == 1 and (window is None or S <= window):
         return None
-    q_pos = (start if static else torch.tensor(start, device=device)) + torch.arange(
-        T, device=device
-    )
-    q_pos = q_pos[:, None]
+    # an int start as arange's bounds: torch.tensor(start, device=) would copy from the host,
+    # and that copy waited for the GPU once a layer (a prompt's profile: 16 syncs, 16 layers)
+    if static:
+        q_pos = (start + torch.arange(T, device=device))[:, None]
+    else:
+        q_pos = torch.arange(start, start + T, device=device)[:, None]
     k_pos = torch.arange(S, device=device)[None, :]
     blocked = k_pos > q_pos
     if window is not None:
