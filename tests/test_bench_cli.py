@@ -306,6 +306,22 @@ def test_sim_admission_replays_both_rules_through_the_slot_table(tmp_path):
     assert 0 < scored["hit_rate"] < 1 and 0 < every["hit_rate"] < 1
 
 
+def test_sim_admission_cpu_rules(tmp_path):
+    """--cpu: every miss is read once (records moved = misses), and scored admission's table
+    gives 2 x top-k slots to the scratch sets."""
+    from ablations import sim_admission
+
+    out = tmp_path / "rows.jsonl"
+    argv = ["--cpu", "--slots", "64", "--layers", "4", "--experts", "32", "--topk", "4",
+            "--skew", "1.0", "--corr", "0", "--tokens", "60", "--out", str(out)]  # fmt: skip
+    assert sim_admission.main(argv) == 0
+    rows = {r["config"]["admit"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows["all"]["table_slots"] == 64 and rows["scored"]["table_slots"] == 56
+    for r in rows.values():
+        assert r["config"]["target"] == "cpu" and 0 < r["hit_rate"] < 1
+        assert r["records_moved_per_token"] == pytest.approx((1 - r["hit_rate"]) * 4 * 4)
+
+
 def test_llama_run_times_the_decode_after_the_prompt(tmp_path, monkeypatch):
     """bench_peers.llama_run asks llama-bench for depths 0 and P and takes the prompt's rate at
     depth 0 and the decode's at depth P: moestream's child decodes after its P-token prompt, and

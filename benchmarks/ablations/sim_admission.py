@@ -6,7 +6,14 @@ random: per layer fixed logits x `skew` plus Gumbel noise, plus `corr` on the ex
 chose at the previous token (temporal locality); top-K of that. Admissions stay busy `lag` steps
 (the pool admits behind the issued steps). Rows: hit rate, admissions and records moved per token.
 
+`--cpu` replays the CPU slot cache instead (not built; the question is whether to build it):
+there every miss is read from the store once, admitted or not, so records moved = misses; a
+declined miss would be read into scratch slots taken from the budget (2 x top-k: a step queued
+ahead must not overwrite the one computing), so the scored table is 2 x top-k slots smaller;
+reads land within their step (no lag).
+
     python benchmarks/ablations/sim_admission.py --slots 504,1016 --corr 0,1.5,3 --out rows.jsonl
+    python benchmarks/ablations/sim_admission.py --cpu --layers 48 --slots 1536,3072   # Qwen3-30B
 """
 
 from __future__ import annotations
@@ -25,8 +32,12 @@ from moestream.store.policy import PolicyError, SlotTable, make_policy  # noqa: 
 
 def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tokens: int = 600,
            warm: int = 200, layers: int = 16, experts: int = 128, topk: int = 8,
-           seed: int = 1, policy: str = "lrfu") -> dict:  # fmt: skip
-    """One replay: after `warm` tokens, the hit rate and per token admissions / records moved."""
+           seed: int = 1, policy: str = "lrfu", cpu: bool = False) -> dict:  # fmt: skip
+    """One replay: after `warm` tokens, the hit rate and per token admissions / records moved
+    (`cpu`: the CPU slot cache's rules, see the module's docstring)."""
+    if cpu:
+        slots -= 2 * topk if scored else 0  # the scratch sets come out of the budget
+        lag = 0
     rng = np.random.default_rng(seed)
     table = SlotTable(slots, make_policy(policy, layers=list(range(layers))), min_slots=topk)
     logits = rng.normal(size=(layers, experts)) * skew
@@ -34,7 +45,7 @@ def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tok
     pending: list[list] = []
     hits = misses = admitted = 0
     for tok in range(tokens):
-        while len(pending) >= lag:  # admissions land `lag` steps after they were issued
+        while pending and len(pending) >= lag:  # admissions land `lag` steps after issue
             table.release(pending.pop(0))
         now: list = []
         for layer in range(layers):
@@ -51,16 +62,18 @@ def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tok
                     hits += sum((layer, e) in table for e in chosen)
                 continue
             keys = [(layer, e) for e, _ in step.misses]
-            table.reserve(keys)
-            now += keys
+            if lag:
+                table.reserve(keys)
+                now += keys
             if tok >= warm:
                 hits += table.hits - h0
                 misses += table.misses - m0
                 admitted += len(keys)
         pending.append(now)
     n = tokens - warm
+    moved = misses if cpu else misses + admitted
     return {"hit_rate": hits / max(hits + misses, 1), "admissions_per_token": admitted / n,
-            "records_moved_per_token": (misses + admitted) / n}  # fmt: skip
+            "records_moved_per_token": moved / n, "table_slots": slots}  # fmt: skip
 
 
 def main(argv=None) -> int:
@@ -73,11 +86,21 @@ def main(argv=None) -> int:
     ap.add_argument("--lag", type=int, default=2, help="steps an admission stays in flight")
     ap.add_argument("--tokens", type=int, default=600)
     ap.add_argument("--policy", default="lrfu", choices=["lrfu", "lfu"])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--experts", type=int, default=128)
+    ap.add_argument("--topk", type=int, default=8)
+    ap.add_argument(
+        "--cpu",
+        action="store_true",
+        help="the CPU slot cache: misses read once, scored's scratch from the budget",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     if a.tokens < 2:
         ap.error("--tokens must be at least 2 (a third of them warm the table)")
+    if a.topk > a.experts:
+        ap.error(f"--topk {a.topk} is more than --experts {a.experts}")
     rows = []
     for slots in (int(x) for x in a.slots.split(",")):
         for skew in (float(x) for x in a.skew.split(",")):
@@ -85,9 +108,12 @@ def main(argv=None) -> int:
                 r = {}
                 for admit in ("all", "scored"):
                     r[admit] = replay(slots, admit == "scored", skew, corr, a.lag, a.tokens,
-                                      a.tokens // 3, policy=a.policy)  # fmt: skip
+                                      a.tokens // 3, a.layers, a.experts, a.topk,
+                                      policy=a.policy, cpu=a.cpu)  # fmt: skip
                     cfg = {"slots": slots, "skew": skew, "corr": corr, "lag": a.lag,
-                           "tokens": a.tokens, "policy": a.policy, "admit": admit}  # fmt: skip
+                           "tokens": a.tokens, "policy": a.policy, "admit": admit,
+                           "layers": a.layers, "experts": a.experts, "topk": a.topk,
+                           "target": "cpu" if a.cpu else "gpu"}  # fmt: skip
                     rows.append(bench_row("sim_admission", cfg, r[admit], a.commit))
                 al, sc = r["all"], r["scored"]
                 print(f"slots {slots:>5} skew {skew:.1f} corr {corr:.1f}: records moved/token "
