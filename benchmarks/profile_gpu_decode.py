@@ -115,7 +115,8 @@ def profile_one(store: Path, variant: str, a) -> dict:
 
 def profile_prefill(store: Path, tokens: int, a) -> dict:
     """One prompt of `tokens` random ids (after a warm-up prompt of the same length): wall time
-    with a sync, and its kernels."""
+    with a sync, the host's time until the forward returned (queueing the kernels; with a
+    synchronising call inside, also waiting for them), and its kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     from moestream.engine.kv_cache import KVCache
@@ -126,16 +127,20 @@ def profile_prefill(store: Path, tokens: int, a) -> dict:
         cache = KVCache(rt.args, tokens, rt.generator.dtype, rt.generator.device)
         model = rt.generator.model
 
-        def once():
+        def once() -> float:
+            """The forward's host time; returns after the GPU finished."""
+            t0 = time.perf_counter()
             with torch.inference_mode():
                 model(ids, cache, 0, last_only=True)
+            host = time.perf_counter() - t0
             torch.cuda.synchronize()
+            return host
 
         once()
-        walls = []
+        walls, hosts = [], []
         for _ in range(3):
             t0 = time.perf_counter()
-            once()
+            hosts.append(once())
             walls.append(time.perf_counter() - t0)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             once()
@@ -143,7 +148,8 @@ def profile_prefill(store: Path, tokens: int, a) -> dict:
     wall = sorted(walls)[1]
     us, count, rows = kernel_table(prof, 1)
     return {"variant": f"prefill{tokens}", "prefill_tokens": tokens, "prefill_ms": wall * 1e3,
-            "prefill_tok_s": tokens / wall, "gpu_kernel_us": us, "kernels": count,
+            "prefill_tok_s": tokens / wall, "host_ms": sorted(hosts)[1] * 1e3,
+            "gpu_kernel_us": us, "kernels": count,
             "host_syncs": len(syncs), "host_sync_sites": syncs[:8],
             "top_kernels": rows[: a.top]}  # fmt: skip
 
@@ -212,7 +218,8 @@ def report(a, config: dict, r: dict) -> None:
     """Print one row and append it to --out at once (an interrupted run keeps what it did)."""
     if "prefill_ms" in r:
         print(f"{r['quant']} {r['variant']}: {r['prefill_ms']:.2f} ms = {r['prefill_tok_s']:.0f} "
-              f"tok/s, GPU kernels {r['gpu_kernel_us']:.0f} us ({r['kernels']:.0f} kernels), "
+              f"tok/s, host {r['host_ms']:.2f} ms, GPU kernels {r['gpu_kernel_us']:.0f} us "
+              f"({r['kernels']:.0f} kernels), "
               f"{r['host_syncs']} host syncs")  # fmt: skip
         for site in r["host_sync_sites"]:
             print(f"   sync: {site}")
