@@ -110,7 +110,13 @@ def measure(shape: dict, context: int, a, device: str, ceiling: float | None) ->
                 attention.SPLIT_CAP, attention.CHUNK, attention.MAX_CHUNKS = saved
 
         outs[name, chunk] = calls()[0].float()
-        graphs[name, chunk] = capture(calls) if cuda else calls
+        if cuda:
+            from common import capture_graph
+
+            graphs[name, chunk] = capture_graph(calls)
+            graphs[name, chunk].replay()
+        else:
+            graphs[name, chunk] = calls
     times = {n: [] for n in variants}
     for rep in range(a.reps):
         for key in variants if rep % 2 == 0 else list(variants)[::-1]:
@@ -131,39 +137,17 @@ def measure(shape: dict, context: int, a, device: str, ceiling: float | None) ->
     return rows
 
 
-def capture(calls):
-    """A CUDA graph of one round of calls (compiled and warmed on a side stream first)."""
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        calls()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        calls()
-    g.replay()
-    return g
-
-
 def replay_us(graph, replays: int, n_calls: int, cuda: bool) -> float:
     """us per call of `replays` replays (CUDA events); on the CPU one eager round by the clock."""
     import time
 
-    import torch
+    if cuda:
+        from common import graph_replay_us
 
-    if not cuda:
-        t0 = time.perf_counter()
-        graph()
-        return (time.perf_counter() - t0) / n_calls * 1e6
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * n_calls)
+        return graph_replay_us(graph, replays, n_calls)
+    t0 = time.perf_counter()
+    graph()
+    return (time.perf_counter() - t0) / n_calls * 1e6
 
 
 def main(argv=None) -> int:

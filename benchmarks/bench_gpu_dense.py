@@ -83,31 +83,17 @@ def weights(n: int, k: int, copies: int, quant: str | None, device: str) -> list
 def time_us(calls: list, reps: int, cuda: bool) -> float:
     """us per call: a CUDA graph of the calls replayed `reps` times (CUDA events); on the CPU
     (dry run) one eager pass timed by the clock."""
-    import torch
 
     if not cuda:
         t0 = time.perf_counter()
         for c in calls:
             c()
         return (time.perf_counter() - t0) / len(calls) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for c in calls:  # compile and warm outside the capture
-            c()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for c in calls:
-            c()
+    from common import capture_graph, graph_replay_us
+
+    g = capture_graph(lambda: [c() for c in calls])
     g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (reps * len(calls))
+    return graph_replay_us(g, reps, len(calls))
 
 
 def bench_shape(name: str, n: int, k: int, a, ceiling: float | None, device: str) -> list[dict]:

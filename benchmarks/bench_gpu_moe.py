@@ -27,7 +27,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
-from common import bench_row, hardware, override, write_rows  # noqa: E402
+from common import bench_row, capture_graph, hardware, override, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
 from moestream.kernels.triton.decode import check_shapes  # noqa: E402
@@ -158,14 +158,7 @@ def copy_bandwidth() -> float:
 
 def graph_ms(fn, n_calls: int) -> float:
     """Median ms of one call, from a CUDA graph of n_calls calls (L2 flushed per replay)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()  # warm up (compile) outside the capture
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
+    g = capture_graph(fn)
     return do_bench(g.replay, warmup=25, rep=200, return_mode="median") / n_calls
 
 

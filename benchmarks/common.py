@@ -1,5 +1,5 @@
 """Shared benchmark plumbing: the row schema (moestream/obs/rows.py, shared with `moestream
-bench`), config overrides and CUDA-event timing."""
+bench`), config overrides, CUDA-event timing and CUDA graphs of a benchmark's calls."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ from dataclasses import replace
 
 from moestream.obs.rows import RESERVED, SCHEMA, bench_row, hardware, source, write_rows
 
-__all__ = ["RESERVED", "SCHEMA", "bench_row", "cuda_median_seconds", "hardware",
-           "median_seconds", "override", "source", "write_rows"]  # fmt: skip
+__all__ = ["RESERVED", "SCHEMA", "bench_row", "capture_graph", "cuda_median_seconds",
+           "graph_replay_us", "hardware", "median_seconds", "override", "source",
+           "write_rows"]  # fmt: skip
 
 
 def override(cfg, spec: str):
@@ -53,3 +54,33 @@ def median_seconds(fn, reps: int, cuda: bool, flush_bytes: int = 0) -> float:
         fn()
         ts.append(time.perf_counter() - t0)
     return statistics.median(ts)
+
+
+def capture_graph(fn):
+    """A CUDA graph of fn(): run once on a side stream first (Triton compiles, lazy buffers are
+    made outside the capture), then captured. Not replayed."""
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g
+
+
+def graph_replay_us(graph, replays: int, n_calls: int) -> float:
+    """us per call of a graph of `n_calls` calls, over `replays` back-to-back replays (CUDA
+    events around them all)."""
+    import torch
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * n_calls)
