@@ -276,26 +276,24 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
     out = torch.empty(1, heads * hd, dtype=qkv.dtype, device=qkv.device)
     qkv = qkv.contiguous()
     w = qkv if qk_w is None else qk_w.contiguous()
+    # both forms take these: the position's pointer argument is a placeholder when it is an int
+    head = (qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t)
+    flags = dict(H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S, HAS_NORM=qk_w is not None,
+                 POS_PTR=pos_t is not None, DT=_TL[qkv.dtype])  # fmt: skip
     if cap >= SPLIT_CAP:  # a long context: split over the positions
         chunk = split_chunk(cap)
         n = triton.cdiv(cap, chunk)
         stats = torch.empty(heads, n, 2, dtype=torch.float32, device=qkv.device)
         part = torch.empty(heads, n, hd, dtype=torch.float32, device=qkv.device)
-        common = dict(H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S, HAS_NORM=qk_w is not None,
-                      POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=4)  # fmt: skip
-        p = kc if pos_t is None else pos_t
-        args = (qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, p, stats)
         tail = (pos, window, cap, eps, scaling, chunk)
-        _split_stats_kernel[(heads, n)](*args, *tail, **common)
-        _split_out_kernel[(heads, n)](*args, part, *tail, NS=triton.next_power_of_2(n), **common)
-        _split_sum_kernel[(heads,)](part, out, n, HD=hd, SB=SUM_BLOCK, DT=_TL[qkv.dtype],
+        _split_stats_kernel[(heads, n)](*head, stats, *tail, **flags, num_warps=4)
+        _split_out_kernel[(heads, n)](*head, stats, part, *tail, NS=triton.next_power_of_2(n),
+                                      **flags, num_warps=4)  # fmt: skip
+        _split_sum_kernel[(heads,)](part, out, n, HD=hd, SB=SUM_BLOCK, DT=flags["DT"],
                                     num_warps=4)  # fmt: skip
         return out
-    _decode_attend_kernel[(heads,)](
-        qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t, out,
-        pos, window, cap, eps, scaling, H=heads, HKV=kv_heads, HD=hd, FIRST=FIRST, BS=BLOCK_S,
-        HAS_NORM=qk_w is not None, POS_PTR=pos_t is not None, DT=_TL[qkv.dtype], num_warps=8,
-    )  # fmt: skip
+    _decode_attend_kernel[(heads,)](*head, out, pos, window, cap, eps, scaling, FIRST=FIRST,
+                                    **flags, num_warps=8)  # fmt: skip
     return out
 
 
