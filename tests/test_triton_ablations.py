@@ -12,7 +12,8 @@ import pytest
 import torch
 from test_triton_kernels import CASES, CUDA, TOL, _check, _layer, _routing, needs_triton
 
-from moestream.kernels.triton.layout import moe_stacked_ref
+from moestream.kernels.triton.layout import moe_stacked_ref, quantize_stacked
+from moestream.quant import make_scheme
 
 QUANTS = ["bf16", "int8", "int4"]  # the ablations run the store layouts (not the pool's int4 rows)
 
@@ -221,3 +222,109 @@ def test_grouped_mm_rows_do_not_depend_on_the_call_cuda():
                 differ.setdefault(case, []).append(
                     (g, n, (got.float() - want.float()).abs().max().item()))  # fmt: skip
     assert not differ, f"rows differ by call: {differ}"
+
+
+# ---- int8 activations (ablations/decode_q8.py: int4 rows, dp4a) -------------------------------
+def _q8_case(G, E, D, I, T, K, device, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(E, 2 * I, D, generator=gen) / D**0.5
+    w2 = torch.randn(E, D, I, generator=gen) / I**0.5
+    ex = quantize_stacked(make_scheme("int4", G), w13.to(device), w2.to(device)).to_rows()
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, K, device, gen)
+    return ex, x, ids, w
+
+
+def _q8_errors(ex, x, ids, w, G, cfg):
+    """(error against the q8 spec, against the exact float64 spec) of one decode_q8 call."""
+    from ablations.decode_q8 import moe_decode, moe_int4_q8_ref
+
+    if x.is_cuda:
+        torch.full((64 << 20,), float("nan"), device=x.device)  # freed: the next buffers hold NaN
+    out = torch.full(x.shape, float("nan"), device=x.device, dtype=x.dtype)
+    got = moe_decode(x, ids, w, ex, cfg, out=out).double().cpu()
+    assert torch.isfinite(got).all(), "output not fully written"
+    secs = [[{k: v.cpu() for k, v in ex.expert(int(e)).items()} for e in row] for row in ids.cpu()]
+    spec = moe_int4_q8_ref(x.cpu(), secs, w.cpu(), G).double()
+    exact = moe_stacked_ref(x.double(), ids, w.double(), ex).cpu()
+    return (
+        ((got - spec).norm() / spec.norm()).item(),
+        ((got - exact).norm() / exact.norm()).item(),
+    )
+
+
+@needs_triton
+def test_q8_activation_blocks_are_the_spec_bits():
+    """decode_q8's quantization of a row gives ref.quantize_act's q and d bit for bit (and the
+    blocks' sums of q), zero blocks included."""
+    from ablations.decode_q8 import quantize_rows
+
+    from moestream.kernels.ref import quantize_act
+
+    device = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3, 96, generator=gen) * 3
+    x[1, 32:64] = 0.0
+    x[2, :4] = torch.tensor([127.5, -0.5, 1.5, 2.5]) / 127.5 * 3  # ties at d = amax / 127
+    q, d, s = quantize_rows(x.to(device))
+    want_q, want_d = quantize_act(x, 32, 127)
+    assert torch.equal(q.view(3, 3, 32).float().cpu(), want_q)
+    assert torch.equal(d.view(3, 3).cpu(), want_d)
+    assert torch.equal(s.view(3, 3).float().cpu(), want_q.sum(-1))
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
+@pytest.mark.parametrize("G", [32, 64])
+def test_decode_q8_interpreter(G):
+    """int8 activations: the kernels equal their spec to fp32 rounding (split D or not),
+    and stay within the activations' quantization error of the exact result."""
+    from moestream.kernels.triton.decode import DecodeConfig
+
+    ex, x, ids, w = _q8_case(G, 4, 128, 64 if G == 32 else 128, 2, 2, "cpu", torch.float32, 7)
+    for split in (1, 2):
+        cfg = DecodeConfig(bn=8, bk=64, split=split, bn_d=8, bk_d=G)
+        to_spec, to_exact = _q8_errors(ex, x, ids, w, G, cfg)
+        assert to_spec <= 1e-6, to_spec
+        assert to_exact <= 3e-2, to_exact
+
+
+def test_q8_needs_int4_rows():
+    from ablations.decode_q8 import unsupported
+
+    from moestream.kernels.triton.decode import DecodeConfig
+
+    cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=64)
+    assert "int4 rows" in unsupported("int8", cfg)
+    assert unsupported("int4r", cfg) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not CUDA, reason="needs a GPU")
+@pytest.mark.parametrize("G", [32, 64])
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_q8_cuda(G, T):
+    """Compiled (dp4a, PDL between the four launches): the q8 spec to fp32 rounding before
+    the bf16 output, at the default tiles and a split of D; and graph replays give the same bits."""
+    from ablations.decode_q8 import moe_decode
+
+    from moestream.kernels.triton.decode import DecodeConfig, default_config
+
+    ex, x, ids, w = _q8_case(G, 16, 2048, 768, T, 8, "cuda", torch.bfloat16, 9 + T)
+    base = default_config("int4r", 2048, 768, G, torch.cuda.get_device_name())
+    for cfg in (base, DecodeConfig(bn=8, bk=512, split=2, bn_d=8, bk_d=256)):
+        to_spec, to_exact = _q8_errors(ex, x, ids, w, G, cfg)
+        assert to_spec <= TOL[torch.bfloat16], (cfg, to_spec)
+        assert to_exact <= 3e-2, (cfg, to_exact)
+    cfg = base
+    out = torch.empty_like(x)
+    moe_decode(x, ids, w, ex, cfg, out=out)
+    torch.cuda.synchronize()
+    eager = out.clone()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        moe_decode(x, ids, w, ex, cfg, out=out)
+    out.zero_()
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager)

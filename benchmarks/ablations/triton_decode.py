@@ -4,6 +4,8 @@
             down) taken from a counter; 10-37% slower on the H200 (item 12).
   prefetch  gate/up programs bulk-prefetch their pair's w2 into L2 first; 15-25% slower (item 5).
   elem      False: int4 CUDA-core sums rows per K step instead of once at the end.
+  q8        int4 rows with int8 activations and dp4a (decode_q8.py; lossy): 6% faster at
+            Qwen3-30B-A3B shapes, 10% slower at Qwen3.5-35B-A3B's.
   MMA_CONFIGS  tensor-core tiles for every quant (the tuner's starting points; int4's default).
 
 All of them run the product work items of moestream/kernels/triton/decode.py through its hooks
@@ -38,6 +40,7 @@ class AblationConfig(DecodeConfig):
     elem: bool = True  # int4 CUDA cores: [groups, G, 32] products reduced once (the product's)
     prefetch: bool = False  # gate/up prefetches w2 into L2 (_gate_up_prefetch_kernel)
     fused: bool = False  # one persistent launch per layer (_fused_kernel) instead of two
+    q8: bool = False  # int4 rows with int8 activations (decode_q8.py)
 
     @classmethod
     def of(cls, cfg: DecodeConfig, **kw) -> AblationConfig:
@@ -255,6 +258,11 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
         return dk.moe_decode(x, ids, weights, experts, cfg, out=out, combine=combine)
     if type(cfg) is DecodeConfig:
         cfg = AblationConfig.of(cfg)
+    if cfg.q8:
+        from ablations import decode_q8
+
+        assert stages == "gate_up+down", "the int8-activation layer runs both stages"
+        return decode_q8.moe_decode(x, ids, weights, experts, cfg, out=out, combine=combine)
     launch = dk.Launch.build(x, ids, weights, experts, cfg, out, combine)
     if cfg.fused:
         assert stages == "gate_up+down", "the fused kernel runs both stages"

@@ -765,7 +765,8 @@ class Launch:
 
     @classmethod
     def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
-              host: StackedExperts | None = None) -> Launch:  # fmt: skip
+              host: StackedExperts | None = None, h_dtype: torch.dtype | None = None) -> Launch:  # fmt: skip
+        """h_dtype: gate/up's output (default x's dtype; an ablation keeps it fp32)."""
         quant = experts.kernel_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
@@ -779,7 +780,8 @@ class Launch:
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
                 assert far[k].is_contiguous(), f"host {k} must be contiguous"
         scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
-        ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, x.dtype)
+        h_dtype = h_dtype or x.dtype
+        ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, h_dtype)
         if out is None and combine:
             out = torch.empty(T, D, device=x.device, dtype=x.dtype)
         assert not combine or (out.is_contiguous() and out.shape == (T, D))
