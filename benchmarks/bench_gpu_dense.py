@@ -58,7 +58,14 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, one tiny shape")
     ap.add_argument("--sweep", action="store_true",
                     help="time every dense.gemv_candidates config per shape, mark the fastest")  # fmt: skip
+    ap.add_argument("--configs", default=None,
+                    help="time the rule's tiles and these overrides of them per shape, e.g. "
+                    "'bn=8,bk=1024;num_warps=2' (GemvConfig fields; 0/1 for flags)")  # fmt: skip
+    ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES),
+                    help="only these shapes (default all)")  # fmt: skip
     a = ap.parse_args()
+    if a.sweep and a.configs:
+        ap.error("--sweep and --configs: pick one (both time several tiles per shape)")
     if any(not 1 <= t <= 8 for t in a.tokens):
         ap.error("--tokens: the GEMV is for decode, 1 to 8 tokens")
     return a
@@ -117,16 +124,21 @@ def bench_shape(name: str, n: int, k: int, a, ceiling: float | None, device: str
         )
         del ws
         for quant in a.quant:
-            rows += _gemv_rows(name, n, k, x, quant, copies, n_calls, a.reps, ceiling, a.sweep)
+            rows += _gemv_rows(name, n, k, x, quant, copies, n_calls, a.reps, ceiling, a.sweep,
+                               a.configs)  # fmt: skip
             if cuda:
                 torch.cuda.empty_cache()
     return rows
 
 
-def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> list[dict]:
+def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep,
+               spec=None) -> list[dict]:  # fmt: skip
     """The GEMV on `copies` quantized weights, with its error against dequantize + F.linear: with
-    gemv_config's tiles, or (sweep) one row per gemv_candidates config, the fastest marked best."""
+    gemv_config's tiles, or (sweep) one row per gemv_candidates config, or (spec) the rule's and
+    each override of them; the fastest marked best. A tile the shape or compiler refuses is
+    reported and skipped."""
     import torch.nn.functional as F
+    from common import override
 
     from moestream.kernels.ref import dequantize
     from moestream.kernels.triton.dense import gemv_candidates, gemv_impl
@@ -144,12 +156,23 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
         secs = [(q, int4_sz_kn(sz, n)) for q, sz in secs]
     q, scales = secs[0]
     nbytes = q.nbytes + scales.nbytes + x.shape[0] * (k + n) * x.element_size()  # + x in, y out
-    configs = gemv_candidates(quant, n, k, 32, x.shape[0])
+    configs = gemv_candidates(quant, n, k, 32, x.shape[0])  # the rule's tiles come first
+    if spec:
+        configs = [configs[0]] + [override(configs[0], i) for i in filter(None, spec.split(";"))]
+    elif not sweep:
+        configs = configs[:1]
     rows = []
-    for i, cfg in enumerate(configs if sweep else configs[:1]):  # the rule's tiles come first
+    for i, cfg in enumerate(configs):
+        if cfg.fma and k % (cfg.bk * cfg.split):
+            print(f"{name} {quant} {cfg}: K={k} is not a multiple of bk * split", flush=True)
+            continue
         calls = [lambda s=secs[j % copies]: gemv_impl(x, *s, None, quant, n, 32, cfg)
                  for j in range(n_calls)]  # fmt: skip
-        us = time_us(calls, reps, x.is_cuda)
+        try:
+            us = time_us(calls, reps, x.is_cuda)
+        except Exception as exc:  # a tile the shape or the compiler refuses: say so, go on
+            print(f"{name} {quant} {cfg}: {type(exc).__name__}: {exc}", flush=True)
+            continue
         err = (gemv_impl(x, q, scales, None, quant, n, 32, cfg).float() - ref).abs().max()
         extra = {
             "max_rel_err_vs_ref": (err / ref.abs().max()).item(),
@@ -157,7 +180,7 @@ def _gemv_rows(name, n, k, x, quant, copies, n_calls, reps, ceiling, sweep) -> l
         }
         rows.append(_row(name, n, k, x.shape[0], x.dtype, n_calls, f"triton_{quant}", us, nbytes,
                          ceiling, extra))  # fmt: skip
-    if sweep:
+    if (sweep or spec) and rows:
         min(rows, key=lambda r: r["us"])["best"] = True
     return rows
 
@@ -190,7 +213,8 @@ def main() -> None:
 
         ceiling = dram_gbps(torch.get_num_threads(), device="cuda")
     results = []
-    for name, (n, k) in (DRY_SHAPES if a.dry_run else SHAPES).items():
+    shapes = DRY_SHAPES if a.dry_run else {s: SHAPES[s] for s in a.shapes or SHAPES}
+    for name, (n, k) in shapes.items():
         results += bench_shape(name, n, k, a, ceiling, device)
     keys = ("shape", "N", "K", "tokens", "dtype", "calls_in_graph")
     rows = [bench_row("gpu_dense", {"dry_run": a.dry_run} | {key: r.pop(key) for key in keys}, r,
