@@ -126,15 +126,19 @@ def gemv_config(quant: str, n: int, k: int, group: int, tokens: int = 1) -> Gemv
 
 
 def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
-    """K steps of up to 512 inputs (int4 64: its per-element accumulators), int8 / q4_0 FMA_ROWS
-    rows (fewer when the row blocks alone leave SMs idle), int4 one 64-row block; K split until
-    about FMA_PROGRAMS programs."""
+    """K steps of up to 512 inputs (int4 64: its per-element accumulators; int4 rows at the fewest
+    rows 1024), int8 / q4_0 FMA_ROWS rows (fewer when the row blocks alone leave SMs idle), int4
+    one 64-row block; K split until about FMA_PROGRAMS programs."""
     bk = min(64 if quant == "int4" else 512, k & -k)  # largest power of two dividing K
     bk = max(bk, group if quant in ("int8", "int4") else 32)
     if quant == "int4":
         bn = INT4_ROWS
     else:
         bn = next((b for b in FMA_ROWS if triton.cdiv(n, b) >= FMA_PROGRAMS), FMA_ROWS[-1])
+    if quant == "int4_rows" and bn == FMA_ROWS[-1]:
+        # steps of 1024: 5.5 vs 6.1 us (q/k/v 5120x2048), 6.5 vs 6.6 (o 2048x4096) in two H200
+        # runs of bench_gpu_dense.py --configs (16b7249); wider N (more rows a program) not swept
+        bk = max(min(1024, k & -k), group)
     return GemvConfig(bn=bn, split=_split(triton.cdiv(n, bn), k // bk), fma=True, bk=bk)
 
 
