@@ -504,6 +504,33 @@ def test_cuda_generate_cli_path(stores):
 
 
 @pytest.mark.cuda
+def test_cuda_chained_norms_give_the_layer_bits(stores, monkeypatch):
+    """A decode step with each residual add in one launch with the norm after it
+    (MoeCausalLM._chained: add_rms_norm_rows, the next layer's input norm taking the MLP's add)
+    gives the layer-by-layer forward's logits bit for bit."""
+    import moestream.models.layers as layers
+    from moestream.models.base import MoeCausalLM
+    from moestream.runtime import open_model
+
+    calls = []
+    fused = layers.add_rms_norm_rows
+    monkeypatch.setattr(layers, "add_rms_norm_rows", lambda *a: calls.append(1) or fused(*a))
+    with open_model(stores("int4"), dtype="bfloat16", experts=GpuConfig(resident=True)) as rt:
+        model, L = rt.generator.model, rt.args.num_hidden_layers
+        ids = torch.randint(0, rt.args.vocab_size, (13,)).cuda()
+        caches = [KVCache(rt.args, 13, torch.bfloat16, "cuda") for _ in range(2)]
+        with torch.inference_mode():
+            for cache in caches:  # 12 rows: a prompt (the torch norms and adds)
+                model(ids[:12], cache, 0)
+            got = model(ids[12:], caches[0], 12)
+            assert len(calls) == 2 * L  # every add of the step, none of the prompt's
+            monkeypatch.setattr(MoeCausalLM, "_chained_norms", lambda self, x: False)
+            want = model(ids[12:], caches[1], 12)
+    assert len(calls) == 3 * L  # the layers' own: the post-attention add only
+    assert torch.equal(got, want)
+
+
+@pytest.mark.cuda
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_cuda_prompt_never_waits_on_the_gpu(stores, tokens):
     """A resident prompt's forward makes no synchronising call (torch's sync debug mode raises on

@@ -258,3 +258,18 @@ def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
                                                     for n in counts}  # fmt: skip
     assert got == want | {("stage", c, n) for c in (1, 2) for n in counts if n <= 8}
     assert all(x["bench"] == "pcie" and x["config"]["dry_run"] and x["us"] > 0 for x in rows)
+
+
+@pytest.mark.parametrize("T,D", [(1, 2048), (3, 96)])
+@pytest.mark.parametrize("dtype", NORM_DTYPES)
+def test_add_rms_norm_rows_is_the_add_then_the_norm(T, D, dtype):
+    """add_rms_norm_rows(x, y) = (x + y, rms_norm_rows(x + y)) bit for bit: torch's add (fp32,
+    one rounding) and the same row reduction as the norm alone."""
+    from moestream.kernels.triton.norm import add_rms_norm_rows, rms_norm_rows
+
+    torch.manual_seed(T + D)
+    w = (torch.randn(D) + 1).to(DEVICE, dtype)
+    x, y = (torch.randn(T, D) * 3).to(DEVICE, dtype), torch.randn(T, D).to(DEVICE, dtype)
+    s, h = add_rms_norm_rows(x, y, w, 1e-6)
+    assert torch.equal(s, x + y)
+    assert torch.equal(h, rms_norm_rows(x + y, w, 1e-6))

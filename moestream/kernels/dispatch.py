@@ -91,3 +91,12 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     from moestream.kernels.triton.norm import rms_norm_rows as norm
 
     return norm(x, weight, eps)
+
+
+def add_rms_norm_rows(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(x + y, its RMSNorm) for a few bf16/fp16 rows on CUDA in one launch (kernels/triton/norm.py;
+    reference: the add, then RMSNorm.forward)."""
+    from moestream.kernels.triton.norm import add_rms_norm_rows as add_norm
+
+    return add_norm(x, y, weight, eps)

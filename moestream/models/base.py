@@ -14,6 +14,7 @@ from torch import nn
 
 from moestream.config import ModelArgs
 from moestream.kernels import native
+from moestream.kernels.dispatch import TOPK_TRITON_MAX_TOKENS
 from moestream.models.layers import Attention, RMSNorm, Rope, SparseMoe
 
 
@@ -26,8 +27,10 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
     def forward(self, x, cos, sin, cache, start):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_norm(
+            x, self.self_attn(self.input_layernorm(x), cos, sin, cache, start)
+        )
+        return x + self.mlp(h)
 
 
 class MoeCausalLM(nn.Module):
@@ -184,9 +187,37 @@ class MoeCausalLM(nn.Module):
         step = self._native_step(x, cache, start)
         if step is not None:
             x = step(x, cos, sin, cache, start)
+        elif self._chained_norms(x):
+            h = self._chained(x, cos, sin, cache, start)
+            return self.lm_head(h[-1:] if last_only else h)
         else:
             for layer in self.model.layers:
                 x = layer(x, cos, sin, cache, start)
         if last_only:
             x = x[-1:]
         return self.lm_head(self.model.norm(x))
+
+    def _chained_norms(self, x: torch.Tensor) -> bool:
+        """Decode rows on the GPU's Triton path through plain DecoderLayers: each residual add
+        runs in one launch with the norm after it (`_chained`)."""
+        return (
+            x.is_cuda
+            and x.shape[0] <= TOPK_TRITON_MAX_TOKENS
+            and isinstance(self.model.norm, RMSNorm)
+            and self.model.norm.gpu_decode
+            and all(type(layer) is DecoderLayer for layer in self.model.layers)
+        )
+
+    def _chained(self, x, cos, sin, cache, start) -> torch.Tensor:
+        """The layers as DecoderLayer.forward computes them, with the MLP's residual add taken
+        by the next layer's input norm (the last one's by the final norm): RMSNorm.add_norm, the
+        same bits, one launch fewer per add. Returns the final norm's output."""
+        layers = self.model.layers
+        h = layers[0].input_layernorm(x)
+        for i, layer in enumerate(layers):
+            x, h = layer.post_attention_layernorm.add_norm(
+                x, layer.self_attn(h, cos, sin, cache, start)
+            )
+            after = layers[i + 1].input_layernorm if i + 1 < len(layers) else self.model.norm
+            x, h = after.add_norm(x, layer.mlp(h))
+        return h

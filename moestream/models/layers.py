@@ -19,6 +19,7 @@ from moestream.kernels import native
 from moestream.kernels.dense import QuantLinear, RowsOf
 from moestream.kernels.dispatch import (
     TOPK_TRITON_MAX_TOKENS,
+    add_rms_norm_rows,
     attend_unsupported,
     decode_attend,
     rms_norm_rows,
@@ -63,6 +64,14 @@ class RMSNorm(nn.Module):
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), None, self.eps)
         return self.weight * h.to(x.dtype)
+
+    def add_norm(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, self(x + y)): a residual add and this norm after it, one Triton launch where
+        forward would take rms_norm_rows (the same bits as the two steps)."""
+        if self.gpu_decode and x.is_cuda and self._gpu_fusable(x) and y.dtype == x.dtype:
+            return add_rms_norm_rows(x, y, self.weight, self.eps)
+        s = x + y
+        return s, self(s)
 
     def _gpu_fusable(self, x: torch.Tensor) -> bool:
         """rms_norm_rows' case: decode rows in bf16/fp16 with the weight in that dtype, eagerly."""
