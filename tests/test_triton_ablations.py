@@ -277,12 +277,12 @@ def test_q8_activation_blocks_are_the_spec_bits():
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("G", [32, 64])
 def test_decode_q8_interpreter(G):
-    """int8 activations: the kernels equal their spec to fp32 rounding (split D or not),
+    """int8 activations: the kernels equal their spec to fp32 rounding (D split at G = 32),
     and stay within the activations' quantization error of the exact result."""
     from moestream.kernels.triton.decode import DecodeConfig
 
     ex, x, ids, w = _q8_case(G, 4, 128, 64 if G == 32 else 128, 2, 2, "cpu", torch.float32, 7)
-    for split in (1, 2):
+    for split in (2,) if G == 32 else (1,):  # CI time: each case once
         cfg = DecodeConfig(bn=8, bk=64, split=split, bn_d=8, bk_d=G)
         to_spec, to_exact = _q8_errors(ex, x, ids, w, G, cfg)
         assert to_spec <= 1e-6, to_spec

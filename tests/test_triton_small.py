@@ -153,6 +153,20 @@ def test_router_topk_ties_take_the_lower_id():
     assert ids.tolist() == [[1, 3, 2]] and top[0].tolist() == pytest.approx([0.3, 0.3, 0.2])
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_routing_ties_take_the_lower_id(packed):
+    """route_rows' rule on tied probabilities (equal logits): the lower expert id first, with
+    the max-then-min rounds and with the packed 64-bit key alike; masked columns never win."""
+    from moestream.kernels.triton.router import route_rows
+
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, 0.0, 2.0]], device=DEVICE)  # 6 of 8 columns used
+    w, ids = route_rows(logits, 5, False, torch.float32, packed=packed)
+    assert ids.tolist() == [[1, 3, 5, 2, 0]]
+    want = torch.softmax(logits.float().cpu(), -1)[0, [1, 3, 5, 2, 0]]
+    torch.testing.assert_close(w[0].cpu(), want, rtol=1e-6, atol=0)  # the sum's order differs
+    assert w[0, 0] == w[0, 1] == w[0, 2]
+
+
 def _moe_block(E: int, k: int, renorm: bool, act_dtype: bool):
     import transformers as T
 
@@ -176,9 +190,10 @@ DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 @pytest.mark.parametrize("gemm", [False, True])
 def test_routing_kernels_match_the_block_rule(E, k, T, renorm, dtype, gemm):
     """route_rows on the router's logits, and route_decode from x (its GEMM too, called twice:
-    its counter resets) = SparseMoe.route + the combine cast (the torch code): the same ids,
-    weights within fp32 summation order (then the same bits once cast)."""
-    from moestream.kernels.triton.router import route_decode, route_rows
+    its counter resets; then with other tiles and the packed top-k) = SparseMoe.route + the
+    combine cast (the torch code): the same ids, weights within fp32 summation order (then the
+    same bits once cast)."""
+    from moestream.kernels.triton.router import route_decode, route_decode_impl, route_rows
 
     block = _moe_block(E, k, renorm, act_dtype=True).to(DEVICE, dtype)
     for _ in range(2 if gemm else 1):
@@ -194,6 +209,11 @@ def test_routing_kernels_match_the_block_rule(E, k, T, renorm, dtype, gemm):
         assert w.dtype == want_w.dtype
         rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: at most a rounding step apart
         torch.testing.assert_close(w.float(), want_w.float(), rtol=rtol, atol=1e-6)
+    if gemm:  # the benchmark's variants: one row and one warp a program, the packed top-k
+        with torch.inference_mode():
+            w2, ids2 = route_decode_impl(x, block.gate.weight, k, renorm, dtype, 1, 1, True)
+        assert torch.equal(ids2, ids)
+        torch.testing.assert_close(w2.float(), w.float(), rtol=rtol, atol=1e-6)
 
 
 # The interpreter rounds fp16 as CUDA does (and truncates bf16): bf16 runs on CUDA only.
@@ -273,3 +293,26 @@ def test_add_rms_norm_rows_is_the_add_then_the_norm(T, D, dtype):
     s, h = add_rms_norm_rows(x, y, w, 1e-6)
     assert torch.equal(s, x + y)
     assert torch.equal(h, rms_norm_rows(x + y, w, 1e-6))
+
+
+def test_the_router_benchmark_dry_run_checks_every_variant(tmp_path):
+    """benchmarks/bench_gpu_router.py --dry-run: torch's rule and each (rows, warps, packed)
+    variant of route_decode on a tiny router through the interpreter, each variant's ids and
+    weights checked against torch's inside the script, one schema row each (times only on CUDA)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    out = tmp_path / "rows.jsonl"
+    cmd = [sys.executable, str(root / "benchmarks/bench_gpu_router.py"), "--dry-run", "--rows", "1",
+           "4", "--warps", "1", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["config"]["variant"] for row in rows] == [
+        "torch", *(f"rows={n},warps=1,packed={p}" for n in (1, 4) for p in (0, 1))]  # fmt: skip
+    assert all(row["config"]["dry_run"] and row["us"] is None for row in rows)

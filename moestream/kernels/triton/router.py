@@ -45,9 +45,12 @@ def topk_rows(s: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _route_row(x_ptr, w_ptr, ids_ptr, t, E, K: tl.constexpr, KP: tl.constexpr,
-               EP: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+               EP: tl.constexpr, RENORM: tl.constexpr, DT: tl.constexpr,
+               PACKED: tl.constexpr = False):  # fmt: skip
     """Row t of logits x -> its K weights (fp32 softmax, top-k, renormalised if asked, in DT)
-    and ids."""
+    and ids. PACKED: each round one max of a 64-bit key (the probability's bits, >= 0 so ordered
+    as the values, above EP - 1 - id, so a tie goes to the lower id) instead of a max and a min:
+    the same choice."""
     j = tl.arange(0, EP)
     x = tl.load(x_ptr + t * E + j, mask=j < E, other=float("-inf"), cache_modifier=".cg")
     x = x.to(tl.float32)
@@ -55,12 +58,22 @@ def _route_row(x_ptr, w_ptr, ids_ptr, t, E, K: tl.constexpr, KP: tl.constexpr,
     p = tl.where(j < E, e / tl.sum(e, 0), float("-inf"))  # softmax in fp32, as the torch rule
     r = tl.arange(0, KP)
     picked = tl.zeros([KP], dtype=tl.float32)
-    for i in tl.static_range(K):
-        m = tl.max(p, 0)
-        first = tl.min(tl.where(p == m, j, EP), 0)
-        picked = tl.where(r == i, m, picked)
-        tl.store(ids_ptr + t * K + i, first.to(tl.int64))
-        p = tl.where(j == first, float("-inf"), p)
+    if PACKED:
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(j < E, (bits << 32) | (EP - 1 - j).to(tl.int64), -1)
+        for i in tl.static_range(K):
+            top = tl.max(key, 0)
+            m = (top >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+            picked = tl.where(r == i, m, picked)
+            tl.store(ids_ptr + t * K + i, (EP - 1 - top.to(tl.int32)).to(tl.int64))  # low half
+            key = tl.where(key == top, -1, key)
+    else:
+        for i in tl.static_range(K):
+            m = tl.max(p, 0)
+            first = tl.min(tl.where(p == m, j, EP), 0)
+            picked = tl.where(r == i, m, picked)
+            tl.store(ids_ptr + t * K + i, first.to(tl.int64))
+            p = tl.where(j == first, float("-inf"), p)
     if RENORM:
         picked = picked / tl.sum(picked, 0)
     tl.store(w_ptr + t * K + r, picked.to(DT), mask=r < K)
@@ -68,15 +81,15 @@ def _route_row(x_ptr, w_ptr, ids_ptr, t, E, K: tl.constexpr, KP: tl.constexpr,
 
 @triton.jit
 def _route_kernel(x_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, KP: tl.constexpr, EP: tl.constexpr,
-                  RENORM: tl.constexpr, DT: tl.constexpr):  # fmt: skip
-    _route_row(x_ptr, w_ptr, ids_ptr, tl.program_id(0), E, K, KP, EP, RENORM, DT)
+                  RENORM: tl.constexpr, DT: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
+    _route_row(x_ptr, w_ptr, ids_ptr, tl.program_id(0), E, K, KP, EP, RENORM, DT, PACKED)
 
 
 @triton.jit
 def _router_kernel(x_ptr, g_ptr, logit_ptr, cnt_ptr, w_ptr, ids_ptr, E, T: tl.constexpr,
                    D: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
-                   XDT: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                   XDT: tl.constexpr, DT: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     rl = tl.minimum(r, E - 1)  # rows past E load row E - 1 (unstored)
     kk = tl.arange(0, BK)
@@ -90,27 +103,29 @@ def _router_kernel(x_ptr, g_ptr, logit_ptr, cnt_ptr, w_ptr, ids_ptr, E, T: tl.co
     tl.debug_barrier()  # every thread's logits are stored before the release below
     if tl.atomic_add(cnt_ptr, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
         for t in tl.static_range(T):
-            _route_row(logit_ptr, w_ptr, ids_ptr, t, E, K, KP, EP, RENORM, DT)
+            _route_row(logit_ptr, w_ptr, ids_ptr, t, E, K, KP, EP, RENORM, DT, PACKED)
         tl.atomic_xchg(cnt_ptr, 0, sem="relaxed", scope="gpu")  # ready for the next call
 
 
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
-def route_rows(logits: torch.Tensor, k: int, renorm: bool,
-               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def route_rows(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype,
+               packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Router logits [T, E] (E <= MAX_EXPERTS) -> (weights [T, k] in dtype, ids [T, k] int64):
-    softmax in fp32, top-k, renormalised if asked, then cast."""
+    softmax in fp32, top-k, renormalised if asked, then cast. `packed`: _route_row's other
+    top-k (the same choice; benchmarks/bench_gpu_router.py times both)."""
     T, E = logits.shape
     w = torch.empty(T, k, dtype=dtype, device=logits.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=logits.device)
     _route_kernel[(T,)](logits.contiguous(), w, ids, E, K=k, KP=triton.next_power_of_2(k),
                         EP=triton.next_power_of_2(E), RENORM=renorm, DT=_TL[dtype],
-                        num_warps=1)  # fmt: skip
+                        PACKED=packed, num_warps=1)  # fmt: skip
     return w, ids
 
 
 ROUTER_ROWS = 2  # router rows per program of route_decode (E / 2 programs: 64 at 128 experts)
+ROUTER_WARPS = 4  # warps per program of route_decode (bench_gpu_router.py times 1, 2, 4)
 _SCRATCH: dict = {}  # (device, E) -> (fp32 logits [8, E], int32 counter): zero, reset by use
 
 
@@ -121,9 +136,11 @@ def router_block(hidden: int) -> int:
 
 
 def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
-                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      dtype: torch.dtype, rows: int = ROUTER_ROWS, warps: int = ROUTER_WARPS,
+                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [T, D] (T <= 8) and the router weight gate [E, D] in x's dtype -> (weights [T, k] in
-    dtype, ids [T, k] int64): the router's GEMM and route_rows' rule in one launch."""
+    dtype, ids [T, k] int64): the router's GEMM and route_rows' rule in one launch. rows, warps,
+    packed: other tiles and top-k (bench_gpu_router.py; the same ids and weights)."""
     T, D = x.shape
     E = gate.shape[0]
     assert T <= 8 and gate.dtype == x.dtype and router_block(D), (T, D, gate.dtype, x.dtype)
@@ -136,10 +153,10 @@ def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
     logits, cnt = _SCRATCH[key]
     w = torch.empty(T, k, dtype=dtype, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
-    _router_kernel[(triton.cdiv(E, ROUTER_ROWS),)](
-        x.contiguous(), gate.contiguous(), logits, cnt, w, ids, E, T=T, D=D, RB=ROUTER_ROWS,
+    _router_kernel[(triton.cdiv(E, rows),)](
+        x.contiguous(), gate.contiguous(), logits, cnt, w, ids, E, T=T, D=D, RB=rows,
         BK=router_block(D), K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
-        RENORM=renorm, XDT=_TL[x.dtype], DT=_TL[dtype], num_warps=4,
+        RENORM=renorm, XDT=_TL[x.dtype], DT=_TL[dtype], PACKED=packed, num_warps=warps,
     )  # fmt: skip
     return w, ids
 
