@@ -1,6 +1,7 @@
 """RMSNorm of a few rows in one Triton launch (`rms_norm_rows`; `add_rms_norm_rows` with the
-residual add before it), for a captured decode step that is not compiled: the torch code (`models/layers.RMSNorm` in bf16/fp16: a cast to fp32, the
-norm, a cast back, the weight) is four kernels there (inductor fuses them under --compile).
+residual add before it), for a captured decode step that is not compiled: the torch code
+(`models/layers.RMSNorm` in bf16/fp16: a cast to fp32, the norm, a cast back, the weight) is
+four kernels there (inductor fuses them under --compile).
 Same roundings: the norm in fp32, rounded to the activation dtype, times the weight, rounded.
 The sum of squares runs in another order than torch's, so a row can differ in the last bit.
 Reference: RMSNorm.forward with gpu_decode off.
