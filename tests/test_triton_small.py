@@ -209,9 +209,9 @@ def test_routing_kernels_match_the_block_rule(E, k, T, renorm, dtype, gemm):
         assert w.dtype == want_w.dtype
         rtol = 1e-5 if dtype == torch.float32 else 2**-8  # bf16: at most a rounding step apart
         torch.testing.assert_close(w.float(), want_w.float(), rtol=rtol, atol=1e-6)
-    if gemm:  # the benchmark's variants: one row and one warp a program, the packed top-k
+    if gemm:  # the benchmark's variants: 4 rows and one warp a program, the packed top-k
         with torch.inference_mode():
-            w2, ids2 = route_decode_impl(x, block.gate.weight, k, renorm, dtype, 1, 1, True)
+            w2, ids2 = route_decode_impl(x, block.gate.weight, k, renorm, dtype, 4, 1, True)
         assert torch.equal(ids2, ids)
         torch.testing.assert_close(w2.float(), w.float(), rtol=rtol, atol=1e-6)
 
