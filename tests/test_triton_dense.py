@@ -308,3 +308,58 @@ def test_the_benchmark_dry_run_writes_its_rows(tmp_path):
     assert [row["variant"] for row in rows] == ["bf16_linear", "triton_int4"]
     assert all(row["config"]["dry_run"] and row["us"] > 0 for row in rows)
     assert rows[1]["max_rel_err_vs_ref"] < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["next", "early"])
+@pytest.mark.parametrize("cap", [256, 1024])
+def test_cuda_chained_launches_give_the_plain_bits(mode, cap):
+    """A Qwen3-30B-A3B-shaped layer's chained kernels (kernels/triton/chain.py: add + norm, the
+    q/k/v GEMV, attention in one launch (cap 256) or split (1024), the o GEMV with its K split,
+    add + norm, the router), eager and captured, give the plain launches' bits: each waits for
+    the one before, so none reads a value before it is written or overwrites one still read."""
+    from moestream.kernels.triton import chain
+    from moestream.kernels.triton.attention import attend_impl
+    from moestream.kernels.triton.norm import add_rms_norm_rows
+    from moestream.kernels.triton.router import route_decode_impl
+
+    D, H, HKV, HD = 2048, 32, 4, 128
+    qkv_w = _operands(_weight("int4_rows", (H + 2 * HKV) * HD, D, seed=11).cuda(), "int4_rows")
+    o_w = _operands(_weight("int4_rows", D, H * HD, seed=12).cuda(), "int4_rows")
+    assert tdense.gemv_config("int4_rows", D, H * HD, 32).split > 1  # the sum kernel runs too
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=g) * scale).bfloat16()
+
+    norm_w, gate, qk_w = rnd(D), rnd(128, D, scale=D**-0.5), rnd(H + HKV, HD)
+    cos, sin = rnd(1, HD), rnd(1, HD)
+    x, y, kc, vc = rnd(1, D), rnd(1, D), rnd(HKV, cap, HD), rnd(HKV, cap, HD)
+
+    def layer(kc, vc):
+        s, h = add_rms_norm_rows(x, y, norm_w, 1e-6)
+        qkv = tdense.gemv(h, *qkv_w, None, "int4_rows", (H + 2 * HKV) * HD, 32)
+        a = attend_impl(qkv, qk_w, cos, sin, kc, vc, None, cap // 2, 1e-6, HD**-0.5, 0, H, HKV)
+        s2, h2 = add_rms_norm_rows(s, tdense.gemv(a, *o_w, None, "int4_rows", D, 32), norm_w, 1e-6)
+        return (s, h, qkv, a, s2, h2, *route_decode_impl(h2, gate, 8, True, torch.bfloat16))
+
+    try:
+        chain.set_mode("off")
+        want = layer(kc.clone(), vc.clone())
+        chain.set_mode(mode)
+        assert chain.flags(x).get("launch_pdl") == (torch.cuda.get_device_capability()[0] >= 9)
+        kc2, vc2 = kc.clone(), vc.clone()
+        got = layer(kc2, vc2)
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        graph = torch.cuda.CUDAGraph()
+        kc3, vc3 = kc.clone(), vc.clone()
+        with torch.cuda.graph(graph):
+            captured = layer(kc3, vc3)
+        for _ in range(3):
+            graph.replay()
+        for a, b in zip(captured, want):
+            assert torch.equal(a, b)
+        assert torch.equal(kc3, kc2) and torch.equal(vc3, vc2)  # the cache row written alike
+    finally:
+        chain.set_mode("off")
