@@ -40,9 +40,7 @@ per-layer host round trip; a
 read the one before (as the device-miss pool did before it decoded ahead), and a `-tprefill`
 suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead of the grouped
 GEMMs (`GpuConfig.prefill`), an `-admitall` suffix (`triton-admitall`) admits every device-side miss
-into the pool instead of the scored ones (`GpuConfig.admit`), a `-pdloff` / `-pdlnext` suffix
-chains the step's kernels in that mode instead of the default early one (`GpuConfig.pdl`,
-kernels/triton/chain.py). The ceiling is then
+into the pool instead of the scored ones (`GpuConfig.admit`). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -136,9 +134,7 @@ POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool
 def child_experts(kernel: str, device: str, share: float):
     """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool;
     a "-tprefill" suffix (ablation): a prompt on the Triton kernels, not the grouped GEMMs;
-    "-admitall" (ablation): every device-side miss admitted, not only the scored ones;
-    "-pdloff" / "-pdlnext" (ablations): the step's kernels chained in that mode (GpuConfig.pdl),
-    not the default early."""
+    "-admitall" (ablation): every device-side miss admitted, not only the scored ones."""
     from moestream.config import Budget
     from moestream.experts.config import GpuConfig, StreamConfig
 
@@ -148,9 +144,6 @@ def child_experts(kernel: str, device: str, share: float):
     if kernel.endswith("-admitall"):
         cfg = child_experts(kernel.removesuffix("-admitall"), device, share)
         return dataclasses.replace(cfg, admit="all")
-    if "-pdl" in kernel:
-        base, _, mode = kernel.rpartition("-pdl")
-        return dataclasses.replace(child_experts(base, device, share), pdl=mode)
 
     if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
@@ -478,7 +471,7 @@ def main(argv=None) -> int:
         a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
-    for suffix in ("-tprefill", "-admitall", "-pdl"):
+    for suffix in ("-tprefill", "-admitall"):
         if not gpu and suffix in f"{a.kernels},{a.pool_kernels}":
             ap.error(f"'{suffix}' is a GPU provider's variant: run it with --device cuda")
     work, llama = Path(a.work), Path(a.llama)

@@ -54,12 +54,12 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
     return total, count, rows
 
 
-def experts_config(base: str, share: float, pdl: str = "early") -> GpuConfig:
+def experts_config(base: str, share: float) -> GpuConfig:
     graph, compiled = base != "eager", base == "compiled"
     if share >= 1:
-        return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled, pdl=pdl)
+        return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled)
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, cuda_graph=graph,
-                     compile_step=compiled, pdl=pdl)  # fmt: skip
+                     compile_step=compiled)  # fmt: skip
 
 
 def pool_counters(before: dict, after: dict, steps: int) -> dict:
@@ -78,8 +78,7 @@ def profile_one(store: Path, variant: str, a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     base, _, sync = variant.partition("-")
-    base, _, pdl = base.partition("@")
-    experts = experts_config(base, a.share, pdl or "early")
+    experts = experts_config(base, a.share)
     with open_model(store, dtype="bfloat16", experts=experts) as rt:
         if sync:  # the ablation: each step issued after the host read the one before
             rt.provider.decodes_ahead = lambda: False
@@ -180,10 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         default="graph,compiled",
-        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; an @MODE "
-        "suffix chains the step's kernels in that PDL mode (graph@off, graph@next; default "
-        "early: GpuConfig.pdl); a -sync suffix issues each greedy step only after the host read "
-        "the one before (the ablation of the step fed back on the device)",
+        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; a -sync "
+        "suffix issues each greedy step only after the host read the one before (the ablation "
+        "of the step fed back on the device)",
     )
     ap.add_argument("--store", default=None, help="profile this store (not a synthetic one)")
     ap.add_argument(

@@ -231,12 +231,7 @@ def _load_store(folder: Path, cfg: ExpertsConfig, dtype: torch.dtype, progress: 
         from moestream.experts.gpu import GpuExperts
 
         model = model.to(cfg.device)
-        gpu_decode = cfg.kernel == "triton" and torch.device(cfg.device).type == "cuda"
-        model.set_gpu_decode(gpu_decode)
-        if gpu_decode:  # the process's chained launches (a captured step keeps its mode)
-            from moestream.kernels.triton import chain
-
-            chain.set_mode(cfg.pdl)
+        model.set_gpu_decode(cfg.kernel == "triton" and torch.device(cfg.device).type == "cuda")
         provider: ExpertProvider = GpuExperts(store, cfg)
     elif cfg.mmap:
         from moestream.experts.mmap import MmapExperts

@@ -531,36 +531,6 @@ def test_cuda_chained_norms_give_the_layer_bits(stores, monkeypatch):
 
 
 @pytest.mark.cuda
-def test_cuda_pdl_modes_give_the_same_tokens(stores):
-    """A captured decode step with its kernels chained by PDL (GpuConfig.pdl, kernels/triton/
-    chain.py) gives the plain launches' tokens and log-probs in every mode, after a short prompt
-    and after one of 600 ids (the cache bucket takes the split attention)."""
-    from moestream.config import SamplingConfig
-    from moestream.kernels.triton import PDL_MODES, chain
-    from moestream.runtime import open_model
-
-    store = stores("int4")
-    cfg = SamplingConfig(max_new_tokens=20, ignore_eos=True)
-    long = torch.randint(0, Store(store).args.vocab_size, (600,)).tolist()
-    got = {}
-    for mode in PDL_MODES:
-        experts = GpuConfig(resident=True, pdl=mode)
-        with open_model(store, dtype="bfloat16", experts=experts) as rt:
-            assert chain.mode() == mode
-            res = [rt.generator.generate(p, cfg) for p in (rt.encode_prompt(PROMPT), long)]
-            assert rt.generator.graphs is not None
-            got[mode] = [(r.ids, r.logprobs) for r in res]
-    assert got["next"] == got["off"] and got["early"] == got["off"]
-
-
-def test_an_unknown_pdl_mode_is_refused():
-    from moestream.config import ConfigError
-
-    with pytest.raises(ConfigError, match="unknown PDL mode 'eager'; use off, next, early"):
-        GpuConfig(resident=True, pdl="eager")
-
-
-@pytest.mark.cuda
 @pytest.mark.parametrize("tokens", [40, 300])
 def test_cuda_prompt_never_waits_on_the_gpu(stores, tokens):
     """A resident prompt's forward makes no synchronising call (torch's sync debug mode raises on

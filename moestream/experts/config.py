@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from moestream.config import Budget, ConfigError
-from moestream.kernels.triton import PDL_MODES, PREFILL
+from moestream.kernels.triton import PREFILL
 from moestream.store.format import Store
 from moestream.store.io import IOConfig
 
@@ -136,15 +136,8 @@ class GpuConfig:
     # every miss (what the pool did before). Only with device-side misses: on the host path a
     # miss is computed from its slot, so every miss is admitted.
     admit: str = "scored"
-    # A step's Triton kernels chained by programmatic dependent launch (kernels/triton/chain.py):
-    # each launched while the one before runs, its constant weights asked of L2 before it waits
-    # for that one ("early": launches may run several kernels ahead; "next": one; "off"). The
-    # same bits in every mode; sm_90+ (older GPUs launch plainly).
-    pdl: str = "early"
 
     def __post_init__(self):
-        if self.pdl not in PDL_MODES:  # kernels/triton/__init__.py
-            raise ConfigError(f"unknown PDL mode {self.pdl!r}; use {', '.join(PDL_MODES)}")
         if self.prefill not in PREFILL:  # kernels/triton/__init__.py
             raise ConfigError(
                 f"unknown GPU prefill kernels {self.prefill!r}; use {', '.join(PREFILL)}"

@@ -27,7 +27,6 @@ from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
 SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0, q4_1: CPU only)
 PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
-PDL_MODES = ("off", "next", "early")  # GpuConfig.pdl: how a step's kernels are chained (chain.py)
 
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:

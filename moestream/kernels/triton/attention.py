@@ -37,8 +37,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import chain
-
 FIRST = 128  # cache positions loaded up front (a context this long takes one round trip)
 BLOCK_S = 64  # cache positions per step of the loops over longer contexts
 SPLIT_CAP = 512  # caches this long are split over the positions (three launches, not one)
@@ -94,20 +92,13 @@ def _position(pos_ptr, pos_arg, window, POS_PTR: tl.constexpr):
 
 @triton.jit
 def _decode_attend_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, out_ptr,
-                          pos_arg, window, cap, eps, scaling, kvb, seg, H: tl.constexpr,
-                          HKV: tl.constexpr, HD: tl.constexpr, FIRST: tl.constexpr,
-                          BS: tl.constexpr,
-                          HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr, DT: tl.constexpr,
-                          PDL: tl.constexpr, NL: tl.constexpr):  # fmt: skip
+                          pos_arg, window, cap, eps, scaling, H: tl.constexpr, HKV: tl.constexpr,
+                          HD: tl.constexpr, FIRST: tl.constexpr, BS: tl.constexpr,
+                          HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
+                          DT: tl.constexpr):  # fmt: skip
     h = tl.program_id(0)
     kvh = h // (H // HKV)
     d = tl.arange(0, HD)
-    # chained: the group's first FIRST cached rows (seg bytes of its kvb) asked of L2 (earlier
-    # steps wrote them)
-    g = kvh + tl.zeros([1], tl.int32)
-    chain.prefetch_rows(k_ptr, g, kvb, 0, seg, NL, PDL)
-    chain.prefetch_rows(v_ptr, g, kvb, 0, seg, NL, PDL)
-    chain.enter(PDL)
     pos, lo = _position(pos_ptr, pos_arg, window, POS_PTR)
     k_rows = k_ptr + kvh.to(tl.int64) * cap * HD
     v_rows = v_ptr + kvh.to(tl.int64) * cap * HD
@@ -174,10 +165,9 @@ def _split_stats_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr,
                         pos_arg, window, cap, eps, scaling, CH, H: tl.constexpr,
                         HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr,
                         HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
-                        DT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                        DT: tl.constexpr):  # fmt: skip
     """Pass 1 of the split: the chunk's max and sum of exp(s - max) -> stats[h, j] (-inf, 0 for
     an empty chunk); the group's first head writes the new k and v rows (nobody reads them)."""
-    chain.enter(PDL)
     h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
         qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, eps, scaling, CH, H, HKV, HD,
         HAS_NORM, POS_PTR, DT)  # fmt: skip
@@ -207,10 +197,9 @@ def _split_out_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, s
                       part_ptr, pos_arg, window, cap, eps, scaling, CH, H: tl.constexpr,
                       HKV: tl.constexpr, HD: tl.constexpr, BS: tl.constexpr, NS: tl.constexpr,
                       HAS_NORM: tl.constexpr, POS_PTR: tl.constexpr,
-                      DT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      DT: tl.constexpr):  # fmt: skip
     """Pass 2: the head's max and sum from every chunk's, then the chunk's probabilities rounded
     to the activation dtype times V -> part[h, j] (fp32)."""
-    chain.enter(PDL)
     h, kvh, pos, start, stop, q, kn, vn, s_new = _chunk_setup(
         qkv_ptr, w_ptr, cos_ptr, sin_ptr, pos_ptr, pos_arg, window, eps, scaling, CH, H, HKV, HD,
         HAS_NORM, POS_PTR, DT)  # fmt: skip
@@ -237,10 +226,9 @@ def _split_out_kernel(qkv_ptr, w_ptr, cos_ptr, sin_ptr, k_ptr, v_ptr, pos_ptr, s
 
 @triton.jit
 def _split_sum_kernel(part_ptr, out_ptr, n, HD: tl.constexpr, SB: tl.constexpr,
-                      DT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                      DT: tl.constexpr):  # fmt: skip
     """Pass 3: a head's output, its chunks' partials added SB chunks a load (a long context's
     hundred chunks are a few round trips, not a hundred)."""
-    chain.enter(PDL)
     h = tl.program_id(0)
     d = tl.arange(0, HD)
     c = tl.arange(0, SB)
@@ -292,24 +280,20 @@ def attend_impl(qkv: torch.Tensor, qk_w: torch.Tensor | None, cos: torch.Tensor,
     head = (qkv, w, cos.contiguous(), sin.contiguous(), kc, vc, kc if pos_t is None else pos_t)
     flags = dict(H=heads, HKV=kv_heads, HD=hd, BS=BLOCK_S, HAS_NORM=qk_w is not None,
                  POS_PTR=pos_t is not None, DT=_TL[qkv.dtype])  # fmt: skip
-    chained = chain.flags(qkv)
     if cap >= SPLIT_CAP:  # a long context: split over the positions
         chunk = split_chunk(cap)
         n = triton.cdiv(cap, chunk)
         stats = torch.empty(heads, n, 2, dtype=torch.float32, device=qkv.device)
         part = torch.empty(heads, n, hd, dtype=torch.float32, device=qkv.device)
         tail = (pos, window, cap, eps, scaling, chunk)
-        _split_stats_kernel[(heads, n)](*head, stats, *tail, **flags, **chained, num_warps=4)
+        _split_stats_kernel[(heads, n)](*head, stats, *tail, **flags, num_warps=4)
         _split_out_kernel[(heads, n)](*head, stats, part, *tail, NS=triton.next_power_of_2(n),
-                                      **flags, **chained, num_warps=4)  # fmt: skip
+                                      **flags, num_warps=4)  # fmt: skip
         _split_sum_kernel[(heads,)](part, out, n, HD=hd, SB=SUM_BLOCK, DT=flags["DT"],
-                                    **chained, num_warps=4)  # fmt: skip
+                                    num_warps=4)  # fmt: skip
         return out
-    seg = min(FIRST, cap) * hd * kc.element_size()
-    _decode_attend_kernel[(heads,)](*head, out, pos, window, cap, eps, scaling,
-                                    cap * hd * kc.element_size(), seg, FIRST=FIRST,
-                                    NL=chain.lines(seg), **flags, **chained,
-                                    num_warps=8)  # fmt: skip
+    _decode_attend_kernel[(heads,)](*head, out, pos, window, cap, eps, scaling, FIRST=FIRST,
+                                    **flags, num_warps=8)  # fmt: skip
     return out
 
 

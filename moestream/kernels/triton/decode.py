@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import chain, tuned
+from moestream.kernels.triton import tuned
 from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
@@ -374,14 +374,10 @@ def _gate_up_kernel(
     x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, CHAIN: tl.constexpr = 0,
+    FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, nb, sk) = one _gate_up_item. CHAIN: launched chained after the router
-    (chain.py): it waits for it before reading ids and x, and lets down launch only then in any
-    mode, since down reads ids before its own wait."""
-    if CHAIN:
-        tl.extra.cuda.gdc_wait()
-    if PDL or CHAIN:
+    """Program (p, nb, sk) = one _gate_up_item."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
                   tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN, BK,
@@ -453,12 +449,9 @@ def _down_kernel(
     h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, CHAIN: tl.constexpr = 0,
+    PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr,
 ):  # fmt: skip
-    """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid). CHAIN 2 (chain.py's
-    early): the kernel after it may launch at once (it waits for this grid itself)."""
-    if CHAIN == 2:
-        tl.extra.cuda.gdc_launch_dependents()
+    """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid)."""
     _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr,
                cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, ELEM,
                FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
@@ -814,7 +807,7 @@ class Launch:
         kernel[(self.P, self.common["I"] // cfg.bn, cfg.split)](
             self.x, self.ids, *self.w13, part, cnt_g, h, P=self.P, BN=cfg.bn, BK=cfg.bk,
             SPLIT=cfg.split, PDL=self.gpu and cfg.pdl, num_warps=cfg.num_warps,
-            **{**self.common, **self._chained(kernel, _gate_up_kernel), **extra},
+            **{**self.common, **extra},
         )  # fmt: skip
 
     def down(self, **extra) -> None:
@@ -822,24 +815,11 @@ class Launch:
         cfg, (_, h, dpart, _, cnt_d) = self.cfg, self.ws
         pdl = self.gpu and cfg.pdl
         kernel = _down_mma_kernel if cfg.mma else _down_kernel
-        chained = self._chained(kernel, _down_kernel)
         kernel[(self.P, self.common["D"] // cfg.bn_d)](
             h, self.ids, self.weights, *self.w2, dpart, cnt_d, self.out, self.P,
             BN=cfg.bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=self.combine, num_warps=cfg.warps_d,
             **({"launch_pdl": True} if pdl else {}), **{**self.common, **extra},
-            **({"CHAIN": chained["CHAIN"]} if chained else {}),
         )  # fmt: skip
-
-    def _chained(self, kernel, product) -> dict:
-        """The product's CUDA-core kernels take a place in the step's PDL chain (chain.py):
-        gate/up launched chained (after the router), down letting the next kernel launch."""
-        if kernel is not product:  # the tensor-core kernels and the ablations' launch plainly
-            return {}
-        f = chain.flags(self.x)
-        out = {"CHAIN": f["PDL"]}
-        if product is _gate_up_kernel and f["PDL"]:
-            out["launch_pdl"] = True
-        return out
 
     def result(self) -> torch.Tensor:
         """The output [T, D], or with combine=False the pair rows [P, D] (a workspace view)."""

@@ -46,7 +46,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import chain
 from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
@@ -298,9 +297,8 @@ def _gemv_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T, N: tl.constex
 
 @triton.jit
 def _sum_kernel(part_ptr, b_ptr, out_ptr, TN, N: tl.constexpr, SPLIT: tl.constexpr,
-                HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """out = the SPLIT fp32 partials [SPLIT, T, N] added in split order (+ bias), rounded once."""
-    chain.enter(PDL)
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = o < TN
     tot = tl.zeros([BLOCK], tl.float32)
@@ -449,21 +447,13 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
                      TP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ROW0: tl.constexpr,
                      QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SPLIT: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     FAST: tl.constexpr, UNROLL: tl.constexpr, PDL: tl.constexpr,
-                     QB: tl.constexpr, SB: tl.constexpr, NLQ: tl.constexpr,
-                     NLS: tl.constexpr):  # fmt: skip
+                     FAST: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
     """Program (row block, split sk): rows ROW0 + program_id(0) * BN ... (int4: one packed block)
     over K / SPLIT inputs, the K loop unrolled UNROLL times (the loads of those steps issue
-    ahead; a fully unrolled int4 loop spills). Chained (PDL), the row-major layouts first ask L2
-    for the program's weight and scale bytes (QB, SB bytes a row over all of K; NLQ, NLS lines)."""
+    ahead; a fully unrolled int4 loop spills)."""
     n0 = ROW0 + tl.program_id(0) * BN
     sk = tl.program_id(1)
     KC: tl.constexpr = K // SPLIT
-    if QUANT != 2:  # rows of the row-major layouts: this split's bytes of each
-        rp = tl.minimum(n0 + tl.arange(0, BN), N - 1)
-        chain.prefetch_rows(q_ptr, rp, QB, sk * (QB // SPLIT), QB // SPLIT, NLQ, PDL)
-        chain.prefetch_rows(s_ptr, rp, SB, sk * (SB // SPLIT), SB // SPLIT, NLS, PDL)
-    chain.enter(PDL)
     if QUANT == 2:
         acc_lo = _acc([TP, BK // G, G, 32], T)
         acc_hi = _acc([TP, BK // G, G, 32], T)
@@ -512,16 +502,9 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     G = 32 if quant == "q4_0" else group
     kw = dict(N=n, K=K, QUANT=QUANT_CODE[quant], G=G, BN=cfg.bn, SPLIT=cfg.split,
               HAS_BIAS=bias is not None, num_warps=cfg.num_warps)  # fmt: skip
-    chained = {"PDL": 0}
     if cfg.fma:
         kernel = _gemv_fma_kernel
-        # bytes a row of the weight and of its scales (the row-major layouts; int4's blocks
-        # take no prefetch)
-        qb, sb = (t.numel() * t.element_size() // n for t in (q, s))
-        chained = chain.flags(x)
-        kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll,
-                   QB=qb, SB=sb, NLQ=chain.lines(max(qb // cfg.split, 1)),
-                   NLS=chain.lines(max(sb // cfg.split, 1)), **chained)  # fmt: skip
+        kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll)
     else:
         kernel = _gemv_kernel
         kw |= dict(
@@ -539,15 +522,7 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     if cfg.split > 1:
         block = 1024
         _sum_kernel[(triton.cdiv(T * n, block),)](
-            part,
-            b,
-            out,
-            T * n,
-            N=n,
-            SPLIT=cfg.split,
-            HAS_BIAS=bias is not None,
-            BLOCK=block,
-            **chained,
+            part, b, out, T * n, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block
         )
     return out
 

@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import chain
-
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -28,9 +26,7 @@ def _norm_row(x_ptr, w_ptr, out_ptr, t, x, d, m, D, eps, DT: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, DT: tl.constexpr,
-                     PDL: tl.constexpr):  # fmt: skip
-    chain.enter(PDL)
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, DT: tl.constexpr):
     t = tl.program_id(0)
     d = tl.arange(0, BD)
     m = d < D
@@ -40,9 +36,8 @@ def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, eps, BD: tl.constexpr, DT: tl.con
 
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, y_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BD: tl.constexpr,
-                         DT: tl.constexpr, PDL: tl.constexpr):  # fmt: skip
+                         DT: tl.constexpr):  # fmt: skip
     """s = x + y rounded to DT (torch's add: fp32, one rounding) stored, then s's norm."""
-    chain.enter(PDL)
     t = tl.program_id(0)
     d = tl.arange(0, BD)
     m = d < D
@@ -64,8 +59,7 @@ def rms_norm_rows(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Te
     """x [T, D] in bf16 / fp16, weight [D] in x's dtype -> weight * rms_norm(x) [T, D]."""
     T, D = x.shape
     out = torch.empty_like(x)
-    _rms_norm_kernel[(T,)](x.contiguous(), weight, out, D, eps, **_tiles(x, weight),
-                           **chain.flags(x))  # fmt: skip
+    _rms_norm_kernel[(T,)](x.contiguous(), weight, out, D, eps, **_tiles(x, weight))
     return out
 
 
@@ -77,5 +71,5 @@ def add_rms_norm_rows(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor,
     assert y.shape == x.shape and y.dtype == x.dtype, (y.shape, y.dtype)
     s, out = torch.empty_like(x), torch.empty_like(x)
     _add_rms_norm_kernel[(T,)](x.contiguous(), y.contiguous(), weight, s, out, D, eps,
-                               **_tiles(x, weight), **chain.flags(x))  # fmt: skip
+                               **_tiles(x, weight))  # fmt: skip
     return s, out

@@ -18,8 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import chain
-
 MAX_EXPERTS = 1024  # one row in registers
 
 
@@ -91,12 +89,9 @@ def _route_kernel(x_ptr, w_ptr, ids_ptr, E, K: tl.constexpr, KP: tl.constexpr, E
 def _router_kernel(x_ptr, g_ptr, logit_ptr, cnt_ptr, w_ptr, ids_ptr, E, T: tl.constexpr,
                    D: tl.constexpr, RB: tl.constexpr, BK: tl.constexpr, K: tl.constexpr,
                    KP: tl.constexpr, EP: tl.constexpr, RENORM: tl.constexpr,
-                   XDT: tl.constexpr, DT: tl.constexpr, PACKED: tl.constexpr,
-                   PDL: tl.constexpr, GB: tl.constexpr, NL: tl.constexpr):  # fmt: skip
+                   XDT: tl.constexpr, DT: tl.constexpr, PACKED: tl.constexpr):  # fmt: skip
     r = tl.program_id(0) * RB + tl.arange(0, RB)
     rl = tl.minimum(r, E - 1)  # rows past E load row E - 1 (unstored)
-    chain.prefetch_rows(g_ptr, rl, GB, 0, GB, NL, PDL)  # chained: the gate rows (GB bytes each)
-    chain.enter(PDL)
     kk = tl.arange(0, BK)
     for t in tl.static_range(T):
         acc = tl.zeros([RB, BK], tl.float32)
@@ -162,7 +157,6 @@ def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
         x.contiguous(), gate.contiguous(), logits, cnt, w, ids, E, T=T, D=D, RB=rows,
         BK=router_block(D), K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
         RENORM=renorm, XDT=_TL[x.dtype], DT=_TL[dtype], PACKED=packed, num_warps=warps,
-        GB=D * gate.element_size(), NL=chain.lines(D * gate.element_size()), **chain.flags(x),
     )  # fmt: skip
     return w, ids
 
