@@ -21,7 +21,8 @@ rows come in the store's packed blocks of 64 (a block is [K, 32] bytes: row d lo
 d + 32 high); a shorter last block ([K, b/2] bytes) takes its own launch.
 
 Numerics: fma multiplies the exact fp32 integers (int8 q, q4_0 q - 8) by the fp32 activations,
-sums each group of 32 and scales it; int4 multiplies s (q - 8) + z (rounded once to fp32); mma
+sums each group of 32 and scales it; int4 (and int4 rows with `elem`) multiplies s (q - 8) + z
+(rounded once to fp32); mma
 multiplies the raw integers (at most 8 bits) by the activations, exact in fp32 for bf16 / fp16
 (fp32 ones round each product, "ieee" dots). Sums are fp32 in either kernel, so the result is
 sum(dequantized weight x activation) up to fp32 rounding, rounded once to x's dtype. The
@@ -74,6 +75,10 @@ class GemvConfig:
     fma: bool = False  # CUDA-core kernel (_gemv_fma_kernel) instead of the tensor-core one
     bk: int = 512  # fma: inputs per K step
     unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
+    # fma, int4 rows: each weight dequantized once (s (q - 8) + z, one fp32 rounding) and summed
+    # per element, one reduction at the end (~half the instructions a weight of the per-group
+    # sums; a sweep candidate, not yet timed: gemv_candidates)
+    elem: bool = False
 
 
 # Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs): at one token the GEMV
@@ -162,7 +167,8 @@ def _mma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
 def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list[GemvConfig]:
     """gemv_config's tiles first, then the alternatives a device sweep times against them
     (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
-    of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice)."""
+    of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice);
+    int4 rows: the fma tiles with each weight dequantized once (`elem`)."""
     fma = _fma_config(quant, n, k, group)
     if quant == "int4":
         bk = 2 * fma.bk if k % (2 * fma.bk) == 0 else fma.bk
@@ -173,6 +179,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     out = [gemv_config(quant, n, k, group, tokens), fma, alt]
     if quant != "int4_rows":  # the tensor-core kernel reads the store's layouts only
         out.append(_mma_config(quant, n, k, group))
+    else:  # each weight dequantized once (GemvConfig.elem)
+        out.append(replace(fma, elem=True))
     return list(dict.fromkeys(out))
 
 
@@ -363,8 +371,9 @@ def _bf16_hi(v):
 @triton.jit
 def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexpr,
               K: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, FAST: tl.constexpr):  # fmt: skip
-    """int8 / q4_0, one K step of rows rl: per group sum(q x) * scale -> acc [TP, BN, BK/G]."""
+              BK: tl.constexpr, FAST: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
+    """int8 / q4_0 / int4 rows, one K step of rows rl: per group sum(q x) * scale -> acc
+    [TP, BN, BK/G]; ELEM (int4 rows): (s (q - 8) + z) x per element -> acc [TP, BN, BK/32, 16]."""
     if QUANT == 1:
         NG: tl.constexpr = BK // G
         kk = k0 + tl.arange(0, NG)[:, None] * G + tl.arange(0, G)[None, :]  # [NG, G]
@@ -385,15 +394,22 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
         else:  # (scale, zero) words [N, K/G]: s (q - 8) + z summed as s * dot + z * sum(x)
             v = tl.load(s_ptr + rl[:, None] * (K // G) + (kb * 32 // G).reshape([1, NB]))
             sc, zp = _bf16_lo(v), _bf16_hi(v)
-        for t in tl.static_range(T):
-            x_lo = _x_rows(x_ptr, t, koff, K)
-            x_hi = _x_rows(x_ptr, t, koff + 16, K)
-            p = tl.sum(lo * x_lo + hi * x_hi, 2)
-            if QUANT == 3:
-                p = p * d
-            else:
-                p = p * sc + tl.sum(x_lo + x_hi, 2) * zp
-            acc = _add_token(acc, p, t, T, TP)
+        if ELEM:  # int4 rows, each weight dequantized once: one FFMA each, then one per product
+            w_lo = lo * sc[:, :, None] + zp[:, :, None]
+            w_hi = hi * sc[:, :, None] + zp[:, :, None]
+            for t in tl.static_range(T):
+                acc = _add_token(acc, w_lo * _x_rows(x_ptr, t, koff, K), t, T, TP)
+                acc = _add_token(acc, w_hi * _x_rows(x_ptr, t, koff + 16, K), t, T, TP)
+        else:
+            for t in tl.static_range(T):
+                x_lo = _x_rows(x_ptr, t, koff, K)
+                x_hi = _x_rows(x_ptr, t, koff + 16, K)
+                p = tl.sum(lo * x_lo + hi * x_hi, 2)
+                if QUANT == 3:
+                    p = p * d
+                else:
+                    p = p * sc + tl.sum(x_lo + x_hi, 2) * zp
+                acc = _add_token(acc, p, t, T, TP)
     return acc
 
 
@@ -447,7 +463,7 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
                      TP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ROW0: tl.constexpr,
                      QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SPLIT: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     FAST: tl.constexpr, UNROLL: tl.constexpr):  # fmt: skip
+                     FAST: tl.constexpr, UNROLL: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
     """Program (row block, split sk): rows ROW0 + program_id(0) * BN ... (int4: one packed block)
     over K / SPLIT inputs, the K loop unrolled UNROLL times (the loads of those steps issue
     ahead; a fully unrolled int4 loop spills)."""
@@ -471,11 +487,18 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
         r = n0 + tl.arange(0, BN)
         rl = tl.minimum(r, N - 1)  # rows past N load row N - 1 (unmasked, vector loads; unstored)
         NG: tl.constexpr = BK // G if QUANT == 1 else BK // 32
-        acc = _acc([TP, BN, NG], T)
+        if ELEM:
+            acc = _acc([TP, BN, NG, 16], T)
+        else:
+            acc = _acc([TP, BN, NG], T)
         for kb in tl.range(0, KC, BK, loop_unroll_factor=UNROLL):
             acc = _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, sk * KC + kb, T, TP, K, QUANT, G, BN,
-                            BK, FAST)  # fmt: skip
-        _fma_store(_tokens_rows(tl.sum(acc, -1), T), r, r < N, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT,
+                            BK, FAST, ELEM)  # fmt: skip
+        if ELEM:
+            y = tl.sum(tl.sum(acc, -1), -1)
+        else:
+            y = tl.sum(acc, -1)
+        _fma_store(_tokens_rows(y, T), r, r < N, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT,
                    HAS_BIAS)  # fmt: skip
 
 
@@ -493,6 +516,7 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     assert why is None, why
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
     cfg = cfg or gemv_config(quant, n, K, group, T)
+    assert not cfg.elem or (cfg.fma and quant == "int4_rows"), "elem: the int4-rows fma kernel"
     x = x.contiguous()
     out = torch.empty(T, n, device=x.device, dtype=x.dtype)
     part = out if cfg.split == 1 else torch.empty(cfg.split, T, n, device=x.device)
@@ -504,7 +528,8 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
               HAS_BIAS=bias is not None, num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fma:
         kernel = _gemv_fma_kernel
-        kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll)
+        kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll,
+                   ELEM=cfg.elem)  # fmt: skip
     else:
         kernel = _gemv_kernel
         kw |= dict(
