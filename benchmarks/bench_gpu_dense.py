@@ -242,7 +242,11 @@ def _tiles(r: dict) -> str:
     if t is None:
         return ""
     keys = ("bn", "bk", "split", "num_warps", "unroll") if t["fma"] else ("bn", "gps", "split")
-    kind = ("fma elem " if t.get("elem") else "fma ") if t["fma"] else "mma "
+    kind = (
+        "fma " + "elem " * bool(t.get("elem")) + "fold " * bool(t.get("fold"))
+        if t["fma"]
+        else "mma "
+    )
     marks = (" rule" if t["rule"] else "") + (" BEST" if r.get("best") else "")
     return kind + ",".join(f"{key}={t[key]}" for key in keys) + marks
 

@@ -10,6 +10,8 @@ Runs through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), comp
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -137,6 +139,11 @@ def test_every_candidate_config_matches_the_spec(quant, T):
     forced = tdense.GemvConfig(bn=bn, split=2, fma=True, bk=64 if quant == "int4" else 128)
     for cfg in [*tdense.gemv_candidates(quant, n, k, 32, T), forced]:
         _check(tdense.gemv_impl(x, q, scales, bias, quant, n, 32, cfg), x, w, bias)
+    if quant != "int4":  # the last split program adds the partials: the sum kernel's bits
+        want = tdense.gemv_impl(x, q, scales, bias, quant, n, 32, forced)
+        folded = dataclasses.replace(forced, fold=True)
+        for _ in range(2):  # the counters are reset by the call that used them
+            assert torch.equal(tdense.gemv_impl(x, q, scales, bias, quant, n, 32, folded), want)
 
 
 def test_the_gemv_says_what_it_does_not_take():
@@ -308,3 +315,25 @@ def test_the_benchmark_dry_run_writes_its_rows(tmp_path):
     assert [row["variant"] for row in rows] == ["bf16_linear", "triton_int4"]
     assert all(row["config"]["dry_run"] and row["us"] > 0 for row in rows)
     assert rows[1]["max_rel_err_vs_ref"] < 1e-5
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ["int8", "q4_0", "int4_rows"])
+def test_cuda_folded_split_gives_the_sum_kernels_bits(quant):
+    """GemvConfig.fold (the last split program adds the partials) captured and replayed gives the
+    two-launch split's bits, call after call (its counters reset themselves)."""
+    n, k = 2048, 4096
+    w = _weight(quant, n, k, seed=9).cuda()
+    q, scales = _operands(w, quant)
+    cfg = tdense.gemv_config(quant, n, k, 32)
+    assert cfg.split > 1
+    folded = dataclasses.replace(cfg, fold=True)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
+    tdense.gemv_impl(x, q, scales, None, quant, n, 32, folded)  # compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        y = tdense.gemv_impl(x, q, scales, None, quant, n, 32, folded)
+    for seed in range(3):
+        x.copy_(torch.randn(1, k, generator=torch.Generator().manual_seed(seed)))
+        g.replay()
+        assert torch.equal(y, tdense.gemv_impl(x, q, scales, None, quant, n, 32, cfg))

@@ -79,6 +79,10 @@ class GemvConfig:
     # per element, one reduction at the end (~half the instructions a weight of the per-group
     # sums; a sweep candidate, not yet timed: gemv_candidates)
     elem: bool = False
+    # fma, row-major layouts, split K: the last split program of a row block adds the partials
+    # (in split order: _sum_kernel's bits) instead of a second launch (a sweep candidate, not yet
+    # timed: gemv_candidates)
+    fold: bool = False
 
 
 # Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs): at one token the GEMV
@@ -168,7 +172,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     """gemv_config's tiles first, then the alternatives a device sweep times against them
     (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
     of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice);
-    int4 rows: the fma tiles with each weight dequantized once (`elem`)."""
+    int4 rows: the fma tiles with each weight dequantized once (`elem`); a split K: the fma
+    tiles with the partials added by the last split program (`fold`)."""
     fma = _fma_config(quant, n, k, group)
     if quant == "int4":
         bk = 2 * fma.bk if k % (2 * fma.bk) == 0 else fma.bk
@@ -181,6 +186,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
         out.append(_mma_config(quant, n, k, group))
     else:  # each weight dequantized once (GemvConfig.elem)
         out.append(replace(fma, elem=True))
+    if fma.split > 1 and quant != "int4":  # the partials added by the last split program
+        out.append(replace(fma, fold=True))
     return list(dict.fromkeys(out))
 
 
@@ -463,10 +470,12 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
                      TP: tl.constexpr, N: tl.constexpr, K: tl.constexpr, ROW0: tl.constexpr,
                      QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SPLIT: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     FAST: tl.constexpr, UNROLL: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
+                     FAST: tl.constexpr, UNROLL: tl.constexpr, ELEM: tl.constexpr,
+                     cnt_ptr, FOLD: tl.constexpr):  # fmt: skip
     """Program (row block, split sk): rows ROW0 + program_id(0) * BN ... (int4: one packed block)
     over K / SPLIT inputs, the K loop unrolled UNROLL times (the loads of those steps issue
-    ahead; a fully unrolled int4 loop spills)."""
+    ahead; a fully unrolled int4 loop spills). FOLD: the row block's last split program (an
+    int32 counter a block, reset by it) adds the partials into out."""
     n0 = ROW0 + tl.program_id(0) * BN
     sk = tl.program_id(1)
     KC: tl.constexpr = K // SPLIT
@@ -500,6 +509,29 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
             y = tl.sum(acc, -1)
         _fma_store(_tokens_rows(y, T), r, r < N, b_ptr, out_ptr, part_ptr, sk, T, TP, N, SPLIT,
                    HAS_BIAS)  # fmt: skip
+        if FOLD:
+            tl.debug_barrier()  # every thread's partials are stored before the release below
+            nb = tl.program_id(0)
+            if tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
+                _fold_rows(part_ptr, b_ptr, out_ptr, r, r < N, T, TP, N, BN, SPLIT, HAS_BIAS)
+                tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")  # the next call's
+
+
+@triton.jit
+def _fold_rows(part_ptr, b_ptr, out_ptr, r, rmask, T: tl.constexpr, TP: tl.constexpr,
+               N: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    """out[t, r] = the SPLIT partials [SPLIT, T, N] added in split order (+ bias), rounded once:
+    `_sum_kernel`'s arithmetic, so the same bits."""
+    t = tl.arange(0, TP)[:, None]
+    m = (t < T) & rmask[None, :]
+    tot = tl.zeros([TP, BN], tl.float32)
+    for i in tl.static_range(SPLIT):
+        tot += tl.load(part_ptr + (i * T + t) * N + r[None, :], mask=m, other=0.0,
+                       cache_modifier=".cg")  # fmt: skip
+    if HAS_BIAS:
+        tot += tl.load(b_ptr + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + t * N + r[None, :], tot.to(out_ptr.dtype.element_ty), mask=m)
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -517,6 +549,8 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
     cfg = cfg or gemv_config(quant, n, K, group, T)
     assert not cfg.elem or (cfg.fma and quant == "int4_rows"), "elem: the int4-rows fma kernel"
+    fold = cfg.fold and cfg.split > 1
+    assert not fold or (cfg.fma and quant != "int4"), "fold: the fma kernel's row-major layouts"
     x = x.contiguous()
     out = torch.empty(T, n, device=x.device, dtype=x.dtype)
     part = out if cfg.split == 1 else torch.empty(cfg.split, T, n, device=x.device)
@@ -529,7 +563,8 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     if cfg.fma:
         kernel = _gemv_fma_kernel
         kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll,
-                   ELEM=cfg.elem)  # fmt: skip
+                   ELEM=cfg.elem, FOLD=fold,
+                   cnt_ptr=_counters(x.device, triton.cdiv(n, cfg.bn)) if fold else out)  # fmt: skip
     else:
         kernel = _gemv_kernel
         kw |= dict(
@@ -544,12 +579,24 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
         kernel[grid](x, q, s, b, out, part, ROW0=0, HALF=32, **kw)
     if full < n:  # int4's shorter last block: [K, (n - full) / 2] bytes
         kernel[(1, cfg.split)](x, q, s, b, out, part, ROW0=full, HALF=(n - full) // 2, **kw)
-    if cfg.split > 1:
+    if cfg.split > 1 and not fold:
         block = 1024
         _sum_kernel[(triton.cdiv(T * n, block),)](
             part, b, out, T * n, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block
         )
     return out
+
+
+_COUNTERS: dict = {}  # (device, blocks) -> int32 counters, zero between calls (reset by use)
+
+
+def _counters(device: torch.device, blocks: int) -> torch.Tensor:
+    """`blocks` zero counters for a folding call, kept for the process (a captured graph holds
+    their address; allocated at an eager call: a step's first call is made before capture)."""
+    key = (str(device), blocks)
+    if key not in _COUNTERS:
+        _COUNTERS[key] = torch.zeros(blocks, dtype=torch.int32, device=device)
+    return _COUNTERS[key]
 
 
 @torch.library.custom_op("moestream::dense_gemv", mutates_args=())
