@@ -76,8 +76,8 @@ class GemvConfig:
     bk: int = 512  # fma: inputs per K step
     unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
     # fma, int4 rows: each weight dequantized once (s (q - 8) + z, one fp32 rounding) and summed
-    # per element, one reduction at the end (~half the instructions a weight of the per-group
-    # sums; a sweep candidate, not yet timed: gemv_candidates)
+    # per element, one reduction at the end (sm_90 SASS: 7.6 instructions a weight against the
+    # per-group sums' 9.25; a sweep candidate, not yet timed: gemv_candidates)
     elem: bool = False
     # fma, row-major layouts, split K: the last split program of a row block adds the partials
     # (in split order: _sum_kernel's bits) instead of a second launch (a sweep candidate, not yet
