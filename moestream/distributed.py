@@ -113,8 +113,12 @@ def _first_error(folder: str) -> BaseException | None:
 
 def _spawned(rank: int, world: int, init: str, fn, args, errors: str) -> None:
     code = _run_rank(rank, world, init, fn, args, errors)
-    if code:
-        sys.exit(code)
+    # Leave without the interpreter's teardown: its C++ destructors once met a joinable thread
+    # of the process group ("terminate called without an active exception", SIGABRT) after the
+    # rank's work was done and its results saved. Outputs are flushed; errors are in their files.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_rank(rank: int, world: int, init: str, fn, args, errors: str | None) -> int:
