@@ -98,6 +98,7 @@ def main() -> None:
         ]
         x = torch.randn(1, D, generator=gen).to(device, dtype)
         want_w, want_ids = torch_route(x, gates[0], k, renorm)
+        bits = route_decode_impl(x, gates[0], k, renorm, dtype)  # the product's tiles
         variants = [("torch", None)] + [
             (f"rows={r},warps={w},packed={int(p)}", dict(rows=r, warps=w, packed=p))
             for r, w, p in itertools.product(a.rows, a.warps, (False, True))
@@ -109,7 +110,6 @@ def main() -> None:
                 fn = lambda g, kw=kw: route_decode_impl(x, g, k, renorm, dtype, **kw)  # noqa: E731
                 w, ids = fn(gates[0])
                 same_choice(label, w, ids, want_w, want_ids)
-                bits = route_decode_impl(x, gates[0], k, renorm, dtype)  # the product's tiles
                 exact = torch.equal(ids, bits[1]) and torch.equal(w, bits[0])
             calls = [lambda g=gates[i % copies]: fn(g) for i in range(n_calls)]
             if cuda:

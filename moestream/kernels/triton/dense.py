@@ -315,10 +315,19 @@ def _sum_kernel(part_ptr, b_ptr, out_ptr, TN, N: tl.constexpr, SPLIT: tl.constex
                 HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
     """out = the SPLIT fp32 partials [SPLIT, T, N] added in split order (+ bias), rounded once."""
     o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < TN
-    tot = tl.zeros([BLOCK], tl.float32)
+    _split_sum(part_ptr, b_ptr, out_ptr, o, o < TN, TN, N, SPLIT, HAS_BIAS)
+
+
+@triton.jit
+def _split_sum(part_ptr, b_ptr, out_ptr, o, m, TN, N: tl.constexpr, SPLIT: tl.constexpr,
+               HAS_BIAS: tl.constexpr):  # fmt: skip
+    """out[o] (flat offsets t * N + row) = the partials at o added in split order (+ bias),
+    rounded once: _sum_kernel's and a folding GEMV's last program's (GemvConfig.fold) one code,
+    so both give the same bits. Loads skip L1 (.cg): the folding program reads other programs'
+    partials."""
+    tot = tl.zeros(o.shape, tl.float32)
     for i in tl.static_range(SPLIT):
-        tot += tl.load(part_ptr + i * TN + o, mask=m, other=0.0)
+        tot += tl.load(part_ptr + i * TN + o, mask=m, other=0.0, cache_modifier=".cg")
     if HAS_BIAS:
         tot += tl.load(b_ptr + o % N, mask=m, other=0.0).to(tl.float32)
     tl.store(out_ptr + o, tot.to(out_ptr.dtype.element_ty), mask=m)
@@ -513,25 +522,10 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
             tl.debug_barrier()  # every thread's partials are stored before the release below
             nb = tl.program_id(0)
             if tl.atomic_add(cnt_ptr + nb, 1, sem="acq_rel", scope="gpu") == SPLIT - 1:
-                _fold_rows(part_ptr, b_ptr, out_ptr, r, r < N, T, TP, N, BN, SPLIT, HAS_BIAS)
+                t = tl.arange(0, TP)[:, None]
+                _split_sum(part_ptr, b_ptr, out_ptr, t * N + r[None, :],
+                           (t < T) & (r < N)[None, :], T * N, N, SPLIT, HAS_BIAS)  # fmt: skip
                 tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")  # the next call's
-
-
-@triton.jit
-def _fold_rows(part_ptr, b_ptr, out_ptr, r, rmask, T: tl.constexpr, TP: tl.constexpr,
-               N: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr,
-               HAS_BIAS: tl.constexpr):  # fmt: skip
-    """out[t, r] = the SPLIT partials [SPLIT, T, N] added in split order (+ bias), rounded once:
-    `_sum_kernel`'s arithmetic, so the same bits."""
-    t = tl.arange(0, TP)[:, None]
-    m = (t < T) & rmask[None, :]
-    tot = tl.zeros([TP, BN], tl.float32)
-    for i in tl.static_range(SPLIT):
-        tot += tl.load(part_ptr + (i * T + t) * N + r[None, :], mask=m, other=0.0,
-                       cache_modifier=".cg")  # fmt: skip
-    if HAS_BIAS:
-        tot += tl.load(b_ptr + r, mask=rmask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + t * N + r[None, :], tot.to(out_ptr.dtype.element_ty), mask=m)
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -549,8 +543,8 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
     cfg = cfg or gemv_config(quant, n, K, group, T)
     assert not cfg.elem or (cfg.fma and quant == "int4_rows"), "elem: the int4-rows fma kernel"
-    fold = cfg.fold and cfg.split > 1
-    assert not fold or (cfg.fma and quant != "int4"), "fold: the fma kernel's row-major layouts"
+    fold = cfg.fold
+    assert not fold or (cfg.fma and quant != "int4" and cfg.split > 1), "fold: a split fma GEMV"
     x = x.contiguous()
     out = torch.empty(T, n, device=x.device, dtype=x.dtype)
     part = out if cfg.split == 1 else torch.empty(cfg.split, T, n, device=x.device)

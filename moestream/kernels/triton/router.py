@@ -126,7 +126,8 @@ def route_rows(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype,
 
 # One router row a program on one warp (E programs; the last one's top-k has no cross-warp
 # reductions): 4.87 / 5.09 us a call against 6.27 / 6.75 for 2 rows on 4 warps at 128 / 256
-# experts x 2048 (bench_gpu_router.py, H200, 68b1659; the fastest of 1-4 rows x 1-4 warps).
+# experts x 2048 (bench_gpu_router.py, H200, 68b1659; the fastest of 1, 2, 4 rows x 1, 2, 4
+# warps).
 ROUTER_ROWS = 1  # router rows per program of route_decode
 ROUTER_WARPS = 1  # warps per program of route_decode (bench_gpu_router.py times 1, 2, 4)
 _SCRATCH: dict = {}  # (device, E) -> (fp32 logits [8, E], int32 counter): zero, reset by use
