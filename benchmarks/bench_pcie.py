@@ -10,7 +10,9 @@ several admission programs (`programs`: its bytes in flight) and staging chunks 
 Contention rows: in a streamed decode the admissions of one step run on the copy stream while
 the next step stages its misses, both reading pinned memory over the same link. Each such row
 starts an admission of ADMIT_N records on one stream and, beside it, STAGE_CALLS staging calls
-of one missed pair each on another, and reports both rates while they share the link.
+of one missed pair each on another, and reports both rates while they share the link. A row
+with `pause` true runs the pausing admission (GpuConfig.admit_pause: it waits while a staging
+launch copies), ADMIT_PROGRAMS programs.
 
 Records have the GPU pool's int4-rows sections at a model shape (default Qwen3-30B-A3B: D 2048,
 I 768, group 32); a pinned mirror of `--rows` records; each timed call moves n distinct records
@@ -89,9 +91,10 @@ def variants(src, dst, n: int, gen, device, programs=PROGRAMS, chunks=STAGE_CHUN
 
 
 def contention(src, dst, reps: int, gen, device) -> list[dict]:
-    """Rows of an admission (ADMIT_N records, `programs`) and STAGE_CALLS one-miss staging
-    calls (`chunks`) running at once on two streams: each side's time and rate."""
-    from moestream.kernels.triton.copy import SectionCopy, StageMisses
+    """Rows of an admission (ADMIT_N records, `programs`, pausing or not) and STAGE_CALLS
+    one-miss staging calls (`chunks`) running at once on two streams: each side's time and
+    rate."""
+    from moestream.kernels.triton.copy import ADMIT_PROGRAMS, SectionCopy, StageMisses
 
     record = sum(t[0].numel() * t.element_size() for t in src)
     rows = torch.randperm(src[0].shape[0], generator=gen)
@@ -100,12 +103,14 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
     base = dst[0].shape[0] - TOPK
     s_admit, s_stage = torch.cuda.Stream(), torch.cuda.Stream()
     out = []
+    busy = torch.zeros(1, dtype=torch.int32, device=device)
     for c in STAGE_CHUNKS:
-        stage = StageMisses(src, dst, chunks=c)
-        calls = [stage_call(stage, 1, stage_rows[i : i + 1], device, base)
-                 for i in range(STAGE_CALLS)]  # fmt: skip
-        for p in (*PROGRAMS, None):  # None: the staging alone
-            admit = SectionCopy(src, dst, programs=p or 1)
+        # None: the staging alone; pause: the admission waits while the staging copies
+        for p, pause in [*((p, False) for p in PROGRAMS), (ADMIT_PROGRAMS, True), (None, False)]:
+            stage = StageMisses(src, dst, chunks=c, busy=busy if pause else None)
+            calls = [stage_call(stage, 1, stage_rows[i : i + 1], device, base)
+                     for i in range(STAGE_CALLS)]  # fmt: skip
+            admit = SectionCopy(src, dst, programs=p or 1, busy=busy if pause else None)
             times = []
             for _ in range(reps + 1):  # the first: warm-up
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
@@ -126,7 +131,7 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
                               ev[0].elapsed_time(ev[2]) / 1e3))  # fmt: skip
             times = times[1:]
             stage_s = statistics.median(t[1] for t in times)
-            row = {"variant": "contention", "chunks": c, "programs": p,
+            row = {"variant": "contention", "chunks": c, "programs": p, "pause": pause,
                    "stage_us": stage_s * 1e6,
                    "stage_gbps": STAGE_CALLS * record / stage_s / 1e9}  # fmt: skip
             if p is not None:
@@ -151,6 +156,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", type=int, default=256, help="records in the pinned mirror")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--dry-run", action="store_true", help="CPU, interpreter, tiny records")
+    ap.add_argument(
+        "--contention-only",
+        action="store_true",
+        help="only the contention rows (the copy alone at 1-16 records skipped)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -178,7 +188,7 @@ def main(argv=None) -> int:
                                               else ", dry run: nothing measured"))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     rows_out = []
-    for n in COUNTS:
+    for n in () if a.contention_only else COUNTS:
         # the interpreter runs every program in turn: few of them in a dry run
         sweep = ((1, 4), (1, 2)) if a.dry_run else (PROGRAMS, STAGE_CHUNKS)
         calls, rows, slots = variants(src, dst, n, gen, device, *sweep)
@@ -202,7 +212,8 @@ def main(argv=None) -> int:
         for r in contention(src, dst, a.reps, gen, device):
             r["h2d_gbps"] = ceiling
             rows_out.append(r)
-            admit = (f"admission ({r['programs']} programs) {r['admit_gbps']:5.1f} GB/s beside "
+            kind = "pausing admission" if r["pause"] else "admission"
+            admit = (f"{kind} ({r['programs']} programs) {r['admit_gbps']:5.1f} GB/s beside "
                      if r["programs"] else "alone: ")  # fmt: skip
             print(f"contention: {admit}staging ({r['chunks']} chunks) {r['stage_gbps']:5.1f} GB/s")
     if a.out:

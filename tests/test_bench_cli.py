@@ -208,6 +208,10 @@ def test_bench_peers_variants_per_share():
     # "-admitall": every device-side miss admitted (GpuConfig.admit; scored by default)
     assert staged.admit == "scored"
     assert child_experts("triton-admitall", "cuda", 0.5) == dataclasses.replace(staged, admit="all")
+    # "-pause": admissions wait while a step stages its misses (GpuConfig.admit_pause)
+    assert not staged.admit_pause
+    paused = child_experts("triton-pause", "cuda", 0.5)
+    assert paused == dataclasses.replace(staged, admit_pause=True)
 
 
 def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):

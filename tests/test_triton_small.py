@@ -18,11 +18,14 @@ except ImportError:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n_sections,programs", [(1, 8), (2, 1), (4, 5), (4, 64)])
-def test_section_copy_equals_indexing(n_sections, programs):
+@pytest.mark.parametrize("n_sections,programs,pause", [(1, 8, False), (2, 1, False),
+                                                       (4, 5, False), (4, 64, False),
+                                                       (4, 5, True)])  # fmt: skip
+def test_section_copy_equals_indexing(n_sections, programs, pause):
     """Rows of a (pinned on CUDA) host mirror into device slots, sections of different widths
     (one of more than the kernel's chunks x BLOCK words, one under a block), by fewer programs
-    than work items (each walks several) or more; slots not named keep their poison."""
+    than work items (each walks several) or more; slots not named keep their poison. `pause`:
+    the admission that waits for an idle staging counter (smaller blocks), the same bytes."""
     from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
 
     g = torch.Generator().manual_seed(n_sections)
@@ -36,7 +39,8 @@ def test_section_copy_equals_indexing(n_sections, programs):
     want = [d.clone() for d in dsts]
     rows = torch.tensor([9, 0, 4], device=DEVICE)
     slots = torch.tensor([2, 5, 0], device=DEVICE)
-    SectionCopy(srcs, dsts, programs=programs)(rows, slots)
+    busy = torch.zeros(1, dtype=torch.int32, device=DEVICE) if pause else None
+    SectionCopy(srcs, dsts, programs=programs, busy=busy)(rows, slots)
     for s, d, w in zip(srcs, dsts, want):
         copy_rows_ref(s, w, rows, slots)
         assert torch.equal(d.cpu(), w.cpu())
@@ -45,12 +49,46 @@ def test_section_copy_equals_indexing(n_sections, programs):
     SectionCopy(srcs, dsts)(rows[:0], slots[:0])  # nothing to copy: no launch
 
 
-@pytest.mark.parametrize("chunks", [None, 3])
-def test_stage_misses_equals_spec(chunks):
+@pytest.mark.cuda
+@pytest.mark.skipif(DEVICE != "cuda", reason="two streams running at once: CUDA")
+def test_cuda_pausing_admission_waits_while_staging_copies():
+    """A pausing admission launched while the staging counter is above zero is still running
+    200 ms later (it waits), and once another stream sets the counter to zero it finishes with
+    the spec's bytes."""
+    import time
+
+    from moestream.kernels.triton.copy import SectionCopy, copy_rows_ref
+
+    src = [torch.randint(-99, 99, (4, 5000), dtype=torch.int32).pin_memory()]
+    dst = [torch.zeros((4, 5000), dtype=torch.int32, device=DEVICE)]
+    want = [dst[0].clone()]
+    rows, slots = torch.tensor([3, 1], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
+    busy = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    admit = SectionCopy(src, dst, busy=busy)
+    admit(rows[:0], slots[:0])  # nothing to copy: no launch
+    zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    admit_stream, other = torch.cuda.Stream(), torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(admit_stream):
+        admit(rows, slots)
+        done = torch.cuda.Event()
+        done.record()
+    time.sleep(0.2)
+    assert not done.query(), "the admission ran while the counter was above zero"
+    with torch.cuda.stream(other):
+        busy.copy_(zero)
+    done.synchronize()
+    copy_rows_ref(src[0], want[0], rows, slots)
+    assert torch.equal(dst[0].cpu(), want[0].cpu())
+
+
+@pytest.mark.parametrize("chunks,mark", [(None, False), (3, False), (3, True)])
+def test_stage_misses_equals_spec(chunks, mark):
     """A decode call's misses into its staging slots: pairs with a negative code get mirror row
     -1 - code copied into slot base + p (every section, one larger than the kernel's chunks x
     BLOCK words), pairs with a slot keep it and copy nothing; the returned slots are the spec's
-    (the default chunks a pair, and fewer)."""
+    (the default chunks a pair, and fewer). `mark`: the programs that copy count themselves in
+    a pausing admission's counter and out again (it ends where it began)."""
     from moestream.kernels.triton.copy import BLOCK, STAGE_CHUNKS, StageMisses, stage_misses_ref
 
     g = torch.Generator().manual_seed(5)
@@ -65,8 +103,11 @@ def test_stage_misses_equals_spec(chunks):
     want = [d.clone() for d in dsts]
     codes = torch.tensor([3, -1 - 9, 1, -1 - 0], device=DEVICE)  # slots 3, 1; rows 9, 0
     slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
-    stage = StageMisses(srcs, dsts) if chunks is None else StageMisses(srcs, dsts, chunks=chunks)
+    busy = torch.full((1,), 3, dtype=torch.int32, device=DEVICE) if mark else None
+    kw = {"busy": busy} | ({} if chunks is None else {"chunks": chunks})
+    stage = StageMisses(srcs, dsts, **kw)
     stage(codes, slots, base)
+    assert busy is None or busy.tolist() == [3]
     want_slots = stage_misses_ref(srcs, want, codes, base)
     assert slots.tolist() == want_slots.tolist() == [3, base + 1, 1, base + 3]
     for s, d, w in zip(srcs, dsts, want):

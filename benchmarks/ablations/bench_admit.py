@@ -33,7 +33,8 @@ def child(store: str, programs: int, share: float, threads: int, P: int, N: int,
     `programs` programs."""
     from moestream.kernels.triton import copy
 
-    copy.SectionCopy.__init__.__defaults__ = (programs,)
+    rest = copy.SectionCopy.__init__.__defaults__[1:]  # (programs, busy): busy as it was
+    copy.SectionCopy.__init__.__defaults__ = (programs, *rest)
     moestream_child(store, kernel, threads, P, N, "cuda", share)
 
 

@@ -136,6 +136,12 @@ class GpuConfig:
     # every miss (what the pool did before). Only with device-side misses: on the host path a
     # miss is computed from its slot, so every miss is admitted.
     admit: str = "scored"
+    # Staged device-side misses and the copy stream's admissions read the same link. True: the
+    # staging programs count themselves in a device counter while they copy and the admissions
+    # wait before each 4 KB block while it is above zero, so a step's misses (its critical path)
+    # get the whole link and admissions move while the step computes. A throttle only: the
+    # same bytes, the same bits.
+    admit_pause: bool = False
 
     def __post_init__(self):
         if self.prefill not in PREFILL:  # kernels/triton/__init__.py
@@ -168,6 +174,7 @@ class GpuConfig:
              f"miss_reads={self.miss_reads!r} chooses how device-side misses reach the kernels"),
             (self.admit != "scored",
              f"--gpu-admit {self.admit} chooses which device-side misses enter the pool"),
+            (self.admit_pause, "admit_pause lets staged device-side misses go first on the link"),
         ):  # fmt: skip
             if given and not self.device_side_misses():
                 raise ConfigError(

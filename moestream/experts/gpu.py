@@ -277,9 +277,13 @@ class GpuExperts(ExpertProvider):
 
         names = list(self.pool.sections)
         pairs = [self.mirror.sections[n] for n in names], [self.pool.sections[n] for n in names]
-        self._admit_rows = SectionCopy(*pairs)  # decode admissions: few bytes in flight
+        # admit_pause: staging programs count themselves here, admissions wait for zero
+        pause = self.staged and self.cfg.admit_pause
+        busy = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
+        # decode admissions: few bytes in flight
+        self._admit_rows = SectionCopy(*pairs, busy=busy)
         self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
-        self._stage = StageMisses(*pairs) if self.staged else None
+        self._stage = StageMisses(*pairs, busy=busy) if self.staged else None
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
             self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
         self._routes: list | None = None  # set_routes: each MoE block's router (prefetch)
@@ -697,6 +701,13 @@ class GpuExperts(ExpertProvider):
                 d["admit"] = self.cfg.admit
             if self.staged:
                 d["staging_slots"] = self.K
+            if self.device_misses:
+                d["admit_pause"] = self.staged and self.cfg.admit_pause
+                if self.cfg.admit_pause and not self.staged:
+                    d["admit_pause_note"] = (
+                        "not used: this pool's misses are not staged (a budget "
+                        f"under {2 * self.K} slots, or miss_reads='direct')"
+                    )
             if self.prefetching:
                 d.update(prefetch=self.cfg.prefetch, prefetch_slots=2 * self.K)
         return d

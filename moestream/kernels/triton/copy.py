@@ -5,7 +5,12 @@ stream (`SectionCopy`, spec `dst[slots[i]] = src[rows[i]]` per section: `copy_ro
 stages a decode step's misses with it inside the captured step (`StageMisses`: a routed pair
 whose code is negative gets its mirror row copied into the pool's staging slot of that pair,
 unless a prefetch launch of an earlier layer copied it into its own slots already; spec
-`stage_misses_ref`)."""
+`stage_misses_ref`).
+
+Both read the same link. With a shared `busy` counter (GpuConfig.admit_pause) the staging
+programs that copy count themselves in it while they run, and the admission's programs wait
+before each block while it is above zero: a step's misses, on its critical path, get the whole
+link, and admissions move in the step's compute (docs/gpu.md, "Admissions that pause")."""
 
 from __future__ import annotations
 
@@ -29,26 +34,43 @@ MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 # Programs per staged pair: each copies its share of every section; a layer's misses are on
 # the step's critical path, with nothing else of the step to run beside them.
 STAGE_CHUNKS = 32
+# A pausing admission's block: 4 KB a program (128 KB in flight over ADMIT_PROGRAMS), so a
+# staging launch that starts while its loads are out waits for at most ~2.5 us of them.
+PAUSE_BLOCK = 1024
 
 
 @triton.jit
-def _copy_one(src, dst, r, s, c, n, WORDS: tl.constexpr, BLOCK: tl.constexpr):
-    """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s."""
+def _wait_idle(busy_ptr):
+    """Spin while a staging launch's programs count themselves in busy (a throttle: bytes and
+    bits never depend on it)."""
+    n = tl.load(busy_ptr, volatile=True)
+    while n > 0:
+        n = tl.load(busy_ptr, volatile=True)
+
+
+@triton.jit
+def _copy_one(src, dst, r, s, c, n, busy_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr,
+              PAUSE: tl.constexpr):  # fmt: skip
+    """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s (PAUSE:
+    each block waits for the staging to be idle)."""
     src += r * WORDS
     dst += s * WORDS
     for w in range(c * BLOCK, WORDS, n * BLOCK):
+        if PAUSE:
+            _wait_idle(busy_ptr)
         off = w + tl.arange(0, BLOCK)
         m = off < WORDS
         tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
 
 
 @triton.jit
-def _copy_sections_kernel(rows_ptr, slots_ptr, items, s0, d0, s1, d1, s2, d2, s3, d3,
+def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, s0, d0, s1, d1, s2, d2, s3, d3,
                           W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
                           W3: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
-                          BLOCK: tl.constexpr):  # fmt: skip
+                          BLOCK: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """Program p of P: work items p, p + P, ... of `items` = records x S sections x C chunks;
-    item (i, sec, c) copies chunk c of that section of record rows[i] -> slot slots[i]."""
+    item (i, sec, c) copies chunk c of that section of record rows[i] -> slot slots[i]. PAUSE:
+    every block waits while busy > 0 (a staging launch is copying)."""
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         i = item // (S * C)
         sec = (item // C) % S
@@ -56,23 +78,25 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, s0, d0, s1, d1, s2, d2, s3
         r = tl.load(rows_ptr + i).to(tl.int64)
         s = tl.load(slots_ptr + i).to(tl.int64)
         if sec == 0:
-            _copy_one(s0, d0, r, s, c, C, W0, BLOCK)
+            _copy_one(s0, d0, r, s, c, C, busy_ptr, W0, BLOCK, PAUSE)
         elif sec == 1:
-            _copy_one(s1, d1, r, s, c, C, W1, BLOCK)
+            _copy_one(s1, d1, r, s, c, C, busy_ptr, W1, BLOCK, PAUSE)
         elif sec == 2:
-            _copy_one(s2, d2, r, s, c, C, W2, BLOCK)
+            _copy_one(s2, d2, r, s, c, C, busy_ptr, W2, BLOCK, PAUSE)
         else:
-            _copy_one(s3, d3, r, s, c, C, W3, BLOCK)
+            _copy_one(s3, d3, r, s, c, C, busy_ptr, W3, BLOCK, PAUSE)
 
 
 @triton.jit
-def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, s0, d0, s1, d1, s2, d2, s3, d3,
-                  W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr, W3: tl.constexpr,
-                  A: tl.constexpr, BLOCK: tl.constexpr):  # fmt: skip
+def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d0, s1, d1, s2, d2,
+                  s3, d3, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+                  W3: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr,
+                  MARK: tl.constexpr):  # fmt: skip
     """Program (p, c): pair p's code >= 0 is its slot; a code < 0 names mirror row -1 - code:
     if one of the A prefetched codes (acodes) is that code, its prefetch slot abase + j holds
     the row already; else chunk c of every section goes to staging slot base + p. slots[p]: the
-    slot the decode kernels then read."""
+    slot the decode kernels then read. MARK: a program that copies counts itself in busy while
+    it does (pausing admissions wait for zero)."""
     p = tl.program_id(0)
     c, n = tl.program_id(1), tl.num_programs(1)
     code = tl.load(codes_ptr + p).to(tl.int64)
@@ -85,15 +109,20 @@ def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, s0, d0, s1, d1,
     if c == 0:
         tl.store(slots_ptr + p, slot)
     if (code < 0) & (found == 0):
+        if MARK:
+            tl.atomic_add(busy_ptr, 1, sem="relaxed", scope="gpu")
         r = -1 - code
         s = base + p
-        _copy_one(s0, d0, r, s, c, n, W0, BLOCK)
+        _copy_one(s0, d0, r, s, c, n, busy_ptr, W0, BLOCK, False)
         if W1 > 0:
-            _copy_one(s1, d1, r, s, c, n, W1, BLOCK)
+            _copy_one(s1, d1, r, s, c, n, busy_ptr, W1, BLOCK, False)
         if W2 > 0:
-            _copy_one(s2, d2, r, s, c, n, W2, BLOCK)
+            _copy_one(s2, d2, r, s, c, n, busy_ptr, W2, BLOCK, False)
         if W3 > 0:
-            _copy_one(s3, d3, r, s, c, n, W3, BLOCK)
+            _copy_one(s3, d3, r, s, c, n, busy_ptr, W3, BLOCK, False)
+        if MARK:
+            tl.debug_barrier()  # every warp has its loads back (its stores issued)
+            tl.atomic_add(busy_ptr, -1, sem="relaxed", scope="gpu")
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:
@@ -106,10 +135,11 @@ def _words(t: torch.Tensor) -> torch.Tensor:
 class SectionCopy:
     """`dst[slots[i]] = src[rows[i]]` for every section pair (src may be pinned host memory,
     dst on the device; the same shapes and dtypes per pair), one launch of `programs` programs
-    per call. The int32 views are made once: a call only launches."""
+    per call. The int32 views are made once: a call only launches. `busy` (int32 [1] on dst's
+    device, shared with a StageMisses): every block waits while a staging launch copies."""
 
     def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
-                 programs: int = ADMIT_PROGRAMS):  # fmt: skip
+                 programs: int = ADMIT_PROGRAMS, busy: torch.Tensor | None = None):  # fmt: skip
         assert 0 < len(srcs) == len(dsts) <= MAX_SECTIONS, "1 to 4 section pairs"
         assert programs > 0
         for a, b in zip(srcs, dsts):
@@ -117,7 +147,9 @@ class SectionCopy:
             assert a.is_contiguous() and b.is_contiguous(), "sections must be contiguous"
         self.pairs = [(_words(a), _words(b)) for a, b in zip(srcs, dsts)]
         words = [a.shape[1] for a, _ in self.pairs]
-        self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), BLOCK)))
+        self.busy = busy
+        self.block = PAUSE_BLOCK if busy is not None else BLOCK
+        self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), self.block)))
         self.programs = programs
         pad = MAX_SECTIONS - len(self.pairs)
         ptrs = [t for pair in self.pairs for t in pair] + [self.pairs[0][0]] * (2 * pad)
@@ -132,7 +164,8 @@ class SectionCopy:
         if n:
             items = n * len(self.pairs) * self.chunks
             _copy_sections_kernel[(min(self.programs, items),)](
-                rows, slots, items, *self.args, S=len(self.pairs), C=self.chunks, BLOCK=BLOCK,
+                rows, slots, items, rows if self.busy is None else self.busy, *self.args,
+                S=len(self.pairs), C=self.chunks, BLOCK=self.block, PAUSE=self.busy is not None,
                 num_warps=4, **self.consts)  # fmt: skip
 
 
@@ -144,11 +177,13 @@ class StageMisses(SectionCopy):
     the decode kernels' small tiles (which read pinned memory at about half the link's rate).
     `ahead`: (codes [A], base) of an earlier call that copied its misses into slots base .. base
     + A - 1 (a prefetch: the same launch with other codes); a miss among them is read from there,
-    not copied again (the same mirror row, so the same bytes)."""
+    not copied again (the same mirror row, so the same bytes). `busy`: the programs that copy
+    count themselves in it while they run (a pausing SectionCopy's counter)."""
 
     def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
-                 chunks: int = STAGE_CHUNKS):  # fmt: skip
+                 chunks: int = STAGE_CHUNKS, busy: torch.Tensor | None = None):  # fmt: skip
         super().__init__(srcs, dsts)
+        self.busy = busy
         assert chunks > 0
         # no more programs a pair than the largest section has blocks (small records: tests)
         words = max(a.shape[1] for a, _ in self.pairs)
@@ -162,9 +197,10 @@ class StageMisses(SectionCopy):
         acodes, abase = ahead if ahead is not None else (codes, 0)
         assert acodes.is_contiguous()
         grid = (codes.numel(), self.stage_chunks)
-        _stage_kernel[grid](codes, slots, base, acodes, abase, *self.args,
+        _stage_kernel[grid](codes, slots, base, acodes, abase,
+                            codes if self.busy is None else self.busy, *self.args,
                             A=acodes.numel() if ahead is not None else 0, BLOCK=BLOCK,
-                            num_warps=4, **self.consts)  # fmt: skip
+                            MARK=self.busy is not None, num_warps=4, **self.consts)  # fmt: skip
 
 
 def stage_misses_ref(src: list[torch.Tensor], dst: list[torch.Tensor], codes: torch.Tensor,
