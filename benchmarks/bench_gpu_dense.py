@@ -60,7 +60,8 @@ def parse() -> argparse.Namespace:
                     help="time every dense.gemv_candidates config per shape, mark the fastest")  # fmt: skip
     ap.add_argument("--configs", default=None,
                     help="time the rule's tiles and these overrides of them per shape, e.g. "
-                    "'bn=8,bk=1024;num_warps=2' (GemvConfig fields; 0/1 for flags)")  # fmt: skip
+                    "'bn=8,bk=1024;num_warps=2' (GemvConfig fields; 0/1 for flags; a split rule folds: "
+                    "give split=1 with fold=0)")  # fmt: skip
     ap.add_argument("--shapes", nargs="+", default=None, choices=list(SHAPES),
                     help="only these shapes (default all)")  # fmt: skip
     a = ap.parse_args()

@@ -325,9 +325,9 @@ def test_cuda_folded_split_gives_the_sum_kernels_bits(quant):
     n, k = 2048, 4096
     w = _weight(quant, n, k, seed=9).cuda()
     q, scales = _operands(w, quant)
-    cfg = tdense.gemv_config(quant, n, k, 32)
-    assert cfg.split > 1
-    folded = dataclasses.replace(cfg, fold=True)
+    folded = tdense.gemv_config(quant, n, k, 32)
+    assert folded.split > 1 and folded.fold  # the rule folds a split K
+    cfg = dataclasses.replace(folded, fold=False)
     x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     tdense.gemv_impl(x, q, scales, None, quant, n, 32, folded)  # compiles outside the capture
     g = torch.cuda.CUDAGraph()

@@ -77,11 +77,12 @@ class GemvConfig:
     unroll: int = 4  # fma: K steps unrolled (int4 fully unrolled spills: sm_90 compile, 32 steps)
     # fma, int4 rows: each weight dequantized once (s (q - 8) + z, one fp32 rounding) and summed
     # per element, one reduction at the end (sm_90 SASS: 7.6 instructions a weight against the
-    # per-group sums' 9.25; a sweep candidate, not yet timed: gemv_candidates)
+    # per-group sums' 9.25; a sweep candidate: on the H200 at cccae40 q/k/v 5.5 us as the rule's,
+    # o 6.3 against 6.5: not taken, it would change the bits for ~3% of one GEMV)
     elem: bool = False
     # fma, row-major layouts, split K: the last split program of a row block adds the partials
-    # (in split order: _sum_kernel's bits) instead of a second launch (a sweep candidate, not yet
-    # timed: gemv_candidates)
+    # (in split order: _sum_kernel's bits) instead of a second launch; the rule's choice for a
+    # split fma GEMV (_fma_config)
     fold: bool = False
 
 
@@ -148,7 +149,10 @@ def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
         # steps of 1024: 5.5 vs 6.1 us (q/k/v 5120x2048), 6.5 vs 6.6 (o 2048x4096) in two H200
         # runs of bench_gpu_dense.py --configs (16b7249); wider N (more rows a program) not swept
         bk = max(min(1024, k & -k), group)
-    return GemvConfig(bn=bn, split=_split(triton.cdiv(n, bn), k // bk), fma=True, bk=bk)
+    split = _split(triton.cdiv(n, bn), k // bk)
+    # a split K's partials added by its last program (fold): o 2048x4096 int4 rows 6.2 vs 6.5 us
+    # in one H200 run (cccae40), the same bits as the sum kernel's second launch
+    return GemvConfig(bn=bn, split=split, fma=True, bk=bk, fold=split > 1 and quant != "int4")
 
 
 def _mma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
@@ -173,7 +177,7 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
     of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice);
     int4 rows: the fma tiles with each weight dequantized once (`elem`); a split K: the fma
-    tiles with the partials added by the last split program (`fold`)."""
+    tiles with the partials summed by a second launch (not `fold`)."""
     fma = _fma_config(quant, n, k, group)
     if quant == "int4":
         bk = 2 * fma.bk if k % (2 * fma.bk) == 0 else fma.bk
@@ -186,8 +190,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
         out.append(_mma_config(quant, n, k, group))
     else:  # each weight dequantized once (GemvConfig.elem)
         out.append(replace(fma, elem=True))
-    if fma.split > 1 and quant != "int4":  # the partials added by the last split program
-        out.append(replace(fma, fold=True))
+    if fma.split > 1 and quant != "int4":  # the partials summed by a second launch instead
+        out.append(replace(fma, fold=False))
     return list(dict.fromkeys(out))
 
 
