@@ -41,7 +41,9 @@ read the one before (as the device-miss pool did before it decoded ahead), and a
 suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead of the grouped
 GEMMs (`GpuConfig.prefill`), an `-admitall` suffix (`triton-admitall`) admits every device-side miss
 into the pool instead of the scored ones (`GpuConfig.admit`), a `-pause` suffix (`triton-pause`)
-makes admissions wait while a step stages its misses (`GpuConfig.admit_pause`). The ceiling is then
+makes admissions wait while a step stages its misses (`GpuConfig.admit_pause`), a `-hitsfirst`
+suffix computes a layer's hits while its misses are staged (`GpuConfig.hits_first`; suffixes
+combine: `triton-hitsfirst-pause`). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -148,6 +150,9 @@ def child_experts(kernel: str, device: str, share: float):
     if kernel.endswith("-pause"):
         cfg = child_experts(kernel.removesuffix("-pause"), device, share)
         return dataclasses.replace(cfg, admit_pause=True)
+    if kernel.endswith("-hitsfirst"):
+        cfg = child_experts(kernel.removesuffix("-hitsfirst"), device, share)
+        return dataclasses.replace(cfg, hits_first=True)
 
     if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
@@ -475,7 +480,7 @@ def main(argv=None) -> int:
         a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
-    for suffix in ("-tprefill", "-admitall", "-pause"):
+    for suffix in ("-tprefill", "-admitall", "-pause", "-hitsfirst"):
         if not gpu and suffix in f"{a.kernels},{a.pool_kernels}":
             ap.error(f"'{suffix}' is a GPU provider's variant: run it with --device cuda")
     work, llama = Path(a.work), Path(a.llama)

@@ -212,6 +212,9 @@ def test_bench_peers_variants_per_share():
     assert not staged.admit_pause
     paused = child_experts("triton-pause", "cuda", 0.5)
     assert paused == dataclasses.replace(staged, admit_pause=True)
+    # "-hitsfirst": a layer's hits computed while its misses are staged; suffixes combine
+    both = child_experts("triton-hitsfirst-pause", "cuda", 0.5)
+    assert both == dataclasses.replace(staged, admit_pause=True, hits_first=True)
 
 
 def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):

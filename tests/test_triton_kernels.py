@@ -285,6 +285,40 @@ def test_host_reads_give_the_pool_bits(quant, mma):
         assert torch.equal(got, want), f"{quant} T={T}: host reads changed the bits"
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("mma", [False, True])
+def test_picked_calls_give_the_one_call_bits(quant, mma):
+    """A layer in two picked calls on one output (the GPU pool's hits while its misses are
+    staged, then the misses: moe_decode's `pick`) gives the one call's bits, with the pairs split
+    any way, every pair in the first call or every pair in the second; the pair rows too."""
+    from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
+
+    if quant == "int4r" and (mma or not CUDA):
+        pytest.skip("int4 rows run on CUDA cores only; on the CPU the provider's test runs them")
+    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
+    E, D, I, K = 6, 128, 64, 3
+    gen = torch.Generator().manual_seed(50 + mma)
+    ex = _layer(quant, E, D, I, device, gen)
+    cfg = None
+    if mma or not CUDA:  # the interpreter takes small tiles; mma: the tensor-core family
+        bn = 64 if quant == "int4" else 16
+        cfg = fit_config(quant, D, I, 32, DecodeConfig(bn=bn, bk=32, bn_d=bn, bk_d=32, mma=mma))
+    T = 3
+    x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(T, E, K, device, gen)
+    want = moe_decode(x, ids, w, ex, cfg).clone()
+    rows = moe_decode(x, ids, w, ex, cfg, combine=False).clone()
+    mixed = torch.tensor([0, -1, 2, -3, -5, 1, 4, -2, 3], device=device)  # the sign picks
+    for codes in (mixed, mixed.abs(), -1 - mixed.abs()):
+        out = torch.full((T, D), float("nan"), device=device, dtype=dtype)
+        moe_decode(x, ids, w, ex, cfg, out=out, pick=(codes, 1))
+        moe_decode(x, ids, w, ex, cfg, out=out, pick=(codes, 2))
+        assert torch.equal(out, want), f"{quant} mma={mma}: picked calls changed the bits"
+        moe_decode(x, ids, w, ex, cfg, combine=False, pick=(codes, 1))
+        got = moe_decode(x, ids, w, ex, cfg, combine=False, pick=(codes, 2))
+        assert torch.equal(got, rows)
+
+
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "int4r"])

@@ -142,6 +142,10 @@ class GpuConfig:
     # get the whole link and admissions move while the step computes. A throttle only: the
     # same bytes, the same bits.
     admit_pause: bool = False
+    # Staged device-side misses: a one-token layer runs its hits' experts while its misses are
+    # staged on a side stream, then the misses' (two picked launches of each kernel, one
+    # output: the one launch's bits), so the hits' compute leaves the critical path.
+    hits_first: bool = False
 
     def __post_init__(self):
         if self.prefill not in PREFILL:  # kernels/triton/__init__.py
@@ -164,6 +168,11 @@ class GpuConfig:
                 "streamed pool: stream with --gpu-budget and --pin-experts (misses staged, the "
                 "default), or drop --predictor"
             )
+        if self.hits_first and (self.miss_reads != "stage" or self.prefetch != "none"):
+            raise ConfigError(
+                "hits_first runs a layer's hits beside the staging of its misses: it needs "
+                "miss_reads='stage' and no --predictor prefetch; drop one of them"
+            )
         if self.admit not in ADMIT:
             raise ConfigError(f"unknown admission rule {self.admit!r}; use {', '.join(ADMIT)}")
         if self.kernel not in GPU_KERNELS:
@@ -175,6 +184,7 @@ class GpuConfig:
             (self.admit != "scored",
              f"--gpu-admit {self.admit} chooses which device-side misses enter the pool"),
             (self.admit_pause, "admit_pause lets staged device-side misses go first on the link"),
+            (self.hits_first, "hits_first computes a layer's hits while its misses are staged"),
         ):  # fmt: skip
             if given and not self.device_side_misses():
                 raise ConfigError(

@@ -286,6 +286,8 @@ class GpuExperts(ExpertProvider):
         self._stage = StageMisses(*pairs, busy=busy) if self.staged else None
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
             self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
+        if self.staged and self.cfg.hits_first and self.cuda:  # first to the SMs: it waits on PCIe
+            self._stage_stream = torch.cuda.Stream(self.device, priority=-1)
         self._routes: list | None = None  # set_routes: each MoE block's router (prefetch)
         if self.prefetching:
             self._side = torch.cuda.Stream(self.device) if self.cuda else None
@@ -323,10 +325,30 @@ class GpuExperts(ExpertProvider):
         if self.prefetching:
             slots = self._prefetching_stage(li, x, codes)
             return moe_decode(x, slots.view_as(ids), weights, self.pool)
+        if self._stage is not None and self.cfg.hits_first:
+            return self._hits_first(x, ids, weights, codes)
         if self._stage is not None:  # staging slots n_slots .. n_slots + K - 1, this layer's
             self._stage(codes, self._stage_slots, self.n_slots)
             return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
         return moe_decode(x, codes.view_as(ids), weights, self.pool, host=self.mirror)
+
+    def _hits_first(self, x, ids, weights, codes) -> torch.Tensor:
+        """GpuConfig.hits_first: the misses staged on a side stream (forked and joined inside a
+        captured step) while the hits' pairs compute on this one, then the misses' pairs, both
+        into one output (moe_decode's `pick`: the one launch's bits)."""
+        from moestream.kernels.triton.decode import moe_decode
+
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        if self.cuda:
+            self._stage_stream.wait_stream(cur)  # codes gathered, the last layer's reads done
+        with torch.cuda.stream(self._stage_stream) if self.cuda else contextlib.nullcontext():
+            self._stage(codes, self._stage_slots, self.n_slots)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        moe_decode(x, codes.view_as(ids), weights, self.pool, out=out, pick=(codes, 1))
+        if self.cuda:
+            cur.wait_stream(self._stage_stream)
+        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, out=out,
+                          pick=(codes, 2))  # fmt: skip
 
     def _prefetch_base(self, li: int) -> int:
         """First slot of layer li's prefetch set (past the table's slots and the staging)."""
@@ -703,9 +725,10 @@ class GpuExperts(ExpertProvider):
                 d["staging_slots"] = self.K
             if self.device_misses:
                 d["admit_pause"] = self.staged and self.cfg.admit_pause
-                if self.cfg.admit_pause and not self.staged:
-                    d["admit_pause_note"] = (
-                        "not used: this pool's misses are not staged (a budget "
+                d["hits_first"] = self.staged and self.cfg.hits_first
+                if (self.cfg.admit_pause or self.cfg.hits_first) and not self.staged:
+                    d["staging_note"] = (
+                        "admit_pause / hits_first not used: this pool's misses are not staged (a budget "
                         f"under {2 * self.K} slots, or miss_reads='direct')"
                     )
             if self.prefetching:

@@ -370,18 +370,33 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
 
 
 @triton.jit
+def _picked(sel_ptr, p, PICK: tl.constexpr):
+    """Whether pair p runs in this launch: PICK 0 every pair; 1 only a pair whose code sel[p] is
+    >= 0 (a VRAM slot: a hit), 2 only one whose code is < 0 (a miss, staged meanwhile): a layer
+    in two launches, hits while the misses cross PCIe, then the misses (moe_decode's `pick`)."""
+    if PICK == 0:
+        return True
+    elif PICK == 1:
+        return tl.load(sel_ptr + p) >= 0
+    else:
+        return tl.load(sel_ptr + p) < 0
+
+
+@triton.jit
 def _gate_up_kernel(
     x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
-    FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr,
+    FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
+    PICK: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program (p, nb, sk) = one _gate_up_item."""
+    """Program (p, nb, sk) = one _gate_up_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
-                  tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I, QUANT, G, BN, BK,
-                  SPLIT, TOPK, ELEM, FAST, False, HOST)  # fmt: skip
+    if _picked(sel_ptr, tl.program_id(0), PICK):
+        _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
+                      cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
+                      QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST)  # fmt: skip
 
 
 @triton.jit
@@ -449,12 +464,16 @@ def _down_kernel(
     h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr, P,
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
-    PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr,
+    PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
+    PICK: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid)."""
-    _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr, out_ptr,
-               cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK, TOPK, ELEM,
-               FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
+    """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid), of a pair _picked by
+    this launch: the combine counts only pairs that ran, so of a layer's two picked launches
+    the last pair row of a block, in either, adds the TOPK rows."""
+    if _picked(sel_ptr, tl.program_id(0), PICK):
+        _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
+                   out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
+                   TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
 
 
 @triton.jit
@@ -611,15 +630,16 @@ def _gate_up_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-    HOST: tl.constexpr,
+    HOST: tl.constexpr, sel_ptr=None, PICK: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program (p, nb, sk) = one _gate_up_mma_item."""
+    """Program (p, nb, sk) = one _gate_up_mma_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
-                      cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
-                      QUANT, G, BN, BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False,
-                      HOST)  # fmt: skip
+    if _picked(sel_ptr, tl.program_id(0), PICK):
+        _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
+                          cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
+                          QUANT, G, BN, BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False,
+                          HOST)  # fmt: skip
 
 
 @triton.jit
@@ -656,11 +676,14 @@ def _down_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, HOST: tl.constexpr,
+    sel_ptr=None, PICK: tl.constexpr = 0,
 ):  # fmt: skip
-    """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid)."""
-    _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
-                   out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
-                   TOPK, FAST, 1 if PDL else 0, 0, COMBINE, DT, PREC, HOST)  # fmt: skip
+    """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid), of a pair
+    _picked by this launch (the combine as _down_kernel's)."""
+    if _picked(sel_ptr, tl.program_id(0), PICK):
+        _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
+                       out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN,
+                       BK, TOPK, FAST, 1 if PDL else 0, 0, COMBINE, DT, PREC, HOST)  # fmt: skip
 
 
 # ---- host side ----------------------------------------------------------------------------------
@@ -758,6 +781,7 @@ class Launch:
     combine: bool
     gpu: bool  # else the interpreter: plain casts, no PTX, no PDL
     common: dict  # constexprs both kernels take
+    pick: dict  # moe_decode's `pick`: the pairs this launch runs ({} every pair)
 
     @property
     def P(self) -> int:
@@ -765,8 +789,10 @@ class Launch:
 
     @classmethod
     def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
-              host: StackedExperts | None = None, h_dtype: torch.dtype | None = None) -> Launch:  # fmt: skip
-        """h_dtype: gate/up's output (default x's dtype; an ablation keeps it fp32)."""
+              host: StackedExperts | None = None, h_dtype: torch.dtype | None = None,
+              pick: tuple[torch.Tensor, int] | None = None) -> Launch:  # fmt: skip
+        """h_dtype: gate/up's output (default x's dtype; an ablation keeps it fp32); pick:
+        moe_decode's."""
         quant = experts.kernel_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
@@ -795,8 +821,12 @@ class Launch:
             common.update(ELEM=True, FAST=gpu)
         w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", scale))
+        if pick is not None:
+            sel, mode = pick
+            assert mode in (1, 2) and sel.numel() == P and sel.is_contiguous()
+            pick = {"sel_ptr": sel, "PICK": mode}
         return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
-                   combine, gpu, common)  # fmt: skip
+                   combine, gpu, common, pick or {})  # fmt: skip
 
     def gate_up(self, kernel=None, **extra) -> None:
         """Gate/up programs (P, I / bn, split); `kernel` and `extra` arguments: an ablation's."""
@@ -804,6 +834,9 @@ class Launch:
         if kernel is None:
             kernel = _gate_up_mma_kernel if cfg.mma else _gate_up_kernel
             extra = {"STAGES": cfg.stages, **extra} if cfg.mma else extra
+            extra = {**self.pick, **extra}
+        else:
+            assert not self.pick, "a picked launch runs the product kernels"
         kernel[(self.P, self.common["I"] // cfg.bn, cfg.split)](
             self.x, self.ids, *self.w13, part, cnt_g, h, P=self.P, BN=cfg.bn, BK=cfg.bk,
             SPLIT=cfg.split, PDL=self.gpu and cfg.pdl, num_warps=cfg.num_warps,
@@ -818,7 +851,7 @@ class Launch:
         kernel[(self.P, self.common["D"] // cfg.bn_d)](
             h, self.ids, self.weights, *self.w2, dpart, cnt_d, self.out, self.P,
             BN=cfg.bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=self.combine, num_warps=cfg.warps_d,
-            **({"launch_pdl": True} if pdl else {}), **{**self.common, **extra},
+            **({"launch_pdl": True} if pdl else {}), **{**self.common, **self.pick, **extra},
         )  # fmt: skip
 
     def result(self) -> torch.Tensor:
@@ -827,16 +860,21 @@ class Launch:
 
 
 def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None,
-               combine: bool = True, host: StackedExperts | None = None) -> torch.Tensor:  # fmt: skip
+               combine: bool = True, host: StackedExperts | None = None,
+               pick: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
     when given, which must be contiguous). `combine=False` returns the pair rows instead: fp32
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
     `combine_pairs` of them gives the bits of the combined call. `host`: a second set of expert
-    sections (pinned host memory on CUDA); an id e < 0 reads its record -1 - e."""
+    sections (pinned host memory on CUDA); an id e < 0 reads its record -1 - e. `pick` (codes
+    [T * K], mode): only the pairs whose code is >= 0 (mode 1) or < 0 (mode 2) run; the two
+    calls of one layer, in that order on one `out`, give the one call's output bit for bit (each
+    pair row is its own; the last pair row of a block, in either call, adds them in slot order)."""
     quant, (_, D), I, G = experts.kernel_quant, x.shape, experts.inter, experts.scheme.group_size
     cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
     assert cfg is not None, f"no decode tile fits D={D}, I={I}"
-    launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host)
+    assert pick is None or out is not None or not combine, "two picked calls share one out"
+    launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host, pick=pick)
     launch.gate_up()
     launch.down()
     return launch.result()
