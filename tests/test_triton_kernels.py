@@ -253,7 +253,7 @@ def test_host_reads_give_the_pool_bits(quant, mma):
     through unified addressing, the GPU provider's misses) with the pool's arithmetic: any mix of
     pool slots and host records gives the bits of every expert in the pool."""
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
-    from moestream.kernels.triton.layout import StackedExperts
+    from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
     if quant == "int4r" and (mma or not CUDA):  # interpreter: the provider's device-miss test
         pytest.skip(
@@ -263,9 +263,11 @@ def test_host_reads_give_the_pool_bits(quant, mma):
     E, D, I, K = 6, 128, 64, 3
     gen = torch.Generator().manual_seed(40 + mma)
     ex = _layer(quant, E, D, I, device, gen)
-    # the host mirror: the same sections in host memory (pinned on CUDA), every expert
+    # the host mirror: the same sections in host memory (pinned on CUDA), every expert, in the
+    # kernels' order as the provider's mirror holds them (int4's sz reordered once: the kernels
+    # would otherwise reorder a copy per call, in pageable memory the GPU cannot read)
     host = StackedExperts(ex.scheme, {k: v.cpu().pin_memory() if CUDA else v.clone()
-                                      for k, v in ex.sections.items()})  # fmt: skip
+                                      for k, v in kernel_sections(ex).items()})  # fmt: skip
     # a pool of 3 slots holding experts 4, 1, 2 (slot order is not expert order)
     held = [4, 1, 2]
     pool = StackedExperts(ex.scheme, {k: v[held].contiguous() for k, v in ex.sections.items()})
