@@ -14,12 +14,18 @@ of one missed pair each on another, and reports both rates while they share the 
 with `pause` true runs the pausing admission (GpuConfig.admit_pause: it waits while a staging
 launch copies), ADMIT_PROGRAMS programs.
 
+`--graph` times only staging calls, GRAPH_CALLS of them replayed in one CUDA graph (the other
+rows include the host's launch of each call): the product's StageMisses, the hinted-load ablation
+(`ablations/stage_l2.py`: PTX's L2::256B prefetch size on every load) and the copy engine's memcpy
+nodes of the same records, at 1, 2, 4 and 8 misses a call.
+
 Records have the GPU pool's int4-rows sections at a model shape (default Qwen3-30B-A3B: D 2048,
 I 768, group 32); a pinned mirror of `--rows` records; each timed call moves n distinct records
 to n slots (CUDA events, median of `--reps`). Rows: variant, records, MB moved, us, GB/s and
 its fraction of the 1 GiB pinned copy measured in the same run.
 
     PYTHONPATH=. python benchmarks/bench_pcie.py --out rows.jsonl --commit abc1234
+    PYTHONPATH=. python benchmarks/bench_pcie.py --graph --out rows.jsonl --commit abc1234
     python benchmarks/bench_pcie.py --dry-run   # CPU: tiny records through the interpreter
 """
 
@@ -35,7 +41,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import h2d_gbps  # noqa: E402
-from common import bench_row, median_seconds, write_rows  # noqa: E402
+from common import (  # noqa: E402
+    bench_row,
+    capture_graph,
+    cuda_median_seconds,
+    median_seconds,
+    write_rows,
+)
 
 COUNTS = (1, 2, 4, 8, 16)
 TOPK = 8  # a decode call's pairs (the staging grid)
@@ -141,6 +153,47 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
     return out
 
 
+GRAPH_CALLS = 8  # --graph: staging calls a captured graph replays, each on other mirror rows
+
+
+def graph_rows(src, dst, reps: int, gen, device) -> list[dict]:
+    """--graph: staging calls with 1, 2, 4 or 8 misses among TOPK pairs, GRAPH_CALLS of them
+    captured in one CUDA graph and replayed (no host launch in the timed span, as in a captured
+    decode step): the product's StageMisses, the hinted-load ablation (ablations/stage_l2.py) and,
+    for the copy engine's rate at that size, the same records' sections as memcpy nodes. Each
+    variant's last call is checked against the mirror."""
+    from ablations.stage_l2 import HINTS, StageMissesL2
+
+    from moestream.kernels.triton.copy import StageMisses
+
+    base = dst[0].shape[0] - TOPK
+    out = []
+    for n in (1, 2, 4, 8):
+        picks = [torch.randperm(src[0].shape[0], generator=gen)[:n] for _ in range(GRAPH_CALLS)]
+        makers = {"stage": lambda: StageMisses(src, dst)}
+        makers |= {f"stage_l2_{h}": (lambda h=h: StageMissesL2(src, dst, hint=h)) for h in HINTS}
+        calls = {k: [stage_call(make(), n, rows, device, base) for rows in picks]
+                 for k, make in makers.items()}  # fmt: skip
+
+        def memcpy(picks=picks):
+            for rows in picks:
+                for x, d in zip(src, dst):
+                    for j, r in enumerate(rows.tolist()):
+                        d[base + j].copy_(x[r], non_blocking=True)
+
+        calls["memcpy_nodes"] = [memcpy]
+        for name, fns in calls.items():
+            g = capture_graph(lambda fns=fns: [f() for f in fns])
+            t = cuda_median_seconds(g.replay, reps)
+            torch.cuda.synchronize()
+            for x, d in zip(src, dst):  # the last call's records are in the staging slots
+                assert torch.equal(d[base : base + n].cpu(), x[picks[-1]].cpu()), name
+            nbytes = GRAPH_CALLS * n * sum(x[0].numel() * x.element_size() for x in src)
+            out.append({"variant": "graph", "kernel": name, "records": n,
+                        "us_per_call": t / GRAPH_CALLS * 1e6, "gbps": nbytes / t / 1e9})  # fmt: skip
+    return out
+
+
 def interpreter_too_old() -> bool:
     """Triton < 3.7: its interpreter cannot run the copy kernels' loops (checked 3.6.0 against
     3.7.0 and 3.9.0 with NumPy 2.4)."""
@@ -161,9 +214,17 @@ def main(argv=None) -> int:
         action="store_true",
         help="only the contention rows (the copy alone at 1-16 records skipped)",
     )
+    ap.add_argument(
+        "--graph",
+        action="store_true",
+        help="only the staging calls replayed in CUDA graphs: the product's, the hinted-load "
+        "ablation's and the copy engine's memcpy nodes",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
+    if a.graph and (a.dry_run or a.contention_only):
+        ap.error("--graph runs alone on a GPU: drop --dry-run / --contention-only")
     if a.dry_run and interpreter_too_old():
         print("bench_pcie.py: --dry-run needs Triton >= 3.7 (3.6's interpreter passes launch "
               "arguments as 1-element arrays, which NumPy 2 refuses as range bounds); on a GPU "
@@ -188,7 +249,15 @@ def main(argv=None) -> int:
                                               else ", dry run: nothing measured"))  # fmt: skip
     gen = torch.Generator().manual_seed(0)
     rows_out = []
-    for n in () if a.contention_only else COUNTS:
+    if a.graph:
+        for r in graph_rows(src, dst, a.reps, gen, device):
+            r["h2d_gbps"] = ceiling
+            rows_out.append(r)
+            print(
+                f"graph {r['kernel']:<18} {r['records']} records a call "
+                f"{r['us_per_call']:8.1f} us {r['gbps']:6.1f} GB/s ({r['gbps'] / ceiling:.2f})"
+            )
+    for n in () if a.contention_only or a.graph else COUNTS:
         # the interpreter runs every program in turn: few of them in a dry run
         sweep = ((1, 4), (1, 2)) if a.dry_run else (PROGRAMS, STAGE_CHUNKS)
         calls, rows, slots = variants(src, dst, n, gen, device, *sweep)
@@ -208,7 +277,7 @@ def main(argv=None) -> int:
             rows_out.append(r)
             print(f"{name:<17} {n:>3} records {r['mb']:7.1f} MB {r['us']:9.1f} us "
                   f"{gbps:7.1f} GB/s" + (f" ({r['h2d_fraction']:.2f})" if ceiling else ""))  # fmt: skip
-    if cuda:  # two streams at once: the interpreter runs one kernel at a time
+    if cuda and not a.graph:  # two streams at once: the interpreter runs one kernel at a time
         for r in contention(src, dst, a.reps, gen, device):
             r["h2d_gbps"] = ceiling
             rows_out.append(r)
