@@ -41,13 +41,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_peers import h2d_gbps  # noqa: E402
-from common import (  # noqa: E402
-    bench_row,
-    capture_graph,
-    cuda_median_seconds,
-    median_seconds,
-    write_rows,
-)
+from common import bench_row, cuda_median_seconds, median_seconds, write_rows  # noqa: E402
 
 COUNTS = (1, 2, 4, 8, 16)
 TOPK = 8  # a decode call's pairs (the staging grid)
@@ -163,6 +157,7 @@ def graph_rows(src, dst, reps: int, gen, device) -> list[dict]:
     for the copy engine's rate at that size, the same records' sections as memcpy nodes. Each
     variant's last call is checked against the mirror."""
     from ablations.stage_l2 import HINTS, StageMissesL2
+    from common import capture_graph
 
     from moestream.kernels.triton.copy import StageMisses
 
