@@ -289,7 +289,7 @@ def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
     the CPU (each checked against the mirror's rows inside the script), one row per variant,
     setting and count. Under Triton < 3.7 (the GPU machine's 3.6) the script refuses --dry-run
     with exit 2: that interpreter cannot run the kernels' loops; the compiled kernels are tested
-    on CUDA above."""
+    on CUDA above. --graph with --dry-run is refused (exit 2)."""
     import json
     import os
     import subprocess
@@ -301,6 +301,11 @@ def test_the_pcie_benchmark_dry_run_checks_every_variant(tmp_path):
     from bench_pcie import interpreter_too_old
 
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
+    # --graph (CUDA graphs, inline PTX) runs on a GPU only: refused with the fix, exit 2
+    r = subprocess.run([sys.executable, str(root / "benchmarks/bench_pcie.py"), "--dry-run",
+                        "--graph"], env={**os.environ, "PYTHONPATH": path}, capture_output=True,
+                       text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 2 and "--graph runs alone on a GPU" in r.stderr
     if interpreter_too_old():
         r = subprocess.run([sys.executable, str(root / "benchmarks/bench_pcie.py"), "--dry-run"],
                            env={**os.environ, "PYTHONPATH": path}, capture_output=True,
