@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import decode as dk
+from moestream.kernels.triton import kept
 from moestream.kernels.triton.decode import (
     DecodeConfig,
     _down_item,
@@ -174,7 +175,6 @@ def _fused_kernel(
 
 # ---- host side ----------------------------------------------------------------------------------
 _RESIDENT: dict = {}
-_COUNTERS: dict = {}
 
 
 def blocks_per_sm(regs: int, warps: int, shared: int, sm_regs: int = 65536, sm_warps: int = 64,
@@ -208,11 +208,12 @@ def _resident_programs(args, kw) -> int:
 def _counters(device, P: int):
     """The fused kernel's int32 ready [P] and work [2] counters: zero, reset by its last program
     (cached, like the product workspace, for CUDA graphs)."""
-    key = (str(device), P)
-    if key not in _COUNTERS:
+
+    def make():
         c = torch.zeros(P + 2, device=device, dtype=torch.int32)
-        _COUNTERS[key] = (c[:P], c[P:])
-    return _COUNTERS[key]
+        return c[:P], c[P:]
+
+    return kept(("fused ablation", str(device), P), make)
 
 
 def _run_fused(launch: dk.Launch, cfg: AblationConfig) -> None:

@@ -27,6 +27,16 @@ from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
 SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0, q4_1: CPU only)
 PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
+_KEPT: dict = {}
+
+
+def kept(key: tuple, make):
+    """Device buffers made once per key by `make()` and kept for the process: a captured CUDA
+    graph holds their addresses (the eager call that makes them comes before any capture), and
+    the counters among them are zero between calls (the program that used one resets it)."""
+    if key not in _KEPT:
+        _KEPT[key] = make()
+    return _KEPT[key]
 
 
 def unsupported(experts: StackedExperts, tokens: int) -> str | None:

@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.kernels.triton import tuned
+from moestream.kernels.triton import kept, tuned
 from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
@@ -731,9 +731,6 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
     return None if check_shapes(quant, hidden, inter, group, cfg) else cfg
 
 
-_WORKSPACE: dict = {}
-
-
 def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
     """Sections as the kernels read them: int4's (scale, zero) bf16 pairs as one int32 word, in
     the [E, K/G, N] order of the store-layout kernels (layout.kernel_sections)."""
@@ -749,20 +746,19 @@ def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd
     and int32 counters (gate/up [P, nbg], combine [T, nbd]; zero, and the program that completes
     a block resets its counter). Cached so CUDA graphs captured after a first call reuse the
     buffers."""
-    key = (str(device), split, P, I, T, D, nbg, nbd, h_dtype)
-    ws = _WORKSPACE.get(key)
-    if ws is None:
+
+    def make():
         f32 = dict(device=device, dtype=torch.float32)
         cnt = torch.zeros(P * nbg + T * nbd, device=device, dtype=torch.int32)
-        ws = (
+        return (
             torch.empty(max(split, 2) * P * 2 * I, **f32),
             torch.empty(P * I, device=device, dtype=h_dtype),
             torch.empty(P * D, **f32),
             cnt[: P * nbg],
             cnt[P * nbg :],
         )
-        _WORKSPACE[key] = ws
-    return ws
+
+    return kept(("decode", str(device), split, P, I, T, D, nbg, nbd, h_dtype), make)
 
 
 @dataclass(slots=True)

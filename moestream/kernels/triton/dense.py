@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import kept
 from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
@@ -560,9 +561,13 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
               HAS_BIAS=bias is not None, num_warps=cfg.num_warps)  # fmt: skip
     if cfg.fma:
         kernel = _gemv_fma_kernel
+        cnt = out  # fold: a counter a row block, zero between calls
+        if fold:
+            blocks = triton.cdiv(n, cfg.bn)
+            cnt = kept(("gemv fold", str(x.device), blocks),
+                       lambda: torch.zeros(blocks, dtype=torch.int32, device=x.device))  # fmt: skip
         kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll,
-                   ELEM=cfg.elem, FOLD=fold,
-                   cnt_ptr=_counters(x.device, triton.cdiv(n, cfg.bn)) if fold else out)  # fmt: skip
+                   ELEM=cfg.elem, FOLD=fold, cnt_ptr=cnt)  # fmt: skip
     else:
         kernel = _gemv_kernel
         kw |= dict(
@@ -583,18 +588,6 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
             part, b, out, T * n, N=n, SPLIT=cfg.split, HAS_BIAS=bias is not None, BLOCK=block
         )
     return out
-
-
-_COUNTERS: dict = {}  # (device, blocks) -> int32 counters, zero between calls (reset by use)
-
-
-def _counters(device: torch.device, blocks: int) -> torch.Tensor:
-    """`blocks` zero counters for a folding call, kept for the process (a captured graph holds
-    their address; allocated at an eager call: a step's first call is made before capture)."""
-    key = (str(device), blocks)
-    if key not in _COUNTERS:
-        _COUNTERS[key] = torch.zeros(blocks, dtype=torch.int32, device=device)
-    return _COUNTERS[key]
 
 
 @torch.library.custom_op("moestream::dense_gemv", mutates_args=())

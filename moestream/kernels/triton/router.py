@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import kept
+
 MAX_EXPERTS = 1024  # one row in registers
 
 
@@ -130,7 +132,6 @@ def route_rows(logits: torch.Tensor, k: int, renorm: bool, dtype: torch.dtype,
 # warps).
 ROUTER_ROWS = 1  # router rows per program of route_decode
 ROUTER_WARPS = 1  # warps per program of route_decode (bench_gpu_router.py times 1, 2, 4)
-_SCRATCH: dict = {}  # (device, E) -> (fp32 logits [8, E], int32 counter): zero, reset by use
 
 
 def router_block(hidden: int) -> int:
@@ -148,13 +149,9 @@ def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
     T, D = x.shape
     E = gate.shape[0]
     assert T <= 8 and gate.dtype == x.dtype and router_block(D), (T, D, gate.dtype, x.dtype)
-    key = (str(x.device), E)
-    if key not in _SCRATCH:
-        _SCRATCH[key] = (
-            torch.empty(8, E, device=x.device),
-            torch.zeros(1, device=x.device, dtype=torch.int32),
-        )
-    logits, cnt = _SCRATCH[key]
+    # fp32 logits [8, E] and the int32 counter of the last program
+    logits, cnt = kept(("router", str(x.device), E), lambda: (
+        torch.empty(8, E, device=x.device), torch.zeros(1, device=x.device, dtype=torch.int32)))  # fmt: skip
     w = torch.empty(T, k, dtype=dtype, device=x.device)
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     _router_kernel[(triton.cdiv(E, rows),)](
