@@ -132,27 +132,25 @@ def child_rss(cmd: list[str]) -> tuple[str, int]:
 
 
 POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool (shares < 1)
+# A GPU variant's suffix -> the GpuConfig fields it sets (they combine: "triton-hitsfirst-pause")
+SUFFIXES = {
+    "-tprefill": {"prefill": "triton"},  # a prompt on the Triton kernels, not the grouped GEMMs
+    "-admitall": {"admit": "all"},  # every device-side miss admitted, not only the scored ones
+    "-pause": {"admit_pause": True},  # admissions wait while a step stages its misses
+    "-hitsfirst": {"hits_first": True},  # a layer's hits computed while its misses are staged
+}
 
 
 def child_experts(kernel: str, device: str, share: float):
     """The experts config a benchmark child runs: CPU resident, or VRAM resident / slot pool;
-    a "-tprefill" suffix (ablation): a prompt on the Triton kernels, not the grouped GEMMs;
-    "-admitall" (ablation): every device-side miss admitted, not only the scored ones."""
+    a SUFFIXES suffix (ablations) sets GpuConfig fields on the variant before it."""
     from moestream.config import Budget
     from moestream.experts.config import GpuConfig, StreamConfig
 
-    if kernel.endswith("-tprefill"):
-        cfg = child_experts(kernel.removesuffix("-tprefill"), device, share)
-        return dataclasses.replace(cfg, prefill="triton")
-    if kernel.endswith("-admitall"):
-        cfg = child_experts(kernel.removesuffix("-admitall"), device, share)
-        return dataclasses.replace(cfg, admit="all")
-    if kernel.endswith("-pause"):
-        cfg = child_experts(kernel.removesuffix("-pause"), device, share)
-        return dataclasses.replace(cfg, admit_pause=True)
-    if kernel.endswith("-hitsfirst"):
-        cfg = child_experts(kernel.removesuffix("-hitsfirst"), device, share)
-        return dataclasses.replace(cfg, hits_first=True)
+    for suffix, fields in SUFFIXES.items():
+        if kernel.endswith(suffix):
+            cfg = child_experts(kernel.removesuffix(suffix), device, share)
+            return dataclasses.replace(cfg, **fields)
 
     if device == "cpu" and share >= 1:
         return StreamConfig(resident=True, kernel=kernel)
@@ -480,7 +478,7 @@ def main(argv=None) -> int:
         a.kernels = "triton,compiled,host-misses"
     if not gpu and 1.0 not in shares:
         ap.error("on the CPU --shares must include 1 (llama.cpp's run, the ratios' base)")
-    for suffix in ("-tprefill", "-admitall", "-pause", "-hitsfirst"):
+    for suffix in SUFFIXES:
         if not gpu and suffix in f"{a.kernels},{a.pool_kernels}":
             ap.error(f"'{suffix}' is a GPU provider's variant: run it with --device cuda")
     work, llama = Path(a.work), Path(a.llama)
