@@ -330,6 +330,10 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
     n = 10
+    calls = []  # one-token layers that took the hits-first path
+    hits_first = GpuExperts._hits_first
+    monkeypatch.setattr(GpuExperts, "_hits_first",
+                        lambda self, *a: calls.append(1) or hits_first(self, *a))  # fmt: skip
     (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead, reads,
                                                  admit=admit, pause=pause, hits=hits)  # fmt: skip
     p = rt.provider
@@ -337,7 +341,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
     assert mode["admit"] == admit and p.scored == (admit == "scored")
     assert mode["admit_pause"] == pause and (p._admit_rows.busy is not None) == pause
-    assert mode["hits_first"] == hits
+    assert mode["hits_first"] == hits and bool(calls) == hits
     if pause:  # every staging program that counted itself in took itself out
         assert p._stage.busy is p._admit_rows.busy and p._stage.busy.tolist() == [0]
     # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)

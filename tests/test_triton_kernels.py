@@ -314,9 +314,16 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
     for codes in (mixed, mixed.abs(), -1 - mixed.abs()):
         out = torch.full((T, D), float("nan"), device=device, dtype=dtype)
         moe_decode(x, ids, w, ex, cfg, out=out, pick=(codes, 1))
+        if codes is mixed:  # every token has a pair still to run: none combined yet
+            assert out.isnan().all()
         moe_decode(x, ids, w, ex, cfg, out=out, pick=(codes, 2))
         assert torch.equal(out, want), f"{quant} mma={mma}: picked calls changed the bits"
+        pair_rows = moe_decode(x, ids, w, ex, cfg, combine=False)  # the workspace's rows
+        pair_rows.fill_(float("nan"))
         moe_decode(x, ids, w, ex, cfg, combine=False, pick=(codes, 1))
+        hit = (codes >= 0).cpu()
+        assert torch.equal(pair_rows[hit].cpu(), rows[hit].cpu())  # the picked pairs only
+        assert pair_rows[~hit].isnan().all()
         got = moe_decode(x, ids, w, ex, cfg, combine=False, pick=(codes, 2))
         assert torch.equal(got, rows)
 
