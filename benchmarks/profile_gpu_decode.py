@@ -14,6 +14,8 @@ for prompts of that many random ids (one prefill each, every expert resident or 
     PYTHONPATH=. python benchmarks/profile_gpu_decode.py --layers 4 --quants int4 --out rows.jsonl
     PYTHONPATH=. python benchmarks/profile_gpu_decode.py --store S --share 0.5 \
         --variants graph,graph-sync --prefill 64,512
+    PYTHONPATH=. python benchmarks/profile_gpu_decode.py --store S --share 0.5 \
+        --variants graph,graph+pause --timeline OUT   # each stream's busy time, the gaps
 """
 
 from __future__ import annotations
@@ -54,12 +56,56 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
     return total, count, rows
 
 
-def experts_config(base: str, share: float) -> GpuConfig:
+# a variant's +suffixes: the pool's options (GpuConfig fields), as bench_peers' -pause / -hitsfirst
+POOL_OPTIONS = {"pause": "admit_pause", "hitsfirst": "hits_first"}
+
+
+def experts_config(base: str, share: float, opts: tuple[str, ...] = ()) -> GpuConfig:
     graph, compiled = base != "eager", base == "compiled"
     if share >= 1:
+        if opts:
+            raise SystemExit(f"--share 1 (resident) has no pool options: drop +{'+'.join(opts)}")
         return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled)
+    bad = [o for o in opts if o not in POOL_OPTIONS]
+    if bad:
+        raise SystemExit(f"unknown pool option {bad[0]!r}; use {', '.join(POOL_OPTIONS)}")
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, cuda_graph=graph,
-                     compile_step=compiled)  # fmt: skip
+                     compile_step=compiled, **{POOL_OPTIONS[o]: True for o in opts})  # fmt: skip
+
+
+def timeline(prof, tokens: int, path: Path | None) -> dict:
+    """The profiled run's GPU kernels by stream (from the Chrome trace): per token each stream's
+    busy time and the time any stream is busy, so the idle gaps of a streamed step show; with
+    `path`, the kernels (name, stream, start, duration in us) are also written there (gzip JSON)."""
+    import gzip
+    import json
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text()).get("traceEvents", [])
+    ks = sorted((float(e["ts"]), float(e["dur"]), str(e.get("args", {}).get("stream", e.get("tid"))),
+                 e["name"][:60]) for e in events if e.get("cat") == "kernel" and "dur" in e)  # fmt: skip
+    if not ks:
+        return {}
+    streams: dict[str, float] = defaultdict(float)
+    for _, dur, st, _ in ks:
+        streams[st] += dur
+    union, end = 0.0, -1.0
+    for ts, dur, _, _ in ks:  # the union of busy intervals over every stream
+        if ts + dur > end:
+            union += ts + dur - max(ts, end)
+            end = ts + dur
+    span = ks[-1][0] + ks[-1][1] - ks[0][0]
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with gzip.open(path, "wt") as f:
+            json.dump([[round(ts, 2), round(dur, 2), st, name] for ts, dur, st, name in ks], f)
+    return {
+        "span_us_per_token": span / tokens,
+        "any_busy_us_per_token": union / tokens,
+        "stream_busy_us_per_token": {s: v / tokens for s, v in sorted(streams.items())},
+    }
 
 
 def pool_counters(before: dict, after: dict, steps: int) -> dict:
@@ -77,8 +123,9 @@ def pool_counters(before: dict, after: dict, steps: int) -> dict:
 def profile_one(store: Path, variant: str, a) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
-    base, _, sync = variant.partition("-")
-    experts = experts_config(base, a.share)
+    name, *opts = variant.split("+")
+    base, _, sync = name.partition("-")
+    experts = experts_config(base, a.share, tuple(opts))
     with open_model(store, dtype="bfloat16", experts=experts) as rt:
         if sync:  # the ablation: each step issued after the host read the one before
             rt.provider.decodes_ahead = lambda: False
@@ -99,6 +146,11 @@ def profile_one(store: Path, variant: str, a) -> dict:
             torch.cuda.synchronize()
     n = a.tokens  # one prefill + n-1 decode steps; the prefill is a small share at n=64
     us, count, rows = kernel_table(prof, n)
+    tl_path = Path(a.timeline) / f"timeline_{store.name}_{variant}.json.gz" if a.timeline else None
+    lanes = timeline(prof, n, tl_path)
+    stage = sum(r["us_per_token"] for r in rows if "_stage_kernel" in r["kernel"])
+    if stage and pool.get("host_read_bytes"):  # the staged misses' rate inside the step
+        pool["stage_gbps_in_step"] = pool["host_read_bytes"] / (stage * 1e3)
     return {
         "variant": variant,
         "decode_tok_s": s["decode_tok_s"],
@@ -109,6 +161,7 @@ def profile_one(store: Path, variant: str, a) -> dict:
         "gpu_busy_fraction": us / 1e3 / (1e3 / s["decode_tok_s"]),
         "host_ms_per_token": s.get("host_ms_per_token"),
         **pool,
+        **lanes,
         "top_kernels": rows[: a.top],
     }
 
@@ -179,7 +232,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--variants",
         default="graph,compiled",
-        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; a -sync "
+        help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; +pause / "
+        "+hitsfirst: a pool's admit_pause / hits_first (--share < 1); a -sync "
         "suffix issues each greedy step only after the host read the one before (the ablation "
         "of the step fed back on the device)",
     )
@@ -191,6 +245,11 @@ def main(argv=None) -> int:
         help="fraction of expert bytes in a VRAM pool (device misses); 1 = resident",
     )
     ap.add_argument("--prefill", default="", help="prompt lengths to profile alone, e.g. 64,512")
+    ap.add_argument(
+        "--timeline",
+        default=None,
+        help="folder for each variant's GPU kernels by stream (timeline_<store>_<variant>.json.gz)",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -235,6 +294,12 @@ def report(a, config: dict, r: dict) -> None:
                   f"{r['host_read_bytes'] / 1e6:.1f}, admitted {r['admit_bytes'] / 1e6:.1f}), "
                   f"bookkeeping {r['bookkeeping_ms_per_token']:.3f} ms/token (table "
                   f"{r['table_ms_per_token']:.3f})")  # fmt: skip
+        if "stage_gbps_in_step" in r:
+            print(f"   staged misses at {r['stage_gbps_in_step']:.1f} GB/s inside the step")
+        if "span_us_per_token" in r:
+            lanes = ", ".join(f"{s} {v:.0f}" for s, v in r["stream_busy_us_per_token"].items())
+            print(f"   span {r['span_us_per_token']:.0f} us/token, some stream busy "
+                  f"{r['any_busy_us_per_token']:.0f}; by stream: {lanes}")  # fmt: skip
     for k in r["top_kernels"]:
         per = k["us_per_token"]
         print(f"   {per:8.1f} us {k['calls_per_token']:6.1f}x  {k['kernel']}")
