@@ -118,6 +118,25 @@ def test_stage_misses_equals_spec(chunks, mark):
                for d in dsts)  # fmt: skip
 
 
+@pytest.mark.parametrize("P,dtype", [(8, torch.int64), (6, torch.int32)])
+def test_gather_codes_is_the_index_and_the_copy(P, dtype):
+    """gather_codes: codes = table[ids] and seen = ids (int64) for every pair, nothing written
+    past P (the padded lanes of its one program are masked); the table's negative codes (a
+    mirror row) and slots come back as they are."""
+    from moestream.kernels.triton.copy import gather_codes
+
+    g = torch.Generator().manual_seed(P)
+    table = torch.randint(-300, 300, (128,), generator=g).to(DEVICE)
+    ids = torch.randperm(128, generator=g)[:P].to(dtype).to(DEVICE)
+    codes = torch.full((P + 2,), 99, dtype=torch.int64, device=DEVICE)
+    seen = torch.full((P + 2,), 98, dtype=torch.int64, device=DEVICE)
+    gather_codes(ids, table, codes[:P], seen[:P])
+    assert codes[:P].tolist() == table[ids.long()].tolist()
+    assert (table[ids.long()] < 0).any() and (table[ids.long()] >= 0).any()
+    assert seen[:P].tolist() == ids.long().tolist()
+    assert codes[P:].tolist() == [99, 99] and seen[P:].tolist() == [98, 98]
+
+
 def test_stage_misses_reads_a_prefetch_instead_of_copying():
     """A prefetch (the same launch on a later layer's predicted codes, into its own slots) and
     then the layer's staging with `ahead`: a miss the prefetch copied is read from the prefetch

@@ -317,11 +317,11 @@ class GpuExperts(ExpertProvider):
     def _device_call(self, li: int, x, ids, weights) -> torch.Tensor:
         """One token: codes gathered on the device, misses staged into VRAM (or read from the
         mirror by the kernels). Syncs nothing."""
-        from moestream.kernels.triton.decode import moe_decode  # triton: the gpu extra only
+        from moestream.kernels.triton.copy import gather_codes  # triton: the gpu extra only
+        from moestream.kernels.triton.decode import moe_decode
 
-        self._seen[li].copy_(ids.reshape(-1))
         codes = self._seen[len(self.layers) + li]  # the gather written where the host reads it
-        torch.index_select(self.slot_map[li], 0, ids.reshape(-1), out=codes)
+        gather_codes(ids.reshape(-1), self.slot_map[li], codes, self._seen[li])
         if self.prefetching:
             slots = self._prefetching_stage(li, x, codes)
             return moe_decode(x, slots.view_as(ids), weights, self.pool)

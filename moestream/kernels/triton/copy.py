@@ -125,6 +125,32 @@ def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d
             tl.atomic_add(busy_ptr, -1, sem="relaxed", scope="gpu")
 
 
+@triton.jit
+def _gather_codes_kernel(ids_ptr, table_ptr, codes_ptr, seen_ptr, P: tl.constexpr,
+                         BP: tl.constexpr):  # fmt: skip
+    """codes[p] = table[ids[p]], seen[p] = ids[p] (int64) for p < P, one program."""
+    p = tl.arange(0, BP)
+    m = p < P
+    i = tl.load(ids_ptr + p, mask=m, other=0).to(tl.int64)
+    tl.store(codes_ptr + p, tl.load(table_ptr + i, mask=m).to(tl.int64), mask=m)
+    tl.store(seen_ptr + p, i, mask=m)
+
+
+def gather_codes(ids: torch.Tensor, table: torch.Tensor, codes: torch.Tensor,
+                 seen: torch.Tensor) -> None:  # fmt: skip
+    """A one-token MoE layer's codes = table[ids] (its slot map at the routed experts) and a copy
+    of the ids, both int64 [P] where the host reads them: one launch, where index_select and a
+    copy took two (~5 us of a streamed step's critical path a layer on the H200). Spec:
+    `codes.copy_(table[ids]); seen.copy_(ids)`. Syncs nothing: capturable."""
+    P = ids.numel()
+    assert codes.numel() == seen.numel() == P and table.dim() == 1
+    assert ids.is_contiguous() and table.is_contiguous()
+    assert codes.is_contiguous() and seen.is_contiguous()
+    assert codes.dtype == seen.dtype == torch.int64
+    _gather_codes_kernel[(1,)](ids, table, codes, seen, P=P, BP=triton.next_power_of_2(P),
+                               num_warps=1)  # fmt: skip
+
+
 def _words(t: torch.Tensor) -> torch.Tensor:
     """[n, ...] contiguous -> [n, words] int32 (a view)."""
     flat = t.view(t.shape[0], -1).view(torch.uint8)
