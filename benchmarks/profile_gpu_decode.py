@@ -146,7 +146,8 @@ def profile_one(store: Path, variant: str, a) -> dict:
             torch.cuda.synchronize()
     n = a.tokens  # one prefill + n-1 decode steps; the prefill is a small share at n=64
     us, count, rows = kernel_table(prof, n)
-    tl_path = Path(a.timeline) / f"timeline_{store.name}_{variant}.json.gz" if a.timeline else None
+    safe = f"{store.name}_{variant}".replace("+", "_")  # the device tool refuses odd names
+    tl_path = Path(a.timeline) / f"timeline_{safe}.json.gz" if a.timeline else None
     lanes = timeline(prof, n, tl_path)
     stage = sum(r["us_per_token"] for r in rows if "_stage_kernel" in r["kernel"])
     if stage and pool.get("host_read_bytes"):  # the staged misses' rate inside the step
