@@ -252,6 +252,36 @@ def test_gpu_admit_is_checked(monkeypatch):
     assert "every miss admitted" in mode_line({**mode, "admit": "all"})
 
 
+def test_gpu_admit_pause_flag(monkeypatch, capsys):
+    """--gpu-admit-pause sets GpuConfig.admit_pause; it is refused off the GPU and with misses
+    resolved on the host (exit-2 errors that name the fix), and the mode line says when the
+    admissions pause, or why a pool did not use it."""
+    from moestream.cli import _store_kwargs, build_parser, main, mode_line
+    from moestream.config import ConfigError
+
+    a = build_parser().parse_args(["generate", "-m", "x", "-p", "y", "--gpu-admit-pause"])
+    with pytest.raises(ConfigError, match="--gpu-admit-pause is for the GPU"):
+        _store_kwargs(a)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    base = ["generate", "-m", "x", "-p", "y", "--device", "cuda", "--gpu-budget", "8MiB",
+            "--pin-experts"]  # fmt: skip
+    assert _store_kwargs(build_parser().parse_args(base))["experts"].admit_pause is False
+    cfg = _store_kwargs(build_parser().parse_args([*base, "--gpu-admit-pause"]))["experts"]
+    assert cfg.admit_pause is True and cfg.admit == "scored"
+    with pytest.raises(ConfigError, match="--gpu-admit-pause lets staged .* --pin-experts"):
+        _store_kwargs(build_parser().parse_args([*base, "--gpu-admit-pause", "--host-misses"]))
+    assert main([*base, "--gpu-admit-pause", "--host-misses"]) == 2
+    assert "--gpu-admit-pause lets staged" in capsys.readouterr().err
+    mode = {"experts": "vram slot cache", "cache_bytes": 2**20, "cache_fraction": 0.5,
+            "policy": "lrfu", "misses": "device", "miss_reads": "stage", "admit": "scored",
+            "admit_pause": True, "quant": "int4", "device": "cuda", "dtype": "bfloat16",
+            "cuda_graph": True}  # fmt: skip
+    assert "scored admission, admissions paused while misses stage" in mode_line(mode)
+    assert "paused" not in mode_line({**mode, "admit_pause": False})
+    note = "admit_pause / hits_first not used: this pool's misses are not staged (...)"
+    assert note in mode_line({**mode, "admit_pause": False, "staging_note": note})
+
+
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
 def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
                      reads: str = "stage", prefetch: bool = False, admit: str = "scored",
