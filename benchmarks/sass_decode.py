@@ -83,8 +83,8 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st,
               dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
     # every pair in one launch (moe_decode without `pick`)
-    tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, sel_ptr=None, PICK=0)
-    tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True, sel_ptr=None, PICK=0)
+    tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, sel_ptr=None, PICK=0, LANES=1)
+    tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True, sel_ptr=None, PICK=0, LANES=1)
     if cfg.fused:  # one kernel: its count is per work item loop body, weights of one layer
         sig = dict(x_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q13_ptr=qt, s13_ptr=st,
                    q2_ptr=qt, s2_ptr=st, part_ptr="*fp32", cnt_g_ptr="*i32", h_ptr="*bf16",
@@ -109,7 +109,9 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
         fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem)
         if cfg.prefetch:  # the ablation's gate/up kernel, with one expert's w2 section bytes
             fn = ab._gate_up_prefetch_kernel
-            tiles = {k: v for k, v in tiles.items() if k not in ("sel_ptr", "PICK")}  # not its
+            tiles = {
+                k: v for k, v in tiles.items() if k not in ("sel_ptr", "PICK", "LANES")
+            }  # not its
             gu.update(w2q_ptr=qt, w2s_ptr=st)
             nbytes = [math.prod(shape) * dt.itemsize
                       for _, dt, shape in tensor_sections(make_scheme(quant), "w2", D, I)]  # fmt: skip

@@ -36,6 +36,8 @@ from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
+# Programs a block of a misses-only launch (pick mode 2; _picked): not yet timed on a GPU.
+PICK_LANES = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -373,7 +375,10 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
 def _picked(sel_ptr, p, PICK: tl.constexpr):
     """Whether pair p runs in this launch: PICK 0 every pair; 1 only a pair whose code sel[p] is
     >= 0 (a VRAM slot: a hit), 2 only one whose code is < 0 (a miss, staged meanwhile): a layer
-    in two launches, hits while the misses cross PCIe, then the misses (moe_decode's `pick`)."""
+    in two launches, hits while the misses cross PCIe, then the misses (moe_decode's `pick`).
+    A PICK 2 launch has PICK_LANES programs a block, not one a pair (the kernels' loops over
+    `_picked` pairs p = lane, lane + PICK_LANES, ...): few of a layer's pairs miss, and a full
+    grid of programs that return at once cost the launch about its hits' compute."""
     if PICK == 0:
         return True
     elif PICK == 1:
@@ -388,12 +393,18 @@ def _gate_up_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
-    PICK: tl.constexpr = 0,
+    PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if _picked(sel_ptr, tl.program_id(0), PICK):
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
+        for p in range(tl.program_id(0), P, LANES):
+            if _picked(sel_ptr, p, PICK):
+                _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr,
+                              h_ptr, cnt_ptr, p, tl.program_id(1), tl.program_id(2), P, D, I,
+                              QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST)  # fmt: skip
+    elif _picked(sel_ptr, tl.program_id(0), PICK):
         _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
                       cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
                       QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST)  # fmt: skip
@@ -465,12 +476,18 @@ def _down_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
-    PICK: tl.constexpr = 0,
+    PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid), of a pair _picked by
     this launch: the combine counts only pairs that ran, so of a layer's two picked launches
     the last pair row of a block, in either, adds the TOPK rows."""
-    if _picked(sel_ptr, tl.program_id(0), PICK):
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
+        for p in range(tl.program_id(0), P, LANES):
+            if _picked(sel_ptr, p, PICK):
+                _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
+                           cnt_ptr, out_ptr, cnt_ptr, p, tl.program_id(1), D, I, QUANT, G, BN,
+                           BK, TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
+    elif _picked(sel_ptr, tl.program_id(0), PICK):
         _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
                    out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
                    TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST)  # fmt: skip
@@ -630,12 +647,19 @@ def _gate_up_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-    HOST: tl.constexpr, sel_ptr=None, PICK: tl.constexpr = 0,
+    HOST: tl.constexpr, sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_mma_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if _picked(sel_ptr, tl.program_id(0), PICK):
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
+        for p in range(tl.program_id(0), P, LANES):
+            if _picked(sel_ptr, p, PICK):
+                _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr,
+                                  cnt_ptr, h_ptr, cnt_ptr, p, tl.program_id(1), tl.program_id(2),
+                                  P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, FAST, DT, PREC, STAGES,
+                                  False, HOST)  # fmt: skip
+    elif _picked(sel_ptr, tl.program_id(0), PICK):
         _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
                           cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
                           QUANT, G, BN, BK, SPLIT, TOPK, FAST, DT, PREC, STAGES, False,
@@ -676,11 +700,18 @@ def _down_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, HOST: tl.constexpr,
-    sel_ptr=None, PICK: tl.constexpr = 0,
+    sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid), of a pair
     _picked by this launch (the combine as _down_kernel's)."""
-    if _picked(sel_ptr, tl.program_id(0), PICK):
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
+        for p in range(tl.program_id(0), P, LANES):
+            if _picked(sel_ptr, p, PICK):
+                _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
+                               cnt_ptr, out_ptr, cnt_ptr, p, tl.program_id(1), D, I, QUANT, G,
+                               BN, BK, TOPK, FAST, 1 if PDL else 0, 0, COMBINE, DT, PREC,
+                               HOST)  # fmt: skip
+    elif _picked(sel_ptr, tl.program_id(0), PICK):
         _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
                        out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN,
                        BK, TOPK, FAST, 1 if PDL else 0, 0, COMBINE, DT, PREC, HOST)  # fmt: skip
@@ -783,6 +814,11 @@ class Launch:
     def P(self) -> int:
         return self.ids.numel()
 
+    @property
+    def lanes(self) -> int:
+        """The grid's first axis: a program per pair, or PICK_LANES walking the misses."""
+        return self.pick.get("LANES", self.P)
+
     @classmethod
     def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
               host: StackedExperts | None = None, h_dtype: torch.dtype | None = None,
@@ -821,6 +857,8 @@ class Launch:
             sel, mode = pick
             assert mode in (1, 2) and sel.numel() == P and sel.is_contiguous()
             pick = {"sel_ptr": sel, "PICK": mode}
+            if mode == 2:  # the misses' launch: a few programs a block walk the pairs
+                pick["LANES"] = min(PICK_LANES, P)
         return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
                    combine, gpu, common, pick or {})  # fmt: skip
 
@@ -833,7 +871,7 @@ class Launch:
             extra = {**self.pick, **extra}
         else:
             assert not self.pick, "a picked launch runs the product kernels"
-        kernel[(self.P, self.common["I"] // cfg.bn, cfg.split)](
+        kernel[(self.lanes, self.common["I"] // cfg.bn, cfg.split)](
             self.x, self.ids, *self.w13, part, cnt_g, h, P=self.P, BN=cfg.bn, BK=cfg.bk,
             SPLIT=cfg.split, PDL=self.gpu and cfg.pdl, num_warps=cfg.num_warps,
             **{**self.common, **extra},
@@ -844,7 +882,7 @@ class Launch:
         cfg, (_, h, dpart, _, cnt_d) = self.cfg, self.ws
         pdl = self.gpu and cfg.pdl
         kernel = _down_mma_kernel if cfg.mma else _down_kernel
-        kernel[(self.P, self.common["D"] // cfg.bn_d)](
+        kernel[(self.lanes, self.common["D"] // cfg.bn_d)](
             h, self.ids, self.weights, *self.w2, dpart, cnt_d, self.out, self.P,
             BN=cfg.bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=self.combine, num_warps=cfg.warps_d,
             **({"launch_pdl": True} if pdl else {}), **{**self.common, **self.pick, **extra},
