@@ -268,10 +268,12 @@ def test_gpu_admit_pause_flag(monkeypatch, capsys):
     assert _store_kwargs(build_parser().parse_args(base))["experts"].admit_pause is False
     cfg = _store_kwargs(build_parser().parse_args([*base, "--gpu-admit-pause"]))["experts"]
     assert cfg.admit_pause is True and cfg.admit == "scored"
-    with pytest.raises(ConfigError, match="--gpu-admit-pause lets staged .* --pin-experts"):
+    with pytest.raises(
+        ConfigError, match=r"--gpu-admit-pause \(admit_pause\) lets .* --pin-experts"
+    ):
         _store_kwargs(build_parser().parse_args([*base, "--gpu-admit-pause", "--host-misses"]))
     assert main([*base, "--gpu-admit-pause", "--host-misses"]) == 2
-    assert "--gpu-admit-pause lets staged" in capsys.readouterr().err
+    assert "--gpu-admit-pause (admit_pause) lets staged" in capsys.readouterr().err
     mode = {"experts": "vram slot cache", "cache_bytes": 2**20, "cache_fraction": 0.5,
             "policy": "lrfu", "misses": "device", "miss_reads": "stage", "admit": "scored",
             "admit_pause": True, "quant": "int4", "device": "cuda", "dtype": "bfloat16",

@@ -184,7 +184,7 @@ class GpuConfig:
             (self.admit != "scored",
              f"--gpu-admit {self.admit} chooses which device-side misses enter the pool"),
             (self.admit_pause,
-             "--gpu-admit-pause lets staged device-side misses go first on the link"),
+             "--gpu-admit-pause (admit_pause) lets staged device-side misses go first on the link"),
             (self.hits_first, "hits_first computes a layer's hits while its misses are staged"),
         ):  # fmt: skip
             if given and not self.device_side_misses():
