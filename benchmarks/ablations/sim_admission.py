@@ -4,7 +4,10 @@ miss crosses the link for its step and an admitted one crosses it again into its
 link carries misses + admissions. Synthetic routing, since the benchmark checkpoints' routers are
 random: per layer fixed logits x `skew` plus Gumbel noise, plus `corr` on the experts the layer
 chose at the previous token (temporal locality); top-K of that. Admissions stay busy `lag` steps
-(the pool admits behind the issued steps). Rows: hit rate, admissions and records moved per token.
+(the pool admits behind the issued steps); with `--landed` a key is a hit only once its
+admission landed (how the GPU pool counts: until its copy lands it is read from the mirror), so
+a longer lag (admissions that pause for the staging land later) costs hits. Rows: hit rate,
+admissions and records moved per token.
 
 `--cpu` replays the CPU slot cache instead (not built; the question is whether to build it):
 there every miss is read from the store once, admitted or not, so records moved = misses; a
@@ -13,6 +16,7 @@ ahead must not overwrite the one computing), so the scored table is 2 x top-k sl
 reads land within their step (no lag).
 
     python benchmarks/ablations/sim_admission.py --slots 504,1016 --corr 0,1.5,3 --out rows.jsonl
+    python benchmarks/ablations/sim_admission.py --landed --lag 8 --skew 1.0 --corr 1.5
     python benchmarks/ablations/sim_admission.py --cpu --layers 48 --slots 1536,3072   # Qwen3-30B
 """
 
@@ -32,9 +36,12 @@ from moestream.store.policy import PolicyError, SlotTable, make_policy  # noqa: 
 
 def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tokens: int = 600,
            warm: int = 200, layers: int = 16, experts: int = 128, topk: int = 8,
-           seed: int = 1, policy: str = "lrfu", cpu: bool = False) -> dict:  # fmt: skip
+           seed: int = 1, policy: str = "lrfu", cpu: bool = False,
+           landed: bool = False) -> dict:  # fmt: skip
     """One replay: after `warm` tokens, the hit rate and per token admissions / records moved
-    (`cpu`: the CPU slot cache's rules, see the module's docstring)."""
+    (`cpu`: the CPU slot cache's rules, see the module's docstring). `landed`: a key whose
+    admission is still in flight is a miss (the GPU pool reads it from the mirror until its copy
+    lands and the slot is published); otherwise the table's own count (a hit once admitted)."""
     if cpu:
         slots -= 2 * topk if scored else 0  # the scratch sets come out of the budget
         lag = 0
@@ -43,10 +50,13 @@ def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tok
     logits = rng.normal(size=(layers, experts)) * skew
     prev = np.zeros((layers, experts))
     pending: list[list] = []
+    inflight: set = set()  # keys of the pending admissions
     hits = misses = admitted = 0
     for tok in range(tokens):
         while pending and len(pending) >= lag:  # admissions land `lag` steps after issue
-            table.release(pending.pop(0))
+            done = pending.pop(0)
+            table.release(done)
+            inflight.difference_update(done)
         now: list = []
         for layer in range(layers):
             g = logits[layer] + rng.gumbel(size=experts) + corr * prev[layer]
@@ -54,22 +64,26 @@ def replay(slots: int, scored: bool, skew: float, corr: float, lag: int = 2, tok
             prev[layer] = 0.0
             prev[layer, chosen] = 1.0
             h0, m0 = table.hits, table.misses
+            # routed keys the table holds whose copy has not landed: read from the mirror
+            late = sum((layer, e) in inflight for e in chosen) if landed else 0
             try:
                 step = table.access(layer, chosen, scored=scored)
             except PolicyError:  # every victim busy: these misses stay host reads
                 if tok >= warm:
-                    misses += topk - sum((layer, e) in table for e in chosen)
-                    hits += sum((layer, e) in table for e in chosen)
+                    held = sum((layer, e) in table for e in chosen) - late
+                    misses += topk - held
+                    hits += held
                 continue
             keys = [(layer, e) for e, _ in step.misses]
             if lag:
                 table.reserve(keys)
                 now += keys
             if tok >= warm:
-                hits += table.hits - h0
-                misses += table.misses - m0
+                hits += table.hits - h0 - late
+                misses += table.misses - m0 + late
                 admitted += len(keys)
         pending.append(now)
+        inflight.update(now)
     n = tokens - warm
     moved = misses if cpu else misses + admitted
     return {"hit_rate": hits / max(hits + misses, 1), "admissions_per_token": admitted / n,
@@ -94,6 +108,12 @@ def main(argv=None) -> int:
         action="store_true",
         help="the CPU slot cache: misses read once, scored's scratch from the budget",
     )
+    ap.add_argument(
+        "--landed",
+        action="store_true",
+        help="a key is a hit only once its admission landed (the GPU pool reads it from the "
+        "mirror until then); default: once admitted, as the table counts",
+    )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
@@ -109,11 +129,11 @@ def main(argv=None) -> int:
                 for admit in ("all", "scored"):
                     r[admit] = replay(slots, admit == "scored", skew, corr, a.lag, a.tokens,
                                       a.tokens // 3, a.layers, a.experts, a.topk,
-                                      policy=a.policy, cpu=a.cpu)  # fmt: skip
+                                      policy=a.policy, cpu=a.cpu, landed=a.landed)  # fmt: skip
                     cfg = {"slots": slots, "skew": skew, "corr": corr, "lag": a.lag,
                            "tokens": a.tokens, "policy": a.policy, "admit": admit,
                            "layers": a.layers, "experts": a.experts, "topk": a.topk,
-                           "target": "cpu" if a.cpu else "gpu"}  # fmt: skip
+                           "target": "cpu" if a.cpu else "gpu", "landed": a.landed}  # fmt: skip
                     rows.append(bench_row("sim_admission", cfg, r[admit], a.commit))
                 al, sc = r["all"], r["scored"]
                 print(f"slots {slots:>5} skew {skew:.1f} corr {corr:.1f}: records moved/token "
