@@ -329,6 +329,19 @@ def test_sim_admission_cpu_rules(tmp_path):
         assert r["records_moved_per_token"] == pytest.approx((1 - r["hit_rate"]) * 4 * 4)
 
 
+def test_sim_admission_landed_counts_keys_in_flight_as_misses():
+    """--landed: a routed key whose admission has not landed is a miss (the GPU pool reads it
+    from the mirror), so it never counts more hits than the table does, and a longer lag
+    costs hits; without it the lag leaves the hit rate as the table counts it."""
+    from ablations.sim_admission import replay
+
+    kw = dict(slots=504, scored=True, skew=1.0, corr=1.5, tokens=150, warm=50)
+    table = replay(lag=6, **kw)["hit_rate"]
+    short, long = replay(lag=2, landed=True, **kw), replay(lag=6, landed=True, **kw)
+    assert long["hit_rate"] < short["hit_rate"] and long["hit_rate"] < table
+    assert long["admissions_per_token"] == replay(lag=6, **kw)["admissions_per_token"]
+
+
 def test_llama_run_times_the_decode_after_the_prompt(tmp_path, monkeypatch):
     """bench_peers.llama_run asks llama-bench for depths 0 and P and takes the prompt's rate at
     depth 0 and the decode's at depth P: moestream's child decodes after its P-token prompt, and
