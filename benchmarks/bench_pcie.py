@@ -15,9 +15,10 @@ with `pause` true runs the pausing admission (GpuConfig.admit_pause: it waits wh
 launch copies), ADMIT_PROGRAMS programs.
 
 `--graph` times only staging calls, GRAPH_CALLS of them replayed in one CUDA graph (the other
-rows include the host's launch of each call): the product's StageMisses, the hinted-load ablation
-(`ablations/stage_l2.py`: PTX's L2::256B prefetch size on every load) and the copy engine's memcpy
-nodes of the same records, at 1, 2, 4 and 8 misses a call.
+rows include the host's launch of each call): the product's StageMisses and the copy engine's
+memcpy nodes of the same records, at 1, 2, 4 and 8 misses a call. (Loads with PTX's L2::256B
+prefetch size, an ablation measured within 1.5% of the product's at 05557ed, were removed:
+docs/gpu.md, "The staging measured inside graphs".)
 
 Records have the GPU pool's int4-rows sections at a model shape (default Qwen3-30B-A3B: D 2048,
 I 768, group 32); a pinned mirror of `--rows` records; each timed call moves n distinct records
@@ -153,10 +154,9 @@ GRAPH_CALLS = 8  # --graph: staging calls a captured graph replays, each on othe
 def graph_rows(src, dst, reps: int, gen, device) -> list[dict]:
     """--graph: staging calls with 1, 2, 4 or 8 misses among TOPK pairs, GRAPH_CALLS of them
     captured in one CUDA graph and replayed (no host launch in the timed span, as in a captured
-    decode step): the product's StageMisses, the hinted-load ablation (ablations/stage_l2.py) and,
-    for the copy engine's rate at that size, the same records' sections as memcpy nodes. Each
-    variant's last call is checked against the mirror."""
-    from ablations.stage_l2 import HINTS, StageMissesL2
+    decode step): the product's StageMisses and, for the copy engine's rate at that size, the
+    same records' sections as memcpy nodes. Each variant's last call is checked against the
+    mirror."""
     from common import capture_graph
 
     from moestream.kernels.triton.copy import StageMisses
@@ -165,10 +165,8 @@ def graph_rows(src, dst, reps: int, gen, device) -> list[dict]:
     out = []
     for n in (1, 2, 4, 8):
         picks = [torch.randperm(src[0].shape[0], generator=gen)[:n] for _ in range(GRAPH_CALLS)]
-        makers = {"stage": lambda: StageMisses(src, dst)}
-        makers |= {f"stage_l2_{h}": (lambda h=h: StageMissesL2(src, dst, hint=h)) for h in HINTS}
-        calls = {k: [stage_call(make(), n, rows, device, base) for rows in picks]
-                 for k, make in makers.items()}  # fmt: skip
+        calls = {"stage": [stage_call(StageMisses(src, dst), n, rows, device, base)
+                           for rows in picks]}  # fmt: skip
 
         def memcpy(picks=picks):
             for rows in picks:
@@ -212,8 +210,8 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--graph",
         action="store_true",
-        help="only the staging calls replayed in CUDA graphs: the product's, the hinted-load "
-        "ablation's and the copy engine's memcpy nodes",
+        help="only the staging calls replayed in CUDA graphs: the product's and the copy "
+        "engine's memcpy nodes",
     )
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)

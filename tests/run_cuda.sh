@@ -30,9 +30,8 @@ shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
 shard dense tests/test_triton_dense.py tests/test_triton_small.py &
 # The decode attention (one launch, and split over the positions) and recovery training.
 shard attention -m cuda tests/test_triton_attention.py tests/test_recovery.py &
-# The int8-activation ablation (its quantization check is unmarked: it takes the GPU when there is one)
-# and the staging ablation with L2::256B-hinted loads (inline PTX: CUDA only).
-shard q8 "$abl" -k "q8 or stage_l2" &
+# The int8-activation ablation (its quantization check is unmarked: it takes the GPU when there is one).
+shard q8 "$abl" -k q8 &
 wait
 # The tile-variant sweep is slow (it has not finished in 300 s on the H200): VARIANTS=1 runs it.
 [ "${VARIANTS:-0}" = 1 ] && shard variants -m cuda "$abl" -k variants_cuda

@@ -329,32 +329,3 @@ def test_decode_q8_cuda(G, T):
     g.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not CUDA, reason="inline PTX: needs a GPU")
-@pytest.mark.parametrize("hint", ["256", "nc256", "v4_256"])
-def test_stage_l2_cuda_equals_spec(hint):
-    """benchmarks/ablations/stage_l2.py: the staging with L2::256B-hinted loads copies a call's
-    misses from a pinned mirror as the spec does (sections over and under the chunks' blocks,
-    pairs that hit copy nothing), and returns the spec's slots."""
-    from ablations.stage_l2 import StageMissesL2
-
-    from moestream.kernels.triton.copy import BLOCK, STAGE_CHUNKS, stage_misses_ref
-
-    g = torch.Generator().manual_seed(7)
-    shapes = [((STAGE_CHUNKS * BLOCK + 40) * 2,), (3, 16), (7, 16), (8,)]  # whole 16-byte groups
-    dtypes = [torch.int16, torch.uint8, torch.int32, torch.float32]
-    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt).pin_memory()
-            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
-    base, P = 5, 4
-    dsts = [torch.full((base + P, *sh), 77, dtype=dt, device="cuda")
-            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
-    want = [d.clone() for d in dsts]
-    codes = torch.tensor([3, -1 - 9, 1, -1 - 0], device="cuda")
-    slots = torch.full((P,), -5, dtype=torch.int64, device="cuda")
-    StageMissesL2(srcs, dsts, hint=hint)(codes, slots, base)
-    want_slots = stage_misses_ref(srcs, want, codes, base)
-    assert slots.tolist() == want_slots.tolist()
-    for d, w in zip(dsts, want):
-        assert torch.equal(d.cpu(), w.cpu())
