@@ -62,13 +62,8 @@ POOL_OPTIONS = {"pause": "admit_pause", "hitsfirst": "hits_first"}
 
 def experts_config(base: str, share: float, opts: tuple[str, ...] = ()) -> GpuConfig:
     graph, compiled = base != "eager", base == "compiled"
-    if share >= 1:
-        if opts:
-            raise SystemExit(f"--share 1 (resident) has no pool options: drop +{'+'.join(opts)}")
+    if share >= 1:  # main() refused pool options here
         return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled)
-    bad = [o for o in opts if o not in POOL_OPTIONS]
-    if bad:
-        raise SystemExit(f"unknown pool option {bad[0]!r}; use {', '.join(POOL_OPTIONS)}")
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, cuda_graph=graph,
                      compile_step=compiled, **{POOL_OPTIONS[o]: True for o in opts})  # fmt: skip
 
@@ -254,6 +249,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
+    for v in a.variants.split(","):  # pool options: known ones, and only for a pool
+        opts = v.split("+")[1:]
+        bad = [o for o in opts if o not in POOL_OPTIONS]
+        if bad:
+            ap.error(f"unknown pool option {bad[0]!r} in {v!r}; use {', '.join(POOL_OPTIONS)}")
+        if opts and a.share >= 1:
+            ap.error(f"{v!r}: --share 1 (every expert resident) has no pool; drop the +options")
     if a.store:
         from moestream.store.format import Store
 
