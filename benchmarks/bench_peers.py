@@ -42,8 +42,9 @@ suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead
 GEMMs (`GpuConfig.prefill`), an `-admitall` suffix (`triton-admitall`) admits every device-side miss
 into the pool instead of the scored ones (`GpuConfig.admit`), a `-pause` suffix (`triton-pause`)
 makes admissions wait while a step stages its misses (`GpuConfig.admit_pause`), a `-hitsfirst`
-suffix computes a layer's hits while its misses are staged (`GpuConfig.hits_first`; suffixes
-combine: `triton-hitsfirst-pause`). The ceiling is then
+suffix computes a layer's hits while its misses are staged (`GpuConfig.hits_first`), a `-split`
+suffix stages the misses' down sections beside the gate/up kernel (`GpuConfig.split_staging`;
+suffixes combine: `triton-hitsfirst-pause`). The ceiling is then
 the HBM read bandwidth (a 4 GiB fp32 sum on the device), float dense weights count at bf16 and quantized ones as their
 sections (the GPU's GEMV reads them in place), and the PCIe H2D rate (a pinned 1 GiB copy) is
 reported beside it.
@@ -138,6 +139,7 @@ SUFFIXES = {
     "-admitall": {"admit": "all"},  # every device-side miss admitted, not only the scored ones
     "-pause": {"admit_pause": True},  # admissions wait while a step stages its misses
     "-hitsfirst": {"hits_first": True},  # a layer's hits computed while its misses are staged
+    "-split": {"split_staging": True},  # misses' down sections staged beside the gate/up kernel
 }
 
 

@@ -57,7 +57,7 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
 
 
 # a variant's +suffixes: the pool's options (GpuConfig fields), as bench_peers' -pause / -hitsfirst
-POOL_OPTIONS = {"pause": "admit_pause", "hitsfirst": "hits_first"}
+POOL_OPTIONS = {"pause": "admit_pause", "hitsfirst": "hits_first", "split": "split_staging"}
 
 
 def experts_config(base: str, share: float, opts: tuple[str, ...] = ()) -> GpuConfig:
@@ -229,7 +229,7 @@ def main(argv=None) -> int:
         "--variants",
         default="graph,compiled",
         help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; +pause / "
-        "+hitsfirst: a pool's admit_pause / hits_first (--share < 1); a -sync "
+        "+hitsfirst / +split: a pool's admit_pause / hits_first / split_staging (--share < 1); a -sync "
         "suffix issues each greedy step only after the host read the one before (the ablation "
         "of the step fed back on the device)",
     )

@@ -472,6 +472,8 @@ def mode_line(mode: dict) -> str:
             parts[0] += ", admissions paused while misses stage"
         if mode.get("hits_first"):
             parts[0] += ", hits computed while misses stage"
+        if mode.get("split_staging"):
+            parts[0] += ", down sections staged beside gate/up"
         if mode.get("staging_note"):
             parts[0] += f" ({mode['staging_note']})"
     parts += [mode["quant"], f"{mode['device']} {mode['dtype']}"]

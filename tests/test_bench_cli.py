@@ -215,6 +215,10 @@ def test_bench_peers_variants_per_share():
     # "-hitsfirst": a layer's hits computed while its misses are staged; suffixes combine
     both = child_experts("triton-hitsfirst-pause", "cuda", 0.5)
     assert both == dataclasses.replace(staged, admit_pause=True, hits_first=True)
+    # "-split": the misses' down sections staged beside the gate/up kernel
+    assert not staged.split_staging
+    split = child_experts("triton-split-pause", "cuda", 0.5)
+    assert split == dataclasses.replace(staged, admit_pause=True, split_staging=True)
 
 
 def test_sim_gpu_prefetch_replays_the_table_and_counts_the_prefetch(store, tmp_path):

@@ -162,13 +162,16 @@ def test_gpu_budget_below_top_k_is_refused(stores):
                              dict(gpu_budget=1, pinned_mirror=True, device_misses=False)):  # fmt: skip
         with pytest.raises(ConfigError, match="device-side misses"):
             GpuConfig(miss_reads="direct", **no_device_misses)
-        for flag in ("admit_pause", "hits_first"):  # the staging's options need device misses
+        for flag in ("admit_pause", "hits_first", "split_staging"):  # need device misses
             with pytest.raises(ConfigError, match=f"{flag}.*--pin-experts"):
                 GpuConfig(**{flag: True}, **no_device_misses)
     streamed = dict(gpu_budget=1, pinned_mirror=True)
     for other in (dict(miss_reads="direct"), dict(prefetch="stale-gate")):
         with pytest.raises(ConfigError, match="hits_first .* drop one"):
             GpuConfig(hits_first=True, **streamed, **other)
+    for other in (dict(miss_reads="direct"), dict(prefetch="stale-gate"), dict(hits_first=True)):
+        with pytest.raises(ConfigError, match="split_staging .* drop one"):
+            GpuConfig(split_staging=True, **streamed, **other)
 
 
 def test_cli_device_flags(monkeypatch):
@@ -287,12 +290,13 @@ def test_gpu_admit_pause_flag(monkeypatch, capsys):
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
 def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
                      reads: str = "stage", prefetch: bool = False, admit: str = "scored",
-                     pause: bool = False, hits: bool = False):  # fmt: skip
+                     pause: bool = False, side: str = ""):  # fmt: skip
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
     expert resident, then a pool whose slot table has `slots` slots with device-side misses
     (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels;
     `prefetch`: --predictor stale-gate, 2K more slots; `admit`: GpuConfig.admit; `pause`:
-    GpuConfig.admit_pause; `hits`: GpuConfig.hits_first); both with the Triton kernels (the
+    GpuConfig.admit_pause; `side`: "hits" GpuConfig.hits_first, "split" GpuConfig.split_staging);
+    both with the Triton kernels (the
     interpreter on CPU), two prompts each so the second starts on a warm pool. `ahead` (CPU): the
     streamed run decodes through the eager stand-in of a captured step, so the generator runs
     one step ahead of the host (the loop a CUDA graph takes)."""
@@ -311,7 +315,7 @@ def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=F
     for experts in (GpuConfig(resident=True, device=device),
                     GpuConfig(gpu_budget=budget, pinned_mirror=True, io=IO, device=device,
                               miss_reads=reads, admit=admit, admit_pause=pause,
-                              hits_first=hits)):  # fmt: skip
+                              hits_first=side == "hits", split_staging=side == "split")):  # fmt: skip
         rt = open_model(store, dtype=dtype, experts=experts,
                         predict=None if experts.resident else predict)  # fmt: skip
         if ahead and not experts.resident:
@@ -340,12 +344,13 @@ def tiny_moe_store(tmp_path, monkeypatch, quant: str, layers: int) -> Path:
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
-@pytest.mark.parametrize("quant,ahead,reads,admit,pause,hits", [
-    ("int8", False, "direct", "scored", False, False), ("int4", False, "direct", "all", False, False),
-    ("int4", True, "direct", "scored", False, False), ("int8", True, "stage", "all", True, True),
-    ("int4", True, "stage", "scored", False, False), ("int4", True, "stage", "scored", True, True)])  # fmt: skip
+@pytest.mark.parametrize("quant,ahead,reads,admit,pause,side", [
+    ("int8", False, "direct", "scored", False, ""), ("int4", False, "direct", "all", False, ""),
+    ("int4", True, "direct", "scored", False, ""), ("int8", True, "stage", "all", True, "hits"),
+    ("int4", True, "stage", "scored", False, ""), ("int4", True, "stage", "scored", True, "hits"),
+    ("int4", True, "stage", "scored", False, "split"), ("int8", False, "stage", "all", True, "split")])  # fmt: skip
 def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads, admit,
-                                          pause, hits):  # fmt: skip
+                                          pause, side):  # fmt: skip
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
     slot table of 3 slots): one-token calls get absent experts from the mirror (`reads`: staged
     into the pool's staging slots by one launch, or read by the decode kernels) and the table
@@ -356,26 +361,36 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     host. `admit`: every miss admitted, or only those whose history beats the victim's (the
     others are read from the mirror again: the same bits). `pause`: admissions wait while a
     staging launch copies (GpuConfig.admit_pause; the interpreter runs one launch at a time, so
-    this checks the counter's bookkeeping and the same bits, not the wait). `hits`: a layer's
-    hits computed before its misses (GpuConfig.hits_first: two picked launches, one output)."""
+    this checks the counter's bookkeeping and the same bits, not the wait). `side` "hits": a
+    layer's hits computed before its misses (GpuConfig.hits_first: two picked launches, one
+    output); "split": the misses' down sections staged by a second launch between the gate/up
+    and down kernels (GpuConfig.split_staging)."""
     store = tiny_moe_store(tmp_path, monkeypatch, quant, layers=2)
     # 3 slots (top-k 2): the second layer's misses often find every victim busy (the first
     # layer's admissions), the path that once left evicted keys mapped to reused slots
     n = 10
-    calls = []  # one-token layers that took the hits-first path
-    hits_first = GpuExperts._hits_first
-    monkeypatch.setattr(GpuExperts, "_hits_first",
-                        lambda self, *a: calls.append(1) or hits_first(self, *a))  # fmt: skip
+    calls = {"hits": [], "split": []}  # one-token layers that took the hits-first / split path
+    for name, meth in (("hits", "_hits_first"), ("split", "_split_staged")):
+        orig = getattr(GpuExperts, meth)
+        monkeypatch.setattr(GpuExperts, meth, lambda self, *a, c=calls[name], f=orig:
+                            c.append(1) or f(self, *a))  # fmt: skip
     (res_rt, want), (rt, got) = device_miss_runs(store, "cpu", "float32", n, 3, ahead, reads,
-                                                 admit=admit, pause=pause, hits=hits)  # fmt: skip
+                                                 admit=admit, pause=pause, side=side)  # fmt: skip
     p = rt.provider
     mode = p.describe()
     assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
     assert mode["admit"] == admit and p.scored == (admit == "scored")
     assert mode["admit_pause"] == pause and (p._admit_rows.busy is not None) == pause
-    assert mode["hits_first"] == hits and bool(calls) == hits
+    assert mode["hits_first"] == (side == "hits") and bool(calls["hits"]) == (side == "hits")
+    assert mode["split_staging"] == (side == "split")
+    assert bool(calls["split"]) == (side == "split") == (p._stage_down is not None)
+    if side == "split":  # gate/up's sections, then down's: every section once
+        names = [n for n in p.pool.sections]
+        assert len(p._stage.pairs) + len(p._stage_down.pairs) == len(names)
+        assert p._stage.write_slots and not p._stage_down.write_slots
     if pause:  # every staging program that counted itself in took itself out
         assert p._stage.busy is p._admit_rows.busy and p._stage.busy.tolist() == [0]
+        assert p._stage_down is None or p._stage_down.busy is p._stage.busy
     # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)
     assert mode["prefill"] == ("grouped-gemm" if quant == "int4" else "triton") and p.chunked > 0
     assert res_rt.provider.describe()["prefill"] == mode["prefill"]
@@ -473,25 +488,29 @@ def test_gpu_prefetch_is_refused_where_it_cannot_run(stores):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant,reads,prefetch,pause,hits", [
-    ("int8", "stage", False, False, False), ("int4", "stage", False, False, False),
-    ("int4", "direct", False, False, False), ("int4", "stage", True, False, False),
-    ("int4", "stage", False, True, False), ("int4", "stage", False, False, True),
-    ("int8", "stage", False, True, True)])  # fmt: skip
-def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause, hits):
+@pytest.mark.parametrize("quant,reads,prefetch,pause,side", [
+    ("int8", "stage", False, False, ""), ("int4", "stage", False, False, ""),
+    ("int4", "direct", False, False, ""), ("int4", "stage", True, False, ""),
+    ("int4", "stage", False, True, ""), ("int4", "stage", False, False, "hits"),
+    ("int8", "stage", False, True, "hits"), ("int4", "stage", False, False, "split"),
+    ("int8", "stage", False, True, "split")])  # fmt: skip
+def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause, side):
     """With device-side misses a streamed pool's decode step is captured (no host round trip per
     layer) and gives the resident captured step's tokens and log-probs exactly, misses staged
     into VRAM from pinned host memory inside the step (or read there by the kernels),
     admissions copied behind the running step; `prefetch`: --predictor stale-gate, the next
     layer's predicted misses copied on a side stream forked and joined inside the graph;
     `pause`: admissions wait while the step stages its misses (GpuConfig.admit_pause);
-    `hits`: a layer's hits computed while its misses are staged on a side stream forked and
-    joined inside the graph (GpuConfig.hits_first)."""
+    `side` "hits": a layer's hits computed while its misses are staged on a side stream forked
+    and joined inside the graph (GpuConfig.hits_first); "split": the misses' down sections
+    staged on a side stream while the gate/up kernel runs, joined before the down kernel
+    (GpuConfig.split_staging)."""
     store = stores(quant)
     (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24, reads=reads,
-                                                 prefetch=prefetch, pause=pause, hits=hits)  # fmt: skip
+                                                 prefetch=prefetch, pause=pause, side=side)  # fmt: skip
     mode = rt.provider.describe()
-    assert mode["admit_pause"] == pause and mode["hits_first"] == hits
+    assert mode["admit_pause"] == pause and mode["hits_first"] == (side == "hits")
+    assert mode["split_staging"] == (side == "split")
     assert rt.provider.staged == (reads == "stage")
     if prefetch:
         s = rt.provider.stats()

@@ -118,6 +118,34 @@ def test_stage_misses_equals_spec(chunks, mark):
                for d in dsts)  # fmt: skip
 
 
+def test_stage_misses_in_two_launches_is_the_one_launch():
+    """GpuConfig.split_staging's staging: a launch over the first sections (writing the slots),
+    then one over the rest with write_slots=False (which must leave the slots as they are: a
+    poisoned slots tensor stays poisoned); the pool then holds the one launch's bytes."""
+    from moestream.kernels.triton.copy import StageMisses, stage_misses_ref
+
+    g = torch.Generator().manual_seed(7)
+    shapes, dtypes = [(300,), (3, 8), (40,)], [torch.int16, torch.uint8, torch.float32]
+    pin = torch.cuda.is_available()
+    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
+    srcs = [s.pin_memory() for s in srcs] if pin else srcs
+    base, P = 4, 3
+    dsts = [torch.full((base + P, *sh), 77, dtype=dt, device=DEVICE)
+            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
+    want = [d.clone() for d in dsts]
+    codes = torch.tensor([-1 - 6, 2, -1 - 1], device=DEVICE)
+    first = StageMisses(srcs[:2], dsts[:2], chunks=2)
+    rest = StageMisses(srcs[2:], dsts[2:], chunks=2, write_slots=False)
+    slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
+    rest(codes, slots, base)
+    assert slots.tolist() == [-5, -5, -5]  # the second launch writes no slot
+    first(codes, slots, base)
+    want_slots = stage_misses_ref(srcs, want, codes, base)
+    assert slots.tolist() == want_slots.tolist() == [base, 2, base + 2]
+    for d, w in zip(dsts, want):
+        assert torch.equal(d.cpu(), w.cpu())
+
+
 @pytest.mark.parametrize("P,dtype", [(8, torch.int64), (6, torch.int32)])
 def test_gather_codes_is_the_index_and_the_copy(P, dtype):
     """gather_codes: codes = table[ids] and seen = ids (int64) for every pair, nothing written

@@ -146,6 +146,11 @@ class GpuConfig:
     # staged on a side stream, then the misses' (two picked launches of each kernel, one
     # output: the one launch's bits), so the hits' compute leaves the critical path.
     hits_first: bool = False
+    # Staged device-side misses: a one-token layer stages its misses' gate/up sections, then
+    # their down sections on a side stream while the gate/up kernel runs (joined before the
+    # down kernel), so the down sections' PCIe time overlaps gate/up's compute. The same bytes
+    # into the same slots: the same bits.
+    split_staging: bool = False
 
     def __post_init__(self):
         if self.prefill not in PREFILL:  # kernels/triton/__init__.py
@@ -173,6 +178,13 @@ class GpuConfig:
                 "hits_first runs a layer's hits beside the staging of its misses: it needs "
                 "miss_reads='stage' and no --predictor prefetch; drop one of them"
             )
+        if self.split_staging and (self.miss_reads != "stage" or self.prefetch != "none"
+                                   or self.hits_first):  # fmt: skip
+            raise ConfigError(
+                "split_staging stages a layer's misses in two launches around its gate/up kernel: "
+                "it needs miss_reads='stage', no --predictor prefetch and no hits_first; drop one "
+                "of them"
+            )
         if self.admit not in ADMIT:
             raise ConfigError(f"unknown admission rule {self.admit!r}; use {', '.join(ADMIT)}")
         if self.kernel not in GPU_KERNELS:
@@ -186,6 +198,7 @@ class GpuConfig:
             (self.admit_pause,
              "--gpu-admit-pause (admit_pause) lets staged device-side misses go first on the link"),
             (self.hits_first, "hits_first computes a layer's hits while its misses are staged"),
+            (self.split_staging, "split_staging stages the misses' down sections beside gate/up"),
         ):  # fmt: skip
             if given and not self.device_side_misses():
                 raise ConfigError(

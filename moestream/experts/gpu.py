@@ -283,10 +283,18 @@ class GpuExperts(ExpertProvider):
         # decode admissions: few bytes in flight
         self._admit_rows = SectionCopy(*pairs, busy=busy)
         self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
-        self._stage = StageMisses(*pairs, busy=busy) if self.staged else None
+        self._stage = self._stage_down = None
+        if self.staged and self.cfg.split_staging:  # gate/up sections, then down's beside gate/up
+            gu, dn = ([i for i, n in enumerate(names) if n.startswith("w2.") == d] for d in (0, 1))
+            self._stage = StageMisses(*([t[i] for i in gu] for t in pairs), busy=busy)
+            self._stage_down = StageMisses(*([t[i] for i in dn] for t in pairs), busy=busy,
+                                           write_slots=False)  # fmt: skip
+        elif self.staged:
+            self._stage = StageMisses(*pairs, busy=busy)
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
             self._stage_slots = torch.zeros(K, dtype=torch.int64, device=self.device)
-        if self.staged and self.cfg.hits_first and self.cuda:  # first to the SMs: it waits on PCIe
+        side = self.cfg.hits_first or self.cfg.split_staging
+        if self.staged and side and self.cuda:  # first to the SMs: it waits on PCIe
             self._stage_stream = torch.cuda.Stream(self.device, priority=-1)
         self._routes: list | None = None  # set_routes: each MoE block's router (prefetch)
         if self.prefetching:
@@ -327,6 +335,8 @@ class GpuExperts(ExpertProvider):
             return moe_decode(x, slots.view_as(ids), weights, self.pool)
         if self._stage is not None and self.cfg.hits_first:
             return self._hits_first(x, ids, weights, codes)
+        if self._stage_down is not None:
+            return self._split_staged(x, ids, weights, codes)
         if self._stage is not None:  # staging slots n_slots .. n_slots + K - 1, this layer's
             self._stage(codes, self._stage_slots, self.n_slots)
             return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
@@ -349,6 +359,21 @@ class GpuExperts(ExpertProvider):
             cur.wait_stream(self._stage_stream)
         return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, out=out,
                           pick=(codes, 2))  # fmt: skip
+
+    def _split_staged(self, x, ids, weights, codes) -> torch.Tensor:
+        """GpuConfig.split_staging: the misses' gate/up sections staged on this stream, then their
+        down sections on a side stream (forked after that staging, joined before the down kernel)
+        while the gate/up kernel runs. The same rows into the same staging slots as one launch."""
+        from moestream.kernels.triton.decode import moe_decode
+
+        cur = torch.cuda.current_stream(self.device) if self.cuda else None
+        self._stage(codes, self._stage_slots, self.n_slots)
+        if self.cuda:  # the gate/up sections staged, the last layer's down reads done
+            self._stage_stream.wait_stream(cur)
+        with torch.cuda.stream(self._stage_stream) if self.cuda else contextlib.nullcontext():
+            self._stage_down(codes, self._stage_slots, self.n_slots)
+        join = (lambda: cur.wait_stream(self._stage_stream)) if self.cuda else None
+        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, before_down=join)
 
     def _prefetch_base(self, li: int) -> int:
         """First slot of layer li's prefetch set (past the table's slots and the staging)."""
@@ -726,10 +751,13 @@ class GpuExperts(ExpertProvider):
             if self.device_misses:
                 d["admit_pause"] = self.staged and self.cfg.admit_pause
                 d["hits_first"] = self.staged and self.cfg.hits_first
-                if (self.cfg.admit_pause or self.cfg.hits_first) and not self.staged:
+                d["split_staging"] = self.staged and self.cfg.split_staging
+                opts = self.cfg.admit_pause or self.cfg.hits_first or self.cfg.split_staging
+                if opts and not self.staged:
                     d["staging_note"] = (
-                        "admit_pause / hits_first not used: this pool's misses are not staged (a budget "
-                        f"under {2 * self.K} slots, or miss_reads='direct')"
+                        "admit_pause / hits_first / split_staging not used: this pool's misses "
+                        f"are not staged (a budget under {2 * self.K} slots, or "
+                        "miss_reads='direct')"
                     )
             if self.prefetching:
                 d.update(prefetch=self.cfg.prefetch, prefetch_slots=2 * self.K)

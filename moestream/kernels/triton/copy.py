@@ -91,12 +91,13 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, s0, d0, s1, d1, 
 def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d0, s1, d1, s2, d2,
                   s3, d3, W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
                   W3: tl.constexpr, A: tl.constexpr, BLOCK: tl.constexpr,
-                  MARK: tl.constexpr):  # fmt: skip
+                  MARK: tl.constexpr, SLOTS: tl.constexpr):  # fmt: skip
     """Program (p, c): pair p's code >= 0 is its slot; a code < 0 names mirror row -1 - code:
     if one of the A prefetched codes (acodes) is that code, its prefetch slot abase + j holds
     the row already; else chunk c of every section goes to staging slot base + p. slots[p]: the
     slot the decode kernels then read. MARK: a program that copies counts itself in busy while
-    it does (pausing admissions wait for zero)."""
+    it does (pausing admissions wait for zero). SLOTS False: slots is not written (another
+    launch for the same codes writes it; the sections here are the rest of each record)."""
     p = tl.program_id(0)
     c, n = tl.program_id(1), tl.num_programs(1)
     code = tl.load(codes_ptr + p).to(tl.int64)
@@ -106,7 +107,7 @@ def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d
         match = (code < 0) & (tl.load(acodes_ptr + j).to(tl.int64) == code)
         found = found | match
         slot = tl.where(match, abase + j, slot)
-    if c == 0:
+    if SLOTS and c == 0:
         tl.store(slots_ptr + p, slot)
     if (code < 0) & (found == 0):
         if MARK:
@@ -204,12 +205,16 @@ class StageMisses(SectionCopy):
     `ahead`: (codes [A], base) of an earlier call that copied its misses into slots base .. base
     + A - 1 (a prefetch: the same launch with other codes); a miss among them is read from there,
     not copied again (the same mirror row, so the same bytes). `busy`: the programs that copy
-    count themselves in it while they run (a pausing SectionCopy's counter)."""
+    count themselves in it while they run (a pausing SectionCopy's counter). `write_slots`
+    False: a launch of some sections only, beside one that writes `slots` for the same codes
+    (GpuConfig.split_staging: a record's down sections staged apart from its gate/up)."""
 
     def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
-                 chunks: int = STAGE_CHUNKS, busy: torch.Tensor | None = None):  # fmt: skip
+                 chunks: int = STAGE_CHUNKS, busy: torch.Tensor | None = None,
+                 write_slots: bool = True):  # fmt: skip
         super().__init__(srcs, dsts)
         self.busy = busy
+        self.write_slots = write_slots
         assert chunks > 0
         # no more programs a pair than the largest section has blocks (small records: tests)
         words = max(a.shape[1] for a, _ in self.pairs)
@@ -226,7 +231,8 @@ class StageMisses(SectionCopy):
         _stage_kernel[grid](codes, slots, base, acodes, abase,
                             codes if self.busy is None else self.busy, *self.args,
                             A=acodes.numel() if ahead is not None else 0, BLOCK=BLOCK,
-                            MARK=self.busy is not None, num_warps=4, **self.consts)  # fmt: skip
+                            MARK=self.busy is not None, SLOTS=self.write_slots, num_warps=4,
+                            **self.consts)  # fmt: skip
 
 
 def stage_misses_ref(src: list[torch.Tensor], dst: list[torch.Tensor], codes: torch.Tensor,

@@ -25,6 +25,7 @@ tile goes through shared memory. int4 uses the store layout: a block of 64 rows 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -895,7 +896,8 @@ class Launch:
 
 def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=None,
                combine: bool = True, host: StackedExperts | None = None,
-               pick: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:  # fmt: skip
+               pick: tuple[torch.Tensor, int] | None = None,
+               before_down: Callable[[], None] | None = None) -> torch.Tensor:  # fmt: skip
     """x [T, D], ids [T, K], weights [T, K] (device tensors) -> [T, D] in x's dtype (into `out`
     when given, which must be contiguous). `combine=False` returns the pair rows instead: fp32
     [T * K, D], weight times expert output (a workspace view, overwritten by the next call);
@@ -903,13 +905,17 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     sections (pinned host memory on CUDA); an id e < 0 reads its record -1 - e. `pick` (codes
     [T * K], mode): only the pairs whose code is >= 0 (mode 1) or < 0 (mode 2) run; the two
     calls of one layer, in that order on one `out`, give the one call's output bit for bit (each
-    pair row is its own; the last pair row of a block, in either call, adds them in slot order)."""
+    pair row is its own; the last pair row of a block, in either call, adds them in slot order).
+    `before_down`: called between the two launches (a side stream that writes what only the down
+    kernel reads, joined there)."""
     quant, (_, D), I, G = experts.kernel_quant, x.shape, experts.inter, experts.scheme.group_size
     cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
     assert cfg is not None, f"no decode tile fits D={D}, I={I}"
     assert pick is None or out is not None or not combine, "two picked calls share one out"
     launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host, pick=pick)
     launch.gate_up()
+    if before_down is not None:
+        before_down()
     launch.down()
     return launch.result()
 
