@@ -343,7 +343,8 @@ def test_lanes_give_the_program_a_pair_bits(quant, mma):
     from dataclasses import replace
 
     from moestream.kernels.triton import tuned
-    from moestream.kernels.triton.decode import DecodeConfig, default_config, fit_config, moe_decode
+    from moestream.kernels.triton.decode import (DecodeConfig, default_config, fit_config,
+                                                 moe_decode)  # fmt: skip
 
     if quant == "int4r" and (mma or not CUDA):
         pytest.skip("int4 rows run on CUDA cores only; on the CPU the provider's test runs them")
