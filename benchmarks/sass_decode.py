@@ -82,9 +82,9 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
               cnt_ptr="*i32", h_ptr="*bf16", P="i32")  # fmt: skip
     dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st,
               dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
-    # every pair in one launch (moe_decode without `pick`): a program a pair, or cfg.lanes
-    tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, sel_ptr=None, PICK=0, LANES=cfg.lanes)
-    tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True, sel_ptr=None, PICK=0, LANES=cfg.lanes)
+    # every pair in one launch (moe_decode without `pick`)
+    tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, sel_ptr=None, PICK=0, LANES=1)
+    tiles_d = dict(BN=cfg.bn_d, BK=cfg.bk_d, COMBINE=True, sel_ptr=None, PICK=0, LANES=1)
     if cfg.fused:  # one kernel: its count is per work item loop body, weights of one layer
         sig = dict(x_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q13_ptr=qt, s13_ptr=st,
                    q2_ptr=qt, s2_ptr=st, part_ptr="*fp32", cnt_g_ptr="*i32", h_ptr="*bf16",
@@ -136,10 +136,10 @@ def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]
         rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
         conv = c.asm["ttgir"].count("convert_layout")
         fam = "mma" if cfg.mma else "cuda-cores"
-        # waves of the one-token grid (8 pairs, or cfg.lanes programs a block walking them) on
-        # 132 SMs at this occupancy (the fused kernel is persistent: one wave taking items)
+        # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy (the fused kernel
+        # is persistent: one wave of programs taking items)
         bps = ab.blocks_per_sm(res["REG"], warps, c.metadata.shared)
-        waves = None if name == "fused" else min(8, cfg.lanes or 8) * per_pair / (132 * bps)
+        waves = None if name == "fused" else 8 * per_pair / (132 * bps)
         if show_cfg:
             print(cfg)
         print(f"{model} {quant:4} {fam:10} {name:7} {n:5} SASS, "

@@ -333,46 +333,6 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
         assert torch.equal(got, rows)
 
 
-@pytest.mark.parametrize("quant", QUANTS)
-@pytest.mark.parametrize("mma", [False, True])
-def test_lanes_give_the_program_a_pair_bits(quant, mma):
-    """DecodeConfig.lanes: a few programs a row block walking the pairs give the bits of a
-    program a pair (the combined output and the pair rows), at one token and at three, with
-    lanes that divide the pairs and lanes that do not; another input runs first, so an item a
-    walk skipped would leave that input's h or row behind."""
-    from dataclasses import replace
-
-    from moestream.kernels.triton import tuned
-    from moestream.kernels.triton.decode import (DecodeConfig, default_config, fit_config,
-                                                 moe_decode)  # fmt: skip
-
-    if quant == "int4r" and (mma or not CUDA):
-        pytest.skip("int4 rows run on CUDA cores only; on the CPU the provider's test runs them")
-    device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
-    E, D, I, K = 6, 128, 64, 3
-    gen = torch.Generator().manual_seed(60 + mma)
-    ex = _layer(quant, E, D, I, device, gen)
-    if mma or not CUDA:  # the interpreter takes small tiles; mma: the tensor-core family
-        bn = 64 if quant == "int4" else 16
-        base = fit_config(quant, D, I, 32, DecodeConfig(bn=bn, bk=32, bn_d=bn, bk_d=32, mma=mma))
-    else:
-        base = default_config(ex.kernel_quant, D, I, ex.scheme.group_size,
-                              tuned.device_name(torch.device(device)))  # fmt: skip
-    for T in (1, 3):
-        x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
-        other = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
-        ids, w = _routing(T, E, K, device, gen)
-        want = moe_decode(x, ids, w, ex, base).clone()
-        rows = moe_decode(x, ids, w, ex, base, combine=False).clone()
-        for lanes in (1, 2):
-            cfg = replace(base, lanes=lanes)
-            moe_decode(other, ids, w, ex, cfg)
-            got = moe_decode(x, ids, w, ex, cfg)
-            assert torch.equal(got, want), f"{quant} mma={mma} T={T} lanes={lanes}"
-            moe_decode(other, ids, w, ex, cfg, combine=False)
-            assert torch.equal(moe_decode(x, ids, w, ex, cfg, combine=False), rows)
-
-
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
 @pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "int4r"])

@@ -53,13 +53,8 @@ class DecodeConfig:
     pdl: bool = True  # down kernel launched as a programmatic dependent of gate/up
     mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
     stages: int = 0  # mma gate/up: 0 = K loop unrolled, else software-pipelined with this depth
-    # > 0: that many programs a row block walk a call's pairs (p = lane, lane + lanes, ...), so
-    # a grid has fewer programs to dispatch (measured: ~3 us of a layer's two launches go to
-    # dispatching ~3.5 K programs); 0: a program a pair. The same items: the same bits.
-    lanes: int = 0
 
     def __post_init__(self):
-        assert self.lanes >= 0, f"lanes must be >= 0, got {self.lanes}"
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
@@ -384,9 +379,7 @@ def _picked(sel_ptr, p, PICK: tl.constexpr):
     in two launches, hits while the misses cross PCIe, then the misses (moe_decode's `pick`).
     A PICK 2 launch has PICK_LANES programs a block, not one a pair (the kernels' loops over
     `_picked` pairs p = lane, lane + PICK_LANES, ...): few of a layer's pairs miss, and a full
-    grid of programs that return at once cost the launch about its hits' compute. Other
-    launches walk the pairs the same way with DecodeConfig.lanes > 0 (LANES; 0: a program a
-    pair)."""
+    grid of programs that return at once cost the launch about its hits' compute."""
     if PICK == 0:
         return True
     elif PICK == 1:
@@ -401,12 +394,12 @@ def _gate_up_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
-    PICK: tl.constexpr = 0, LANES: tl.constexpr = 0,
+    PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if LANES > 0:  # LANES programs a block walk the pairs (misses' launch, cfg.lanes)
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
         for p in range(tl.program_id(0), P, LANES):
             if _picked(sel_ptr, p, PICK):
                 _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr,
@@ -484,12 +477,12 @@ def _down_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
-    PICK: tl.constexpr = 0, LANES: tl.constexpr = 0,
+    PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid), of a pair _picked by
     this launch: the combine counts only pairs that ran, so of a layer's two picked launches
     the last pair row of a block, in either, adds the TOPK rows."""
-    if LANES > 0:  # LANES programs a block walk the pairs (misses' launch, cfg.lanes)
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
         for p in range(tl.program_id(0), P, LANES):
             if _picked(sel_ptr, p, PICK):
                 _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
@@ -655,12 +648,12 @@ def _gate_up_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr,
-    HOST: tl.constexpr, sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 0,
+    HOST: tl.constexpr, sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_mma_item (of a pair _picked by this launch)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
-    if LANES > 0:  # LANES programs a block walk the pairs (misses' launch, cfg.lanes)
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
         for p in range(tl.program_id(0), P, LANES):
             if _picked(sel_ptr, p, PICK):
                 _gate_up_mma_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr,
@@ -708,11 +701,11 @@ def _down_mma_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, TOPK: tl.constexpr, FAST: tl.constexpr, PDL: tl.constexpr,
     COMBINE: tl.constexpr, DT: tl.constexpr, PREC: tl.constexpr, HOST: tl.constexpr,
-    sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 0,
+    sel_ptr=None, PICK: tl.constexpr = 0, LANES: tl.constexpr = 1,
 ):  # fmt: skip
     """Program (p, nb) = one _down_mma_item (PDL: waits for the gate/up grid), of a pair
     _picked by this launch (the combine as _down_kernel's)."""
-    if LANES > 0:  # LANES programs a block walk the pairs (misses' launch, cfg.lanes)
+    if PICK == 2:  # LANES programs a block walk the pairs (the misses' launch)
         for p in range(tl.program_id(0), P, LANES):
             if _picked(sel_ptr, p, PICK):
                 _down_mma_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
@@ -816,8 +809,7 @@ class Launch:
     combine: bool
     gpu: bool  # else the interpreter: plain casts, no PTX, no PDL
     common: dict  # constexprs both kernels take
-    pick: dict  # moe_decode's `pick` (the pairs this launch runs) and LANES ({}: every pair, a
-    # program each)
+    pick: dict  # moe_decode's `pick`: the pairs this launch runs ({} every pair)
 
     @property
     def P(self) -> int:
@@ -825,8 +817,7 @@ class Launch:
 
     @property
     def lanes(self) -> int:
-        """The grid's first axis: a program per pair, or LANES walking the pairs (the misses'
-        PICK_LANES, or DecodeConfig.lanes)."""
+        """The grid's first axis: a program per pair, or PICK_LANES walking the misses."""
         return self.pick.get("LANES", self.P)
 
     @classmethod
@@ -869,8 +860,6 @@ class Launch:
             pick = {"sel_ptr": sel, "PICK": mode}
             if mode == 2:  # the misses' launch: a few programs a block walk the pairs
                 pick["LANES"] = min(PICK_LANES, P)
-        if cfg.lanes and "LANES" not in (pick or {}):
-            pick = {**(pick or {}), "LANES": min(cfg.lanes, P)}
         return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
                    combine, gpu, common, pick or {})  # fmt: skip
 
@@ -882,7 +871,7 @@ class Launch:
             extra = {"STAGES": cfg.stages, **extra} if cfg.mma else extra
             extra = {**self.pick, **extra}
         else:
-            assert not self.pick, "a picked or lane-walking launch runs the product kernels"
+            assert not self.pick, "a picked launch runs the product kernels"
         kernel[(self.lanes, self.common["I"] // cfg.bn, cfg.split)](
             self.x, self.ids, *self.w13, part, cnt_g, h, P=self.P, BN=cfg.bn, BK=cfg.bk,
             SPLIT=cfg.split, PDL=self.gpu and cfg.pdl, num_warps=cfg.num_warps,
