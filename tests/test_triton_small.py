@@ -82,6 +82,17 @@ def test_cuda_pausing_admission_waits_while_staging_copies():
     assert torch.equal(dst[0].cpu(), want[0].cpu())
 
 
+def _staging_sections(seed: int, shapes, dtypes, n_dst: int):
+    """Random source sections of 10 records (pinned on CUDA), destination sections of n_dst
+    slots filled with 77 on DEVICE, and a copy of those for the spec."""
+    g = torch.Generator().manual_seed(seed)
+    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
+    srcs = [s.pin_memory() for s in srcs] if torch.cuda.is_available() else srcs
+    dsts = [torch.full((n_dst, *sh), 77, dtype=dt, device=DEVICE)
+            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
+    return srcs, dsts, [d.clone() for d in dsts]
+
+
 @pytest.mark.parametrize("chunks,mark", [(None, False), (3, False), (3, True)])
 def test_stage_misses_equals_spec(chunks, mark):
     """A decode call's misses into its staging slots: pairs with a negative code get mirror row
@@ -91,16 +102,10 @@ def test_stage_misses_equals_spec(chunks, mark):
     a pausing admission's counter and out again (it ends where it began)."""
     from moestream.kernels.triton.copy import BLOCK, STAGE_CHUNKS, StageMisses, stage_misses_ref
 
-    g = torch.Generator().manual_seed(5)
     shapes = [((STAGE_CHUNKS * BLOCK + 40) * 2,), (3, 8), (7, 16), (5,)]
     dtypes = [torch.int16, torch.uint8, torch.int32, torch.float32]
-    pin = torch.cuda.is_available()
-    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
-    srcs = [s.pin_memory() for s in srcs] if pin else srcs
     base, P = 5, 4
-    dsts = [torch.full((base + P, *sh), 77, dtype=dt, device=DEVICE)
-            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
-    want = [d.clone() for d in dsts]
+    srcs, dsts, want = _staging_sections(5, shapes, dtypes, base + P)
     codes = torch.tensor([3, -1 - 9, 1, -1 - 0], device=DEVICE)  # slots 3, 1; rows 9, 0
     slots = torch.full((P,), -5, dtype=torch.int64, device=DEVICE)
     busy = torch.full((1,), 3, dtype=torch.int32, device=DEVICE) if mark else None
@@ -124,15 +129,9 @@ def test_stage_misses_in_two_launches_is_the_one_launch():
     poisoned slots tensor stays poisoned); the pool then holds the one launch's bytes."""
     from moestream.kernels.triton.copy import StageMisses, stage_misses_ref
 
-    g = torch.Generator().manual_seed(7)
     shapes, dtypes = [(300,), (3, 8), (40,)], [torch.int16, torch.uint8, torch.float32]
-    pin = torch.cuda.is_available()
-    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
-    srcs = [s.pin_memory() for s in srcs] if pin else srcs
     base, P = 4, 3
-    dsts = [torch.full((base + P, *sh), 77, dtype=dt, device=DEVICE)
-            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
-    want = [d.clone() for d in dsts]
+    srcs, dsts, want = _staging_sections(7, shapes, dtypes, base + P)
     codes = torch.tensor([-1 - 6, 2, -1 - 1], device=DEVICE)
     first = StageMisses(srcs[:2], dsts[:2], chunks=2)
     rest = StageMisses(srcs[2:], dsts[2:], chunks=2, write_slots=False)
@@ -172,15 +171,9 @@ def test_stage_misses_reads_a_prefetch_instead_of_copying():
     mispredicted miss costs the staging nothing; slots and pool equal the spec's."""
     from moestream.kernels.triton.copy import StageMisses, stage_misses_ref
 
-    g = torch.Generator().manual_seed(6)
     shapes, dtypes = [(300,), (3, 8)], [torch.int16, torch.uint8]
-    pin = torch.cuda.is_available()
-    srcs = [torch.randint(-99, 99, (10, *sh), generator=g).to(dt) for sh, dt in zip(shapes, dtypes)]
-    srcs = [s.pin_memory() for s in srcs] if pin else srcs
     base, abase, P = 4, 8, 3  # slots 0-3 the table's, 4-6 staging, 8-10 the prefetch's
-    dsts = [torch.full((abase + P, *sh), 77, dtype=dt, device=DEVICE)
-            for sh, dt in zip(shapes, dtypes)]  # fmt: skip
-    want = [d.clone() for d in dsts]
+    srcs, dsts, want = _staging_sections(6, shapes, dtypes, abase + P)
     stage = StageMisses(srcs, dsts, chunks=2)
     predicted = torch.tensor([-1 - 7, 2, -1 - 5], device=DEVICE)  # rows 7, 5 prefetched; a hit
     out = torch.empty(P, dtype=torch.int64, device=DEVICE)
