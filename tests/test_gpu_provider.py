@@ -385,8 +385,8 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert mode["split_staging"] == (side == "split")
     assert bool(calls["split"]) == (side == "split") == (p._stage_down is not None)
     if side == "split":  # gate/up's sections, then down's: every section once
-        names = [n for n in p.pool.sections]
-        assert len(p._stage.pairs) + len(p._stage_down.pairs) == len(names)
+        assert len(p._stage.pairs) + len(p._stage_down.pairs) == len(p.pool.sections)
+        assert len(p._stage_down.pairs) == sum(n.startswith("w2.") for n in p.pool.sections)
         assert p._stage.write_slots and not p._stage_down.write_slots
     if pause:  # every staging program that counted itself in took itself out
         assert p._stage.busy is p._admit_rows.busy and p._stage.busy.tolist() == [0]

@@ -285,10 +285,11 @@ class GpuExperts(ExpertProvider):
         self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
         self._stage = self._stage_down = None
         if self.staged and self.cfg.split_staging:  # gate/up sections, then down's beside gate/up
-            gu, dn = ([i for i, n in enumerate(names) if n.startswith("w2.") == d] for d in (0, 1))
-            self._stage = StageMisses(*([t[i] for i in gu] for t in pairs), busy=busy)
-            self._stage_down = StageMisses(*([t[i] for i in dn] for t in pairs), busy=busy,
-                                           write_slots=False)  # fmt: skip
+            down = [n.startswith("w2.") for n in names]  # the down kernel's sections
+            gu = [[t for t, d in zip(ts, down) if not d] for ts in pairs]
+            dn = [[t for t, d in zip(ts, down) if d] for ts in pairs]
+            self._stage = StageMisses(*gu, busy=busy)
+            self._stage_down = StageMisses(*dn, busy=busy, write_slots=False)
         elif self.staged:
             self._stage = StageMisses(*pairs, busy=busy)
         if self.staged:  # the slots a call's pairs are read from (written by the staging)
@@ -342,21 +343,33 @@ class GpuExperts(ExpertProvider):
             return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
         return moe_decode(x, codes.view_as(ids), weights, self.pool, host=self.mirror)
 
+    @contextlib.contextmanager
+    def _aside(self):
+        """Launches on the staging's side stream, forked after what this stream has issued (CUDA;
+        inline on the CPU); `_join` makes this stream's later work wait for them. Both are
+        captured into a step's graph as its fork and join."""
+        if not self.cuda:
+            yield
+            return
+        self._stage_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stage_stream):
+            yield
+
+    def _join(self) -> None:
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._stage_stream)
+
     def _hits_first(self, x, ids, weights, codes) -> torch.Tensor:
         """GpuConfig.hits_first: the misses staged on a side stream (forked and joined inside a
         captured step) while the hits' pairs compute on this one, then the misses' pairs, both
         into one output (moe_decode's `pick`: the one launch's bits)."""
         from moestream.kernels.triton.decode import moe_decode
 
-        cur = torch.cuda.current_stream(self.device) if self.cuda else None
-        if self.cuda:
-            self._stage_stream.wait_stream(cur)  # codes gathered, the last layer's reads done
-        with torch.cuda.stream(self._stage_stream) if self.cuda else contextlib.nullcontext():
+        with self._aside():  # after the codes' gather and the last layer's reads
             self._stage(codes, self._stage_slots, self.n_slots)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         moe_decode(x, codes.view_as(ids), weights, self.pool, out=out, pick=(codes, 1))
-        if self.cuda:
-            cur.wait_stream(self._stage_stream)
+        self._join()
         return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, out=out,
                           pick=(codes, 2))  # fmt: skip
 
@@ -366,14 +379,11 @@ class GpuExperts(ExpertProvider):
         while the gate/up kernel runs. The same rows into the same staging slots as one launch."""
         from moestream.kernels.triton.decode import moe_decode
 
-        cur = torch.cuda.current_stream(self.device) if self.cuda else None
         self._stage(codes, self._stage_slots, self.n_slots)
-        if self.cuda:  # the gate/up sections staged, the last layer's down reads done
-            self._stage_stream.wait_stream(cur)
-        with torch.cuda.stream(self._stage_stream) if self.cuda else contextlib.nullcontext():
+        with self._aside():  # after the gate/up sections and the last layer's down reads
             self._stage_down(codes, self._stage_slots, self.n_slots)
-        join = (lambda: cur.wait_stream(self._stage_stream)) if self.cuda else None
-        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, before_down=join)
+        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool,
+                          before_down=self._join)  # fmt: skip
 
     def _prefetch_base(self, li: int) -> int:
         """First slot of layer li's prefetch set (past the table's slots and the staging)."""
