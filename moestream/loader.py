@@ -123,7 +123,7 @@ def _place_quantized(
         parent, _, child = path.rpartition(".")
         old = modules[path]
         if isinstance(old, nn.Embedding):
-            new: nn.Module = QuantEmbedding(w, dtype)
+            new: nn.Module = QuantEmbedding(w, dtype, kernel)
             if model.args.tie_word_embeddings:  # one quantized table for both ends
                 model.lm_head = QuantLinear(w, None, kernel)
         else:

@@ -205,6 +205,35 @@ def test_int4_rows_dequantize_to_the_reference_values(group, dtype):
     assert torch.equal(got, torch.stack([dequantize(w.sections(), "w", group, dtype) for w in ws]))
 
 
+@pytest.mark.parametrize("group", [32, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_embedding_gathers_int4_rows_in_one_launch(group, dtype, monkeypatch):
+    """QuantEmbedding with kernel "triton": an int4 table's rows by one dequant launch from its
+    row repack (rows off the 64-row block, repeated ids, a [2, 4] batch), the reference's bits;
+    the reference's gather (~40 small kernels) is not called. Other schemes keep the reference."""
+    from moestream.kernels import dense as kdense
+    from moestream.kernels.dense import QuantEmbedding
+    from moestream.kernels.triton import dequant
+
+    w = _weight("int4", 130, 256, 8, group).to(DEVICE)
+    ids = torch.tensor([0, 129, 64, 65, 127, 128, 3, 3], device=DEVICE)
+    want = dequantize(w.sections(), "w", group, dtype)[ids]
+    emb = QuantEmbedding(w, dtype, "triton")
+    launches = []
+    real = dequant.dequant_int4_rows
+    monkeypatch.setattr(dequant, "dequant_int4_rows",
+                        lambda *a, **k: launches.append(1) or real(*a, **k))  # fmt: skip
+    monkeypatch.setattr(kdense, "dequantize_rows", None)  # called: a TypeError
+    assert torch.equal(emb(ids), want) and len(launches) == 1
+    assert torch.equal(emb(ids.view(2, 4)), want.view(2, 4, -1))
+    monkeypatch.undo()
+    assert QuantEmbedding(w, dtype, "ref").rows_q is None
+    i8 = _weight("int8", 130, 256, 8).to(DEVICE)
+    e8 = QuantEmbedding(i8, dtype, "triton")
+    assert e8.rows_q is None
+    assert torch.equal(e8(ids), dequantize(i8.sections(), "w", 32, dtype)[ids])
+
+
 def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
     """A q6_k weight (the 4-bit rules' output layer) decodes through the int8 GEMV of group 16
     over its values and steps (held beside the blocks), within the GEMV's fp32 bound of the
@@ -283,6 +312,26 @@ def test_cuda_graph_replays_the_gemv(quant):
     g.replay()
     assert torch.equal(y, tdense.gemv(x, q, scales, None, quant, n, 32))
     _check(y, x, w, None)
+
+
+@pytest.mark.cuda
+def test_cuda_graph_replays_the_embedding_rows():
+    """A captured step's embedding (the token id a device input): replayed with other ids, the
+    reference's rows."""
+    from moestream.kernels.dense import QuantEmbedding
+
+    w = _weight("int4", 1000, 2048, 9).cuda()
+    emb = QuantEmbedding(w, torch.bfloat16, "triton")
+    ids = torch.tensor([5], device="cuda")
+    emb(ids)  # compiles outside the capture
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        rows = emb(ids)
+    full = dequantize(w.sections(), "w", 32, torch.bfloat16)
+    for i in (999, 64, 0):
+        ids.fill_(i)
+        g.replay()
+        assert torch.equal(rows, full[[i]])
 
 
 @pytest.mark.cuda

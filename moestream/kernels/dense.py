@@ -15,7 +15,8 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
 No kernel keeps a dequantized copy: memory holds only the sections (and, kernel triton, an int4
 weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster; a q6_k
 weight's values and steps as int8 of group 16, which the GEMV reads: no q6_k GEMV yet).
-The embedding gathers and dequantizes only the rows it is asked for, on every kernel.
+The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton,
+int4: from the row repack, in one launch).
 """
 
 from __future__ import annotations
@@ -212,15 +213,37 @@ class RowsOf(nn.Module):
 
 
 class QuantEmbedding(nn.Module):
-    """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up."""
+    """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up. Kernel
+    "triton" with an int4 table: the rows come from its row-major repack (quant.int4_to_rows, the
+    sections' size again) by one launch, each row a matrix of one row (kernels/triton/dequant.py,
+    the reference's bits); the reference's gather and unpacking take ~40 small kernels, which a
+    captured decode step ran every token (~0.1 ms on the H200). (The rules write a tied table in
+    int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.)"""
 
-    def __init__(self, weight: QuantWeight, dtype: torch.dtype):
+    def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: str = "ref"):
         super().__init__()
+        if kernel not in DENSE_KERNELS:
+            raise ValueError(f"unknown dense kernel {kernel!r}; use {', '.join(DENSE_KERNELS)}")
         self.qweight, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.shape
+        rows = words = None
+        g = weight.scheme.group_size
+        if kernel == "triton" and weight.scheme.name == "int4" and g % 32 == 0:
+            rows, words = int4_to_rows(weight.q, weight.sz, g)
+        self.register_buffer("rows_q", rows, persistent=False)
+        self.register_buffer("rows_sz", words, persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
+        if self.rows_q is not None and not torch.compiler.is_compiling():
+            from moestream.kernels.triton import dequant  # triton: the gpu extra
+
+            if self.dtype in dequant.DTYPES:
+                (v, k), g = self.qweight.shape, self.qweight.scheme.group_size
+                rows = dequant.dequant_int4_rows(
+                    self.rows_q.view(v, 1, k // 2), self.rows_sz.view(v, 1, k // g), g,
+                    self.dtype, bn=1, src=flat)  # fmt: skip
+                return rows.view(*ids.shape, self.embedding_dim)
         rows = dequantize_rows(
             self.qweight.sections(), "w", flat, self.qweight.scheme.group_size, self.dtype
         )

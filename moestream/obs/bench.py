@@ -64,12 +64,12 @@ def dense_bytes_per_token(model) -> int:
 
 def _read_tensors(module) -> list:
     """The weights a decode step through module reads, each storage once (a repacked int4
-    weight's sections are read by prompts only)."""
-    from moestream.kernels.dense import QuantLinear
+    weight's sections are read by prompts only; an int4 embedding's repack, by no one else)."""
+    from moestream.kernels.dense import QuantEmbedding, QuantLinear
 
     skip = set()
     for m in module.modules():
-        if isinstance(m, QuantLinear) and m.rows_layout:
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and getattr(m, "rows_q", None) is not None:
             skip |= _ptrs(m.qweight.buffers())
     unique = {}
     for t in [*module.parameters(), *module.buffers()]:
