@@ -104,6 +104,43 @@ read_tiles(const uint4* __restrict__ wq, const unsigned* __restrict__ wsz,
     if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; practically never stores
 }
 
+// the tile's bytes (gate and up weights, their (scale, zero) words) by the bulk copy engine (TMA)
+// into shared memory, four copies on one mbarrier; one word of each consumed
+extern "C" __global__ void __launch_bounds__(128)
+read_bulk(const uint4* __restrict__ wq, const unsigned* __restrict__ wsz,
+          const long long* __restrict__ ids, unsigned* __restrict__ sink) {
+    constexpr int WB = 16 * K_ / 2, SB = 16 * NG * 4;  // a tile's weight, scale bytes
+    __shared__ alignas(128) unsigned char buf[2 * WB + 2 * SB];
+    __shared__ alignas(8) unsigned long long bar;
+    const int t = blockIdx.x, p = blockIdx.y;
+    const long long e = ids[p];
+    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+    if (threadIdx.x == 0) {
+        asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" ::"r"(b));
+        asm volatile("fence.proxy.async.shared::cta;");
+        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;" ::"r"(b),
+                     "r"(2 * WB + 2 * SB));
+        const unsigned char* src[4] = {
+            reinterpret_cast<const unsigned char*>(wq + (e * (2 * TILES) + t) * (NG / 2) * 32),
+            reinterpret_cast<const unsigned char*>(wq + (e * (2 * TILES) + TILES + t) * (NG / 2) * 32),
+            reinterpret_cast<const unsigned char*>(wsz + (e * (2 * I_) + t * 16) * NG),
+            reinterpret_cast<const unsigned char*>(wsz + (e * (2 * I_) + I_ + t * 16) * NG)};
+        const int n[4] = {WB, WB, SB, SB}, off[4] = {0, WB, 2 * WB, 2 * WB + SB};
+        for (int i = 0; i < 4; i++) {
+            const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(buf + off[i]));
+            asm volatile(
+                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
+                ::"r"(d), "l"(src[i]), "r"(n[i]), "r"(b) : "memory");
+        }
+    }
+    __syncthreads();
+    asm volatile(
+        "{\n .reg .pred P;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%%0], 0;\n"
+        " @!P bra WAIT;\n}" ::"r"(b) : "memory");
+    const unsigned v = reinterpret_cast<const unsigned*>(buf)[threadIdx.x * 16];
+    if (v == 0x9E3779B9u) sink[0] = v;
+}
+
 // group j of one tile: the two 16-input steps on tensor cores, then scale and zero
 __device__ __forceinline__ void group(unsigned w0, unsigned w8, const unsigned* xs32, int j, int c,
                                       unsigned s0, unsigned s8, float xsum, float& a, float& b) {
@@ -234,12 +271,16 @@ def h_spec(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, words: torch.
 
 
 def compile_kernels(D: int, I: int, kw: int):
-    """(gate_up_mma, read_tiles) for hidden D, intermediate I, kw warps a block (NVRTC, sm_90)."""
+    """(gate_up_mma, read_tiles, read_bulk) for hidden D, intermediate I, kw warps a block (NVRTC, sm_90)."""
     import cupy
 
     assert D % (64 * kw) == 0 and I % 16 == 0, (D, I, kw)
     mod = cupy.RawModule(code=SRC % dict(K=D, I=I, KW=kw), options=("--std=c++17", "-arch=sm_90"))
-    return mod.get_function("gate_up_mma"), mod.get_function("read_tiles")
+    return (
+        mod.get_function("gate_up_mma"),
+        mod.get_function("read_tiles"),
+        mod.get_function("read_bulk"),
+    )
 
 
 def _ptr(t: torch.Tensor):
@@ -318,7 +359,7 @@ def main() -> None:
         for kw in a.kw:
             if D % (64 * kw):
                 continue
-            fn, rd = compile_kernels(D, I, kw)
+            fn, rd, bulk = compile_kernels(D, I, kw)
 
             def cuda_gate_up(fn=fn, kw=kw):
                 for mq, (_, rz), (ids, _), h in zip(mma_q, secs, routes, hs):
@@ -335,6 +376,16 @@ def main() -> None:
             rows[f"cuda mma gate/up kw={kw}"] = graph_ms(cuda_gate_up, a.layers)
             cuda_read()
             rows[f"cuda read-only gate/up bytes kw={kw}"] = graph_ms(cuda_read, a.layers)
+            if kw == a.kw[0]:  # one block of 128 threads a tile, whatever kw
+
+                def bulk_read(bulk=bulk):
+                    for mq, (_, rz), (ids, _) in zip(mma_q, secs, routes):
+                        read_only(bulk, mq, rz, ids.view(-1), sink, I, 4)
+
+                bulk_read()
+                rows["cuda bulk-copy (TMA) read of the gate/up bytes"] = graph_ms(
+                    bulk_read, a.layers
+                )
         for name, ms in rows.items():
             frac = gu_bytes / bw / (ms * 1e-3) if "gate/up" in name else None
             print(f"{model:16} {name:26} {ms * 1e3:6.2f} us"
