@@ -64,7 +64,8 @@ def dense_bytes_per_token(model) -> int:
 
 def _read_tensors(module) -> list:
     """The weights a decode step through module reads, each storage once (a repacked int4
-    weight's sections are read by prompts only; an int4 embedding's repack, by no one else)."""
+    weight's sections are read by prompts only, a repacked int4 embedding's not at all: its
+    lookups read the repack)."""
     from moestream.kernels.dense import QuantEmbedding, QuantLinear
 
     skip = set()
