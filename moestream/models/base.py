@@ -159,9 +159,9 @@ class MoeCausalLM(nn.Module):
         """cos/sin on x's device: the CPU tables as they are; on a GPU a copy of the whole table made
         once (a per-step copy from pageable memory would synchronise the stream). A device tensor
         `start` [1] (a captured decode step) gathers its row from the whole table."""
-        if isinstance(start, torch.Tensor):
-            tab = self._rope_table(self.args.max_position_embeddings, x)
-            return tab[0].index_select(0, start), tab[1].index_select(0, start)
+        if isinstance(start, torch.Tensor):  # one gather of both rows: one kernel a step
+            both = self._rope_table(self.args.max_position_embeddings, x).index_select(1, start)
+            return both[0], both[1]
         if x.device.type == "cpu":
             return self.rope(start, end, x.dtype)
         if self.rope.r.rope_type == "dynamic":  # the table changes with the length
@@ -170,13 +170,14 @@ class MoeCausalLM(nn.Module):
         tab = self._rope_table(end, x)
         return tab[0][start:end], tab[1][start:end]
 
-    def _rope_table(self, end: int, x: torch.Tensor):
-        """The whole cos/sin table (at least `end` rows) in x's dtype on x's device, made once."""
+    def _rope_table(self, end: int, x: torch.Tensor) -> torch.Tensor:
+        """The whole cos/sin table [2, rows, dim] (at least `end` rows) in x's dtype on x's device,
+        made once."""
         key = (x.dtype, x.device)
         tab = self._rope_dev.get(key)
-        if tab is None or tab[0].shape[0] < end:
+        if tab is None or tab.shape[1] < end:
             cos, sin = self.rope(0, max(end, self.args.max_position_embeddings), x.dtype)
-            tab = self._rope_dev[key] = (cos.to(x.device), sin.to(x.device))
+            tab = self._rope_dev[key] = torch.stack([cos, sin]).to(x.device)
         return tab
 
     def forward(self, ids: torch.Tensor, cache, start, last_only: bool = False) -> torch.Tensor:
