@@ -36,12 +36,11 @@ instructions a weight (Triton's 6.3), 0.32 warps issued a scheduler-cycle, half 
 waiting on loads, DRAM 32%, 109 registers (4 blocks an SM). Half the instructions, not faster:
 at one token these bytes take ~8 us to read in this launch shape whatever the arithmetic, and
 with every load of a warp issued before its products, the products run after the loads rather
-than beside them. Not taken; the Triton kernels stay. `read_bulk` reads the same bytes by the bulk
-copy engine (`cp.async.bulk` into shared memory, 40 KB a block on one mbarrier): 7.3 / 6.1 us,
-so no read mechanism of the GPU takes these bytes much faster at this size. `read_layer_bulk`
-reads a whole layer's routed bytes (gate/up tiles and down's rows) by the bulk copy engine in one
-launch: 9.0 / 7.3 us, 0.62 / 0.51 of the layer's roofline, the most any kernel measured here
-reads at these shapes.
+than beside them. Not taken; the Triton kernels stay. `read_layer_bulk` reads the same gate/up bytes
+by the bulk copy engine (`cp.async.bulk` into shared memory, 40 KB a block on one mbarrier): 7.3
+/ 6.1 us, so no read mechanism of the GPU takes them much faster at this size; with down's rows
+too, a whole layer's routed bytes in one launch: 9.0 / 7.3 us, 0.62 / 0.51 of the layer's
+roofline, the most any kernel measured here reads at these shapes.
 
     python benchmarks/ablations/mma_int4_cuda.py --out gpu_moe_trials.jsonl --commit C
 """
@@ -109,46 +108,10 @@ read_tiles(const uint4* __restrict__ wq, const unsigned* __restrict__ wsz,
     if (acc == 0x9E3779B9u) sink[0] = acc;  // keeps the loads; practically never stores
 }
 
-// the tile's bytes (gate and up weights, their (scale, zero) words) by the bulk copy engine (TMA)
-// into shared memory, four copies on one mbarrier; one word of each consumed
-extern "C" __global__ void __launch_bounds__(128)
-read_bulk(const uint4* __restrict__ wq, const unsigned* __restrict__ wsz,
-          const long long* __restrict__ ids, unsigned* __restrict__ sink) {
-    constexpr int WB = 16 * K_ / 2, SB = 16 * NG * 4;  // a tile's weight, scale bytes
-    __shared__ alignas(128) unsigned char buf[2 * WB + 2 * SB];
-    __shared__ alignas(8) unsigned long long bar;
-    const int t = blockIdx.x, p = blockIdx.y;
-    const long long e = ids[p];
-    const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
-    if (threadIdx.x == 0) {
-        asm volatile("mbarrier.init.shared::cta.b64 [%%0], 1;" ::"r"(b));
-        asm volatile("fence.proxy.async.shared::cta;");
-        asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%%0], %%1;" ::"r"(b),
-                     "r"(2 * WB + 2 * SB));
-        const unsigned char* src[4] = {
-            reinterpret_cast<const unsigned char*>(wq + (e * (2 * TILES) + t) * (NG / 2) * 32),
-            reinterpret_cast<const unsigned char*>(wq + (e * (2 * TILES) + TILES + t) * (NG / 2) * 32),
-            reinterpret_cast<const unsigned char*>(wsz + (e * (2 * I_) + t * 16) * NG),
-            reinterpret_cast<const unsigned char*>(wsz + (e * (2 * I_) + I_ + t * 16) * NG)};
-        const int n[4] = {WB, WB, SB, SB}, off[4] = {0, WB, 2 * WB, 2 * WB + SB};
-        for (int i = 0; i < 4; i++) {
-            const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(buf + off[i]));
-            asm volatile(
-                "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%%0], [%%1], %%2, [%%3];"
-                ::"r"(d), "l"(src[i]), "r"(n[i]), "r"(b) : "memory");
-        }
-    }
-    __syncthreads();
-    asm volatile(
-        "{\n .reg .pred P;\n WAIT:\n mbarrier.try_wait.parity.shared::cta.b64 P, [%%0], 0;\n"
-        " @!P bra WAIT;\n}" ::"r"(b) : "memory");
-    const unsigned v = reinterpret_cast<const unsigned*>(buf)[threadIdx.x * 16];
-    if (v == 0x9E3779B9u) sink[0] = v;
-}
-
-// a whole layer's routed bytes by the bulk copy engine in one launch: blocks x < TILES read a
-// gate/up tile as read_bulk does, the others a 16-row tile of down (the pool's rows: w2 [E, D,
-// I/2] bytes, its words [E, D, I/32]); what one launch of the layer could read at best
+// a layer's routed bytes by the bulk copy engine (TMA) into shared memory, one mbarrier a block:
+// blocks x < TILES a gate/up tile (gate and up weights, their (scale, zero) words), the others a
+// 16-row tile of down (the pool's rows: w2 [E, D, I/2] bytes, its words [E, D, I/32]); a grid of
+// TILES blocks a pair reads the gate/up bytes alone. One word of each block is consumed.
 extern "C" __global__ void __launch_bounds__(128)
 read_layer_bulk(const uint4* __restrict__ wq, const unsigned* __restrict__ wsz,
                 const unsigned char* __restrict__ w2q, const unsigned* __restrict__ w2z,
@@ -330,12 +293,12 @@ def h_spec(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, words: torch.
 
 
 def compile_kernels(D: int, I: int, kw: int):
-    """(gate_up_mma, read_tiles, read_bulk, read_layer_bulk) for hidden D, intermediate I, kw warps a block (NVRTC, sm_90)."""
+    """(gate_up_mma, read_tiles, read_layer_bulk) for hidden D, intermediate I, kw warps a block (NVRTC, sm_90)."""
     import cupy
 
     assert D % (64 * kw) == 0 and I % 16 == 0, (D, I, kw)
     mod = cupy.RawModule(code=SRC % dict(K=D, I=I, KW=kw), options=("--std=c++17", "-arch=sm_90"))
-    names = ("gate_up_mma", "read_tiles", "read_bulk", "read_layer_bulk")
+    names = ("gate_up_mma", "read_tiles", "read_layer_bulk")
     return tuple(mod.get_function(n) for n in names)
 
 
@@ -362,12 +325,13 @@ def read_only(fn, mq, rz, ids, sink, I: int, kw: int) -> None:
         fn((I // 16, ids.numel()), (kw * 32,), (_ptr(mq), _ptr(rz), _ptr(ids), _ptr(sink)))
 
 
-def read_layer(fn, mq, rz, w2q, w2z, ids, sink, D: int, I: int) -> None:
-    """read_layer_bulk: a layer's routed bytes (gate/up tiles and down's rows) in one launch."""
+def read_layer(fn, mq, rz, w2q, w2z, ids, sink, D: int, I: int, gate_up_only: bool) -> None:
+    """read_layer_bulk: a layer's routed bytes (gate/up tiles and down's rows) in one launch, or
+    the gate/up tiles' alone."""
     import cupy
 
     with cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream):
-        fn((I // 16 + D // 16, ids.numel()), (128,),
+        fn((I // 16 + (0 if gate_up_only else D // 16), ids.numel()), (128,),
            (_ptr(mq), _ptr(rz), _ptr(w2q), _ptr(w2z), _ptr(ids), _ptr(sink)))  # fmt: skip
 
 
@@ -426,7 +390,7 @@ def main() -> None:
         for kw in a.kw:
             if D % (64 * kw):
                 continue
-            fn, rd, bulk, layer_bulk = compile_kernels(D, I, kw)
+            fn, rd, layer_bulk = compile_kernels(D, I, kw)
 
             def cuda_gate_up(fn=fn, kw=kw):
                 for mq, (_, rz), (ids, _), h in zip(mma_q, secs, routes, hs):
@@ -445,25 +409,16 @@ def main() -> None:
             rows[f"cuda read-only gate/up bytes kw={kw}"] = graph_ms(cuda_read, a.layers)
             if kw == a.kw[0]:  # one block of 128 threads a tile, whatever kw
 
-                def bulk_read(bulk=bulk):
-                    for mq, (_, rz), (ids, _) in zip(mma_q, secs, routes):
-                        read_only(bulk, mq, rz, ids.view(-1), sink, I, 4)
-
-                bulk_read()
-                rows["cuda bulk-copy (TMA) read of the gate/up bytes"] = graph_ms(
-                    bulk_read, a.layers
-                )
-
-                def layer_read(lb=layer_bulk):
+                def bulk_read(gate_up_only: bool, lb=layer_bulk):
                     for ex, mq, (ids, _) in zip(exs, mma_q, routes):
                         sc = ex.sections
                         read_layer(lb, mq, sc["w13.rz"], sc["w2.q"], sc["w2.rz"], ids.view(-1),
-                                   sink, D, I)  # fmt: skip
+                                   sink, D, I, gate_up_only)  # fmt: skip
 
-                layer_read()
-                rows["cuda bulk-copy (TMA) read of the layer's bytes, one launch"] = graph_ms(
-                    layer_read, a.layers
-                )
+                for only, name in ((True, "cuda bulk-copy (TMA) read of the gate/up bytes"),
+                                   (False, "cuda bulk-copy (TMA) read of the layer's bytes, one launch")):  # fmt: skip
+                    bulk_read(only)
+                    rows[name] = graph_ms(lambda only=only: bulk_read(only), a.layers)
         for name, ms in rows.items():
             part = "gate/up" if "gate/up" in name else "layer"
             frac = (gu_bytes if part == "gate/up" else layer_bytes) / bw / (ms * 1e-3)
