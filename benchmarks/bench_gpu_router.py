@@ -5,7 +5,7 @@ At 16 layers the routing took 96 us of a 761 us token in the H200 profile (6 us 
 512 KB GEMV and a top-k). The launch's last program routes: 8 rounds of a max and a min across
 its warps (`packed`: one max of a 64-bit key, the probability's bits above the expert's reverse
 id, the same choice). Variants: router rows a program (`rows`), warps a program (`warps`),
-`packed`, the K step (`bk`: one step of the whole row has every load in flight at once); and torch's F.linear + softmax + topk (what a step ran before the kernel). Each
+`packed`; and torch's F.linear + softmax + topk (what a step ran before the kernel). Each
 variant is timed as a CUDA graph of `--calls` calls over enough router weights that each call
 reads from HBM (past the L2), replayed `--reps` times. JSON rows (common.bench_row): us per call,
 and each variant's experts and weights are checked against torch's rule before it is timed
@@ -36,8 +36,6 @@ def parse() -> argparse.Namespace:
     ap.add_argument("--out", default=None, help="append JSON rows here")
     ap.add_argument("--rows", nargs="+", type=int, default=[1, 2, 4], help="router rows a program")
     ap.add_argument("--warps", nargs="+", type=int, default=[1, 2, 4])
-    ap.add_argument("--bk", nargs="+", type=int, default=[0],
-                    help="K steps (0: the product's router_block)")  # fmt: skip
     ap.add_argument("--calls", type=int, default=64, help="calls per captured graph (at least)")
     ap.add_argument("--reps", type=int, default=20, help="graph replays timed")
     ap.add_argument("--commit", default=None, help="source commit when the tree has no .git")
@@ -47,9 +45,6 @@ def parse() -> argparse.Namespace:
         bad = [v for v in getattr(a, name) if v < 1 or v & (v - 1)]
         if bad:
             ap.error(f"--{name} {bad}: powers of two (1, 2, 4, ...)")
-    bad = [v for v in a.bk if v < 0 or v & (v - 1)]
-    if bad:
-        ap.error(f"--bk {bad}: 0 (the product's) or powers of two dividing the hidden size")
     return a
 
 
@@ -105,8 +100,8 @@ def main() -> None:
         want_w, want_ids = torch_route(x, gates[0], k, renorm)
         bits = route_decode_impl(x, gates[0], k, renorm, dtype)  # the product's tiles
         variants = [("torch", None)] + [
-            (f"rows={r},warps={w},packed={int(p)},bk={b}", dict(rows=r, warps=w, packed=p, bk=b))
-            for r, w, p, b in itertools.product(a.rows, a.warps, (False, True), a.bk)
+            (f"rows={r},warps={w},packed={int(p)}", dict(rows=r, warps=w, packed=p))
+            for r, w, p in itertools.product(a.rows, a.warps, (False, True))
         ]
         for label, kw in variants:
             if kw is None:

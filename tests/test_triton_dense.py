@@ -219,6 +219,7 @@ def test_triton_embedding_gathers_int4_rows_in_one_launch(group, dtype, monkeypa
     ids = torch.tensor([0, 129, 64, 65, 127, 128, 3, 3], device=DEVICE)
     want = dequantize(w.sections(), "w", group, dtype)[ids]
     emb = QuantEmbedding(w, dtype, "triton")
+    assert emb.rows_layout
     launches = []
     real = dequant.dequant_int4_rows
     monkeypatch.setattr(dequant, "dequant_int4_rows",

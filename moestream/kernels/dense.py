@@ -214,11 +214,12 @@ class RowsOf(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up. Kernel
-    "triton" with an int4 table: the rows come from its row-major repack (quant.int4_to_rows, the
-    sections' size again) by one launch, each row a matrix of one row (kernels/triton/dequant.py,
-    the reference's bits); the reference's gather and unpacking take ~40 small kernels, which a
-    captured decode step ran every token (~0.1 ms on the H200). (The rules write a tied table in
-    int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.)"""
+    "triton" with an int4 table (the GEMV's rule, kernels/triton/dense.py: rows_layout): the rows
+    come from its row-major repack (quant.int4_to_rows, the sections' size again) by one launch,
+    each row a matrix of one row (kernels/triton/dequant.py, the reference's bits); the
+    reference's gather and unpacking take ~40 small kernels, which a captured decode step ran
+    every token (69-80 us of kernels a token in the H200 timeline). (The rules write a tied table
+    in int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.)"""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: str = "ref"):
         super().__init__()
@@ -226,25 +227,32 @@ class QuantEmbedding(nn.Module):
             raise ValueError(f"unknown dense kernel {kernel!r}; use {', '.join(DENSE_KERNELS)}")
         self.qweight, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.shape
+        self._dequant = None  # kernel triton's dequant module when the repack is read
         rows = words = None
-        g = weight.scheme.group_size
-        if kernel == "triton" and weight.scheme.name == "int4" and g % 32 == 0:
-            rows, words = int4_to_rows(weight.q, weight.sz, g)
+        s, g = weight.scheme, weight.scheme.group_size
+        if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
+            from moestream.kernels.triton import dense as triton_dense
+            from moestream.kernels.triton import dequant
+
+            if triton_dense.rows_layout(s.name, weight.shape[0], g) and dtype in dequant.DTYPES:
+                self._dequant = dequant
+                rows, words = int4_to_rows(weight.q, weight.sz, g)
         self.register_buffer("rows_q", rows, persistent=False)
         self.register_buffer("rows_sz", words, persistent=False)
 
+    @property
+    def rows_layout(self) -> bool:
+        """Lookups read the row-major repack (buffers rows_q, rows_sz), not the sections."""
+        return self._dequant is not None
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat = ids.reshape(-1)
-        if self.rows_q is not None and not torch.compiler.is_compiling():
-            from moestream.kernels.triton import dequant  # triton: the gpu extra
-
-            if self.dtype in dequant.DTYPES:
-                (v, k), g = self.qweight.shape, self.qweight.scheme.group_size
-                rows = dequant.dequant_int4_rows(
-                    self.rows_q.view(v, 1, k // 2), self.rows_sz.view(v, 1, k // g), g,
-                    self.dtype, bn=1, src=flat)  # fmt: skip
-                return rows.view(*ids.shape, self.embedding_dim)
-        rows = dequantize_rows(
-            self.qweight.sections(), "w", flat, self.qweight.scheme.group_size, self.dtype
-        )
+        g = self.qweight.scheme.group_size
+        if self._dequant is not None and not torch.compiler.is_compiling():
+            v, k = self.qweight.shape
+            rows = self._dequant.dequant_int4_rows(
+                self.rows_q.view(v, 1, k // 2), self.rows_sz.view(v, 1, k // g), g, self.dtype,
+                bn=1, src=flat)  # fmt: skip
+        else:
+            rows = dequantize_rows(self.qweight.sections(), "w", flat, g, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)

@@ -70,7 +70,7 @@ def _read_tensors(module) -> list:
 
     skip = set()
     for m in module.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and getattr(m, "rows_q", None) is not None:
+        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.rows_layout:
             skip |= _ptrs(m.qweight.buffers())
     unique = {}
     for t in [*module.parameters(), *module.buffers()]:

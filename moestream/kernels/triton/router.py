@@ -142,16 +142,13 @@ def router_block(hidden: int) -> int:
 
 def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
                       dtype: torch.dtype, rows: int = ROUTER_ROWS, warps: int = ROUTER_WARPS,
-                      packed: bool = False, bk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                      packed: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """x [T, D] (T <= 8) and the router weight gate [E, D] in x's dtype -> (weights [T, k] in
     dtype, ids [T, k] int64): the router's GEMM and route_rows' rule in one launch. rows, warps,
-    packed: other tiles and top-k (bench_gpu_router.py; the same ids and weights); bk: another K
-    step (a power of two dividing D; 0: router_block's; the logits' sums in another order)."""
+    packed: other tiles and top-k (bench_gpu_router.py; the same ids and weights)."""
     T, D = x.shape
     E = gate.shape[0]
     assert T <= 8 and gate.dtype == x.dtype and router_block(D), (T, D, gate.dtype, x.dtype)
-    bk = bk or router_block(D)
-    assert bk & (bk - 1) == 0 and D % bk == 0, (bk, D)
     # fp32 logits [8, E] and the int32 counter of the last program
     logits, cnt = kept(("router", str(x.device), E), lambda: (
         torch.empty(8, E, device=x.device), torch.zeros(1, device=x.device, dtype=torch.int32)))  # fmt: skip
@@ -159,7 +156,7 @@ def route_decode_impl(x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool,
     ids = torch.empty(T, k, dtype=torch.int64, device=x.device)
     _router_kernel[(triton.cdiv(E, rows),)](
         x.contiguous(), gate.contiguous(), logits, cnt, w, ids, E, T=T, D=D, RB=rows,
-        BK=bk, K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
+        BK=router_block(D), K=k, KP=triton.next_power_of_2(k), EP=triton.next_power_of_2(E),
         RENORM=renorm, XDT=_TL[x.dtype], DT=_TL[dtype], PACKED=packed, num_warps=warps,
     )  # fmt: skip
     return w, ids
