@@ -53,6 +53,9 @@ from pathlib import Path
 
 import torch
 
+from moestream.kernels.ref import dequantize
+from moestream.quant import int4_from_rows
+
 sys.path.insert(0, str(Path(__file__).parents[1]))
 
 SRC = r"""
@@ -278,18 +281,15 @@ def _i32(w: torch.Tensor) -> torch.Tensor:
 
 def h_spec(x: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor, words: torch.Tensor,
            I: int) -> torch.Tensor:  # fmt: skip
-    """float64 h [P, I] = silu(g) * u with the stored numbers dequantized exactly."""
-    E, N, k2 = rows.shape
-    K = 2 * k2
-    b = rows[ids].view(-1, N, K // 32, 16).to(torch.int64)
-    q = torch.cat([b & 15, b >> 4], -1).double() - 8  # [P, N, K/32, 32]
-    w = words[ids].to(torch.int64) & 0xFFFFFFFF
-    s = _i32(w << 16 & 0xFFFFFFFF).view(torch.float32).double()
-    z = _i32(w & 0xFFFF0000).view(torch.float32).double()
-    W = (q * s[..., None] + z[..., None]).view(-1, N, K)
-    gu = W @ x.double()
-    g, u = gu[:, :I], gu[:, I:]
-    return torch.nn.functional.silu(g) * u
+    """float64 h [P, I] = silu(g) * u with the stored numbers dequantized exactly (the pool's rows
+    back to the store's sections, then kernels/ref.py's dequantize in float64)."""
+    g = 2 * rows.shape[-1] // words.shape[-1]
+    W = []
+    for e in ids.tolist():
+        q, sz = int4_from_rows(rows[e], words[e])
+        W.append(dequantize({"w.q": q, "w.sz": sz}, "w", g, torch.float64))
+    gu = torch.stack(W) @ x.double()
+    return torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
 
 
 def compile_kernels(D: int, I: int, kw: int):
