@@ -111,13 +111,15 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
     s_admit, s_stage = torch.cuda.Stream(), torch.cuda.Stream()
     out = []
     busy = torch.zeros(1, dtype=torch.int32, device=device)
+    hurry = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # never set: always pause
     for c in STAGE_CHUNKS:
         # None: the staging alone; pause: the admission waits while the staging copies
         for p, pause in [*((p, False) for p in PROGRAMS), (ADMIT_PROGRAMS, True), (None, False)]:
             stage = StageMisses(src, dst, chunks=c, busy=busy if pause else None)
             calls = [stage_call(stage, 1, stage_rows[i : i + 1], device, base)
                      for i in range(STAGE_CALLS)]  # fmt: skip
-            admit = SectionCopy(src, dst, programs=p or 1, busy=busy if pause else None)
+            admit = SectionCopy(src, dst, programs=p or 1, busy=busy if pause else None,
+                                hurry=hurry if pause else None)  # fmt: skip
             times = []
             for _ in range(reps + 1):  # the first: warm-up
                 ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]

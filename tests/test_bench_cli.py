@@ -277,6 +277,11 @@ def test_bench_admit_child_sets_the_admission_programs(monkeypatch):
     assert calls[-1] == ("STORE", "triton-admitall", 16, 64, 32, "cuda", 0.25)
     src = [torch.zeros(3, 8, dtype=torch.int32)]
     assert copy.SectionCopy(src, [torch.zeros(2, 8, dtype=torch.int32)]).programs == 256
+    from moestream.experts.gpu import GpuExperts
+
+    monkeypatch.setattr(GpuExperts, "HURRY_PENDING", GpuExperts.HURRY_PENDING)
+    bench_admit.child("STORE", 32, 0.25, 16, 64, 32, "triton-pause@7")  # the hurry's bound
+    assert calls[-1][1] == "triton-pause" and GpuExperts.HURRY_PENDING == 7
 
 
 def test_bench_peers_child_warms_up_on_another_prompt(store, monkeypatch, capsys):

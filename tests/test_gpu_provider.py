@@ -411,6 +411,16 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert s["admissions_declined"] == 0 or admit == "scored"
     p._drain()
     check_pool(p)
+    if pause:  # the host's hurry flag, which the admission kernel reads: set while
+        # HURRY_PENDING admission launches are in flight (none are on the CPU: faked here)
+        assert p._admit_rows.hurry is p._hurry and p._hurry.tolist() == [0]
+        with monkeypatch.context() as m:
+            m.setattr(p, "_published", lambda wait: None)
+            p._issued, p._ready = [0], []
+            for pending, flag in ((p.HURRY_PENDING, 1), (p.HURRY_PENDING - 1, 0)):
+                p._pending = [(None, [])] * pending
+                p._account()
+                assert p._hurry.tolist() == [flag]
     res_rt.close()
     rt.close()
 

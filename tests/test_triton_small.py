@@ -18,14 +18,16 @@ except ImportError:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n_sections,programs,pause", [(1, 8, False), (2, 1, False),
-                                                       (4, 5, False), (4, 64, False),
-                                                       (4, 5, True)])  # fmt: skip
+@pytest.mark.parametrize("n_sections,programs,pause", [(1, 8, ""), (2, 1, ""), (4, 5, ""),
+                                                       (4, 64, ""), (4, 5, "idle"),
+                                                       (4, 5, "hurry")])  # fmt: skip
 def test_section_copy_equals_indexing(n_sections, programs, pause):
     """Rows of a (pinned on CUDA) host mirror into device slots, sections of different widths
     (one of more than the kernel's chunks x BLOCK words, one under a block), by fewer programs
     than work items (each walks several) or more; slots not named keep their poison. `pause`:
-    the admission that waits for an idle staging counter (smaller blocks), the same bytes."""
+    the admission that waits for an idle staging counter (smaller blocks), the same bytes;
+    "hurry": the counter stays up and the host's hurry flag lets it through (ignoring the flag
+    spins forever)."""
     from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
 
     g = torch.Generator().manual_seed(n_sections)
@@ -39,8 +41,11 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
     want = [d.clone() for d in dsts]
     rows = torch.tensor([9, 0, 4], device=DEVICE)
     slots = torch.tensor([2, 5, 0], device=DEVICE)
-    busy = torch.zeros(1, dtype=torch.int32, device=DEVICE) if pause else None
-    SectionCopy(srcs, dsts, programs=programs, busy=busy)(rows, slots)
+    busy = hurry = None
+    if pause:
+        busy = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, device=DEVICE)
+        hurry = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, pin_memory=pin)
+    SectionCopy(srcs, dsts, programs=programs, busy=busy, hurry=hurry)(rows, slots)
     for s, d, w in zip(srcs, dsts, want):
         copy_rows_ref(s, w, rows, slots)
         assert torch.equal(d.cpu(), w.cpu())
@@ -51,10 +56,12 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
 
 @pytest.mark.cuda
 @pytest.mark.skipif(DEVICE != "cuda", reason="two streams running at once: CUDA")
-def test_cuda_pausing_admission_waits_while_staging_copies():
+@pytest.mark.parametrize("release", ["idle", "hurry"])
+def test_cuda_pausing_admission_waits_while_staging_copies(release):
     """A pausing admission launched while the staging counter is above zero is still running
-    200 ms later (it waits), and once another stream sets the counter to zero it finishes with
-    the spec's bytes."""
+    200 ms later (it waits), and once another stream sets the counter to zero ("idle"), or the
+    host sets the pinned hurry flag with the counter still up ("hurry"), it finishes with the
+    spec's bytes."""
     import time
 
     from moestream.kernels.triton.copy import SectionCopy, copy_rows_ref
@@ -64,7 +71,8 @@ def test_cuda_pausing_admission_waits_while_staging_copies():
     want = [dst[0].clone()]
     rows, slots = torch.tensor([3, 1], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
     busy = torch.ones(1, dtype=torch.int32, device=DEVICE)
-    admit = SectionCopy(src, dst, busy=busy)
+    hurry = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    admit = SectionCopy(src, dst, busy=busy, hurry=hurry)
     admit(rows[:0], slots[:0])  # nothing to copy: no launch
     zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     admit_stream, other = torch.cuda.Stream(), torch.cuda.Stream()
@@ -75,9 +83,13 @@ def test_cuda_pausing_admission_waits_while_staging_copies():
         done.record()
     time.sleep(0.2)
     assert not done.query(), "the admission ran while the counter was above zero"
-    with torch.cuda.stream(other):
-        busy.copy_(zero)
+    if release == "idle":
+        with torch.cuda.stream(other):
+            busy.copy_(zero)
+    else:
+        hurry.numpy()[0] = 1  # a host store, read by the waiting programs
     done.synchronize()
+    assert busy.item() == (release == "hurry")
     copy_rows_ref(src[0], want[0], rows, slots)
     assert torch.equal(dst[0].cpu(), want[0].cpu())
 

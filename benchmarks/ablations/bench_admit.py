@@ -2,7 +2,9 @@
 off the product path and without llama.cpp: the same store decoded by bench_peers' child, one
 variant per (pool variant, programs) pair, interleaved, the order reversed every other repeat.
 A pool variant is a bench_peers name (`triton`: the product's staged pool, scored admission;
-`triton-admitall`: every miss admitted); programs are the decode admissions' programs (their bytes
+`triton-admitall`: every miss admitted; `triton-pause@H`: pausing admissions that go at once
+while H admission launches are in flight, `GpuExperts.HURRY_PENDING`); programs are the decode
+admissions' programs (their bytes
 in flight over PCIe: `SectionCopy`'s default, `kernels/triton/copy.py` ADMIT_PROGRAMS; a prompt's
 fill names its own, FILL_PROGRAMS). Rows: the variant, decode tok/s (median), PCIe MB per token,
 the fraction of the pinned-copy rate measured in the same run, hit rate, misses declined and
@@ -29,10 +31,14 @@ from common import bench_row, write_rows  # noqa: E402
 
 def child(store: str, programs: int, share: float, threads: int, P: int, N: int,
           kernel: str = "triton") -> None:  # fmt: skip
-    """bench_peers' child (pool variant `kernel`) with every SectionCopy made from now on using
-    `programs` programs."""
+    """bench_peers' child (pool variant `kernel`, `@H` setting GpuExperts.HURRY_PENDING) with
+    every SectionCopy made from now on using `programs` programs."""
+    from moestream.experts.gpu import GpuExperts
     from moestream.kernels.triton import copy
 
+    kernel, _, hurry = kernel.partition("@")
+    if hurry:
+        GpuExperts.HURRY_PENDING = int(hurry)
     rest = copy.SectionCopy.__init__.__defaults__[1:]  # (programs, busy): busy as it was
     copy.SectionCopy.__init__.__defaults__ = (programs, *rest)
     moestream_child(store, kernel, threads, P, N, "cuda", share)

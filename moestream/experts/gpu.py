@@ -280,8 +280,10 @@ class GpuExperts(ExpertProvider):
         # admit_pause: staging programs count themselves here, admissions wait for zero
         pause = self.staged and self.cfg.admit_pause
         busy = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
+        # ... unless the host sets hurry: its admissions are falling behind (_account)
+        self._hurry = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) if pause else None
         # decode admissions: few bytes in flight
-        self._admit_rows = SectionCopy(*pairs, busy=busy)
+        self._admit_rows = SectionCopy(*pairs, busy=busy, hurry=self._hurry)
         self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
         self._stage = self._stage_down = None
         if self.staged and self.cfg.split_staging:  # gate/up sections, then down's beside gate/up
@@ -316,6 +318,11 @@ class GpuExperts(ExpertProvider):
         self.decode_table_seconds = 0.0  # of which: the slot table's accesses
 
     AHEAD = 2  # routing buffers: a step in flight while the host reads the one before
+    # admit_pause: pausing admissions go at once while this many admission launches are in
+    # flight. Paused without a bound they fell steps behind where the staging holds the link
+    # most of a token (25%): keys admitted but not landed are read from the mirror, and the
+    # decode hit rate fell 0.64 -> 0.47 (docs/gpu.md, "Admissions that pause").
+    HURRY_PENDING = 3
 
     def set_routes(self, routes: list) -> None:
         """Prefetch: each MoE block's `route` (x [1, D] -> (weights, ids [1, K])), in layer
@@ -453,6 +460,8 @@ class GpuExperts(ExpertProvider):
         for seen in self._ready:
             self._account_step(seen)
         self._ready.clear()
+        if self._hurry is not None:  # read live by waiting admission programs
+            self._hurry.numpy()[0] = int(len(self._pending) >= self.HURRY_PENDING)
 
     def _account_step(self, seen) -> None:
         """One read step's routing through the slot table: evicted keys' codes back, admitted

@@ -10,7 +10,10 @@ unless a prefetch launch of an earlier layer copied it into its own slots alread
 Both read the same link. With a shared `busy` counter (GpuConfig.admit_pause) the staging
 programs that copy count themselves in it while they run, and the admission's programs wait
 before each block while it is above zero: a step's misses, on its critical path, get the whole
-link, and admissions move in the step's compute (docs/gpu.md, "Admissions that pause")."""
+link, and admissions move in the step's compute (docs/gpu.md, "Admissions that pause"). A
+`hurry` flag in pinned host memory, which the host sets while its admissions fall behind
+(the provider's rule), lets them through at once: read live, so it frees launches already
+waiting."""
 
 from __future__ import annotations
 
@@ -40,37 +43,40 @@ PAUSE_BLOCK = 1024
 
 
 @triton.jit
-def _wait_idle(busy_ptr):
-    """Spin while a staging launch's programs count themselves in busy (a throttle: bytes and
-    bits never depend on it)."""
+def _wait_idle(busy_ptr, hurry_ptr):
+    """Spin while a staging launch's programs count themselves in busy and the host's hurry
+    flag is 0 (a throttle: bytes and bits never depend on it)."""
     n = tl.load(busy_ptr, volatile=True)
-    while n > 0:
+    h = tl.load(hurry_ptr, volatile=True)
+    while (n > 0) & (h == 0):
         n = tl.load(busy_ptr, volatile=True)
+        h = tl.load(hurry_ptr, volatile=True)
 
 
 @triton.jit
-def _copy_one(src, dst, r, s, c, n, busy_ptr, WORDS: tl.constexpr, BLOCK: tl.constexpr,
-              PAUSE: tl.constexpr):  # fmt: skip
+def _copy_one(src, dst, r, s, c, n, busy_ptr, hurry_ptr, WORDS: tl.constexpr,
+              BLOCK: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s (PAUSE:
-    each block waits for the staging to be idle)."""
+    each block waits for the staging to be idle, or for the host's hurry)."""
     src += r * WORDS
     dst += s * WORDS
     for w in range(c * BLOCK, WORDS, n * BLOCK):
         if PAUSE:
-            _wait_idle(busy_ptr)
+            _wait_idle(busy_ptr, hurry_ptr)
         off = w + tl.arange(0, BLOCK)
         m = off < WORDS
         tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
 
 
 @triton.jit
-def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, s0, d0, s1, d1, s2, d2, s3, d3,
+def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, hurry_ptr, s0, d0, s1, d1, s2,
+                          d2, s3, d3,
                           W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
                           W3: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
                           BLOCK: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
     """Program p of P: work items p, p + P, ... of `items` = records x S sections x C chunks;
     item (i, sec, c) copies chunk c of that section of record rows[i] -> slot slots[i]. PAUSE:
-    every block waits while busy > 0 (a staging launch is copying)."""
+    every block waits while busy > 0 (a staging launch is copying) unless hurry != 0."""
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         i = item // (S * C)
         sec = (item // C) % S
@@ -78,13 +84,13 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, s0, d0, s1, d1, 
         r = tl.load(rows_ptr + i).to(tl.int64)
         s = tl.load(slots_ptr + i).to(tl.int64)
         if sec == 0:
-            _copy_one(s0, d0, r, s, c, C, busy_ptr, W0, BLOCK, PAUSE)
+            _copy_one(s0, d0, r, s, c, C, busy_ptr, hurry_ptr, W0, BLOCK, PAUSE)
         elif sec == 1:
-            _copy_one(s1, d1, r, s, c, C, busy_ptr, W1, BLOCK, PAUSE)
+            _copy_one(s1, d1, r, s, c, C, busy_ptr, hurry_ptr, W1, BLOCK, PAUSE)
         elif sec == 2:
-            _copy_one(s2, d2, r, s, c, C, busy_ptr, W2, BLOCK, PAUSE)
+            _copy_one(s2, d2, r, s, c, C, busy_ptr, hurry_ptr, W2, BLOCK, PAUSE)
         else:
-            _copy_one(s3, d3, r, s, c, C, busy_ptr, W3, BLOCK, PAUSE)
+            _copy_one(s3, d3, r, s, c, C, busy_ptr, hurry_ptr, W3, BLOCK, PAUSE)
 
 
 @triton.jit
@@ -114,13 +120,13 @@ def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d
             tl.atomic_add(busy_ptr, 1, sem="relaxed", scope="gpu")
         r = -1 - code
         s = base + p
-        _copy_one(s0, d0, r, s, c, n, busy_ptr, W0, BLOCK, False)
+        _copy_one(s0, d0, r, s, c, n, busy_ptr, busy_ptr, W0, BLOCK, False)
         if W1 > 0:
-            _copy_one(s1, d1, r, s, c, n, busy_ptr, W1, BLOCK, False)
+            _copy_one(s1, d1, r, s, c, n, busy_ptr, busy_ptr, W1, BLOCK, False)
         if W2 > 0:
-            _copy_one(s2, d2, r, s, c, n, busy_ptr, W2, BLOCK, False)
+            _copy_one(s2, d2, r, s, c, n, busy_ptr, busy_ptr, W2, BLOCK, False)
         if W3 > 0:
-            _copy_one(s3, d3, r, s, c, n, busy_ptr, W3, BLOCK, False)
+            _copy_one(s3, d3, r, s, c, n, busy_ptr, busy_ptr, W3, BLOCK, False)
         if MARK:
             tl.debug_barrier()  # every warp has its loads back (its stores issued)
             tl.atomic_add(busy_ptr, -1, sem="relaxed", scope="gpu")
@@ -163,10 +169,13 @@ class SectionCopy:
     """`dst[slots[i]] = src[rows[i]]` for every section pair (src may be pinned host memory,
     dst on the device; the same shapes and dtypes per pair), one launch of `programs` programs
     per call. The int32 views are made once: a call only launches. `busy` (int32 [1] on dst's
-    device, shared with a StageMisses): every block waits while a staging launch copies."""
+    device, shared with a StageMisses): every block waits while a staging launch copies, unless
+    `hurry` (int32 [1], pinned host memory on CUDA, given with busy) is set: the host writes it
+    (`hurry[0] = 1`) and waiting programs read it live."""
 
     def __init__(self, srcs: list[torch.Tensor], dsts: list[torch.Tensor],
-                 programs: int = ADMIT_PROGRAMS, busy: torch.Tensor | None = None):  # fmt: skip
+                 programs: int = ADMIT_PROGRAMS, busy: torch.Tensor | None = None,
+                 hurry: torch.Tensor | None = None):  # fmt: skip
         assert 0 < len(srcs) == len(dsts) <= MAX_SECTIONS, "1 to 4 section pairs"
         assert programs > 0
         for a, b in zip(srcs, dsts):
@@ -174,7 +183,8 @@ class SectionCopy:
             assert a.is_contiguous() and b.is_contiguous(), "sections must be contiguous"
         self.pairs = [(_words(a), _words(b)) for a, b in zip(srcs, dsts)]
         words = [a.shape[1] for a, _ in self.pairs]
-        self.busy = busy
+        assert (busy is None) == (hurry is None), "a pausing admission takes busy and hurry"
+        self.busy, self.hurry = busy, hurry
         self.block = PAUSE_BLOCK if busy is not None else BLOCK
         self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), self.block)))
         self.programs = programs
@@ -191,7 +201,8 @@ class SectionCopy:
         if n:
             items = n * len(self.pairs) * self.chunks
             _copy_sections_kernel[(min(self.programs, items),)](
-                rows, slots, items, rows if self.busy is None else self.busy, *self.args,
+                rows, slots, items, *([rows] * 2 if self.busy is None else [self.busy, self.hurry]),
+                *self.args,
                 S=len(self.pairs), C=self.chunks, BLOCK=self.block, PAUSE=self.busy is not None,
                 num_warps=4, **self.consts)  # fmt: skip
 
