@@ -227,6 +227,7 @@ def moestream_child(store: str, kernel: str, threads: int, P: int, N: int, devic
                 row["skipped_steps_per_token"] = (
                     s["admissions_skipped"] / steps
                 )  # layers: victims busy
+                row["hurried_per_token"] = s["admissions_hurried"] / steps  # pause let go
             if s.get("predict_routed"):  # prefetch: recall, and the copies a routed pair read
                 row["prediction_recall"] = s["predict_correct"] / s["predict_routed"]
                 row["prefetch_precision"] = s["prefetch_used"] / max(s["prefetch_reads"], 1)
@@ -409,7 +410,7 @@ def summarize(runs: list[tuple[dict, int]], bpt: int, ceiling: float) -> dict:
               "host_ms_per_token", "bookkeeping_ms_per_token", "table_ms_per_token",
               "load_and_warm_s", "prediction_recall", "prefetch_precision",
               "decode_hit_rate", "declined_per_token", "skipped_steps_per_token",
-              "decode_depth"):  # fmt: skip
+              "hurried_per_token", "decode_depth"):  # fmt: skip
         if k in first:
             out[k] = first[k] if k == "mode" else statistics.median(r[k] for r, _ in runs)
     return out

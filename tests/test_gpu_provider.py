@@ -417,10 +417,12 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
         with monkeypatch.context() as m:
             m.setattr(p, "_published", lambda wait: None)
             p._issued, p._ready = [0], []
+            assert p.stats()["admissions_hurried"] == 0
             for pending, flag in ((p.HURRY_PENDING, 1), (p.HURRY_PENDING - 1, 0)):
                 p._pending = [(None, [])] * pending
                 p._account()
                 assert p._hurry.tolist() == [flag]
+            assert p.stats()["admissions_hurried"] == 1
     res_rt.close()
     rt.close()
 

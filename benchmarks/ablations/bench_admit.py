@@ -88,13 +88,14 @@ def main(argv=None) -> int:
                "hit_rate": statistics.median(r["hit_rate"] for r in rs),
                "declined_per_token": statistics.median(r.get("declined_per_token", 0) for r in rs),
                "skipped_steps_per_token": statistics.median(r.get("skipped_steps_per_token", 0) for r in rs),
+               "hurried_per_token": statistics.median(r.get("hurried_per_token", 0) for r in rs),
                "mode": rs[0]["mode"]}  # fmt: skip
         rows.append(row)
         print(
             f"{v[0]:>16} programs {v[1]:>4}: {tps:7.1f} tok/s ({row['ratio_to_first']:.3f}x), "
             f"{mb:6.1f} MB/token, {row['pcie_fraction']:.2f} of {ceiling:.1f} GB/s, hits "
             f"{row['hit_rate']:.3f}, declined {row['declined_per_token']:.1f} / layer steps skipped "
-            f"{row['skipped_steps_per_token']:.1f} per token"
+            f"{row['skipped_steps_per_token']:.1f} per token, hurried {row['hurried_per_token']:.2f}"
         )
     from moestream.store.format import Store
 

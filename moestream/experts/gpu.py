@@ -312,6 +312,7 @@ class GpuExperts(ExpertProvider):
         self.device_hits = 0
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
         self.declined = 0  # misses the scored admission left in pinned RAM (GpuConfig.admit)
+        self.hurried = 0  # accounts that left the hurry flag set (admit_pause)
         self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
         self.bookkeeping_seconds = 0.0  # host time in decode_read + decode_issued
@@ -461,7 +462,9 @@ class GpuExperts(ExpertProvider):
             self._account_step(seen)
         self._ready.clear()
         if self._hurry is not None:  # read live by waiting admission programs
-            self._hurry.numpy()[0] = int(len(self._pending) >= self.HURRY_PENDING)
+            hurry = len(self._pending) >= self.HURRY_PENDING
+            self._hurry.numpy()[0] = int(hurry)
+            self.hurried += hurry
 
     def _account_step(self, seen) -> None:
         """One read step's routing through the slot table: evicted keys' codes back, admitted
@@ -799,7 +802,7 @@ class GpuExperts(ExpertProvider):
             extra = {"host_reads": self.host_reads, "decode_hits": self.device_hits,
                      "host_read_bytes": copies * self.size,
                      "admit_bytes": self.admit_bytes, "admissions_skipped": self.skipped,
-                     "admissions_declined": self.declined,
+                     "admissions_declined": self.declined, "admissions_hurried": self.hurried,
                      "bookkeeping_seconds": self.bookkeeping_seconds,
                      "decode_table_seconds": self.decode_table_seconds}  # fmt: skip
             if self.prefetching:
