@@ -231,8 +231,53 @@ def test_triton_embedding_gathers_int4_rows_in_one_launch(group, dtype, monkeypa
     assert QuantEmbedding(w, dtype, "ref").rows_q is None
     i8 = _weight("int8", 130, 256, 8).to(DEVICE)
     e8 = QuantEmbedding(i8, dtype, "triton")
-    assert e8.rows_q is None
+    assert e8.rows_q is None and not e8.rows_layout  # int8: its sections, as stored
     assert torch.equal(e8(ids), dequantize(i8.sections(), "w", 32, dtype)[ids])
+
+
+def _table(fmt: str, n: int, k: int, seed: int) -> QuantWeight:
+    """A [n, k] table in `fmt`: quantized from random floats, or (GGUF's K-quants) random valid
+    blocks."""
+    if fmt not in ("q4_k", "q5_k", "q6_k"):
+        return _weight(fmt, n, k, seed)
+    from gguf_models import kquant_blocks
+
+    from moestream.quant import make_scheme
+
+    q = torch.from_numpy(kquant_blocks(fmt, n, k, seed, scale=0.05, centred=fmt != "q6_k"))
+    return QuantWeight(make_scheme(fmt), (n, k), {"q": q})
+
+
+@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypatch):
+    """QuantEmbedding with kernel "triton" and a table in int8, q8_0, q4_0 or a GGUF K-quant: the
+    looked-up rows by one dequant_table_rows launch over the sections as stored (no repack), the
+    reference's bits; the reference's gather (9-48 small kernels a row) is not called. K of 768 /
+    288: a launch block runs past the row's end (masked), and blocks of 128 split a row in many
+    programs."""
+    from moestream.kernels import dense as kdense
+    from moestream.kernels.dense import QuantEmbedding
+    from moestream.kernels.triton import dequant
+
+    k = 768 if fmt in ("q4_k", "q5_k", "q6_k") else 288
+    w = _table(fmt, 70, k, 11).to(DEVICE)
+    g = w.scheme.group_size
+    ids = torch.tensor([0, 69, 33, 33, 7], device=DEVICE)
+    want = dequantize(w.sections(), "w", g, dtype)[ids]
+    assert want.isfinite().all() and want.abs().amax() > 0
+    emb = QuantEmbedding(w, dtype, "triton")
+    assert not emb.rows_layout and emb.rows_q is None
+    launches = []
+    real = dequant.dequant_table_rows
+    monkeypatch.setattr(dequant, "dequant_table_rows",
+                        lambda *a, **kw: launches.append(1) or real(*a, **kw))  # fmt: skip
+    monkeypatch.setattr(kdense, "dequantize_rows", None)  # called: a TypeError
+    assert torch.equal(emb(ids), want) and len(launches) == 1
+    assert torch.equal(emb(ids.view(1, 5)), want.view(1, 5, -1))
+    scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None
+    assert torch.equal(real(fmt, w.q, scales, ids, g, dtype, bk=128), want)
+    assert real(fmt, w.q, scales, ids[:0], g, dtype).shape == (0, k)
 
 
 def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
@@ -317,22 +362,24 @@ def test_cuda_graph_replays_the_gemv(quant):
 
 @pytest.mark.cuda
 def test_cuda_graph_replays_the_embedding_rows():
-    """A captured step's embedding (the token id a device input): replayed with other ids, the
-    reference's rows."""
+    """A captured step's embedding (the token id a device input; an int4 table's repack, a q6_k
+    table's blocks): replayed with other ids, the reference's rows."""
     from moestream.kernels.dense import QuantEmbedding
 
-    w = _weight("int4", 1000, 2048, 9).cuda()
-    emb = QuantEmbedding(w, torch.bfloat16, "triton")
-    ids = torch.tensor([5], device="cuda")
-    emb(ids)  # compiles outside the capture
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        rows = emb(ids)
-    full = dequantize(w.sections(), "w", 32, torch.bfloat16)
-    for i in (999, 64, 0):
-        ids.fill_(i)
-        g.replay()
-        assert torch.equal(rows, full[[i]])
+    for fmt in ("int4", "q6_k"):
+        w = _table(fmt, 1000, 2048, 9).cuda()
+        emb = QuantEmbedding(w, torch.bfloat16, "triton")
+        assert emb.rows_layout == (fmt == "int4")
+        ids = torch.tensor([5], device="cuda")
+        emb(ids)  # compiles outside the capture
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            rows = emb(ids)
+        full = dequantize(w.sections(), "w", w.scheme.group_size, torch.bfloat16)
+        for i in (999, 64, 0):
+            ids.fill_(i)
+            g.replay()
+            assert torch.equal(rows, full[[i]])
 
 
 @pytest.mark.cuda

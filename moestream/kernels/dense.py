@@ -219,7 +219,10 @@ class QuantEmbedding(nn.Module):
     each row a matrix of one row (kernels/triton/dequant.py, the reference's bits); the
     reference's gather and unpacking take ~40 small kernels, which a captured decode step ran
     every token (69-80 us of kernels a token in the H200 timeline). (The rules write a tied table
-    in int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.)"""
+    in int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.) Kernel "triton"
+    with a table in one of dequant.TABLE_FORMATS (int8, q8_0, q4_0, q4_k, q5_k, q6_k: a tied
+    table, a GGUF's token table): the rows from its sections as stored, one launch
+    (dequant_table_rows) where the reference takes 9-48 small kernels. Others: the reference."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: str = "ref"):
         super().__init__()
@@ -228,6 +231,7 @@ class QuantEmbedding(nn.Module):
         self.qweight, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.shape
         self._dequant = None  # kernel triton's dequant module when the repack is read
+        self._table = None  # kernel triton's dequant module when the sections are read by it
         rows = words = None
         s, g = weight.scheme, weight.scheme.group_size
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
@@ -237,6 +241,8 @@ class QuantEmbedding(nn.Module):
             if triton_dense.rows_layout(s.name, weight.shape[0], g) and dtype in dequant.DTYPES:
                 self._dequant = dequant
                 rows, words = int4_to_rows(weight.q, weight.sz, g)
+            elif s.name in dequant.TABLE_FORMATS and dtype in dequant.DTYPES:
+                self._table = dequant
         self.register_buffer("rows_q", rows, persistent=False)
         self.register_buffer("rows_sz", words, persistent=False)
 
@@ -246,13 +252,16 @@ class QuantEmbedding(nn.Module):
         return self._dequant is not None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        flat = ids.reshape(-1)
-        g = self.qweight.scheme.group_size
+        flat, w = ids.reshape(-1), self.qweight
+        g = w.scheme.group_size
         if self._dequant is not None and not torch.compiler.is_compiling():
-            v, k = self.qweight.shape
+            v, k = w.shape
             rows = self._dequant.dequant_int4_rows(
                 self.rows_q.view(v, 1, k // 2), self.rows_sz.view(v, 1, k // g), g, self.dtype,
                 bn=1, src=flat)  # fmt: skip
+        elif self._table is not None and not torch.compiler.is_compiling():
+            scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None  # s, d
+            rows = self._table.dequant_table_rows(w.scheme.name, w.q, scales, flat, g, self.dtype)
         else:
-            rows = dequantize_rows(self.qweight.sections(), "w", flat, g, self.dtype)
+            rows = dequantize_rows(w.sections(), "w", flat, g, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)

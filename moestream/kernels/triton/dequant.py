@@ -4,7 +4,13 @@ dtype by one launch: the weights a prompt's F.linear multiplies (QuantLinear wit
 (benchmarks/ablations/prefill_grouped.py). Spec: kernels/ref.py's dequantize, `(v - 8) * s + z`
 in fp32 rounded to nearest even, so the values are that spec's bit for bit (tests: test_triton_dense.py,
 test_triton_ablations.py). The torch reference this replaces runs ~8 elementwise passes over
-fp32 intermediates."""
+fp32 intermediates.
+
+Also an embedding's looked-up rows from its table as stored (`dequant_table_rows`): int8 / q8_0
+(a value times its group's scale), q4_0, and GGUF's q4_k / q5_k / q6_k blocks decoded in the
+kernel, one launch where the reference's gather and unpacking take 9-48 small kernels, which a
+captured decode step would run every token. Spec: ref.dequantize_rows; each product is exact in
+fp32 or (int8's fp32 scale) rounded once in both, so the bits are the same."""
 
 from __future__ import annotations
 
@@ -83,4 +89,93 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
                                G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
                                SRC=src is not None, num_warps=4)  # fmt: skip
+    return out
+
+
+# formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
+TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
+_KQ_BYTES = {3: 144, 4: 176, 5: 210}  # bytes a super-block of 256 (quant.KQUANT_BYTES)
+
+
+@triton.jit
+def _f16(ptr, m):
+    """The little-endian fp16 at bytes ptr, ptr + 1 -> fp32 (exact); 0 where m is off."""
+    v = tl.load(ptr, mask=m, other=0).to(tl.uint16) | (
+        tl.load(ptr + 1, mask=m, other=0).to(tl.uint16) << 8
+    )
+    return v.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, K: tl.constexpr, G: tl.constexpr,
+                       FMT: tl.constexpr, B: tl.constexpr, BK: tl.constexpr,
+                       DT: tl.constexpr):  # fmt: skip
+    """Program (t, k block): out[t, k0 .. k0 + BK - 1] = row ids[t] of the table, dequantized.
+    FMT 1: int8 values q [V, K] times s [V, K/G] (float); 2: q4_0, nibble bytes [V, K/2] (input i
+    of a 32-block low, i + 16 high) times fp16 d [V, K/G] after - 8; 3-5: q4_k / q5_k / q6_k
+    super-blocks [V, K/256, B bytes] as ggml lays them out (quant.unpack_kquant)."""
+    t = tl.program_id(0)
+    r = tl.load(ids_ptr + t).to(tl.int64)
+    k = tl.program_id(1) * BK + tl.arange(0, BK)
+    m = k < K
+    if FMT == 1:
+        q = tl.load(q_ptr + r * K + k, mask=m, other=0).to(tl.float32)
+        v = q * tl.load(s_ptr + r * (K // G) + k // G, mask=m, other=0).to(tl.float32)
+    elif FMT == 2:
+        j = k % 32
+        b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)
+        q = ((b >> (4 * (j // 16))) & 15) - 8
+        v = q.to(tl.float32) * tl.load(s_ptr + r * (K // G) + k // G, mask=m, other=0).to(
+            tl.float32
+        )
+    else:
+        blk = q_ptr + r * (K // 256 * B) + (k // 256) * B  # each input's super-block
+        j = k % 256
+        if FMT == 5:  # q6_k: half h, quarter c, lane l; 16 scales of 16 inputs, d at 208
+            h, c, lane = j // 128, (j % 128) // 32, j % 32
+            lo = tl.load(blk + 64 * h + 32 * (c % 2) + lane, mask=m, other=0).to(tl.int32)
+            hi = tl.load(blk + 128 + 32 * h + lane, mask=m, other=0).to(tl.int32)
+            q = (((lo >> (4 * (c // 2))) & 15) | (((hi >> (2 * c)) & 3) << 4)) - 32
+            sc = tl.load(blk + 192 + j // 16, mask=m, other=0).to(tl.int8, bitcast=True)
+            d = _f16(blk + 208, m)
+            # d * sc (fp16 x int8) and then x q (6 bits): exact in fp32, as the spec's products
+            v = (d * sc.to(tl.float32)) * q.to(tl.float32)
+        else:  # q4_k / q5_k: chunk c of 64 (low nibbles, then high), sub-block 2c + i of 32
+            c, i, lane = j // 64, (j % 64) // 32, j % 32
+            q = tl.load(blk + B - 128 + 32 * c + lane, mask=m, other=0).to(tl.int32)
+            q = (q >> (4 * i)) & 15
+            if FMT == 4:  # bit 2c + i of qh[lane] on top
+                qh = tl.load(blk + 16 + lane, mask=m, other=0).to(tl.int32)
+                q = q | (((qh >> (2 * c + i)) & 1) << 4)
+            sb = 2 * c + i  # 6-bit scale and min: bytes 4-15, as ggml packs 8 of each
+            lo4 = sb < 4
+            a = tl.load(blk + 4 + sb % 4, mask=m, other=0).to(tl.int32)
+            b = tl.load(blk + 8 + sb % 4, mask=m, other=0).to(tl.int32)
+            e = tl.load(blk + 12 + sb % 4, mask=m, other=0).to(tl.int32)
+            sc = tl.where(lo4, a & 63, (e & 15) | ((a >> 2) & 48))
+            mn = tl.where(lo4, b & 63, (e >> 4) | ((b >> 2) & 48))
+            # d * sc, dmin * m and their q product are exact in fp32 (<= 22 significant bits):
+            # the one rounding is the subtraction's, fused or not
+            ds, dm = _f16(blk, m) * sc.to(tl.float32), _f16(blk + 2, m) * mn.to(tl.float32)
+            v = ds * q.to(tl.float32) - dm
+    tl.store(out_ptr + t * K + k, _round(v, DT), mask=m)
+
+
+def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: torch.Tensor,
+                       group: int, dtype: torch.dtype, bk: int = 512) -> torch.Tensor:  # fmt: skip
+    """Rows `ids` [T] of a [V, K] table stored as scheme `fmt` (TABLE_FORMATS) -> [T, K] in dtype,
+    one launch: q its `q` section, s its scales (`s` for int8, `d` for q8_0 / q4_0, None for
+    K-quants), group its scheme's group. The reference's bits (ref.dequantize_rows). Runs on the
+    current stream, syncs nothing: capturable."""
+    code = TABLE_FORMATS[fmt]
+    V = q.shape[0]
+    K = q.shape[1] * 256 if code >= 3 else (2 * q.shape[1] if code == 2 else q.shape[1])
+    assert q.is_contiguous() and (s is None or s.is_contiguous()) and ids.dim() == 1
+    assert code >= 3 or (s is not None and s.shape == (V, K // group))
+    out = torch.empty(ids.numel(), K, device=q.device, dtype=dtype)
+    if ids.numel():
+        bk = min(bk, triton.next_power_of_2(K))
+        _table_rows_kernel[(ids.numel(), triton.cdiv(K, bk))](
+            q, q if s is None else s, ids, out, K=K, G=group, FMT=code, B=_KQ_BYTES.get(code, 0),
+            BK=bk, DT=DTYPES[dtype], num_warps=4)  # fmt: skip
     return out
