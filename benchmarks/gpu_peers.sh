@@ -10,7 +10,9 @@
 # as llama/ and gen_model_b.py (the repository's tracked files already take ~61 of the 64 MiB a
 # device call carries, so the source travels compressed, ~4.4 MB).
 # Everything is written under $WORK (default /tmp/peers): nothing of llama.cpp is committed.
-set -eu
+set -eu -o pipefail
+# bench and admit tee their output to OUT: each run's line (written as it finishes) comes back
+# even when a device call's time limit stops the command before the JSON rows are written
 WORK=${WORK:-/tmp/peers}
 LAYERS=${LAYERS:-16}
 SRC=$WORK/src
@@ -55,12 +57,13 @@ bench)
   python benchmarks/bench_peers.py --device cuda --hf "$WORK/hf" --llama "$WORK/llama" --work "$WORK/work" \
     --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
     --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p "${PROMPT:-64}" -n "${TOKENS:-64}" \
-    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3}
+    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3} 2>&1 | tee "$out/gpu_peers.log"
   ;;
 admit)
   out=${2:?OUT folder}
   name=$(python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; print(b.store_name("int4"))')
   python benchmarks/ablations/bench_admit.py "$WORK/work/$name" --share "${SHARE:-0.5}" \
-    --kernels "${POOL_KERNELS:-triton}" --programs "${PROGRAMS:-32}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3}
+    --kernels "${POOL_KERNELS:-triton}" --programs "${PROGRAMS:-32}" --reps "${REPS:-2}" --out "$out/admit.jsonl" ${3:+--commit $3} \
+    2>&1 | tee -a "$out/admit.log"
   ;;
 esac
