@@ -139,8 +139,9 @@ class GpuConfig:
     # Staged device-side misses and the copy stream's admissions read the same link. True: the
     # staging programs count themselves in a device counter while they copy and the admissions
     # wait before each 4 KB block while it is above zero, so a step's misses (its critical path)
-    # get the whole link and admissions move while the step computes. A throttle only: the
-    # same bytes, the same bits.
+    # get the whole link and admissions move while the step computes; while the host sees its
+    # admissions falling behind (GpuExperts.HURRY_PENDING launches in flight) they go at once.
+    # A throttle only: the same bytes, the same bits.
     admit_pause: bool = False
     # Staged device-side misses: a one-token layer runs its hits' experts while its misses are
     # staged on a side stream, then the misses' (two picked launches of each kernel, one
