@@ -45,12 +45,12 @@ PAUSE_BLOCK = 1024
 @triton.jit
 def _wait_idle(busy_ptr, hurry_ptr):
     """Spin while a staging launch's programs count themselves in busy and the host's hurry
-    flag is 0 (a throttle: bytes and bits never depend on it)."""
+    flag is 0 (a throttle: bytes and bits never depend on it). The flag, a read over PCIe, is
+    read only while busy: an idle staging costs a block one device load, as before."""
     n = tl.load(busy_ptr, volatile=True)
-    h = tl.load(hurry_ptr, volatile=True)
-    while (n > 0) & (h == 0):
-        n = tl.load(busy_ptr, volatile=True)
-        h = tl.load(hurry_ptr, volatile=True)
+    while n > 0:
+        hurry = tl.load(hurry_ptr, volatile=True)
+        n = tl.where(hurry != 0, 0, tl.load(busy_ptr, volatile=True))
 
 
 @triton.jit
