@@ -39,7 +39,8 @@ def child(store: str, programs: int, share: float, threads: int, P: int, N: int,
     kernel, _, hurry = kernel.partition("@")
     if hurry:
         GpuExperts.HURRY_PENDING = int(hurry)
-    rest = copy.SectionCopy.__init__.__defaults__[1:]  # (programs, busy): busy as it was
+    # defaults (programs, busy, hurry): only programs changes
+    rest = copy.SectionCopy.__init__.__defaults__[1:]
     copy.SectionCopy.__init__.__defaults__ = (programs, *rest)
     moestream_child(store, kernel, threads, P, N, "cuda", share)
 

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.quant import KQUANT_BYTES, QK_K
+
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -94,7 +96,6 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
 
 # formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
 TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
-_KQ_BYTES = {3: 144, 4: 176, 5: 210}  # bytes a super-block of 256 (quant.KQUANT_BYTES)
 
 
 @triton.jit
@@ -169,13 +170,13 @@ def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: t
     current stream, syncs nothing: capturable."""
     code = TABLE_FORMATS[fmt]
     V = q.shape[0]
-    K = q.shape[1] * 256 if code >= 3 else (2 * q.shape[1] if code == 2 else q.shape[1])
+    K = q.shape[1] * QK_K if code >= 3 else (2 * q.shape[1] if code == 2 else q.shape[1])
     assert q.is_contiguous() and (s is None or s.is_contiguous()) and ids.dim() == 1
     assert code >= 3 or (s is not None and s.shape == (V, K // group))
     out = torch.empty(ids.numel(), K, device=q.device, dtype=dtype)
     if ids.numel():
         bk = min(bk, triton.next_power_of_2(K))
         _table_rows_kernel[(ids.numel(), triton.cdiv(K, bk))](
-            q, q if s is None else s, ids, out, K=K, G=group, FMT=code, B=_KQ_BYTES.get(code, 0),
+            q, q if s is None else s, ids, out, K=K, G=group, FMT=code, B=KQUANT_BYTES.get(fmt, 0),
             BK=bk, DT=DTYPES[dtype], num_warps=4)  # fmt: skip
     return out
