@@ -205,29 +205,35 @@ def test_int4_rows_dequantize_to_the_reference_values(group, dtype):
     assert torch.equal(got, torch.stack([dequantize(w.sections(), "w", group, dtype) for w in ws]))
 
 
+def _lookups_in_one_launch(monkeypatch, emb, kernel: str, ids, want) -> None:
+    """emb(ids) gives `want` by one call of kernels/triton/dequant.py's `kernel`, the reference's
+    gather never called; a [T, 1] batch of the ids gives the same rows."""
+    from moestream.kernels import dense as kdense
+    from moestream.kernels.triton import dequant
+
+    launches = []
+    real = getattr(dequant, kernel)
+    monkeypatch.setattr(dequant, kernel, lambda *a, **kw: launches.append(1) or real(*a, **kw))
+    monkeypatch.setattr(kdense, "dequantize_rows", None)  # called: a TypeError
+    assert torch.equal(emb(ids), want) and len(launches) == 1
+    assert torch.equal(emb(ids.view(-1, 1)), want.view(-1, 1, want.shape[-1]))
+    monkeypatch.undo()
+
+
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_embedding_gathers_int4_rows_in_one_launch(group, dtype, monkeypatch):
     """QuantEmbedding with kernel "triton": an int4 table's rows by one dequant launch from its
     row repack (rows off the 64-row block, repeated ids, a [2, 4] batch), the reference's bits;
     the reference's gather (~40 small kernels) is not called. Other schemes keep the reference."""
-    from moestream.kernels import dense as kdense
     from moestream.kernels.dense import QuantEmbedding
-    from moestream.kernels.triton import dequant
 
     w = _weight("int4", 130, 256, 8, group).to(DEVICE)
     ids = torch.tensor([0, 129, 64, 65, 127, 128, 3, 3], device=DEVICE)
     want = dequantize(w.sections(), "w", group, dtype)[ids]
     emb = QuantEmbedding(w, dtype, "triton")
     assert emb.rows_layout
-    launches = []
-    real = dequant.dequant_int4_rows
-    monkeypatch.setattr(dequant, "dequant_int4_rows",
-                        lambda *a, **k: launches.append(1) or real(*a, **k))  # fmt: skip
-    monkeypatch.setattr(kdense, "dequantize_rows", None)  # called: a TypeError
-    assert torch.equal(emb(ids), want) and len(launches) == 1
-    assert torch.equal(emb(ids.view(2, 4)), want.view(2, 4, -1))
-    monkeypatch.undo()
+    _lookups_in_one_launch(monkeypatch, emb, "dequant_int4_rows", ids, want)
     assert QuantEmbedding(w, dtype, "ref").rows_q is None
     i8 = _weight("int8", 130, 256, 8).to(DEVICE)
     e8 = QuantEmbedding(i8, dtype, "triton")
@@ -256,9 +262,8 @@ def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypat
     reference's bits; the reference's gather (9-48 small kernels a row) is not called. K of 768 /
     288: a launch block runs past the row's end (masked), and blocks of 128 split a row in many
     programs."""
-    from moestream.kernels import dense as kdense
     from moestream.kernels.dense import QuantEmbedding
-    from moestream.kernels.triton import dequant
+    from moestream.kernels.triton.dequant import dequant_table_rows
 
     k = 768 if fmt in ("q4_k", "q5_k", "q6_k") else 288
     w = _table(fmt, 70, k, 11).to(DEVICE)
@@ -268,16 +273,10 @@ def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypat
     assert want.isfinite().all() and want.abs().amax() > 0
     emb = QuantEmbedding(w, dtype, "triton")
     assert not emb.rows_layout and emb.rows_q is None
-    launches = []
-    real = dequant.dequant_table_rows
-    monkeypatch.setattr(dequant, "dequant_table_rows",
-                        lambda *a, **kw: launches.append(1) or real(*a, **kw))  # fmt: skip
-    monkeypatch.setattr(kdense, "dequantize_rows", None)  # called: a TypeError
-    assert torch.equal(emb(ids), want) and len(launches) == 1
-    assert torch.equal(emb(ids.view(1, 5)), want.view(1, 5, -1))
+    _lookups_in_one_launch(monkeypatch, emb, "dequant_table_rows", ids, want)
     scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None
-    assert torch.equal(real(fmt, w.q, scales, ids, g, dtype, bk=128), want)
-    assert real(fmt, w.q, scales, ids[:0], g, dtype).shape == (0, k)
+    assert torch.equal(dequant_table_rows(fmt, w.q, scales, ids, g, dtype, bk=128), want)
+    assert dequant_table_rows(fmt, w.q, scales, ids[:0], g, dtype).shape == (0, k)
 
 
 def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
