@@ -223,22 +223,21 @@ def _lookups_in_one_launch(monkeypatch, emb, kernel: str, ids, want) -> None:
 @pytest.mark.parametrize("group", [32, 64])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_embedding_gathers_int4_rows_in_one_launch(group, dtype, monkeypatch):
-    """QuantEmbedding with kernel "triton": an int4 table's rows by one dequant launch from its
-    row repack (rows off the 64-row block, repeated ids, a [2, 4] batch), the reference's bits;
-    the reference's gather (~40 small kernels) is not called. Other schemes keep the reference."""
+    """QuantEmbedding with kernel "triton": an int4 table's rows by one launch from the store's
+    64-row blocks (rows in the last, shorter block, repeated ids), the reference's bits; no copy
+    of the table is held beside its sections (a row repack was, until 2026-12: ~195 MB at
+    Qwen3's vocabulary); launch blocks smaller than a group."""
     from moestream.kernels.dense import QuantEmbedding
+    from moestream.kernels.triton.dequant import dequant_table_rows
 
     w = _weight("int4", 130, 256, 8, group).to(DEVICE)
     ids = torch.tensor([0, 129, 64, 65, 127, 128, 3, 3], device=DEVICE)
     want = dequantize(w.sections(), "w", group, dtype)[ids]
     emb = QuantEmbedding(w, dtype, "triton")
-    assert emb.rows_layout
-    _lookups_in_one_launch(monkeypatch, emb, "dequant_int4_rows", ids, want)
-    assert QuantEmbedding(w, dtype, "ref").rows_q is None
-    i8 = _weight("int8", 130, 256, 8).to(DEVICE)
-    e8 = QuantEmbedding(i8, dtype, "triton")
-    assert e8.rows_q is None and not e8.rows_layout  # int8: its sections, as stored
-    assert torch.equal(e8(ids), dequantize(i8.sections(), "w", 32, dtype)[ids])
+    assert {n for n, _ in emb.named_buffers()} == {"qweight.q", "qweight.sz"}
+    _lookups_in_one_launch(monkeypatch, emb, "dequant_table_rows", ids, want)
+    assert torch.equal(dequant_table_rows("int4", w.q, w.sz, ids, group, dtype, bk=16), want)
+    assert torch.equal(QuantEmbedding(w, dtype, "ref")(ids), want)
 
 
 def _table(fmt: str, n: int, k: int, seed: int) -> QuantWeight:
@@ -254,7 +253,7 @@ def _table(fmt: str, n: int, k: int, seed: int) -> QuantWeight:
     return QuantWeight(make_scheme(fmt), (n, k), {"q": q})
 
 
-@pytest.mark.parametrize("fmt", ["int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypatch):
     """QuantEmbedding with kernel "triton" and a table in int8, q8_0, q4_0 or a GGUF K-quant: the
@@ -272,7 +271,7 @@ def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypat
     want = dequantize(w.sections(), "w", g, dtype)[ids]
     assert want.isfinite().all() and want.abs().amax() > 0
     emb = QuantEmbedding(w, dtype, "triton")
-    assert not emb.rows_layout and emb.rows_q is None
+    assert {n for n, _ in emb.named_buffers()} == {f"qweight.{n}" for n in w.suffixes}
     _lookups_in_one_launch(monkeypatch, emb, "dequant_table_rows", ids, want)
     scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None
     assert torch.equal(dequant_table_rows(fmt, w.q, scales, ids, g, dtype, bk=128), want)
@@ -361,14 +360,13 @@ def test_cuda_graph_replays_the_gemv(quant):
 
 @pytest.mark.cuda
 def test_cuda_graph_replays_the_embedding_rows():
-    """A captured step's embedding (the token id a device input; an int4 table's repack, a q6_k
-    table's blocks): replayed with other ids, the reference's rows."""
+    """A captured step's embedding (the token id a device input; an int4 table's blocks, a q6_k
+    table's): replayed with other ids, the reference's rows."""
     from moestream.kernels.dense import QuantEmbedding
 
     for fmt in ("int4", "q6_k"):
         w = _table(fmt, 1000, 2048, 9).cuda()
         emb = QuantEmbedding(w, torch.bfloat16, "triton")
-        assert emb.rows_layout == (fmt == "int4")
         ids = torch.tensor([5], device="cuda")
         emb(ids)  # compiles outside the capture
         g = torch.cuda.CUDAGraph()

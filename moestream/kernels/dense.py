@@ -15,8 +15,8 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
 No kernel keeps a dequantized copy: memory holds only the sections (and, kernel triton, an int4
 weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster; a q6_k
 weight's values and steps as int8 of group 16, which the GEMV reads: no q6_k GEMV yet).
-The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton,
-int4: from the row repack, in one launch).
+The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton:
+in one launch from the sections as stored, dequant.TABLE_FORMATS).
 """
 
 from __future__ import annotations
@@ -214,15 +214,12 @@ class RowsOf(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up. Kernel
-    "triton" with an int4 table (the GEMV's rule, kernels/triton/dense.py: rows_layout): the rows
-    come from its row-major repack (quant.int4_to_rows, the sections' size again) by one launch,
-    each row a matrix of one row (kernels/triton/dequant.py, the reference's bits); the
-    reference's gather and unpacking take ~40 small kernels, which a captured decode step ran
-    every token (69-80 us of kernels a token in the H200 timeline). (The rules write a tied table
-    in int8 or q6_k, so a tied lm_head never holds a second int4 repack of it.) Kernel "triton"
-    with a table in one of dequant.TABLE_FORMATS (int8, q8_0, q4_0, q4_k, q5_k, q6_k: a tied
-    table, a GGUF's token table): the rows from its sections as stored, one launch
-    (dequant_table_rows) where the reference takes 9-48 small kernels. Others: the reference."""
+    "triton" with a table in one of dequant.TABLE_FORMATS (int4, int8, q8_0, q4_0, q4_k, q5_k,
+    q6_k: the store's own tables, a tied one, a GGUF's): the rows from its sections as stored by
+    one launch (kernels/triton/dequant.py: dequant_table_rows, the reference's bits), no copy of
+    the table beside them; the reference's gather and unpacking take 9-51 small kernels a
+    lookup, which a captured decode step ran every token (an int4 row: 69-80 us of kernels a token
+    in the H200 timeline). Other formats and kernels: the reference."""
 
     def __init__(self, weight: QuantWeight, dtype: torch.dtype, kernel: str = "ref"):
         super().__init__()
@@ -230,38 +227,19 @@ class QuantEmbedding(nn.Module):
             raise ValueError(f"unknown dense kernel {kernel!r}; use {', '.join(DENSE_KERNELS)}")
         self.qweight, self.dtype = weight, dtype
         self.num_embeddings, self.embedding_dim = weight.shape
-        self._dequant = None  # kernel triton's dequant module when the repack is read
-        self._table = None  # kernel triton's dequant module when the sections are read by it
-        rows = words = None
-        s, g = weight.scheme, weight.scheme.group_size
+        self._table = None  # kernel triton's dequant module when it reads the sections
         if kernel == "triton":  # imported here, not in a compiled forward; triton: the gpu extra
-            from moestream.kernels.triton import dense as triton_dense
             from moestream.kernels.triton import dequant
 
-            if triton_dense.rows_layout(s.name, weight.shape[0], g) and dtype in dequant.DTYPES:
-                self._dequant = dequant
-                rows, words = int4_to_rows(weight.q, weight.sz, g)
-            elif s.name in dequant.TABLE_FORMATS and dtype in dequant.DTYPES:
+            if weight.scheme.name in dequant.TABLE_FORMATS and dtype in dequant.DTYPES:
                 self._table = dequant
-        self.register_buffer("rows_q", rows, persistent=False)
-        self.register_buffer("rows_sz", words, persistent=False)
-
-    @property
-    def rows_layout(self) -> bool:
-        """Lookups read the row-major repack (buffers rows_q, rows_sz), not the sections."""
-        return self._dequant is not None
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         flat, w = ids.reshape(-1), self.qweight
         g = w.scheme.group_size
-        if self._dequant is not None and not torch.compiler.is_compiling():
-            v, k = w.shape
-            rows = self._dequant.dequant_int4_rows(
-                self.rows_q.view(v, 1, k // 2), self.rows_sz.view(v, 1, k // g), g, self.dtype,
-                bn=1, src=flat)  # fmt: skip
-        elif self._table is not None and not torch.compiler.is_compiling():
-            scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None  # s, d
+        if self._table is not None and not torch.compiler.is_compiling():
+            scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None  # s, d, sz
             rows = self._table.dequant_table_rows(w.scheme.name, w.q, scales, flat, g, self.dtype)
-        else:
+        else:  # (a compiled step traces the reference)
             rows = dequantize_rows(w.sections(), "w", flat, g, self.dtype)
         return rows.view(*ids.shape, self.embedding_dim)

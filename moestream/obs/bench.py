@@ -64,13 +64,12 @@ def dense_bytes_per_token(model) -> int:
 
 def _read_tensors(module) -> list:
     """The weights a decode step through module reads, each storage once (a repacked int4
-    weight's sections are read by prompts only, a repacked int4 embedding's not at all: its
-    lookups read the repack)."""
-    from moestream.kernels.dense import QuantEmbedding, QuantLinear
+    weight's sections are read by prompts only)."""
+    from moestream.kernels.dense import QuantLinear
 
     skip = set()
     for m in module.modules():
-        if isinstance(m, (QuantLinear, QuantEmbedding)) and m.rows_layout:
+        if isinstance(m, QuantLinear) and m.rows_layout:
             skip |= _ptrs(m.qweight.buffers())
     unique = {}
     for t in [*module.parameters(), *module.buffers()]:

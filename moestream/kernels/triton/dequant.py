@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from moestream.quant import KQUANT_BYTES, QK_K
+from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, QK_K
 
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -95,7 +95,7 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
 
 
 # formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
-TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}
+TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "int4": 6}
 
 
 @triton.jit
@@ -108,13 +108,15 @@ def _f16(ptr, m):
 
 
 @triton.jit
-def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, K: tl.constexpr, G: tl.constexpr,
+def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl.constexpr,
                        FMT: tl.constexpr, B: tl.constexpr, BK: tl.constexpr,
                        DT: tl.constexpr):  # fmt: skip
     """Program (t, k block): out[t, k0 .. k0 + BK - 1] = row ids[t] of the table, dequantized.
     FMT 1: int8 values q [V, K] times s [V, K/G] (float); 2: q4_0, nibble bytes [V, K/2] (input i
     of a 32-block low, i + 16 high) times fp16 d [V, K/G] after - 8; 3-5: q4_k / q5_k / q6_k
-    super-blocks [V, K/256, B bytes] as ggml lays them out (quant.unpack_kquant)."""
+    super-blocks [V, K/256, B bytes] as ggml lays them out (quant.unpack_kquant); 6: int4 in the
+    store's blocks of B rows (quant.pack_int4: byte [k, d] of a block holds row d low, row d +
+    b / 2 high) with bf16 (scale, zero) pairs s [V * K/G, 2] in the same blocks: (v - 8) s + z."""
     t = tl.program_id(0)
     r = tl.load(ids_ptr + t).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -122,6 +124,16 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, K: tl.constexpr, G: tl.co
     if FMT == 1:
         q = tl.load(q_ptr + r * K + k, mask=m, other=0).to(tl.float32)
         v = q * tl.load(s_ptr + r * (K // G) + k // G, mask=m, other=0).to(tl.float32)
+    elif FMT == 6:
+        r0 = r - r % B  # the row's block, of b rows (the last one may be shorter)
+        half = tl.minimum(V - r0, B) // 2
+        lo = r - r0 < half
+        byte = tl.load(q_ptr + r0 * (K // 2) + k * half + (r - r0) % half, mask=m, other=0)
+        v = tl.where(lo, byte & 15, byte >> 4).to(tl.int32) - 8
+        at = 2 * (r0 * (K // G) + (k // G) * (2 * half) + (r - r0))  # its group's pair
+        sc = tl.load(s_ptr + at, mask=m, other=0).to(tl.float32)
+        z = tl.load(s_ptr + at + 1, mask=m, other=0).to(tl.float32)
+        v = v.to(tl.float32) * sc + z  # the product exact (4 x 8 bits): fused or not, one rounding
     elif FMT == 2:
         j = k % 32
         b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)
@@ -165,18 +177,22 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, K: tl.constexpr, G: tl.co
 def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: torch.Tensor,
                        group: int, dtype: torch.dtype, bk: int = 512) -> torch.Tensor:  # fmt: skip
     """Rows `ids` [T] of a [V, K] table stored as scheme `fmt` (TABLE_FORMATS) -> [T, K] in dtype,
-    one launch: q its `q` section, s its scales (`s` for int8, `d` for q8_0 / q4_0, None for
-    K-quants), group its scheme's group. The reference's bits (ref.dequantize_rows). Runs on the
-    current stream, syncs nothing: capturable."""
+    one launch: q its `q` section, s its scales (`s` for int8, `d` for q8_0 / q4_0, `sz` for
+    int4, None for K-quants), group its scheme's group. The reference's bits
+    (ref.dequantize_rows). Runs on the current stream, syncs nothing: capturable."""
     code = TABLE_FORMATS[fmt]
     V = q.shape[0]
-    K = q.shape[1] * QK_K if code >= 3 else (2 * q.shape[1] if code == 2 else q.shape[1])
+    K = q.shape[1] * (QK_K if fmt in KQUANT_BYTES else 2 if fmt in ("q4_0", "int4") else 1)
     assert q.is_contiguous() and (s is None or s.is_contiguous()) and ids.dim() == 1
-    assert code >= 3 or (s is not None and s.shape == (V, K // group))
+    if fmt == "int4":
+        assert s is not None and s.shape == (V * (K // group), 2) and V % 2 == 0, (V, s.shape)
+    else:
+        assert fmt in KQUANT_BYTES or (s is not None and s.shape == (V, K // group))
     out = torch.empty(ids.numel(), K, device=q.device, dtype=dtype)
     if ids.numel():
         bk = min(bk, triton.next_power_of_2(K))
         _table_rows_kernel[(ids.numel(), triton.cdiv(K, bk))](
-            q, q if s is None else s, ids, out, K=K, G=group, FMT=code, B=KQUANT_BYTES.get(fmt, 0),
-            BK=bk, DT=DTYPES[dtype], num_warps=4)  # fmt: skip
+            q, q if s is None else s, ids, out, V, K=K, G=group, FMT=code,
+            B=INT4_BLOCK_N if fmt == "int4" else KQUANT_BYTES.get(fmt, 0), BK=bk,
+            DT=DTYPES[dtype], num_warps=4)  # fmt: skip
     return out
