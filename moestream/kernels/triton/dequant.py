@@ -6,11 +6,12 @@ in fp32 rounded to nearest even, so the values are that spec's bit for bit (test
 test_triton_ablations.py). The torch reference this replaces runs ~8 elementwise passes over
 fp32 intermediates.
 
-Also an embedding's looked-up rows from its table as stored (`dequant_table_rows`): int8 / q8_0
-(a value times its group's scale), q4_0, and GGUF's q4_k / q5_k / q6_k blocks decoded in the
-kernel, one launch where the reference's gather and unpacking take 9-48 small kernels, which a
-captured decode step would run every token. Spec: ref.dequantize_rows; each product is exact in
-fp32 or (int8's fp32 scale) rounded once in both, so the bits are the same."""
+Also an embedding's looked-up rows from its table as stored (`dequant_table_rows`): int4 in the
+store's 64-row blocks, int8 / q8_0 (a value times its group's scale), q4_0, and GGUF's q4_k /
+q5_k / q6_k blocks decoded in the kernel, one launch where the reference's gather and unpacking
+take 9-51 small kernels, which a captured decode step would run every token. Spec:
+ref.dequantize_rows; each product is exact in fp32 or (int8's fp32 scale) rounded once in both,
+so the bits are the same."""
 
 from __future__ import annotations
 
