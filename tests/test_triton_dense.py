@@ -253,10 +253,11 @@ def _table(fmt: str, n: int, k: int, seed: int) -> QuantWeight:
     return QuantWeight(make_scheme(fmt), (n, k), {"q": q})
 
 
-@pytest.mark.parametrize("fmt", ["int4", "int8", "q8_0", "q4_0", "q4_k", "q5_k", "q6_k"])
+@pytest.mark.parametrize("fmt", ["int4", "int8", "q8_0", "q4_0", "q4_1", "q5_0", "q4_k", "q5_k",
+                                 "q6_k"])  # fmt: skip
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypatch):
-    """QuantEmbedding with kernel "triton" and a table in int8, q8_0, q4_0 or a GGUF K-quant: the
+    """QuantEmbedding with kernel "triton" and a table in any format it stores but bf16: the
     looked-up rows by one dequant_table_rows launch over the sections as stored (no repack), the
     reference's bits; the reference's gather (9-48 small kernels a row) is not called. K of 768 /
     288: a launch block runs past the row's end (masked), and blocks of 128 split a row in many

@@ -214,8 +214,8 @@ class RowsOf(nn.Module):
 
 class QuantEmbedding(nn.Module):
     """Token ids [T] -> rows [T, D] in `dtype`, dequantizing only the rows looked up. Kernel
-    "triton" with a table in one of dequant.TABLE_FORMATS (int4, int8, q8_0, q4_0, q4_k, q5_k,
-    q6_k: the store's own tables, a tied one, a GGUF's): the rows from its sections as stored by
+    "triton" with a table in one of dequant.TABLE_FORMATS (every quantized format a store holds:
+    int4, int8, q8_0, q4_0, q4_1, q5_0, q4_k, q5_k, q6_k): the rows from its sections as stored by
     one launch (kernels/triton/dequant.py: dequant_table_rows, the reference's bits), no copy of
     the table beside them; the reference's gather and unpacking take 9-51 small kernels a
     lookup, which a captured decode step ran every token (an int4 row: 69-80 us of kernels a token

@@ -7,8 +7,8 @@ test_triton_ablations.py). The torch reference this replaces runs ~8 elementwise
 fp32 intermediates.
 
 Also an embedding's looked-up rows from its table as stored (`dequant_table_rows`): int4 in the
-store's 64-row blocks, int8 / q8_0 (a value times its group's scale), q4_0, and GGUF's q4_k /
-q5_k / q6_k blocks decoded in the kernel, one launch where the reference's gather and unpacking
+store's 64-row blocks, int8 / q8_0 (a value times its group's scale), q4_0, q4_1, q5_0 and
+GGUF's q4_k / q5_k / q6_k blocks decoded in the kernel, one launch where the reference's gather and unpacking
 take 9-51 small kernels, which a captured decode step would run every token. Spec:
 ref.dequantize_rows; each product is exact in fp32 or (int8's fp32 scale) rounded once in both,
 so the bits are the same."""
@@ -96,7 +96,11 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
 
 
 # formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
-TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "int4": 6}
+TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "int4": 6,
+                 "q4_1": 7, "q5_0": 8}  # fmt: skip
+# inputs a column of a table's q section holds (its second dim; q5_0 and K-quants: blocks)
+_PER_COLUMN = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_1": 2, "int4": 2, "q5_0": 32,
+               **dict.fromkeys(KQUANT_BYTES, QK_K)}  # fmt: skip
 
 
 @triton.jit
@@ -117,7 +121,9 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
     of a 32-block low, i + 16 high) times fp16 d [V, K/G] after - 8; 3-5: q4_k / q5_k / q6_k
     super-blocks [V, K/256, B bytes] as ggml lays them out (quant.unpack_kquant); 6: int4 in the
     store's blocks of B rows (quant.pack_int4: byte [k, d] of a block holds row d low, row d +
-    b / 2 high) with bf16 (scale, zero) pairs s [V * K/G, 2] in the same blocks: (v - 8) s + z."""
+    b / 2 high) with bf16 (scale, zero) pairs s [V * K/G, 2] in the same blocks: (v - 8) s + z;
+    7: q4_1, q4_0's nibbles times d plus m, fp16 pairs s [V, K/G, 2]; 8: q5_0, blocks [V, K/32,
+    22] of fp16 d, the 32 fifth bits, q4_0's nibbles: (v - 16) d."""
     t = tl.program_id(0)
     r = tl.load(ids_ptr + t).to(tl.int64)
     k = tl.program_id(1) * BK + tl.arange(0, BK)
@@ -135,6 +141,21 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
         sc = tl.load(s_ptr + at, mask=m, other=0).to(tl.float32)
         z = tl.load(s_ptr + at + 1, mask=m, other=0).to(tl.float32)
         v = v.to(tl.float32) * sc + z  # the product exact (4 x 8 bits): fused or not, one rounding
+    elif FMT == 7:
+        j = k % 32
+        b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)
+        at = s_ptr + 2 * (r * (K // G) + k // G)
+        d = tl.load(at, mask=m, other=0).to(tl.float32)
+        v = ((b >> (4 * (j // 16))) & 15).to(tl.float32) * d + tl.load(at + 1, mask=m, other=0).to(
+            tl.float32
+        )  # q d exact (4 x 11 bits): fused or not, one rounding
+    elif FMT == 8:
+        j = k % 32
+        blk = q_ptr + r * (K // 32 * 22) + (k // 32) * 22
+        b = tl.load(blk + 6 + j % 16, mask=m, other=0).to(tl.int32)
+        bit = (tl.load(blk + 2 + j // 8, mask=m, other=0).to(tl.int32) >> (j % 8)) & 1
+        q = (((b >> (4 * (j // 16))) & 15) | (bit << 4)) - 16
+        v = q.to(tl.float32) * _f16(blk, m)
     elif FMT == 2:
         j = k % 32
         b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)
@@ -183,12 +204,11 @@ def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: t
     (ref.dequantize_rows). Runs on the current stream, syncs nothing: capturable."""
     code = TABLE_FORMATS[fmt]
     V = q.shape[0]
-    K = q.shape[1] * (QK_K if fmt in KQUANT_BYTES else 2 if fmt in ("q4_0", "int4") else 1)
+    K = q.shape[1] * _PER_COLUMN[fmt]
     assert q.is_contiguous() and (s is None or s.is_contiguous()) and ids.dim() == 1
-    if fmt == "int4":
-        assert s is not None and s.shape == (V * (K // group), 2) and V % 2 == 0, (V, s.shape)
-    else:
-        assert fmt in KQUANT_BYTES or (s is not None and s.shape == (V, K // group))
+    scales = {"int4": (V * (K // group), 2), "q4_1": (V, K // group, 2), "q5_0": None,
+              **dict.fromkeys(KQUANT_BYTES)}.get(fmt, (V, K // group))  # fmt: skip
+    assert (s is None) if scales is None else (s is not None and s.shape == scales), fmt
     out = torch.empty(ids.numel(), K, device=q.device, dtype=dtype)
     if ids.numel():
         bk = min(bk, triton.next_power_of_2(K))
