@@ -200,7 +200,7 @@ def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: t
                        group: int, dtype: torch.dtype, bk: int = 512) -> torch.Tensor:  # fmt: skip
     """Rows `ids` [T] of a [V, K] table stored as scheme `fmt` (TABLE_FORMATS) -> [T, K] in dtype,
     one launch: q its `q` section, s its scales (`s` for int8, `d` for q8_0 / q4_0, `sz` for
-    int4, None for K-quants), group its scheme's group. The reference's bits
+    int4, `dm` for q4_1, None for q5_0 and K-quants: in their blocks), group its scheme's group. The reference's bits
     (ref.dequantize_rows). Runs on the current stream, syncs nothing: capturable."""
     code = TABLE_FORMATS[fmt]
     V = q.shape[0]
