@@ -288,9 +288,11 @@ def ensure_gguf(hf: Path, work: Path, llama: Path, qtype: str) -> Path:
 
 def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
     """Dense weights read per token as the child holds them (float ones fp32 on the CPU, bf16 on
-    the GPU; quantized ones as their stored sections on both: the GPU's GEMV reads them in place,
-    kernels/triton/dense.py; the embedding: one row) + top-k records per MoE layer."""
+    the GPU; quantized ones as their stored sections on both, except the GPU's q6_k as the int8 of
+    group 16 its GEMV reads, kernels/dense.py: triton_form; the embedding one row, or, tied, the
+    whole table lm_head reads) + top-k records per MoE layer."""
     elem = 2 if gpu else 4
+    from moestream.kernels.dense import QuantWeight, triton_form
     from moestream.store.format import Store
 
     s = Store(store)
@@ -301,8 +303,14 @@ def store_bytes_per_token(store: Path, gpu: bool = False) -> int:
         if scheme is None:
             n = s.tensor(name).numel() * elem
         else:  # (the GPU's int4 row repack holds the same bytes)
-            n = sum(t.numel() * t.element_size() for t in s.dense_sections(name).values())
-        dense += n // a.vocab_size if name.endswith("embed_tokens.weight") else n
+            secs = s.dense_sections(name)
+            if gpu:
+                w = triton_form(QuantWeight(scheme, s.dense_formats[name][1], secs))
+                secs = w.sections()
+            n = sum(t.numel() * t.element_size() for t in secs.values())
+        # the embedding: one row, unless tied: then lm_head reads the whole table every token
+        embed = name.endswith("embed_tokens.weight") and not a.tie_word_embeddings
+        dense += n // a.vocab_size if embed else n
     s.release_dense()
     return dense + a.num_experts_per_tok * sum(s.layouts[layer].size for layer in s.crc)
 

@@ -23,7 +23,7 @@ from moestream.errors import CheckpointError
 from moestream.experts.base import ExpertProvider
 from moestream.experts.config import ExpertsConfig, GpuConfig, StreamConfig, slot_count
 from moestream.experts.resident import ResidentExperts
-from moestream.kernels.dense import QuantEmbedding, QuantLinear, QuantWeight
+from moestream.kernels.dense import QuantEmbedding, QuantLinear, QuantWeight, triton_form
 from moestream.kernels.ref import ExpertActivation
 from moestream.models import checkpoint_renamer, model_module
 from moestream.models.base import MoeCausalLM
@@ -116,9 +116,11 @@ def load_dense(
 def _place_quantized(
     model: MoeCausalLM, weights: dict[str, QuantWeight], dtype: torch.dtype, kernel: str
 ) -> None:
-    """Swap each quantized weight's module for its quantized twin, then fuse q/k/v again."""
+    """Swap each quantized weight's module for its quantized twin (in the form its kernel holds,
+    kernels/dense.py: triton_form), then fuse q/k/v again."""
     modules = dict(model.named_modules())
     for name, w in weights.items():
+        w = triton_form(w) if kernel == "triton" else w
         path = name.removesuffix(".weight")
         parent, _, child = path.rpartition(".")
         old = modules[path]

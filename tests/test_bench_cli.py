@@ -184,6 +184,37 @@ def test_gpu_dense_bytes_are_the_quantized_sections(tiny_dir, tmp_path, quant):
     assert held < as_bf16
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_gpu_q6_k_output_layer_is_held_and_counted_as_its_int8_form(tmp_path, tied):
+    """Hidden 256: the int4 rules write lm_head (or the tied table) in q6_k. Kernel triton holds
+    it as int8 of group 16 only (kernels/dense.py: triton_form; one table for both ends when
+    tied), no block buffer left; bench_peers' count from the store's files (GPU) is the loaded
+    model's, which reads that form: 1.25 bytes a weight, not the blocks' 0.82."""
+    pytest.importorskip("triton")
+    from bench_peers import store_bytes_per_token
+    from test_dense_quant import every_dense
+    from tiny_models import perturbed_model, save
+
+    from moestream.experts.config import GpuConfig
+    from moestream.obs.bench import expert_bytes_per_token
+    from moestream.runtime import open_model
+    from moestream.store.format import Store
+
+    model = perturbed_model("qwen3_moe", hidden_size=256, tie_word_embeddings=tied)
+    src = save(model, tmp_path / "hf", "fused")
+    store = convert(src, tmp_path / "s", make_scheme("int4"), False, every_dense("int4"))
+    table = "model.embed_tokens.weight" if tied else "lm_head.weight"
+    assert Store(store).dense_scheme(table).name == "q6_k"
+    cfg = GpuConfig(resident=True, kernel="triton", device="cpu")  # the GPU's layout, on CPU
+    with open_model(store, dtype="bfloat16", experts=cfg) as rt:
+        head = rt.model.lm_head
+        assert (head.qweight.scheme.name, head.qweight.scheme.group_size) == ("int8", 16)
+        assert not tied or rt.model.model.embed_tokens.qweight is head.qweight
+        assert all(t.dim() < 3 for t in head.qweight.buffers())  # no [N, K/256, 210] blocks
+        got = dense_bytes_per_token(rt.model) + expert_bytes_per_token(rt)
+    assert got == store_bytes_per_token(store, gpu=True)
+
+
 def test_bench_peers_variants_per_share():
     """The GPU run's variants: --kernels at share 1, --pool-kernels below it; the pool's own
     variants never at share 1; each kernel name maps to the GpuConfig it claims to run."""

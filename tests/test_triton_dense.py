@@ -280,20 +280,26 @@ def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypat
 
 
 def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
-    """A q6_k weight (the 4-bit rules' output layer) decodes through the int8 GEMV of group 16
-    over its values and steps (held beside the blocks), within the GEMV's fp32 bound of the
-    float64 product of the stored values; a prompt dequantizes the blocks (ref's bits)."""
+    """A q6_k weight (the 4-bit rules' output layer) in kernel triton's form (`triton_form`, as
+    the loader places it): int8 of group 16 holding its values and steps exactly, the blocks not
+    kept; the GEMV within its fp32 bound of the float64 product of the stored values; a prompt
+    and a lookup the blocks' own bits (ref); the blocks themselves have no GEMV."""
+    from moestream.kernels.dense import QuantEmbedding, triton_form
     from moestream.quant import make_scheme, quantize_q6_k
 
     n, k = 96, 512
     g = torch.Generator().manual_seed(6)
     blocks = quantize_q6_k(torch.randn(n, k, generator=g) * 0.05)
-    w = QuantWeight(make_scheme("q6_k"), (n, k), {"q": blocks}).to(DEVICE)
+    w6 = QuantWeight(make_scheme("q6_k"), (n, k), {"q": blocks}).to(DEVICE)
+    assert "q6_k weights have no GEMV" in QuantLinear(w6, None, "triton").gemv_unsupported(1)
+    w = triton_form(w6)
+    assert (w.scheme.name, w.scheme.group_size, w.suffixes) == ("int8", 16, ("q", "s"))
+    assert triton_form(w) is w and triton_form(_weight("int4", 64, 64, 1)).scheme.name == "int4"
     bias = torch.randn(n).to(DEVICE, ACT)
     lin = QuantLinear(w, bias, "triton")
     assert lin.gemv_unsupported(1) is None and lin.resolved_kernel(torch.device(DEVICE), 9) == "ref"
     exact = dequantize({"w.q": blocks}, "w", 256, torch.float64)
-    assert torch.equal(lin.g16_q.cpu().double().view(n, -1, 16) * lin.g16_s.cpu().double()[..., None],
+    assert torch.equal(w.q.cpu().double().view(n, -1, 16) * w.s.cpu().double()[..., None],
                        exact.view(n, -1, 16))  # fmt: skip
     x = torch.randn(1, 3, k).to(DEVICE, ACT)
     got = lin(x)[0].cpu().double()
@@ -301,7 +307,10 @@ def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
     scale = x[0].cpu().double().abs() @ exact.abs().t() + bias.cpu().double().abs()
     assert ((got - want).abs() <= 1e-5 * scale + OUT_ROUND[ACT] * want.abs() + 1e-30).all()
     xp = torch.randn(1, 9, k).to(DEVICE, ACT)
-    assert torch.equal(lin(xp)[0], F.linear(xp[0], dequantize(w.sections(), "w", 256, ACT), bias))
+    assert torch.equal(lin(xp)[0], F.linear(xp[0], dequantize(w6.sections(), "w", 256, ACT), bias))
+    ids = torch.tensor([95, 0, 7], device=DEVICE)
+    rows = dequantize(w6.sections(), "w", 256, ACT)[ids]
+    assert torch.equal(QuantEmbedding(w, ACT, "triton")(ids), rows)
 
 
 def test_q4_1_dense_weights_run_the_reference_under_triton():

@@ -13,8 +13,9 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
   ref:    dequantize into the activation dtype + F.linear, per call, on every device: the bits of
           a float model holding the dequantized weight. native / cpu off the CPU run it too.
 No kernel keeps a dequantized copy: memory holds only the sections (and, kernel triton, an int4
-weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster; a q6_k
-weight's values and steps as int8 of group 16, which the GEMV reads: no q6_k GEMV yet).
+weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster). Kernel
+triton holds a q6_k weight as int8 of group 16 instead (`triton_form`, exact: the GEMV has no
+q6_k loop), its blocks not kept beside it.
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton:
 in one launch from the sections as stored, dequant.TABLE_FORMATS).
 """
@@ -33,6 +34,7 @@ from moestream.quant import (
     int4_sz_blocked,
     int4_sz_kn,
     int4_to_rows,
+    make_scheme,
     pack_int4,
     q6_k_as_int8,
     unpack_int4,
@@ -76,6 +78,19 @@ class QuantWeight(nn.Module):
         return QuantWeight(s0, (n, k), secs)
 
 
+def triton_form(w: QuantWeight) -> QuantWeight:
+    """The weight as kernel "triton" holds it: a q6_k one (the 4-bit rules' output layer and tied
+    table, a GGUF's) as int8 of group 16, its values (q - 32) and steps (d * sc) exactly
+    (quant.q6_k_as_int8), which the GEMV reads (it has no q6_k loop), every lookup and prompt
+    dequantizes to the blocks' bits, and nothing holds the blocks beside it (255 MB at Qwen3's
+    vocabulary); any other weight as it is. The loader applies it before building the modules,
+    so a tied table and lm_head share the one form."""
+    if w.scheme.name != "q6_k":
+        return w
+    q, steps = q6_k_as_int8(w.q)
+    return QuantWeight(make_scheme("int8", 16), w.shape, {"q": q, "s": steps})
+
+
 class QuantLinear(nn.Module):
     """y = x W^T (+ b) with W a QuantWeight; x [T, K] -> [T, N] in x's dtype. `wide`: int16
     activations on the native kernel for int8 weights (a SwiGLU down projection's heavy-tailed
@@ -102,8 +117,8 @@ class QuantLinear(nn.Module):
 
     def _gemv_operands(self, w: QuantWeight) -> tuple[str, str, str | None, int]:
         """The GEMV's operands, made here rather than at the first call (that may be inside a
-        compile): an int4 weight's row-major repack (or its sz in [K/g, N, 2] order), a q6_k
-        weight's values and steps as int8 of group 16, else the sections as stored."""
+        compile): an int4 weight's row-major repack (or its sz in [K/g, N, 2] order), else the
+        sections as stored (a q6_k weight reaches this kernel in `triton_form`)."""
         s, g = w.scheme, w.scheme.group_size
         if self._triton.rows_layout(s.name, self.out_features, g):
             rows, words = int4_to_rows(w.q, w.sz, g)
@@ -113,13 +128,6 @@ class QuantLinear(nn.Module):
         if s.name == "int4":
             self.register_buffer("kn_sz", int4_sz_kn(w.sz, w.shape[0]), persistent=False)
             return "int4", "qweight.q", "kn_sz", g
-        if s.name == "q6_k":
-            # q6_k's values (q - 32) and steps d * sc exactly (an fp16 times an int8 is exact in
-            # fp32), 10 bits a weight beside the 6.6 held: the GEMV has no q6_k loop
-            q, steps = q6_k_as_int8(w.q)
-            self.register_buffer("g16_q", q, persistent=False)
-            self.register_buffer("g16_s", steps, persistent=False)
-            return "int8", "g16_q", "g16_s", 16
         scales = f"qweight.{w.suffixes[1]}" if len(w.suffixes) > 1 else None  # s, d
         return s.name, "qweight.q", scales, g
 
