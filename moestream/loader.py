@@ -136,6 +136,9 @@ def _place_quantized(
     for m in list(model.modules()):
         if hasattr(m, "fuse_qkv"):
             m.fuse_qkv()
+    for m in model.modules():  # once fused: a weight read from its row repack is held once
+        if isinstance(m, QuantLinear):
+            m.release_sections()
 
 
 def _check_shape(name: str, shape: list[int], param: torch.Tensor) -> None:

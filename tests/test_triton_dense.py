@@ -325,6 +325,29 @@ def test_q4_1_dense_weights_run_the_reference_under_triton():
     assert torch.equal(lin(x)[0], F.linear(x[0], dequantize(w.sections(), "w", 32, ACT)))
 
 
+def test_released_sections_leave_every_path_its_bits():
+    """An int4 weight read from its row repack drops its store-layout sections (release_sections,
+    as the loader does once q/k/v are fused): the GEMV, a prompt's dequant and a compiled trace
+    give the bits they gave with the sections held, the module holds the weight once, and a
+    weight without a repack keeps its sections."""
+    w = _weight("int4", 96, 256, seed=12).to(DEVICE)
+    lin = QuantLinear(w, None, "triton")
+    assert lin.rows_layout
+    x1, x9 = torch.randn(1, 256).to(DEVICE, ACT), torch.randn(9, 256).to(DEVICE, ACT)
+    want1, want9 = lin(x1), lin(x9)
+    assert torch.equal(want9, F.linear(x9, dequantize(w.sections(), "w", 32, ACT)))
+    held = sum(t.nbytes for t in lin.buffers())
+    lin.release_sections()
+    assert not list(lin.qweight.buffers()) and sum(t.nbytes for t in lin.buffers()) * 2 == held
+    assert torch.equal(lin(x1), want1) and torch.equal(lin(x9), want9)
+    torch._dynamo.reset()
+    compiled = torch.compile(lin, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(x9), want9)
+    i8 = QuantLinear(_weight("int8", 96, 256, seed=12), None, "triton")
+    i8.release_sections()
+    assert len(list(i8.qweight.buffers())) == 2
+
+
 def test_kernels_other_than_triton_never_take_the_gemv():
     w = _weight("int8", 64, 64, seed=1)
     for kernel in ("native", "cpu", "ref"):

@@ -31,6 +31,7 @@ from moestream.kernels.cpu import qlinear_cpu
 from moestream.kernels.ref import dequantize, dequantize_rows
 from moestream.quant import (
     QuantScheme,
+    int4_from_rows,
     int4_sz_blocked,
     int4_sz_kn,
     int4_to_rows,
@@ -182,14 +183,26 @@ class QuantLinear(nn.Module):
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The weight in dtype for F.linear, transient: an int4 row repack by one Triton launch
         (kernels/triton/dequant.py: the same values as the reference, bit for bit, without its
-        fp32 passes; not inside torch.compile, which traces the reference), else the reference."""
-        if self.rows_layout and not torch.compiler.is_compiling():
+        fp32 passes; inside torch.compile the reference over the repack taken back to the store's
+        layout, quant.int4_from_rows), else the reference over the sections."""
+        g = self.qweight.scheme.group_size
+        if self.rows_layout:
             from moestream.kernels.triton import dequant
 
-            if dtype in dequant.DTYPES:
-                g = self.qweight.scheme.group_size
+            if dtype in dequant.DTYPES and not torch.compiler.is_compiling():
                 return dequant.dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
-        return dequantize(self.qweight.sections(), "w", self.qweight.scheme.group_size, dtype)
+            q, sz = int4_from_rows(self.rows_q, self.rows_sz)
+            return dequantize({"w.q": q, "w.sz": sz}, "w", g, dtype)
+        return dequantize(self.qweight.sections(), "w", g, dtype)
+
+    def release_sections(self) -> None:
+        """With a row repack (rows_layout), drop the store-layout sections: no path reads them
+        any more (the GEMV and a prompt's dequant read the repack), so VRAM holds the weight once
+        (566 MB less at Qwen3-30B-A3B's int4 attention). The loader calls it once q/k/v are fused
+        (QuantWeight.cat reads the parts' sections)."""
+        if self.rows_layout:
+            for name in self.qweight.suffixes:
+                self.qweight.register_buffer(name, None, persistent=False)
 
     @staticmethod
     def cat(parts: list[nn.Module]) -> QuantLinear | None:

@@ -64,7 +64,7 @@ def dense_bytes_per_token(model) -> int:
 
 def _read_tensors(module) -> list:
     """The weights a decode step through module reads, each storage once (a repacked int4
-    weight's sections are read by prompts only)."""
+    weight's sections, where a module still holds them, are not: the loader releases them)."""
     from moestream.kernels.dense import QuantLinear
 
     skip = set()
