@@ -12,10 +12,10 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
           weight). On CPU tensors the GEMV runs in Triton's interpreter (tests);
   ref:    dequantize into the activation dtype + F.linear, per call, on every device: the bits of
           a float model holding the dequantized weight. native / cpu off the CPU run it too.
-No kernel keeps a dequantized copy: memory holds only the sections (and, kernel triton, an int4
-weight's row-major repack of the same size: the decode GEMV reads it 1.4-1.9x faster). Kernel
-triton holds a q6_k weight as int8 of group 16 instead (`triton_form`, exact: the GEMV has no
-q6_k loop), its blocks not kept beside it.
+No kernel keeps a dequantized copy: memory holds only the sections, each weight once. Kernel
+triton holds an int4 weight's row-major repack of the same size in their place once the model
+is loaded (the decode GEMV reads it 1.4-1.9x faster; `release_sections`), and a q6_k weight as
+int8 of group 16 (`triton_form`, exact: the GEMV has no q6_k loop).
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton:
 in one launch from the sections as stored, dequant.TABLE_FORMATS).
 """
