@@ -34,6 +34,8 @@ shard attention -m cuda tests/test_triton_attention.py tests/test_recovery.py &
 shard q8 "$abl" -k q8 &
 # The hand-written tensor-core gate/up ablation (CuPy's NVRTC, on the GPU machine's image).
 shard mma_cuda -m cuda tests/test_ablation_mma_int4.py &
+# The fused add + norm + router ablation (unmarked: it takes the GPU when there is one).
+shard norm_router tests/test_ablation_norm_router.py &
 wait
 # The tile-variant sweep is slow (it has not finished in 300 s on the H200): VARIANTS=1 runs it.
 [ "${VARIANTS:-0}" = 1 ] && shard variants -m cuda "$abl" -k variants_cuda
