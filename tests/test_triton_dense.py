@@ -55,7 +55,7 @@ def _operands(w: QuantWeight, quant: str):
         return int4_to_rows(w.q, w.sz, w.scheme.group_size)
     if w.scheme.name == "int4":  # the store-layout GEMV reads sz in [K/G, N, 2] order
         return w.q, int4_sz_kn(w.sz, w.shape[0])
-    return w.q, getattr(w, w.suffixes[1])
+    return w.q, getattr(w, w.scale_suffix)
 
 
 def _exact(w: QuantWeight) -> torch.Tensor:
@@ -274,7 +274,7 @@ def test_triton_embedding_reads_other_tables_in_one_launch(fmt, dtype, monkeypat
     emb = QuantEmbedding(w, dtype, "triton")
     assert {n for n, _ in emb.named_buffers()} == {f"qweight.{n}" for n in w.suffixes}
     _lookups_in_one_launch(monkeypatch, emb, "dequant_table_rows", ids, want)
-    scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None
+    scales = w.scale_suffix and getattr(w, w.scale_suffix)
     assert torch.equal(dequant_table_rows(fmt, w.q, scales, ids, g, dtype, bk=128), want)
     assert dequant_table_rows(fmt, w.q, scales, ids[:0], g, dtype).shape == (0, k)
 

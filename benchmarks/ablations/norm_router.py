@@ -5,7 +5,7 @@ product's two (kernels/triton/norm.py `add_rms_norm_rows`, then kernels/triton/r
 Why: a resident decode token runs 31.5 norm launches of ~1.7 us each on the H200 (aa2dad0
 profile), 16 of them the add + norm right before a router, whose own launch reads the norm's
 output. Here every router program (one router row, one warp, as `route_decode`) computes the
-residual sum and the norm itself, from the same inputs (12 KB more loads a program, from L2),
+residual sum and the norm itself, from the same inputs (12 KB more loads a program, the same for all),
 and program 0 stores the sum and the norm for the residual stream and the experts; the last
 program to finish routes, as `route_decode`. Expected: one launch and its drain fewer a layer,
 ~1-2 us (~2-4% of a resident token, ~1% of a 50% one); the PDL chain's result (no shorter
@@ -181,8 +181,7 @@ def main(argv=None) -> int:
                     x = fn(x, y, nw, g, k, renorm, dtype)[0]
 
             if cuda:
-                chain()  # compiles outside the capture
-                graph = capture_graph(chain)
+                graph = capture_graph(chain)  # (runs it once first: Triton compiles outside)
                 graph.replay()
                 row[f"{label}_us_per_layer"] = graph_replay_us(graph, a.reps, len(layers))
             else:

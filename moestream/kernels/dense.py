@@ -56,6 +56,8 @@ class QuantWeight(nn.Module):
         for suffix, t in sections.items():
             self.register_buffer(suffix, t, persistent=False)
         self.suffixes = tuple(sections)
+        # the section of scales next to q (s, d, sz or dm); None where they sit in q's blocks
+        self.scale_suffix = self.suffixes[1] if len(self.suffixes) > 1 else None
 
     def sections(self, name: str = "w") -> dict[str, torch.Tensor]:
         """The buffers under section names ('w.q', 'w.s' / 'w.sz'), as kernels/ref.py reads them."""
@@ -129,7 +131,7 @@ class QuantLinear(nn.Module):
         if s.name == "int4":
             self.register_buffer("kn_sz", int4_sz_kn(w.sz, w.shape[0]), persistent=False)
             return "int4", "qweight.q", "kn_sz", g
-        scales = f"qweight.{w.suffixes[1]}" if len(w.suffixes) > 1 else None  # s, d
+        scales = w.scale_suffix and f"qweight.{w.scale_suffix}"
         return s.name, "qweight.q", scales, g
 
     @property
@@ -259,7 +261,7 @@ class QuantEmbedding(nn.Module):
         flat, w = ids.reshape(-1), self.qweight
         g = w.scheme.group_size
         if self._table is not None and not torch.compiler.is_compiling():
-            scales = getattr(w, w.suffixes[1]) if len(w.suffixes) > 1 else None  # s, d, sz
+            scales = w.scale_suffix and getattr(w, w.scale_suffix)
             rows = self._table.dequant_table_rows(w.scheme.name, w.q, scales, flat, g, self.dtype)
         else:  # (a compiled step traces the reference)
             rows = dequantize_rows(w.sections(), "w", flat, g, self.dtype)

@@ -63,17 +63,11 @@ def dense_bytes_per_token(model) -> int:
 
 
 def _read_tensors(module) -> list:
-    """The weights a decode step through module reads, each storage once (a repacked int4
-    weight's sections, where a module still holds them, are not: the loader releases them)."""
-    from moestream.kernels.dense import QuantLinear
-
-    skip = set()
-    for m in module.modules():
-        if isinstance(m, QuantLinear) and m.rows_layout:
-            skip |= _ptrs(m.qweight.buffers())
+    """The weights a decode step through module reads, each storage once (a loaded model holds
+    each weight once, in the form its decode reads: loader.py's _place_quantized)."""
     unique = {}
     for t in [*module.parameters(), *module.buffers()]:
-        if t is not None and t.data_ptr() not in skip:
+        if t is not None:
             unique.setdefault(t.data_ptr(), t)
     return list(unique.values())
 

@@ -206,9 +206,11 @@ def dequant_table_rows(fmt: str, q: torch.Tensor, s: torch.Tensor | None, ids: t
     V = q.shape[0]
     K = q.shape[1] * _PER_COLUMN[fmt]
     assert q.is_contiguous() and (s is None or s.is_contiguous()) and ids.dim() == 1
-    scales = {"int4": (V * (K // group), 2), "q4_1": (V, K // group, 2), "q5_0": None,
-              **dict.fromkeys(KQUANT_BYTES)}.get(fmt, (V, K // group))  # fmt: skip
-    assert (s is None) if scales is None else (s is not None and s.shape == scales), fmt
+    if fmt == "q5_0" or fmt in KQUANT_BYTES:  # scales inside the blocks
+        assert s is None, fmt
+    else:
+        want = {"int4": (V * (K // group), 2), "q4_1": (V, K // group, 2)}.get(fmt, (V, K // group))
+        assert s is not None and s.shape == want, (fmt, want)
     out = torch.empty(ids.numel(), K, device=q.device, dtype=dtype)
     if ids.numel():
         bk = min(bk, triton.next_power_of_2(K))
