@@ -438,7 +438,7 @@ def pack_q5_0(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """q [N, K/32, 32] values 0..31 and d fp16 [N, K/32] -> blocks uint8 [N, K/32, 22]: d, qh
     (bit i of the little-endian u32: element i's 5th bit), qs (as pack_q4_0's bytes)."""
     n, kg, _ = q.shape
-    bits = ((q >> 4) & 1).to(torch.int64) << torch.arange(32)  # [N, K/32, 32]
+    bits = ((q >> 4) & 1).to(torch.int64) << torch.arange(32, device=q.device)  # [N, K/32, 32]
     qh = bits.sum(-1)  # the u32, in int64
     qh_bytes = torch.stack([(qh >> (8 * i)) & 0xFF for i in range(4)], -1).to(torch.uint8)
     qs = pack_q4_0((q & 15).reshape(n, kg * 32)).view(n, kg, 16)
@@ -452,7 +452,7 @@ def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
     qh = blocks[..., 2:6].to(torch.int64)
     word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [N, K/32]
-    hi = ((word[..., None] >> torch.arange(32)) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
+    hi = ((word[..., None] >> torch.arange(32, device=word.device)) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
     lo = unpack_q4_0(blocks[..., 6:].reshape(n, kg * 16)).view(n, kg, 32)
     return ((lo | hi).view(torch.int8) - 16).view(n, kg * 32), d
 
@@ -614,10 +614,10 @@ def unpack_kquant(q: torch.Tensor) -> dict[str, torch.Tensor]:
     sc = torch.cat([s[:, 0] & 63, (s[:, 2] & 15) | ((s[:, 0] >> 2) & 48)], 1)
     m = torch.cat([s[:, 1] & 63, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 48)], 1)
     qs = b[:, -128:].reshape(-1, 4, 1, 32)  # chunk j of 64 values: low nibbles, then high
-    vals = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(1, 1, 2, 1)) & 15  # [., 4, 2, 32]
+    vals = (qs >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)) & 15  # [., 4, 2, 32]
     if kind == "q5_k":
         qh = b[:, 16:48].reshape(-1, 1, 1, 32)  # bit 2 j + i of qh[l]: value 64 j + 32 i + l
-        shifts = torch.arange(8, dtype=torch.uint8).view(1, 4, 2, 1)
+        shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 4, 2, 1)
         vals = vals | (((qh >> shifts) & 1) << 4)
     return {
         "q": vals.reshape(n, nb * QK_K),
