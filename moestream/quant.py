@@ -452,7 +452,8 @@ def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d = blocks[..., :2].contiguous().view(torch.float16)[..., 0]
     qh = blocks[..., 2:6].to(torch.int64)
     word = qh[..., 0] | (qh[..., 1] << 8) | (qh[..., 2] << 16) | (qh[..., 3] << 24)  # [N, K/32]
-    hi = ((word[..., None] >> torch.arange(32, device=word.device)) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
+    bit = torch.arange(32, device=word.device)
+    hi = ((word[..., None] >> bit) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
     lo = unpack_q4_0(blocks[..., 6:].reshape(n, kg * 16)).view(n, kg, 32)
     return ((lo | hi).view(torch.int8) - 16).view(n, kg * 32), d
 
@@ -614,7 +615,8 @@ def unpack_kquant(q: torch.Tensor) -> dict[str, torch.Tensor]:
     sc = torch.cat([s[:, 0] & 63, (s[:, 2] & 15) | ((s[:, 0] >> 2) & 48)], 1)
     m = torch.cat([s[:, 1] & 63, (s[:, 2] >> 4) | ((s[:, 1] >> 2) & 48)], 1)
     qs = b[:, -128:].reshape(-1, 4, 1, 32)  # chunk j of 64 values: low nibbles, then high
-    vals = (qs >> torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)) & 15  # [., 4, 2, 32]
+    nib = torch.tensor([0, 4], dtype=torch.uint8, device=b.device).view(1, 1, 2, 1)
+    vals = (qs >> nib) & 15  # [., 4, 2, 32]
     if kind == "q5_k":
         qh = b[:, 16:48].reshape(-1, 1, 1, 32)  # bit 2 j + i of qh[l]: value 64 j + 32 i + l
         shifts = torch.arange(8, dtype=torch.uint8, device=b.device).view(1, 4, 2, 1)

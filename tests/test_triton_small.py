@@ -26,8 +26,8 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
     (one of more than the kernel's chunks x BLOCK words, one under a block), by fewer programs
     than work items (each walks several) or more; slots not named keep their poison. `pause`:
     the admission that waits for an idle staging counter (smaller blocks), the same bytes;
-    "hurry": the counter stays up and the host's hurry flag lets it through (ignoring the flag
-    spins forever)."""
+    "hurry": the counter stays up and the hurry word lets it through (ignoring the word spins
+    forever)."""
     from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
 
     g = torch.Generator().manual_seed(n_sections)
@@ -44,7 +44,7 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
     busy = hurry = None
     if pause:
         busy = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, device=DEVICE)
-        hurry = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, pin_memory=pin)
+        hurry = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, device=DEVICE)
     SectionCopy(srcs, dsts, programs=programs, busy=busy, hurry=hurry)(rows, slots)
     for s, d, w in zip(srcs, dsts, want):
         copy_rows_ref(s, w, rows, slots)
@@ -59,9 +59,9 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
 @pytest.mark.parametrize("release", ["idle", "hurry"])
 def test_cuda_pausing_admission_waits_while_staging_copies(release):
     """A pausing admission launched while the staging counter is above zero is still running
-    200 ms later (it waits), and once another stream sets the counter to zero ("idle"), or the
-    host sets the pinned hurry flag with the counter still up ("hurry"), it finishes with the
-    spec's bytes."""
+    200 ms later (it waits), and once another stream sets the counter to zero ("idle"), or
+    copies 1 from pinned memory into the hurry word with the counter still up ("hurry", as the
+    provider does), it finishes with the spec's bytes."""
     import time
 
     from moestream.kernels.triton.copy import SectionCopy, copy_rows_ref
@@ -71,7 +71,7 @@ def test_cuda_pausing_admission_waits_while_staging_copies(release):
     want = [dst[0].clone()]
     rows, slots = torch.tensor([3, 1], device=DEVICE), torch.tensor([0, 2], device=DEVICE)
     busy = torch.ones(1, dtype=torch.int32, device=DEVICE)
-    hurry = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+    hurry = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     admit = SectionCopy(src, dst, busy=busy, hurry=hurry)
     admit(rows[:0], slots[:0])  # nothing to copy: no launch
     zero = torch.zeros(1, dtype=torch.int32, device=DEVICE)
@@ -83,11 +83,11 @@ def test_cuda_pausing_admission_waits_while_staging_copies(release):
         done.record()
     time.sleep(0.2)
     assert not done.query(), "the admission ran while the counter was above zero"
-    if release == "idle":
-        with torch.cuda.stream(other):
+    with torch.cuda.stream(other):
+        if release == "idle":
             busy.copy_(zero)
-    else:
-        hurry.numpy()[0] = 1  # a host store, read by the waiting programs
+        else:  # a copy engine's 4 bytes, read by the waiting programs
+            hurry.copy_(torch.ones(1, dtype=torch.int32).pin_memory(), non_blocking=True)
     done.synchronize()
     assert busy.item() == (release == "hurry")
     copy_rows_ref(src[0], want[0], rows, slots)

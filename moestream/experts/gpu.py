@@ -280,8 +280,16 @@ class GpuExperts(ExpertProvider):
         # admit_pause: staging programs count themselves here, admissions wait for zero
         pause = self.staged and self.cfg.admit_pause
         busy = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
-        # ... unless the host sets hurry: its admissions are falling behind (_account)
-        self._hurry = torch.zeros(1, dtype=torch.int32, pin_memory=self.cuda) if pause else None
+        # ... unless the host sets hurry: its admissions are falling behind (_account). A device
+        # word, written by a 4-byte copy on a stream of its own from pinned 0 / 1 (never
+        # rewritten, so a copy still queued reads the value it was given); the waiting programs
+        # poll it, and a pinned word polled by 32 programs took the link from the staging
+        self._hurry = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
+        self._hurry_vals = torch.tensor([0, 1], dtype=torch.int32)
+        if pause and self.cuda:
+            self._hurry_vals = self._hurry_vals.pin_memory()
+            self._hurry_stream = torch.cuda.Stream(self.device, priority=-1)
+        self._hurry_set = 0  # the value last written
         # decode admissions: few bytes in flight
         self._admit_rows = SectionCopy(*pairs, busy=busy, hurry=self._hurry)
         self._copy_rows = SectionCopy(*pairs, programs=FILL_PROGRAMS)  # a prompt's misses
@@ -462,8 +470,13 @@ class GpuExperts(ExpertProvider):
             self._account_step(seen)
         self._ready.clear()
         if self._hurry is not None:  # read live by waiting admission programs
-            hurry = len(self._pending) >= self.HURRY_PENDING
-            self._hurry.numpy()[0] = int(hurry)
+            hurry = int(len(self._pending) >= self.HURRY_PENDING)
+            if hurry != self._hurry_set:
+                src = self._hurry_vals[hurry : hurry + 1]
+                side = torch.cuda.stream(self._hurry_stream) if self.cuda else None
+                with side or contextlib.nullcontext():
+                    self._hurry.copy_(src, non_blocking=self.cuda)
+                self._hurry_set = hurry
             self.hurried += hurry
 
     def _account_step(self, seen) -> None:
