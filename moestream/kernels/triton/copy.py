@@ -39,8 +39,11 @@ MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 # Programs per staged pair: each copies its share of every section; a layer's misses are on
 # the step's critical path, with nothing else of the step to run beside them.
 STAGE_CHUNKS = 32
-# A pausing admission's block: 4 KB a program (128 KB in flight over ADMIT_PROGRAMS), so a
-# staging launch that starts while its loads are out waits for at most ~2.5 us of them.
+# A pausing admission's sub-block while it waits on the staging: 4 KB a program (128 KB in
+# flight over ADMIT_PROGRAMS), so a staging launch that starts while its loads are out waits
+# for at most ~2.5 us of them. Hurried, it copies whole BLOCKs again: at 4 KB an admission got
+# a quarter of its share of a busy link, and at 25% of the experts in VRAM its records landed
+# late even with the hurry always set (hits 0.44 against 0.555, H200 at fc14a4d).
 PAUSE_BLOCK = 1024
 
 
@@ -56,18 +59,31 @@ def _wait_idle(busy_ptr, hurry_ptr):
 
 
 @triton.jit
+def _copy_block(src, dst, w, WORDS: tl.constexpr, N: tl.constexpr):
+    """Words w .. w + N (those below WORDS) of src -> dst."""
+    off = w + tl.arange(0, N)
+    m = off < WORDS
+    tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+
+
+@triton.jit
 def _copy_one(src, dst, r, s, c, n, busy_ptr, hurry_ptr, WORDS: tl.constexpr,
-              BLOCK: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
-    """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s (PAUSE:
-    each block waits for the staging to be idle, or for the host's hurry)."""
+              BLOCK: tl.constexpr, PAUSE: tl.constexpr, SUB: tl.constexpr):  # fmt: skip
+    """Program chunk c of n: words c*BLOCK, (c + n)*BLOCK, ... of record r -> slot s. PAUSE:
+    a block with the hurry word up goes whole; else by SUB words, each waiting for the staging
+    to be idle (or for the hurry)."""
     src += r * WORDS
     dst += s * WORDS
     for w in range(c * BLOCK, WORDS, n * BLOCK):
         if PAUSE:
-            _wait_idle(busy_ptr, hurry_ptr)
-        off = w + tl.arange(0, BLOCK)
-        m = off < WORDS
-        tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+            if tl.load(hurry_ptr, volatile=True) != 0:
+                _copy_block(src, dst, w, WORDS, BLOCK)
+            else:
+                for j in tl.static_range(BLOCK // SUB):
+                    _wait_idle(busy_ptr, hurry_ptr)
+                    _copy_block(src, dst, w + j * SUB, WORDS, SUB)
+        else:
+            _copy_block(src, dst, w, WORDS, BLOCK)
 
 
 @triton.jit
@@ -75,10 +91,11 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, hurry_ptr, s0, d
                           d2, s3, d3,
                           W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
                           W3: tl.constexpr, S: tl.constexpr, C: tl.constexpr,
-                          BLOCK: tl.constexpr, PAUSE: tl.constexpr):  # fmt: skip
+                          BLOCK: tl.constexpr, PAUSE: tl.constexpr,
+                          SUB: tl.constexpr):  # fmt: skip
     """Program p of P: work items p, p + P, ... of `items` = records x S sections x C chunks;
     item (i, sec, c) copies chunk c of that section of record rows[i] -> slot slots[i]. PAUSE:
-    every block waits while busy > 0 (a staging launch is copying) unless hurry != 0."""
+    every SUB words wait while busy > 0 (a staging launch is copying) unless hurry != 0."""
     for item in range(tl.program_id(0), items, tl.num_programs(0)):
         i = item // (S * C)
         sec = (item // C) % S
@@ -86,13 +103,13 @@ def _copy_sections_kernel(rows_ptr, slots_ptr, items, busy_ptr, hurry_ptr, s0, d
         r = tl.load(rows_ptr + i).to(tl.int64)
         s = tl.load(slots_ptr + i).to(tl.int64)
         if sec == 0:
-            _copy_one(s0, d0, r, s, c, C, busy_ptr, hurry_ptr, W0, BLOCK, PAUSE)
+            _copy_one(s0, d0, r, s, c, C, busy_ptr, hurry_ptr, W0, BLOCK, PAUSE, SUB)
         elif sec == 1:
-            _copy_one(s1, d1, r, s, c, C, busy_ptr, hurry_ptr, W1, BLOCK, PAUSE)
+            _copy_one(s1, d1, r, s, c, C, busy_ptr, hurry_ptr, W1, BLOCK, PAUSE, SUB)
         elif sec == 2:
-            _copy_one(s2, d2, r, s, c, C, busy_ptr, hurry_ptr, W2, BLOCK, PAUSE)
+            _copy_one(s2, d2, r, s, c, C, busy_ptr, hurry_ptr, W2, BLOCK, PAUSE, SUB)
         else:
-            _copy_one(s3, d3, r, s, c, C, busy_ptr, hurry_ptr, W3, BLOCK, PAUSE)
+            _copy_one(s3, d3, r, s, c, C, busy_ptr, hurry_ptr, W3, BLOCK, PAUSE, SUB)
 
 
 @triton.jit
@@ -122,13 +139,13 @@ def _stage_kernel(codes_ptr, slots_ptr, base, acodes_ptr, abase, busy_ptr, s0, d
             tl.atomic_add(busy_ptr, 1, sem="relaxed", scope="gpu")
         r = -1 - code
         s = base + p
-        _copy_one(s0, d0, r, s, c, n, busy_ptr, busy_ptr, W0, BLOCK, False)
+        _copy_one(s0, d0, r, s, c, n, busy_ptr, busy_ptr, W0, BLOCK, False, BLOCK)
         if W1 > 0:
-            _copy_one(s1, d1, r, s, c, n, busy_ptr, busy_ptr, W1, BLOCK, False)
+            _copy_one(s1, d1, r, s, c, n, busy_ptr, busy_ptr, W1, BLOCK, False, BLOCK)
         if W2 > 0:
-            _copy_one(s2, d2, r, s, c, n, busy_ptr, busy_ptr, W2, BLOCK, False)
+            _copy_one(s2, d2, r, s, c, n, busy_ptr, busy_ptr, W2, BLOCK, False, BLOCK)
         if W3 > 0:
-            _copy_one(s3, d3, r, s, c, n, busy_ptr, busy_ptr, W3, BLOCK, False)
+            _copy_one(s3, d3, r, s, c, n, busy_ptr, busy_ptr, W3, BLOCK, False, BLOCK)
         if MARK:
             tl.debug_barrier()  # every warp has its loads back (its stores issued)
             tl.atomic_add(busy_ptr, -1, sem="relaxed", scope="gpu")
@@ -187,8 +204,7 @@ class SectionCopy:
         words = [a.shape[1] for a, _ in self.pairs]
         assert (busy is None) == (hurry is None), "a pausing admission takes busy and hurry"
         self.busy, self.hurry = busy, hurry
-        self.block = PAUSE_BLOCK if busy is not None else BLOCK
-        self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), self.block)))
+        self.chunks = max(1, min(CHUNKS, triton.cdiv(max(words), BLOCK)))
         self.programs = programs
         pad = MAX_SECTIONS - len(self.pairs)
         ptrs = [t for pair in self.pairs for t in pair] + [self.pairs[0][0]] * (2 * pad)
@@ -205,7 +221,8 @@ class SectionCopy:
             _copy_sections_kernel[(min(self.programs, items),)](
                 rows, slots, items, *([rows] * 2 if self.busy is None else [self.busy, self.hurry]),
                 *self.args,
-                S=len(self.pairs), C=self.chunks, BLOCK=self.block, PAUSE=self.busy is not None,
+                S=len(self.pairs), C=self.chunks, BLOCK=BLOCK, PAUSE=self.busy is not None,
+                SUB=PAUSE_BLOCK,
                 num_warps=4, **self.consts)  # fmt: skip
 
 
