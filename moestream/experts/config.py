@@ -140,7 +140,8 @@ class GpuConfig:
     # staging programs count themselves in a device counter while they copy and the admissions
     # wait before each 4 KB block while it is above zero, so a step's misses (its critical path)
     # get the whole link and admissions move while the step computes; while the host sees its
-    # admissions falling behind (GpuExperts.HURRY_PENDING launches in flight) they go at once.
+    # admissions falling behind (GpuExperts.HURRY_PENDING launches in flight) they go at once,
+    # in whole 16 KB blocks.
     # A throttle only: the same bytes, the same bits.
     admit_pause: bool = False
     # Staged device-side misses: a one-token layer runs its hits' experts while its misses are

@@ -320,7 +320,7 @@ class GpuExperts(ExpertProvider):
         self.device_hits = 0
         self.skipped = 0  # layer steps whose admissions were skipped: every victim was busy
         self.declined = 0  # misses the scored admission left in pinned RAM (GpuConfig.admit)
-        self.hurried = 0  # accounts that left the hurry flag set (admit_pause)
+        self.hurried = 0  # accounts that left the hurry word set (admit_pause)
         self.admit_bytes = 0  # decode admissions copied (h2d_bytes also counts the prompts')
         self._table_counted = [0, 0]  # the table's hits / misses for decode steps (replaced)
         self.bookkeeping_seconds = 0.0  # host time in decode_read + decode_issued
@@ -328,9 +328,10 @@ class GpuExperts(ExpertProvider):
 
     AHEAD = 2  # routing buffers: a step in flight while the host reads the one before
     # admit_pause: pausing admissions go at once while this many admission launches are in
-    # flight. Paused without a bound they fell steps behind where the staging holds the link
-    # most of a token (25%): keys admitted but not landed are read from the mirror, and the
-    # decode hit rate fell 0.64 -> 0.47 (docs/gpu.md, "Admissions that pause").
+    # flight. Paused without a bound they fell behind where the staging holds the link most of
+    # a token (25%): keys admitted but not landed are read from the mirror, and the decode hit
+    # rate fell 0.64 -> 0.47 (docs/gpu.md, "Admissions that pause"). A bound of 1 did not
+    # help while hurried admissions still copied 4 KB blocks (docs/gpu.md, a1f37fe's section).
     HURRY_PENDING = 3
 
     def set_routes(self, routes: list) -> None:
