@@ -7,6 +7,9 @@ through TRITON_INTERPRET=1 on CPU tensors without a GPU (conftest.py), compiled 
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 import torch
 
@@ -18,16 +21,52 @@ except ImportError:
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _set_word(word: torch.Tensor, value: int) -> None:
+    """word[0] = value as the provider writes its hurry word: on CUDA a copy from pinned
+    memory on another stream (the copying kernel may hold the current one)."""
+    if word.is_cuda:
+        with torch.cuda.stream(torch.cuda.Stream(word.device)):
+            word.copy_(torch.full((1,), value, dtype=torch.int32).pin_memory(), non_blocking=True)
+    else:
+        word.fill_(value)
+
+
+def _finishes(fn, seconds: float, release=None) -> None:
+    """fn() (and the GPU's work) within `seconds`, else fail: a copy whose pause ignores its
+    release spins forever, and a hang would stop the suite instead of failing a test.
+    `release`: called 0.3 s after fn started (a waiting copy is released by it)."""
+    err: list[BaseException] = []
+
+    def run():
+        try:
+            fn()
+            if DEVICE == "cuda":
+                torch.cuda.synchronize()
+        except BaseException as e:  # re-raised on the test's thread
+            err.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    if release is not None:
+        time.sleep(0.3)
+        release()
+    t.join(seconds)
+    assert not t.is_alive(), f"still running after {seconds} s: a pause that is never released"
+    if err:
+        raise err[0]
+
+
 @pytest.mark.parametrize("n_sections,programs,pause", [(1, 8, ""), (2, 1, ""), (4, 5, ""),
                                                        (4, 64, ""), (4, 5, "idle"),
-                                                       (4, 5, "hurry")])  # fmt: skip
+                                                       (4, 5, "hurried"), (4, 5, "hurry")])  # fmt: skip
 def test_section_copy_equals_indexing(n_sections, programs, pause):
     """Rows of a (pinned on CUDA) host mirror into device slots, sections of different widths
     (one of more than the kernel's chunks x BLOCK words, one under a block), by fewer programs
     than work items (each walks several) or more; slots not named keep their poison. `pause`:
-    the admission that waits for an idle staging counter (smaller blocks), the same bytes;
-    "hurry": the counter stays up and the hurry word lets it through (ignoring the word spins
-    forever)."""
+    the admission that waits for an idle staging counter (4 KB sub-blocks), the same bytes;
+    "hurried": the counter up and the hurry word set from the start (whole blocks, no wait);
+    "hurry": the counter up, the copy waiting, and the hurry word set from another thread
+    (a wait that ignores the word spins forever)."""
     from moestream.kernels.triton.copy import BLOCK, CHUNKS, SectionCopy, copy_rows_ref
 
     g = torch.Generator().manual_seed(n_sections)
@@ -43,9 +82,11 @@ def test_section_copy_equals_indexing(n_sections, programs, pause):
     slots = torch.tensor([2, 5, 0], device=DEVICE)
     busy = hurry = None
     if pause:
-        busy = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, device=DEVICE)
-        hurry = torch.full((1,), int(pause == "hurry"), dtype=torch.int32, device=DEVICE)
-    SectionCopy(srcs, dsts, programs=programs, busy=busy, hurry=hurry)(rows, slots)
+        busy = torch.full((1,), int(pause != "idle"), dtype=torch.int32, device=DEVICE)
+        hurry = torch.full((1,), int(pause == "hurried"), dtype=torch.int32, device=DEVICE)
+    copy = SectionCopy(srcs, dsts, programs=programs, busy=busy, hurry=hurry)
+    release = (lambda: _set_word(hurry, 1)) if pause == "hurry" else None
+    _finishes(lambda: copy(rows, slots), 120, release)
     for s, d, w in zip(srcs, dsts, want):
         copy_rows_ref(s, w, rows, slots)
         assert torch.equal(d.cpu(), w.cpu())
@@ -62,8 +103,6 @@ def test_cuda_pausing_admission_waits_while_staging_copies(release):
     200 ms later (it waits), and once another stream sets the counter to zero ("idle"), or
     copies 1 from pinned memory into the hurry word with the counter still up ("hurry", as the
     provider does), it finishes with the spec's bytes."""
-    import time
-
     from moestream.kernels.triton.copy import SectionCopy, copy_rows_ref
 
     src = [torch.randint(-99, 99, (4, 5000), dtype=torch.int32).pin_memory()]
@@ -83,11 +122,11 @@ def test_cuda_pausing_admission_waits_while_staging_copies(release):
         done.record()
     time.sleep(0.2)
     assert not done.query(), "the admission ran while the counter was above zero"
-    with torch.cuda.stream(other):
-        if release == "idle":
+    if release == "idle":
+        with torch.cuda.stream(other):
             busy.copy_(zero)
-        else:  # a copy engine's 4 bytes, read by the waiting programs
-            hurry.copy_(torch.ones(1, dtype=torch.int32).pin_memory(), non_blocking=True)
+    else:  # a copy engine's 4 bytes, read by the waiting programs
+        _set_word(hurry, 1)
     done.synchronize()
     assert busy.item() == (release == "hurry")
     copy_rows_ref(src[0], want[0], rows, slots)
