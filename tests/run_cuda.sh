@@ -23,7 +23,11 @@ shard() {
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
 shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
-shard prefill "$kern" "$abl" -k "prefill_cuda or prefill_tiles_cuda or dispatcher_cuda or pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups" &
+# The prompt kernels in two shards (one took ~300 s alone and ran past 400 s beside the peers'
+# prepare at a1f37fe, 95 of 97 done): the same tests, each once.
+pre="prefill_cuda or prefill_tiles_cuda or dispatcher_cuda"
+shard prefill "$kern" "$abl" -k "$pre" &
+shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups) and not ($pre)" &
 shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
 # The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
 # the q6_k output layer's GEMV, the record copy and the misses' staging).
