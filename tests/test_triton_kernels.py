@@ -298,7 +298,7 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
     if quant == "int4r" and (mma or not CUDA):
         pytest.skip("int4 rows run on CUDA cores only; on the CPU the provider's test runs them")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
-    E, D, I, K = 6, 128, 64, 3
+    E, D, I, K = 6, 64, 64, 3
     gen = torch.Generator().manual_seed(50 + mma)
     ex = _layer(quant, E, D, I, device, gen)
     cfg = None
