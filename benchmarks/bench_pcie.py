@@ -111,7 +111,7 @@ def contention(src, dst, reps: int, gen, device) -> list[dict]:
     s_admit, s_stage = torch.cuda.Stream(), torch.cuda.Stream()
     out = []
     busy = torch.zeros(1, dtype=torch.int32, device=device)
-    hurry = torch.zeros(1, dtype=torch.int32, pin_memory=True)  # never set: always pause
+    hurry = torch.zeros(1, dtype=torch.int32, device=device)  # never set: always pause
     for c in STAGE_CHUNKS:
         # None: the staging alone; pause: the admission waits while the staging copies
         for p, pause in [*((p, False) for p in PROGRAMS), (ADMIT_PROGRAMS, True), (None, False)]:

@@ -285,10 +285,9 @@ class GpuExperts(ExpertProvider):
         # rewritten, so a copy still queued reads the value it was given); the waiting programs
         # poll it, and a pinned word polled by 32 programs took the link from the staging
         self._hurry = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
-        self._hurry_vals = torch.tensor([0, 1], dtype=torch.int32)
-        if pause and self.cuda:
-            self._hurry_vals = self._hurry_vals.pin_memory()
-            self._hurry_stream = torch.cuda.Stream(self.device, priority=-1)
+        if pause:
+            self._hurry_vals = torch.tensor([0, 1], dtype=torch.int32, pin_memory=self.cuda)
+            self._hurry_stream = torch.cuda.Stream(self.device, priority=-1) if self.cuda else None
         self._hurry_set = 0  # the value last written
         # decode admissions: few bytes in flight
         self._admit_rows = SectionCopy(*pairs, busy=busy, hurry=self._hurry)

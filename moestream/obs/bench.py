@@ -66,9 +66,8 @@ def _read_tensors(module) -> list:
     """The weights a decode step through module reads, each storage once (a loaded model holds
     each weight once, in the form its decode reads: loader.py's _place_quantized)."""
     unique = {}
-    for t in [*module.parameters(), *module.buffers()]:
-        if t is not None:
-            unique.setdefault(t.data_ptr(), t)
+    for t in [*module.parameters(), *module.buffers()]:  # (a released buffer, None, is not listed)
+        unique.setdefault(t.data_ptr(), t)
     return list(unique.values())
 
 

@@ -13,9 +13,9 @@ before each block while it is above zero: a step's misses, on its critical path,
 link, and admissions move in the step's compute (docs/gpu.md, "Admissions that pause"). A
 `hurry` word on the device, which the host sets (a 4-byte copy on a stream of its own) while
 its admissions fall behind (the provider's rule), lets them through at once: read live, so it
-frees launches already waiting. Both words the spin reads live in VRAM: a spin over a pinned
-host word sends a PCIe read per warp and poll, and 32 programs of them took the link from the
-very staging they wait for (0.48x decode on the H200 at a1f37fe)."""
+frees launches already waiting. Both words the spin reads live in VRAM: with the hurry word in
+pinned host memory (a read over PCIe each poll) the pause ran at 0.48x the default's decode on
+the H200 (a1f37fe), its polls taking, we think, the link from the very staging they wait for."""
 
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ MAX_SECTIONS = 4  # a record's sections (q and scales of w13 and w2)
 STAGE_CHUNKS = 32
 # A pausing admission's sub-block while it waits on the staging: 4 KB a program (128 KB in
 # flight over ADMIT_PROGRAMS), so a staging launch that starts while its loads are out waits
-# for at most ~2.5 us of them. Hurried, it copies whole BLOCKs again: at 4 KB an admission got
-# a quarter of its share of a busy link, and at 25% of the experts in VRAM its records landed
-# late even with the hurry always set (hits 0.44 against 0.555, H200 at fc14a4d).
+# for at most ~2.5 us of them. Hurried, it copies whole BLOCKs again: with 4 KB blocks even
+# when hurried, at 25% of the experts in VRAM its records landed late with the hurry nearly
+# always set (hits 0.44 against 0.555, H200 at fc14a4d); a quarter of the bytes in flight is,
+# we think, a quarter of its share of a busy link (not measured yet with whole blocks).
 PAUSE_BLOCK = 1024
 
 
