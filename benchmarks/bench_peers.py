@@ -41,7 +41,8 @@ read the one before (as the device-miss pool did before it decoded ahead), and a
 suffix (`triton-tprefill`) runs the prompt on the grouped Triton kernels instead of the grouped
 GEMMs (`GpuConfig.prefill`), an `-admitall` suffix (`triton-admitall`) admits every device-side miss
 into the pool instead of the scored ones (`GpuConfig.admit`), a `-pause` suffix (`triton-pause`)
-makes admissions wait while a step stages its misses (`GpuConfig.admit_pause`), a `-hitsfirst`
+makes admissions wait while a step stages its misses (`GpuConfig.admit_pause`, True: the
+default's behaviour wherever misses stage, asked for), `-nopause` turns that off, a `-hitsfirst`
 suffix computes a layer's hits while its misses are staged (`GpuConfig.hits_first`), a `-split`
 suffix stages the misses' down sections beside the gate/up kernel (`GpuConfig.split_staging`;
 suffixes combine: `triton-hitsfirst-pause`). The ceiling is then
@@ -137,7 +138,8 @@ POOL_ONLY = ("host-misses", "direct", "prefetch")  # variants of a streamed pool
 SUFFIXES = {
     "-tprefill": {"prefill": "triton"},  # a prompt on the Triton kernels, not the grouped GEMMs
     "-admitall": {"admit": "all"},  # every device-side miss admitted, not only the scored ones
-    "-pause": {"admit_pause": True},  # admissions wait while a step stages its misses
+    "-pause": {"admit_pause": True},  # admissions wait while a step stages its misses (the
+    "-nopause": {"admit_pause": False},  # default wherever misses stage); -nopause: they do not
     "-hitsfirst": {"hits_first": True},  # a layer's hits computed while its misses are staged
     "-split": {"split_staging": True},  # misses' down sections staged beside the gate/up kernel
 }

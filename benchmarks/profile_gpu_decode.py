@@ -57,7 +57,9 @@ def kernel_table(prof, tokens: int) -> tuple[float, int, list[dict]]:
 
 
 # a variant's +suffixes: the pool's options (GpuConfig fields), as bench_peers' -pause / -hitsfirst
-POOL_OPTIONS = {"pause": "admit_pause", "hitsfirst": "hits_first", "split": "split_staging"}
+# (the field, its value; the pause is on by default wherever misses stage: +nopause turns it off)
+POOL_OPTIONS = {"pause": ("admit_pause", True), "nopause": ("admit_pause", False),
+                "hitsfirst": ("hits_first", True), "split": ("split_staging", True)}  # fmt: skip
 
 
 def experts_config(base: str, share: float, opts: tuple[str, ...] = ()) -> GpuConfig:
@@ -65,7 +67,7 @@ def experts_config(base: str, share: float, opts: tuple[str, ...] = ()) -> GpuCo
     if share >= 1:  # main() refused pool options here
         return GpuConfig(resident=True, cuda_graph=graph, compile_step=compiled)
     return GpuConfig(gpu_budget=Budget(fraction=share), pinned_mirror=True, cuda_graph=graph,
-                     compile_step=compiled, **{POOL_OPTIONS[o]: True for o in opts})  # fmt: skip
+                     compile_step=compiled, **dict(POOL_OPTIONS[o] for o in opts))  # fmt: skip
 
 
 def timeline(prof, tokens: int, path: Path | None) -> dict:
@@ -229,7 +231,8 @@ def main(argv=None) -> int:
         "--variants",
         default="graph,compiled",
         help="graph (captured eager ops), compiled (torch.compile'd, captured), eager; +pause / "
-        "+hitsfirst / +split: a pool's admit_pause / hits_first / split_staging (--share < 1); a -sync "
+        "+nopause / +hitsfirst / +split: a pool's admit_pause on / off (on by default), hits_first, "
+        "split_staging (--share < 1); a -sync "
         "suffix issues each greedy step only after the host read the one before (the ablation "
         "of the step fed back on the device)",
     )

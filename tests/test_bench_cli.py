@@ -241,10 +241,13 @@ def test_bench_peers_variants_per_share():
     # "-admitall": every device-side miss admitted (GpuConfig.admit; scored by default)
     assert staged.admit == "scored"
     assert child_experts("triton-admitall", "cuda", 0.5) == dataclasses.replace(staged, admit="all")
-    # "-pause": admissions wait while a step stages its misses (GpuConfig.admit_pause)
-    assert not staged.admit_pause
+    # "-pause": admissions wait while a step stages its misses (GpuConfig.admit_pause: None,
+    # the default, is on where misses stage; True asks for it), "-nopause": they do not
+    assert staged.admit_pause is None
     paused = child_experts("triton-pause", "cuda", 0.5)
     assert paused == dataclasses.replace(staged, admit_pause=True)
+    unpaused = child_experts("triton-nopause", "cuda", 0.5)
+    assert unpaused == dataclasses.replace(staged, admit_pause=False)
     # "-hitsfirst": a layer's hits computed while its misses are staged; suffixes combine
     both = child_experts("triton-hitsfirst-pause", "cuda", 0.5)
     assert both == dataclasses.replace(staged, admit_pause=True, hits_first=True)

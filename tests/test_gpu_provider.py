@@ -262,13 +262,19 @@ def test_gpu_admit_pause_flag(monkeypatch, capsys):
     from moestream.cli import _store_kwargs, build_parser, main, mode_line
     from moestream.config import ConfigError
 
-    a = build_parser().parse_args(["generate", "-m", "x", "-p", "y", "--gpu-admit-pause"])
-    with pytest.raises(ConfigError, match="--gpu-admit-pause is for the GPU"):
-        _store_kwargs(a)
+    for flag in ("--gpu-admit-pause", "--no-gpu-admit-pause"):  # the flag given is named
+        a = build_parser().parse_args(["generate", "-m", "x", "-p", "y", flag])
+        with pytest.raises(ConfigError, match=f"^{flag} is for the GPU"):
+            _store_kwargs(a)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     base = ["generate", "-m", "x", "-p", "y", "--device", "cuda", "--gpu-budget", "8MiB",
             "--pin-experts"]  # fmt: skip
-    assert _store_kwargs(build_parser().parse_args(base))["experts"].admit_pause is False
+    # not given: None, on wherever misses are staged (GpuExperts.pausing); off when turned off
+    assert _store_kwargs(build_parser().parse_args(base))["experts"].admit_pause is None
+    off = _store_kwargs(build_parser().parse_args([*base, "--no-gpu-admit-pause"]))["experts"]
+    assert off.admit_pause is False
+    host = [*base, "--host-misses"]  # the default asks for nothing a host-miss pool lacks
+    assert _store_kwargs(build_parser().parse_args(host))["experts"].admit_pause is None
     cfg = _store_kwargs(build_parser().parse_args([*base, "--gpu-admit-pause"]))["experts"]
     assert cfg.admit_pause is True and cfg.admit == "scored"
     with pytest.raises(
@@ -290,12 +296,12 @@ def test_gpu_admit_pause_flag(monkeypatch, capsys):
 # ---- CUDA: Triton kernels over the VRAM pool ---------------------------------------------------
 def device_miss_runs(store, device: str, dtype: str, n: int, slots: int, ahead=False,
                      reads: str = "stage", prefetch: bool = False, admit: str = "scored",
-                     pause: bool = False, side: str = ""):  # fmt: skip
+                     pause: bool | None = None, side: str = ""):  # fmt: skip
     """Greedy generations through the Generator (its decode_read / decode_issued hooks): every
     expert resident, then a pool whose slot table has `slots` slots with device-side misses
     (`reads`: staged into K more slots of the budget, or read from the mirror by the kernels;
     `prefetch`: --predictor stale-gate, 2K more slots; `admit`: GpuConfig.admit; `pause`:
-    GpuConfig.admit_pause; `side`: "hits" GpuConfig.hits_first, "split" GpuConfig.split_staging);
+    GpuConfig.admit_pause, None: the default, on where misses are staged; `side`: "hits" GpuConfig.hits_first, "split" GpuConfig.split_staging);
     both with the Triton kernels (the
     interpreter on CPU), two prompts each so the second starts on a warm pool. `ahead` (CPU): the
     streamed run decodes through the eager stand-in of a captured step, so the generator runs
@@ -345,9 +351,9 @@ def tiny_moe_store(tmp_path, monkeypatch, quant: str, layers: int) -> Path:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the cuda test runs the compiled kernels")
 @pytest.mark.parametrize("quant,ahead,reads,admit,pause,side", [
-    ("int8", False, "direct", "scored", False, ""), ("int4", False, "direct", "all", False, ""),
+    ("int8", False, "direct", "scored", False, ""), ("int4", False, "direct", "all", None, ""),
     ("int4", True, "direct", "scored", False, ""), ("int8", True, "stage", "all", True, "hits"),
-    ("int4", True, "stage", "scored", False, ""), ("int4", True, "stage", "scored", True, "hits"),
+    ("int4", True, "stage", "scored", None, ""), ("int4", True, "stage", "scored", True, "hits"),
     ("int4", True, "stage", "scored", False, "split"), ("int8", False, "stage", "all", True, "split")])  # fmt: skip
 def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads, admit,
                                           pause, side):  # fmt: skip
@@ -360,8 +366,9 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     kernels' row layout in the pool and the mirror). `ahead`: decoded one step ahead of the
     host. `admit`: every miss admitted, or only those whose history beats the victim's (the
     others are read from the mirror again: the same bits). `pause`: admissions wait while a
-    staging launch copies (GpuConfig.admit_pause; the interpreter runs one launch at a time, so
-    this checks the counter's bookkeeping and the same bits, not the wait). `side` "hits": a
+    staging launch copies (GpuConfig.admit_pause; None, the default: on where misses are staged;
+    the interpreter runs one launch at a time, so this checks the counter's bookkeeping and the
+    same bits, not the wait). `side` "hits": a
     layer's hits computed before its misses (GpuConfig.hits_first: two picked launches, one
     output); "split": the misses' down sections staged by a second launch between the gate/up
     and down kernels (GpuConfig.split_staging)."""
@@ -380,7 +387,8 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     mode = p.describe()
     assert p.device_misses and mode["misses"] == "device" and mode["miss_reads"] == reads
     assert mode["admit"] == admit and p.scored == (admit == "scored")
-    assert mode["admit_pause"] == pause and (p._admit_rows.busy is not None) == pause
+    paused = p.staged if pause is None else pause and p.staged  # the default: on where staged
+    assert mode["admit_pause"] == paused and (p._admit_rows.busy is not None) == paused
     assert mode["hits_first"] == (side == "hits") and bool(calls["hits"]) == (side == "hits")
     assert mode["split_staging"] == (side == "split")
     assert bool(calls["split"]) == (side == "split") == (p._stage_down is not None)
@@ -388,7 +396,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
         assert len(p._stage.pairs) + len(p._stage_down.pairs) == len(p.pool.sections)
         assert len(p._stage_down.pairs) == sum(n.startswith("w2.") for n in p.pool.sections)
         assert p._stage.write_slots and not p._stage_down.write_slots
-    if pause:  # every staging program that counted itself in took itself out
+    if paused:  # every staging program that counted itself in took itself out
         assert p._stage.busy is p._admit_rows.busy and p._stage.busy.tolist() == [0]
         assert p._stage_down is None or p._stage_down.busy is p._stage.busy
     # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)
@@ -411,7 +419,7 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     assert s["admissions_declined"] == 0 or admit == "scored"
     p._drain()
     check_pool(p)
-    if pause:  # the host's hurry flag, which the admission kernel reads: set while
+    if paused:  # the host's hurry flag, which the admission kernel reads: set while
         # HURRY_PENDING admission launches are in flight (none are on the CPU: faked here)
         assert p._admit_rows.hurry is p._hurry and p._hurry.tolist() == [0]
         with monkeypatch.context() as m:
@@ -501,7 +509,7 @@ def test_gpu_prefetch_is_refused_where_it_cannot_run(stores):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("quant,reads,prefetch,pause,side", [
-    ("int8", "stage", False, False, ""), ("int4", "stage", False, False, ""),
+    ("int8", "stage", False, False, ""), ("int4", "stage", False, None, ""),
     ("int4", "direct", False, False, ""), ("int4", "stage", True, False, ""),
     ("int4", "stage", False, True, ""), ("int4", "stage", False, False, "hits"),
     ("int8", "stage", False, True, "hits"), ("int4", "stage", False, False, "split"),
@@ -512,8 +520,8 @@ def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause
     into VRAM from pinned host memory inside the step (or read there by the kernels),
     admissions copied behind the running step; `prefetch`: --predictor stale-gate, the next
     layer's predicted misses copied on a side stream forked and joined inside the graph;
-    `pause`: admissions wait while the step stages its misses (GpuConfig.admit_pause);
-    `side` "hits": a layer's hits computed while its misses are staged on a side stream forked
+    `pause`: admissions wait while the step stages its misses (GpuConfig.admit_pause; None, the
+    default: on where misses are staged); `side` "hits": a layer's hits computed while its misses are staged on a side stream forked
     and joined inside the graph (GpuConfig.hits_first); "split": the misses' down sections
     staged on a side stream while the gate/up kernel runs, joined before the down kernel
     (GpuConfig.split_staging)."""
@@ -521,7 +529,8 @@ def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause
     (res_rt, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 48, 24, reads=reads,
                                                  prefetch=prefetch, pause=pause, side=side)  # fmt: skip
     mode = rt.provider.describe()
-    assert mode["admit_pause"] == pause and mode["hits_first"] == (side == "hits")
+    paused = rt.provider.staged if pause is None else pause and rt.provider.staged
+    assert mode["admit_pause"] == paused and mode["hits_first"] == (side == "hits")
     assert mode["split_staging"] == (side == "split")
     assert rt.provider.staged == (reads == "stage")
     if prefetch:
@@ -535,7 +544,7 @@ def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause
     rt.provider._drain()
     torch.cuda.synchronize()
     check_pool(rt.provider)
-    if pause:
+    if paused:
         assert rt.provider._stage.busy.tolist() == [0]
     res_rt.close()
     rt.close()

@@ -142,8 +142,11 @@ class GpuConfig:
     # get the whole link and admissions move while the step computes; while the host sees its
     # admissions falling behind (GpuExperts.HURRY_PENDING launches in flight) they go at once,
     # in whole 16 KB blocks.
-    # A throttle only: the same bytes, the same bits.
-    admit_pause: bool = False
+    # A throttle only: the same bytes, the same bits. None (the default): on wherever misses are
+    # staged (H200, 16 layers at f19ff41: 1.006x the unpaused speed at 25% of the experts in
+    # VRAM, 1.037x at 50% with 0.73 of the link's rate against 0.69; docs/gpu.md); True: asked
+    # for, refused where misses are not device-side; False: off.
+    admit_pause: bool | None = None
     # Staged device-side misses: a one-token layer runs its hits' experts while its misses are
     # staged on a side stream, then the misses' (two picked launches of each kernel, one
     # output: the one launch's bits), so the hits' compute leaves the critical path.
@@ -197,7 +200,7 @@ class GpuConfig:
              f"miss_reads={self.miss_reads!r} chooses how device-side misses reach the kernels"),
             (self.admit != "scored",
              f"--gpu-admit {self.admit} chooses which device-side misses enter the pool"),
-            (self.admit_pause,
+            (self.admit_pause is True,
              "--gpu-admit-pause (admit_pause) lets staged device-side misses go first on the link"),
             (self.hits_first, "hits_first computes a layer's hits while its misses are staged"),
             (self.split_staging, "split_staging stages the misses' down sections beside gate/up"),

@@ -123,6 +123,8 @@ class GpuExperts(ExpertProvider):
                        and self.n_slots >= 2 * self.K)  # fmt: skip
         if self.staged:
             self.n_slots -= self.K
+        # admissions wait while the staging copies (GpuConfig.admit_pause: on unless turned off)
+        self.pausing = self.staged and cfg.admit_pause is not False
         # Prefetch (GpuConfig.prefetch): two sets of K slots past the staging, one per layer
         # parity (a layer reads its set while the next layer's prefetch fills the other).
         self.prefetching = cfg.prefetch != "none"
@@ -278,7 +280,7 @@ class GpuExperts(ExpertProvider):
         names = list(self.pool.sections)
         pairs = [self.mirror.sections[n] for n in names], [self.pool.sections[n] for n in names]
         # admit_pause: staging programs count themselves here, admissions wait for zero
-        pause = self.staged and self.cfg.admit_pause
+        pause = self.pausing
         busy = torch.zeros(1, dtype=torch.int32, device=self.device) if pause else None
         # ... unless the host sets hurry: its admissions are falling behind (_account). A device
         # word, written by a 4-byte copy on a stream of its own from pinned 0 / 1 (never
@@ -784,10 +786,12 @@ class GpuExperts(ExpertProvider):
             if self.staged:
                 d["staging_slots"] = self.K
             if self.device_misses:
-                d["admit_pause"] = self.staged and self.cfg.admit_pause
+                d["admit_pause"] = self.pausing
                 d["hits_first"] = self.staged and self.cfg.hits_first
                 d["split_staging"] = self.staged and self.cfg.split_staging
-                opts = self.cfg.admit_pause or self.cfg.hits_first or self.cfg.split_staging
+                # asked for (the pause's default, None, is on only where misses are staged)
+                opts = (self.cfg.admit_pause is True or self.cfg.hits_first
+                        or self.cfg.split_staging)  # fmt: skip
                 if opts and not self.staged:
                     d["staging_note"] = (
                         "admit_pause / hits_first / split_staging not used: this pool's misses "
