@@ -107,6 +107,7 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
                rows_d * I, D // rows_d)  # fmt: skip
     else:
         fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem)
+        half = {"HALF": cfg.half}  # the product kernels' int4 rows read as 0.5 + q / 256
         if cfg.prefetch:  # the ablation's gate/up kernel, with one expert's w2 section bytes
             fn = ab._gate_up_prefetch_kernel
             tiles = {
@@ -116,9 +117,11 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
             nbytes = [math.prod(shape) * dt.itemsize
                       for _, dt, shape in tensor_sections(make_scheme(quant), "w2", D, I)]  # fmt: skip
             extra.update(W2Q_BYTES=nbytes[0], W2S_BYTES=sum(nbytes[1:]), NT=32 * cfg.num_warps)
+        else:
+            extra.update(half)
         yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
-        yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem},
+        yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem, **half},
                cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 

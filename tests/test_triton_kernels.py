@@ -127,16 +127,21 @@ def test_decode_interpreter(quant):
     if quant == "int4r":  # CUDA cores only (check_shapes refuses mma)
         cfg = DecodeConfig(bn=16, bk=64, bn_d=16, bk_d=32, mma=True)
         assert "CUDA-core" in check_shapes("int4r", 128, 64, 32, cfg)
+        # half: nibbles read as 0.5 + q / 256, the offset in the zero term (DecodeConfig.half)
+        for split in (2, 1):
+            cfg = DecodeConfig(bn=8, bk=32, split=split, bn_d=8, bk_d=32, half=True)
+            _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
         # groups of 64: two 32-input blocks share a (scale, zero) word
         gen = torch.Generator().manual_seed(6)
         w13, w2 = torch.randn(3, 128, 128, generator=gen), torch.randn(3, 128, 64, generator=gen)
         ex = quantize_stacked(make_scheme("int4", 64), w13 / 11, w2 / 8).to_rows()
         x = torch.randn(2, 128, generator=gen)
         ids, w = _routing(2, 3, 2, "cpu", gen)
-        cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=64)
         want = moe_stacked_ref(x.double(), ids, w.double(), ex)
-        got = moe_decode(x, ids, w, ex, cfg).double()
-        assert ((got - want).norm() / want.norm()).item() <= TOL[torch.float32]
+        for half in (False, True):
+            cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=64, half=half)
+            got = moe_decode(x, ids, w, ex, cfg).double()
+            assert ((got - want).norm() / want.norm()).item() <= TOL[torch.float32]
         return
     # tensor cores (fp32 "ieee" dots here): one K step, a D split, a pipelined K loop
     for split, bk, stages in ((1, 64, 0), (2, 32, 0), (1, 32, 2)):
@@ -371,6 +376,20 @@ def test_decode_cuda(quant, case, T):
     (E, D, I, K), dtype = case
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_decode_half_cuda(case, T):
+    """int4 rows with DecodeConfig.half (each nibble 0.5 + q / 256 by one PTX permute, the
+    offset folded into the zero term) against the float64 spec, the default tiles otherwise."""
+    from moestream.kernels.triton.decode import default_config, moe_decode
+
+    (E, D, I, K), dtype = case
+    cfg = replace(default_config("int4r", D, I, 32, "NVIDIA H200"), half=True)
+    for seed in range(2):
+        _check(moe_decode, "int4r", E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 
 
 # tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)
