@@ -78,10 +78,9 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     )
     rows = 64 if quant == "int4" else cfg.bn
     rows_d = 64 if quant == "int4" else cfg.bn_d
-    ht = "*fp32" if cfg.h32 else "*bf16"  # gate/up's output h (DecodeConfig.h32)
     gu = dict(x_ptr="*bf16", ids_ptr="*i64", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st, part_ptr="*fp32",
-              cnt_ptr="*i32", h_ptr=ht, P="i32")  # fmt: skip
-    dn = dict(h_ptr=ht, ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st,
+              cnt_ptr="*i32", h_ptr="*bf16", P="i32")  # fmt: skip
+    dn = dict(h_ptr="*bf16", ids_ptr="*i64", rw_ptr="*fp32", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st,
               dpart_ptr="*fp32", cnt_ptr="*i32", out_ptr="*bf16", P="i32")  # fmt: skip
     # every pair in one launch (moe_decode without `pick`)
     tiles = dict(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, sel_ptr=None, PICK=0, LANES=1)

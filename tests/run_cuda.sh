@@ -21,7 +21,7 @@ shard() {
 }
 
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
-shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda or decode_options_cuda" &
+shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda or decode_half_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
 # The prompt kernels in two shards (one took ~300 s alone and ran past 400 s beside the peers'
 # prepare at a1f37fe, 95 of 97 done): the same tests, each once.

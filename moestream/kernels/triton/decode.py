@@ -57,17 +57,12 @@ class DecodeConfig:
     # folded into the zero term, so no subtract per weight (_u4_half; 16% / 12% fewer gate/up /
     # down instructions at sm_90). Exact values; the sums differ in rounding from half=False's.
     half: bool = False
-    # CUDA cores: gate/up's output h kept in fp32 (not the activation dtype), so the down kernel
-    # multiplies without a bf16 -> fp32 conversion a weight (8.33 -> 6.92 instructions a weight
-    # at Qwen3-30B-A3B, sm_90); h is then not rounded to bf16 between the two kernels.
-    h32: bool = False
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
         assert not (self.half and self.mma), "half is the CUDA-core kernels' int4 conversion"
-        assert not (self.h32 and self.mma), "h32 is the CUDA-core kernels' (mma dots take bf16)"
 
 
 # ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
@@ -874,8 +869,8 @@ class Launch:
     def build(cls, x, ids, weights, experts, cfg: DecodeConfig, out, combine: bool,
               host: StackedExperts | None = None, h_dtype: torch.dtype | None = None,
               pick: tuple[torch.Tensor, int] | None = None) -> Launch:  # fmt: skip
-        """h_dtype: gate/up's output (default x's dtype, fp32 with cfg.h32; an ablation keeps
-        it fp32); pick: moe_decode's."""
+        """h_dtype: gate/up's output (default x's dtype; an ablation keeps it fp32); pick:
+        moe_decode's."""
         quant = experts.kernel_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
@@ -889,7 +884,7 @@ class Launch:
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
                 assert far[k].is_contiguous(), f"host {k} must be contiguous"
         scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
-        h_dtype = h_dtype or (torch.float32 if cfg.h32 else x.dtype)
+        h_dtype = h_dtype or x.dtype
         ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, h_dtype)
         if out is None and combine:
             out = torch.empty(T, D, device=x.device, dtype=x.dtype)
