@@ -244,7 +244,10 @@ def _tiles(r: dict) -> str:
         return ""
     keys = ("bn", "bk", "split", "num_warps", "unroll") if t["fma"] else ("bn", "gps", "split")
     kind = (
-        "fma " + "elem " * bool(t.get("elem")) + "fold " * bool(t.get("fold"))
+        "fma "
+        + "elem " * bool(t.get("elem"))
+        + "fold " * bool(t.get("fold"))
+        + "half " * bool(t.get("half"))
         if t["fma"]
         else "mma "
     )

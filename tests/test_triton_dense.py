@@ -97,6 +97,28 @@ def test_gemv_matches_the_float64_spec(quant, T, dtype):
         _check(got, x, w, bias)
 
 
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_int4_rows_half_matches_the_float64_spec(T, dtype):
+    """GemvConfig.half: the int4 rows' nibbles read as 0.5 + q / 256 (one permute on a GPU, the
+    same exact values in the interpreter), the offset folded into the zero term; groups of 32 and
+    64, a split K and a folded one."""
+    from dataclasses import replace
+
+    for i, (n, k) in enumerate(SHAPES):
+        for group in (32, 64):
+            w = _weight("int4_rows", n, k, seed=n + T + group, group=group).to(DEVICE)
+            g = torch.Generator().manual_seed(k + T)
+            x = torch.randn(T, k, generator=g).to(DEVICE, dtype)
+            bias = torch.randn(n, generator=g).to(DEVICE, dtype) if i % 2 == 0 else None
+            rule = tdense.gemv_config("int4_rows", n, k, group, T)
+            for cfg in (rule, replace(rule, split=2, fold=True), replace(rule, split=2)):
+                cfg = replace(cfg, half=True, bk=min(cfg.bk, k // cfg.split))
+                got = tdense.gemv_impl(x, *_operands(w, "int4_rows"), bias, "int4_rows", n, group,
+                                       cfg)  # fmt: skip
+                _check(got, x, w, bias)
+
+
 @pytest.mark.parametrize("group", [64, 128])
 def test_int4_rows_take_groups_over_32(group):
     """The repack keeps one (scale, zero) word per group: groups of 64 and 128 (two and four

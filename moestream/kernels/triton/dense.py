@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept
-from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
+from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32, _u4_half
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
@@ -85,6 +85,10 @@ class GemvConfig:
     # (in split order: _sum_kernel's bits) instead of a second launch; the rule's choice for a
     # split fma GEMV (_fma_config)
     fold: bool = False
+    # fma, int4 rows, per-group sums: each nibble read as 0.5 + q / 256 by one byte permute, the
+    # offset folded into the zero term (decode.DecodeConfig.half's arithmetic): no subtract a
+    # weight. Exact values; the sums round differently from half=False's.
+    half: bool = False
 
 
 # Measured on the H200 (benchmarks/results/gpu_dense.jsonl, CUDA graphs): at one token the GEMV
@@ -392,7 +396,8 @@ def _bf16_hi(v):
 @triton.jit
 def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexpr,
               K: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
-              BK: tl.constexpr, FAST: tl.constexpr, ELEM: tl.constexpr):  # fmt: skip
+              BK: tl.constexpr, FAST: tl.constexpr, ELEM: tl.constexpr,
+              U4HALF: tl.constexpr = False):  # fmt: skip
     """int8 / q4_0 / int4 rows, one K step of rows rl: per group sum(q x) * scale -> acc
     [TP, BN, BK/G]; ELEM (int4 rows): (s (q - 8) + z) x per element -> acc [TP, BN, BK/32, 16]."""
     if QUANT == 1:
@@ -409,7 +414,10 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
         i = tl.arange(0, 16)[None, :]
         koff = tl.zeros([BN, 1, 1], tl.int32) + (kb * 32 + i)[None]
         b = tl.load(q_ptr + rl.to(tl.int64)[:, None, None] * (K // 2) + (kb * 16 + i)[None])
-        lo, hi = _u4_f32(b, FAST)  # q - 8, [BN, NB, 16]
+        if U4HALF:  # int4 rows: 0.5 + q / 256, sum (q - 8) x = 256 sum f x - 136 sum x
+            lo, hi = _u4_half(b, FAST)
+        else:
+            lo, hi = _u4_f32(b, FAST)  # q - 8, [BN, NB, 16]
         if QUANT == 3:
             d = tl.load(s_ptr + rl[:, None] * (K // 32) + kb.reshape([1, NB])).to(tl.float32)
         else:  # (scale, zero) words [N, K/G]: s (q - 8) + z summed as s * dot + z * sum(x)
@@ -428,6 +436,8 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
                 p = tl.sum(lo * x_lo + hi * x_hi, 2)
                 if QUANT == 3:
                     p = p * d
+                elif U4HALF:
+                    p = p * (sc * 256.0) + tl.sum(x_lo + x_hi, 2) * (zp - sc * 136.0)
                 else:
                     p = p * sc + tl.sum(x_lo + x_hi, 2) * zp
                 acc = _add_token(acc, p, t, T, TP)
@@ -485,7 +495,7 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
                      QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
                      SPLIT: tl.constexpr, HALF: tl.constexpr, HAS_BIAS: tl.constexpr,
                      FAST: tl.constexpr, UNROLL: tl.constexpr, ELEM: tl.constexpr,
-                     cnt_ptr, FOLD: tl.constexpr):  # fmt: skip
+                     cnt_ptr, FOLD: tl.constexpr, U4HALF: tl.constexpr = False):  # fmt: skip
     """Program (row block, split sk): rows ROW0 + program_id(0) * BN ... (int4: one packed block)
     over K / SPLIT inputs, the K loop unrolled UNROLL times (the loads of those steps issue
     ahead; a fully unrolled int4 loop spills). FOLD: the row block's last split program (an
@@ -516,7 +526,7 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
             acc = _acc([TP, BN, NG], T)
         for kb in tl.range(0, KC, BK, loop_unroll_factor=UNROLL):
             acc = _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, sk * KC + kb, T, TP, K, QUANT, G, BN,
-                            BK, FAST, ELEM)  # fmt: skip
+                            BK, FAST, ELEM, U4HALF)  # fmt: skip
         if ELEM:
             y = tl.sum(tl.sum(acc, -1), -1)
         else:
@@ -548,6 +558,9 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
     cfg = cfg or gemv_config(quant, n, K, group, T)
     assert not cfg.elem or (cfg.fma and quant == "int4_rows"), "elem: the int4-rows fma kernel"
+    assert not cfg.half or (cfg.fma and quant == "int4_rows" and not cfg.elem), (
+        "half: the int4-rows fma kernel's per-group sums"
+    )
     fold = cfg.fold
     assert not fold or (cfg.fma and quant != "int4" and cfg.split > 1), "fold: a split fma GEMV"
     x = x.contiguous()
@@ -567,7 +580,7 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
             cnt = kept(("gemv fold", str(x.device), blocks),
                        lambda: torch.zeros(blocks, dtype=torch.int32, device=x.device))  # fmt: skip
         kw |= dict(T=T, TP=triton.next_power_of_2(T), BK=cfg.bk, FAST=gpu, UNROLL=cfg.unroll,
-                   ELEM=cfg.elem, FOLD=fold, cnt_ptr=cnt)  # fmt: skip
+                   ELEM=cfg.elem, FOLD=fold, cnt_ptr=cnt, U4HALF=cfg.half)  # fmt: skip
     else:
         kernel = _gemv_kernel
         kw |= dict(
