@@ -145,6 +145,13 @@ def test_the_rule_takes_fma_for_one_token_and_splits_k_for_a_small_n_only():
     cands = tdense.gemv_candidates("q4_0", 4096, 2048, 32, 1)
     assert cands[0] == tdense.gemv_config("q4_0", 4096, 2048, 32) and len(set(cands)) == len(cands)
     assert {c.fma for c in cands} == {True, False}
+    # int4 rows: nibbles read as 0.5 + q / 256 at 4 rows a program (attention), not at 16 (a
+    # 32000-row output layer, where it measured slower); the candidates flip it
+    assert tdense.gemv_config("int4_rows", 4096, 2048, 32).half
+    big = tdense.gemv_config("int4_rows", 32000, 2048, 32)
+    assert big.bn == 16 and not big.half and not tdense.gemv_config("int8", 4096, 2048, 32).half
+    cands = tdense.gemv_candidates("int4_rows", 4096, 2048, 32, 1)
+    assert {c.half for c in cands} == {True, False} and not any(c.half and c.elem for c in cands)
 
 
 @pytest.mark.parametrize("quant", QUANTS)

@@ -155,9 +155,15 @@ def _fma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
         # runs of bench_gpu_dense.py --configs (16b7249); wider N (more rows a program) not swept
         bk = max(min(1024, k & -k), group)
     split = _split(triton.cdiv(n, bn), k // bk)
+    # int4 rows at the fewest rows a program (the attention shapes) read their nibbles as
+    # 0.5 + q / 256 (half): q 4096x2048 4.8 vs 5.0 us, q/k/v 5.4 vs 5.5, o 6.1 vs 6.2 in
+    # interleaved repeats on the H200 (882c6de); at 16 rows (a 32000-row output layer) 24.3 vs
+    # 23.0, so not there
+    half = quant == "int4_rows" and bn == FMA_ROWS[-1]
     # a split K's partials added by its last program (fold): o 2048x4096 int4 rows 6.2 vs 6.5 us
     # in one H200 run (cccae40), the same bits as the sum kernel's second launch
-    return GemvConfig(bn=bn, split=split, fma=True, bk=bk, fold=split > 1 and quant != "int4")
+    return GemvConfig(bn=bn, split=split, fma=True, bk=bk, fold=split > 1 and quant != "int4",
+                      half=half)  # fmt: skip
 
 
 def _mma_config(quant: str, n: int, k: int, group: int) -> GemvConfig:
@@ -181,7 +187,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     """gemv_config's tiles first, then the alternatives a device sweep times against them
     (benchmarks/bench_gpu_dense.py --sweep): the other kernel, and one fma variant (int4: steps
     of 128 inputs on 8 warps; int8 / q4_0: the other row count of FMA_ROWS, unrolled twice);
-    int4 rows: the fma tiles with each weight dequantized once (`elem`); a split K: the fma
+    int4 rows: the fma tiles with each weight dequantized once (`elem`) and with `half` flipped;
+    a split K: the fma
     tiles with the partials summed by a second launch (not `fold`)."""
     fma = _fma_config(quant, n, k, group)
     if quant == "int4":
@@ -193,8 +200,8 @@ def gemv_candidates(quant: str, n: int, k: int, group: int, tokens: int) -> list
     out = [gemv_config(quant, n, k, group, tokens), fma, alt]
     if quant != "int4_rows":  # the tensor-core kernel reads the store's layouts only
         out.append(_mma_config(quant, n, k, group))
-    else:  # each weight dequantized once (GemvConfig.elem)
-        out.append(replace(fma, elem=True))
+    else:  # each weight dequantized once (GemvConfig.elem), and the rule's nibble reads flipped
+        out += [replace(fma, elem=True, half=False), replace(fma, half=not fma.half)]
     if fma.split > 1 and quant != "int4":  # the partials summed by a second launch instead
         out.append(replace(fma, fold=False))
     return list(dict.fromkeys(out))
