@@ -16,7 +16,9 @@ Both kernels are thin wrappers over work-item helpers (`_gate_up_item`, `_down_i
 prefetch of w2, per-step int4 row sums) live in benchmarks/ablations/triton_decode.py; they run
 these helpers through the hooks READY, WAIT=2 and ELEM=False, which the product never sets.
 Everything accumulates in fp32. int8 and int4 bytes become fp32 through byte permutes into the
-mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion. Inputs are
+mantissa of 2^23 (exact; `FAST`), not the quarter-rate integer-to-float conversion; int4 rows with
+`DecodeConfig.half` (the H200's tiles) put the nibble's byte under 0.5's exponent byte instead
+(0.5 + q / 256, exact, no subtract: the offset goes into the zero term). Inputs are
 loaded through offsets broadcast to the weight tile's shape, so they take its register layout and no
 tile goes through shared memory. int4 uses the store layout: a block of 64 rows is [K, 32] bytes
 (row d low nibble, row d + 32 high nibble). Measurements and limits: docs/gpu.md.
