@@ -15,7 +15,7 @@ flags) and `stages=` (one kernel alone, for the per-kernel timing of tune_gpu_de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 import triton
@@ -259,6 +259,9 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
         return dk.moe_decode(x, ids, weights, experts, cfg, out=out, combine=combine)
     if type(cfg) is DecodeConfig:
         cfg = AblationConfig.of(cfg)
+    if cfg.half and (cfg.q8 or cfg.fused or cfg.prefetch or not cfg.elem):
+        # these kernels read int4 rows with the subtract (the tiles' `half` is the product's)
+        cfg = replace(cfg, half=False)
     if cfg.q8:
         from ablations import decode_q8
 
