@@ -96,40 +96,34 @@ def _s8_f32(q, FAST: tl.constexpr):
         return q.to(tl.float32)
 
 
+def _nibbles_ptx(magic: str, byte_sel: tuple[str, ...], sub: str | None) -> str:
+    """PTX taking 4 packed int4 bytes ($8) to 8 fp32 ($0-$3 the low nibbles, $4-$7 the high):
+    each nibble's byte permuted into `magic` by `byte_sel[i]` (byte i), then `sub` subtracted
+    (None: the permuted values as they are)."""
+    ops = ["and.b32 lo, $8, 0x0F0F0F0F;", "shr.b32 hi, $8, 4;", "and.b32 hi, hi, 0x0F0F0F0F;",
+           f"mov.b32 m, {magic};"]  # fmt: skip
+    ops += [f"prmt.b32 ${4 * h + i}, {src}, m, {sel};"
+            for h, src in enumerate(("lo", "hi")) for i, sel in enumerate(byte_sel)]  # fmt: skip
+    ops += [f"sub.f32 ${j}, ${j}, {sub};" for j in range(8)] if sub else []
+    return "{\n.reg .b32 lo, hi, m;\n" + "\n".join(ops) + "\n}"
+
+
+# byte i as the low mantissa byte of 2^23, minus 2^23 + 8: q - 8
+_U4_SUB_PTX = tl.constexpr(_nibbles_ptx("0x4B000000", ("0x7440", "0x7441", "0x7442", "0x7443"),
+                                        "0f4B000008"))  # fmt: skip
+# byte i under 0.5's exponent byte (bits 16-19 of the mantissa): 0.5 + q / 256, no subtract
+_U4_HALF_PTX = tl.constexpr(_nibbles_ptx("0x3F000000", ("0x7054", "0x7154", "0x7254", "0x7354"),
+                                         None))  # fmt: skip
+
+
 @triton.jit
 def _u4_f32(b, FAST: tl.constexpr):
     """Packed int4 bytes -> (low nibble - 8, high nibble - 8) as fp32."""
     if FAST:
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 lo, hi, m;
-            and.b32 lo, $8, 0x0F0F0F0F;
-            shr.b32 hi, $8, 4;
-            and.b32 hi, hi, 0x0F0F0F0F;
-            mov.b32 m, 0x4B000000;
-            prmt.b32 $0, lo, m, 0x7440;
-            prmt.b32 $1, lo, m, 0x7441;
-            prmt.b32 $2, lo, m, 0x7442;
-            prmt.b32 $3, lo, m, 0x7443;
-            prmt.b32 $4, hi, m, 0x7440;
-            prmt.b32 $5, hi, m, 0x7441;
-            prmt.b32 $6, hi, m, 0x7442;
-            prmt.b32 $7, hi, m, 0x7443;
-            sub.f32 $0, $0, 0f4B000008;
-            sub.f32 $1, $1, 0f4B000008;
-            sub.f32 $2, $2, 0f4B000008;
-            sub.f32 $3, $3, 0f4B000008;
-            sub.f32 $4, $4, 0f4B000008;
-            sub.f32 $5, $5, 0f4B000008;
-            sub.f32 $6, $6, 0f4B000008;
-            sub.f32 $7, $7, 0f4B000008;
-            }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [b],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=4,
-        )
+            _U4_SUB_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float32, tl.float32),
+            is_pure=True, pack=4,
+        )  # fmt: skip
     else:
         w = b.to(tl.int32)
         return (w & 15).to(tl.float32) - 8.0, (w >> 4).to(tl.float32) - 8.0
@@ -141,27 +135,9 @@ def _u4_half(b, FAST: tl.constexpr):
     FAST puts each nibble's byte under 0.5's exponent byte by one permute (no subtract)."""
     if FAST:
         return tl.inline_asm_elementwise(
-            """{
-            .reg .b32 lo, hi, m;
-            and.b32 lo, $8, 0x0F0F0F0F;
-            shr.b32 hi, $8, 4;
-            and.b32 hi, hi, 0x0F0F0F0F;
-            mov.b32 m, 0x3F000000;
-            prmt.b32 $0, lo, m, 0x7054;
-            prmt.b32 $1, lo, m, 0x7154;
-            prmt.b32 $2, lo, m, 0x7254;
-            prmt.b32 $3, lo, m, 0x7354;
-            prmt.b32 $4, hi, m, 0x7054;
-            prmt.b32 $5, hi, m, 0x7154;
-            prmt.b32 $6, hi, m, 0x7254;
-            prmt.b32 $7, hi, m, 0x7354;
-            }""",
-            "=r,=r,=r,=r,=r,=r,=r,=r,r",
-            [b],
-            dtype=(tl.float32, tl.float32),
-            is_pure=True,
-            pack=4,
-        )
+            _U4_HALF_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float32, tl.float32),
+            is_pure=True, pack=4,
+        )  # fmt: skip
     else:
         w = b.to(tl.int32)
         return ((w & 15).to(tl.float32) * 0.00390625 + 0.5,
