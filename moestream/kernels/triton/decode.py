@@ -56,7 +56,7 @@ class DecodeConfig:
     mma: bool = False  # tensor cores: group sums of raw weights by tl.dot (_gate_up_mma_kernel)
     stages: int = 0  # mma gate/up: 0 = K loop unrolled, else software-pipelined with this depth
     # int4 rows on CUDA cores: each nibble read as 0.5 + q / 256 by one byte permute, the offset
-    # folded into the zero term, so no subtract per weight (_u4_half; 16% / 12% fewer gate/up /
+    # folded into the zero term, so no subtract per weight (_u4_f32's HALF; 16% / 12% fewer gate/up /
     # down instructions at sm_90). Exact values; the sums differ in rounding from half=False's.
     half: bool = False
 
@@ -117,31 +117,21 @@ _U4_HALF_PTX = tl.constexpr(_nibbles_ptx("0x3F000000", ("0x7054", "0x7154", "0x7
 
 
 @triton.jit
-def _u4_f32(b, FAST: tl.constexpr):
-    """Packed int4 bytes -> (low nibble - 8, high nibble - 8) as fp32."""
+def _u4_f32(b, FAST: tl.constexpr, HALF: tl.constexpr = False):
+    """Packed int4 bytes -> (low, high) nibble values as fp32, exact: q - 8, or with HALF
+    0.5 + q / 256 (FAST: each nibble's byte under 0.5's exponent byte, no subtract)."""
     if FAST:
         return tl.inline_asm_elementwise(
-            _U4_SUB_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float32, tl.float32),
-            is_pure=True, pack=4,
+            _U4_HALF_PTX if HALF else _U4_SUB_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b],
+            dtype=(tl.float32, tl.float32), is_pure=True, pack=4,
         )  # fmt: skip
     else:
         w = b.to(tl.int32)
-        return (w & 15).to(tl.float32) - 8.0, (w >> 4).to(tl.float32) - 8.0
-
-
-@triton.jit
-def _u4_half(b, FAST: tl.constexpr):
-    """Packed int4 bytes -> (0.5 + low nibble / 256, 0.5 + high nibble / 256) as fp32, exact:
-    FAST puts each nibble's byte under 0.5's exponent byte by one permute (no subtract)."""
-    if FAST:
-        return tl.inline_asm_elementwise(
-            _U4_HALF_PTX, "=r,=r,=r,=r,=r,=r,=r,=r,r", [b], dtype=(tl.float32, tl.float32),
-            is_pure=True, pack=4,
-        )  # fmt: skip
-    else:
-        w = b.to(tl.int32)
-        return ((w & 15).to(tl.float32) * 0.00390625 + 0.5,
-                (w >> 4).to(tl.float32) * 0.00390625 + 0.5)  # fmt: skip
+        lo, hi = (w & 15).to(tl.float32), (w >> 4).to(tl.float32)
+        if HALF:
+            return lo * 0.00390625 + 0.5, hi * 0.00390625 + 0.5
+        else:
+            return lo - 8.0, hi - 8.0
 
 
 # ---- tiles: offsets of the inputs a K step needs, and the step's products ----------------------
@@ -212,7 +202,7 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
           FAST: tl.constexpr, HALF: tl.constexpr = False):  # fmt: skip
     """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments.
     xh: int4 rows' high-nibble inputs (xv's + 16); the other layouts ignore it. HALF: int4 rows
-    through _u4_half (DecodeConfig.half)."""
+    through _u4_f32's HALF (DecodeConfig.half)."""
     NG: tl.constexpr = BK // G
     if QUANT == 0:
         p = w.to(tl.float32) * xv
@@ -229,12 +219,10 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg)  # (scale, zero) words [BN, NB]
         sc = (v << 16).to(tl.float32, bitcast=True)
         zp = (v & -65536).to(tl.float32, bitcast=True)
-        if HALF:  # f = 0.5 + q / 256: sum (q - 8) x = 256 sum f x - 136 sum x
-            lo, hi = _u4_half(w, FAST)  # [BN, NB, 16]
-            p = tl.sum(lo * xv + hi * xh, 2) * (sc * 256.0) + tl.sum(xv + xh, 2) * (zp - sc * 136.0)
-        else:
-            lo, hi = _u4_f32(w, FAST)  # q - 8, [BN, NB, 16]
-            p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
+        lo, hi = _u4_f32(w, FAST, HALF)  # q - 8, or HALF f = 0.5 + q / 256: [BN, NB, 16]
+        if HALF:  # sum (q - 8) x = 256 sum f x - 136 sum x: the offset into the zero term
+            sc, zp = sc * 256.0, zp - sc * 136.0
+        p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
         return p, p
     else:
         lo, hi = _u4_f32(w, FAST)  # q - 8, [NG, G, 32]

@@ -48,7 +48,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept
-from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32, _u4_half
+from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
@@ -421,15 +421,14 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
         i = tl.arange(0, 16)[None, :]
         koff = tl.zeros([BN, 1, 1], tl.int32) + (kb * 32 + i)[None]
         b = tl.load(q_ptr + rl.to(tl.int64)[:, None, None] * (K // 2) + (kb * 16 + i)[None])
-        if U4HALF:  # int4 rows: 0.5 + q / 256, sum (q - 8) x = 256 sum f x - 136 sum x
-            lo, hi = _u4_half(b, FAST)
-        else:
-            lo, hi = _u4_f32(b, FAST)  # q - 8, [BN, NB, 16]
+        lo, hi = _u4_f32(b, FAST, U4HALF)  # q - 8 (U4HALF, int4 rows: 0.5 + q / 256) [BN, NB, 16]
         if QUANT == 3:
             d = tl.load(s_ptr + rl[:, None] * (K // 32) + kb.reshape([1, NB])).to(tl.float32)
         else:  # (scale, zero) words [N, K/G]: s (q - 8) + z summed as s * dot + z * sum(x)
             v = tl.load(s_ptr + rl[:, None] * (K // G) + (kb * 32 // G).reshape([1, NB]))
             sc, zp = _bf16_lo(v), _bf16_hi(v)
+            if U4HALF:  # sum (q - 8) x = 256 sum f x - 136 sum x: the offset into the zero term
+                sc, zp = sc * 256.0, zp - sc * 136.0
         if ELEM:  # int4 rows, each weight dequantized once: one FFMA each, then one per product
             w_lo = lo * sc[:, :, None] + zp[:, :, None]
             w_hi = hi * sc[:, :, None] + zp[:, :, None]
@@ -443,8 +442,6 @@ def _fma_rows(x_ptr, q_ptr, s_ptr, acc, rl, k0, T: tl.constexpr, TP: tl.constexp
                 p = tl.sum(lo * x_lo + hi * x_hi, 2)
                 if QUANT == 3:
                     p = p * d
-                elif U4HALF:
-                    p = p * (sc * 256.0) + tl.sum(x_lo + x_hi, 2) * (zp - sc * 136.0)
                 else:
                     p = p * sc + tl.sum(x_lo + x_hi, 2) * zp
                 acc = _add_token(acc, p, t, T, TP)
