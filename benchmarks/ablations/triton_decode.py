@@ -15,7 +15,7 @@ flags) and `stages=` (one kernel alone, for the per-kernel timing of tune_gpu_de
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 
 import torch
 import triton
@@ -93,7 +93,7 @@ def _gate_up_prefetch_kernel(
     D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr,
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, W2Q_BYTES: tl.constexpr, W2S_BYTES: tl.constexpr, NT: tl.constexpr,
-    PDL: tl.constexpr, HOST: tl.constexpr,
+    PDL: tl.constexpr, HOST: tl.constexpr, HALF: tl.constexpr = False,
 ):  # fmt: skip
     """The product gate/up program after prefetching its share of the pair's w2 (and scales)."""
     p = tl.program_id(0)
@@ -111,7 +111,7 @@ def _gate_up_prefetch_kernel(
         _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
     _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
                   p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False,
-                  HOST)  # fmt: skip
+                  HOST, HALF)  # fmt: skip
 
 
 # ---- one persistent launch per layer ------------------------------------------------------------
@@ -123,6 +123,7 @@ def _fused_kernel(
     BK: tl.constexpr, SPLIT: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, MMA: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, COMBINE: tl.constexpr,
+    HALF: tl.constexpr = False,
 ):  # fmt: skip
     """A whole layer in one launch of NPROG persistent programs. Work items are numbered gate/up
     first, then down, and taken in that order from a counter (work[0]); a program takes its
@@ -153,7 +154,7 @@ def _fused_kernel(
             else:
                 _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, q13_ptr, s13_ptr, part_ptr,
                               cnt_g_ptr, h_ptr, ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK,
-                              SPLIT, TOPK, ELEM, FAST, True, False)  # fmt: skip
+                              SPLIT, TOPK, ELEM, FAST, True, False, HALF)  # fmt: skip
         else:
             p = (it - N_GU) // NBD
             nb = (it - N_GU) % NBD
@@ -164,7 +165,7 @@ def _fused_kernel(
             else:
                 _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, q2_ptr, s2_ptr, dpart_ptr,
                            cnt_d_ptr, out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK,
-                           ELEM, FAST, 2, NBG, COMBINE, False)  # fmt: skip
+                           ELEM, FAST, 2, NBG, COMBINE, False, HALF)  # fmt: skip
         it = nxt
     if tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
         for i in tl.static_range(P):  # every item is done
@@ -259,9 +260,6 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
         return dk.moe_decode(x, ids, weights, experts, cfg, out=out, combine=combine)
     if type(cfg) is DecodeConfig:
         cfg = AblationConfig.of(cfg)
-    if cfg.half and (cfg.q8 or cfg.fused or cfg.prefetch or not cfg.elem):
-        # these kernels read int4 rows with the subtract (the tiles' `half` is the product's)
-        cfg = replace(cfg, half=False)
     if cfg.q8:
         from ablations import decode_q8
 
