@@ -31,7 +31,7 @@ from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E4
 from common import bench_row, capture_graph, hardware, override, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
-from moestream.kernels.triton.decode import check_shapes  # noqa: E402
+from moestream.kernels.triton.decode import ROW_QUANTS, check_shapes  # noqa: E402
 from moestream.kernels.triton.layout import StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
@@ -54,7 +54,7 @@ def sweep(quant: str, D: int, I: int) -> list:
     tune_gpu_decode.py), the other family (tensor cores / CUDA cores), tiles, and the programmatic
     dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time."""
     d = default(quant, D, I)
-    if quant == "int4r":  # int4 in the pool's row layout: CUDA cores only, no one-launch ablation
+    if quant in ROW_QUANTS:  # int4 rows, q4_0: CUDA cores only, no one-launch ablation
         return [d, replace(d, pdl=False), replace(d, bk=256), replace(d, bn=8, bn_d=16),
                 replace(d, bn=8, bk=256, bn_d=16, warps_d=4)]  # fmt: skip
     return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
@@ -191,7 +191,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         roof_ms = routed_bytes / bw * 1e3
         times = {}
         d = default(quant, D, I)
-        more = [] if quant == "int4r" else [replace(d, fused=True)]
+        more = [] if quant in ROW_QUANTS else [replace(d, fused=True)]
         for cfg in sweep(quant, D, I) if T == 1 else [d, *more]:
             if check_shapes(quant, D, I, 32, cfg):
                 continue

@@ -5,6 +5,7 @@ test_gguf_llama_cpp.py runs llama.cpp's own converter where its source is presen
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -95,6 +96,16 @@ def our_logits(store, cfg: StreamConfig | None = None) -> torch.Tensor:
     loaded = load_model(store, cfg or StreamConfig(resident=True, kernel="ref"))
     with torch.no_grad():
         out = loaded.model(PROMPT, KVCache(loaded.args, 64, torch.float32), 0)
+    loaded.provider.close()
+    return out
+
+
+def stepwise_logits(store, cfg, n: int) -> torch.Tensor:
+    """our_logits's first n rows, computed one token a call (the decode path's kernels)."""
+    loaded = load_model(store, cfg)
+    cache = KVCache(loaded.args, 64, torch.float32)
+    with torch.no_grad():
+        out = torch.cat([loaded.model(PROMPT[i : i + 1], cache, i) for i in range(n)])
     loaded.provider.close()
     return out
 
@@ -301,10 +312,12 @@ def test_nibble_gguf_is_kept_exactly(nibbles, arch, kind, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", list(NIBBLE_KEPT))
-def test_nibble_store_streams_the_resident_bits_and_refuses_the_gpu(nibbles, kind, capsys):
+def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4_0(nibbles, kind, capsys,
+                                                                      monkeypatch):  # fmt: skip
     """On the native kernel (q4_0 / q4_1 / q5_0 x Q8_0 activations) streaming at the minimum budget
-    gives the resident bits; the GPU provider, which has no kernel for either, refuses it by
-    name."""
+    gives the resident bits. The GPU provider reads Q4_0's records as stored: its spec and its
+    Triton kernels (the interpreter, a prompt and decode steps) give the CPU spec's logits; q4_1 /
+    q5_0, which it has no kernel for, it refuses by name."""
     from moestream.config import ConfigError
     from moestream.experts.config import GpuConfig
 
@@ -313,9 +326,29 @@ def test_nibble_store_streams_the_resident_bits_and_refuses_the_gpu(nibbles, kin
     want = our_logits(store, StreamConfig(resident=True))
     got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
     assert torch.equal(want, got)
-    match = f"{scheme} experts, which have no GPU kernel.*--quant int4"
-    with pytest.raises(ConfigError, match=match):
-        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+    if scheme != "q4_0":
+        match = f"{scheme} experts, which have no GPU kernel.*--quant int4"
+        with pytest.raises(ConfigError, match=match):
+            load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+        return
+    spec = our_logits(store)  # the CPU's pure-torch spec, fp32 activations
+    kernels = ("ref", "triton") if importlib.util.find_spec("triton") else ("ref",)
+    calls = []
+    if "triton" in kernels:  # the kernels ran, not the reference fallback
+        from moestream.kernels.triton import decode, grouped
+
+        for mod, name in ((decode, "moe_decode"), (grouped, "moe_grouped")):
+            f = getattr(mod, name)
+            monkeypatch.setattr(
+                mod, name, lambda *a, f=f, n=name, **k: calls.append(n) or f(*a, **k)
+            )
+    for kernel in kernels:
+        cfg = GpuConfig(resident=True, kernel=kernel, device="cpu")
+        prompt = our_logits(store, cfg)
+        assert (prompt - spec).abs().max().item() < FP32_TOL, kernel
+        steps = stepwise_logits(store, cfg, 4)  # one token a call: the decode kernels
+        assert (steps - spec[:4]).abs().max().item() < FP32_TOL, kernel
+    assert set(calls) == ({"moe_decode", "moe_grouped"} if "triton" in kernels else set())
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])

@@ -191,21 +191,23 @@ def test_cli_device_flags(monkeypatch):
 
 def test_prompt_kernels_fall_back_with_the_reason():
     """The provider's start-up choice of a prompt's kernels: grouped GEMMs when asked for, on int4
-    rows, on sm_90+ and with their scratch free beside the pool; otherwise the Triton kernels,
+    rows or q4_0, on sm_90+ and with their scratch free beside the pool; otherwise the Triton kernels,
     with a reason that names the fix (the mode line prints it)."""
     from moestream.cli import mode_line
     from moestream.kernels.triton import SCRATCH_MARGIN, prompt_kernels, scratch_bytes
 
     need = scratch_bytes(128, 2048, 768)
     assert need == 128 * 3 * 2048 * 768 * 2
-    assert prompt_kernels("grouped", True, (9, 0), need + SCRATCH_MARGIN, need) == ("grouped", None)
-    assert prompt_kernels("grouped", True, None, None, need) == ("grouped", None)  # interpreter
-    assert prompt_kernels("triton", True, (9, 0), None, need) == ("triton", None)
-    kind, why = prompt_kernels("grouped", True, (9, 0), need, need)
+    room = need + SCRATCH_MARGIN
+    assert prompt_kernels("grouped", "int4r", (9, 0), room, need) == ("grouped", None)
+    assert prompt_kernels("grouped", "int4r", None, None, need) == ("grouped", None)  # interpreter
+    assert prompt_kernels("triton", "int4r", (9, 0), None, need) == ("triton", None)
+    kind, why = prompt_kernels("grouped", "int4r", (9, 0), need, need)
     assert kind == "triton" and "does not fit the free VRAM" in why and "--gpu-budget" in why
-    kind, why = prompt_kernels("grouped", True, (8, 6), None, need)
+    kind, why = prompt_kernels("grouped", "int4r", (8, 6), None, need)
     assert kind == "triton" and "sm_90+" in why and "sm_86" in why
-    assert prompt_kernels("grouped", False, (9, 0), None, need)[0] == "triton"
+    assert prompt_kernels("grouped", "q4_0", (9, 0), room, need)[0] == "grouped"
+    assert prompt_kernels("grouped", "int8", (9, 0), None, need)[0] == "triton"
     mode = {"experts": "vram resident", "quant": "int4", "device": "cuda", "dtype": "bfloat16",
             "cuda_graph": True, "prefill": "triton", "prefill_note": "--gpu-prefill grouped not "
             "used: " + why}  # fmt: skip
@@ -354,7 +356,8 @@ def tiny_moe_store(tmp_path, monkeypatch, quant: str, layers: int) -> Path:
     ("int8", False, "direct", "scored", False, ""), ("int4", False, "direct", "all", None, ""),
     ("int4", True, "direct", "scored", False, ""), ("int8", True, "stage", "all", True, "hits"),
     ("int4", True, "stage", "scored", None, ""), ("int4", True, "stage", "scored", True, "hits"),
-    ("int4", True, "stage", "scored", False, "split"), ("int8", False, "stage", "all", True, "split")])  # fmt: skip
+    ("int4", True, "stage", "scored", False, "split"), ("int8", False, "stage", "all", True, "split"),
+    ("q4_0", True, "stage", "scored", None, "")])  # fmt: skip
 def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, reads, admit,
                                           pause, side):  # fmt: skip
     """Device-side misses (the interpreter, on a tiny Qwen3-MoE: 2 MoE layers of 8 experts, a
@@ -363,7 +366,8 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     admits them between steps; the tokens and log-probs are the resident run's, the counters say
     what crossed from the mirror (every routed pair of every step the table took: all but the
     last of each generation), and the pool holds what slot_map says (int4: repacked into the
-    kernels' row layout in the pool and the mirror). `ahead`: decoded one step ahead of the
+    kernels' row layout in the pool and the mirror; q4_0: GGUF's blocks as stored, the same row
+    bytes). `ahead`: decoded one step ahead of the
     host. `admit`: every miss admitted, or only those whose history beats the victim's (the
     others are read from the mirror again: the same bits). `pause`: admissions wait while a
     staging launch copies (GpuConfig.admit_pause; None, the default: on where misses are staged;
@@ -399,8 +403,10 @@ def test_cpu_device_misses_equal_resident(tmp_path, monkeypatch, quant, ahead, r
     if paused:  # every staging program that counted itself in took itself out
         assert p._stage.busy is p._admit_rows.busy and p._stage.busy.tolist() == [0]
         assert p._stage_down is None or p._stage_down.busy is p._stage.busy
-    # the prompts ran in chunks of the pool (int4: the grouped GEMMs' pair rows, GpuConfig.prefill)
-    assert mode["prefill"] == ("grouped-gemm" if quant == "int4" else "triton") and p.chunked > 0
+    # the prompts ran in chunks of the pool (int4, q4_0: the grouped GEMMs' pair rows,
+    # GpuConfig.prefill)
+    grouped = quant in ("int4", "q4_0")
+    assert mode["prefill"] == ("grouped-gemm" if grouped else "triton") and p.chunked > 0
     assert res_rt.provider.describe()["prefill"] == mode["prefill"]
     assert p.n_slots == 3 and p.staged == (reads == "stage")
     assert p.pool.num_experts == 3 + (p.K if p.staged else 0)
@@ -513,7 +519,7 @@ def test_gpu_prefetch_is_refused_where_it_cannot_run(stores):
     ("int4", "direct", False, False, ""), ("int4", "stage", True, False, ""),
     ("int4", "stage", False, True, ""), ("int4", "stage", False, False, "hits"),
     ("int8", "stage", False, True, "hits"), ("int4", "stage", False, False, "split"),
-    ("int8", "stage", False, True, "split")])  # fmt: skip
+    ("int8", "stage", False, True, "split"), ("q4_0", "stage", False, None, "")])  # fmt: skip
 def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause, side):
     """With device-side misses a streamed pool's decode step is captured (no host round trip per
     layer) and gives the resident captured step's tokens and log-probs exactly, misses staged
@@ -551,7 +557,7 @@ def test_cuda_device_misses_equal_resident(stores, quant, reads, prefetch, pause
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0"])
 def test_cuda_greedy_equals_cpu(stores, quant):
     """Same quantization, fp32 activations: GPU (Triton, dense on the GPU) vs CPU greedy tokens,
     teacher-forced along the CPU's tokens so one disagreement cannot cascade."""

@@ -234,6 +234,23 @@ def test_int4_rows_dequantize_to_the_reference_values(group, dtype):
     assert torch.equal(got, torch.stack([dequantize(w.sections(), "w", group, dtype) for w in ws]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_q4_0_rows_dequantize_to_the_reference_values(dtype):
+    """The same launch on q4_0's sections (the row bytes as stored, fp16 d, no zero: a GPU
+    prompt's grouped GEMMs) equals kernels/ref.py's dequantize bit for bit, stacked and routed
+    by `src` (-1: that output left as it was)."""
+    from moestream.kernels.triton.dequant import dequant_int4_rows
+
+    ws = [_weight("q4_0", 48, 256, s, 32).to(DEVICE) for s in (6, 7, 8)]
+    q, d = torch.stack([w.q for w in ws]), torch.stack([w.d for w in ws])
+    want = torch.stack([dequantize(w.sections(), "w", 32, dtype) for w in ws])
+    assert torch.equal(dequant_int4_rows(q, d, 32, dtype, bk=128), want)
+    out = torch.full((2, 48, 256), 7.0, dtype=dtype, device=DEVICE)
+    src = torch.tensor([2, -1], dtype=torch.int32, device=DEVICE)
+    got = dequant_int4_rows(q, d, 32, dtype, out=out, src=src)
+    assert torch.equal(got[0], want[2]) and (got[1] == 7.0).all()
+
+
 def _lookups_in_one_launch(monkeypatch, emb, kernel: str, ids, want) -> None:
     """emb(ids) gives `want` by one call of kernels/triton/dequant.py's `kernel`, the reference's
     gather never called; a [T, 1] batch of the ids gives the same rows."""

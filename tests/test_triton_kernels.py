@@ -32,7 +32,9 @@ except ImportError:
     HAS_TRITON = False
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (gpu extra)")
-QUANTS = ["bf16", "int8", "int4", "int4r"]  # int4r: int4 in the GPU pool's row layout
+# int4r: int4 in the GPU pool's row layout; q4_0: GGUF's Q4_0 as stored (the same row bytes)
+QUANTS = ["bf16", "int8", "int4", "int4r", "q4_0"]
+ROW_QUANTS = ("int4r", "q4_0")  # CUDA cores only (decode.ROW_QUANTS)
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -124,13 +126,16 @@ def test_decode_interpreter(quant):
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
-    if quant == "int4r":  # CUDA cores only (check_shapes refuses mma)
+    if quant in ("int4r", "q4_0"):  # CUDA cores only (check_shapes refuses mma)
         cfg = DecodeConfig(bn=16, bk=64, bn_d=16, bk_d=32, mma=True)
-        assert "CUDA-core" in check_shapes("int4r", 128, 64, 32, cfg)
-        # half: nibbles read as 0.5 + q / 256, the offset in the zero term (DecodeConfig.half)
+        assert "CUDA-core" in check_shapes(quant, 128, 64, 32, cfg)
+        # half: nibbles read as 0.5 + q / 256, the offset in the zero term (DecodeConfig.half;
+        # q4_0's zero term is then -136 d sum(x))
         for split in (2, 1):
             cfg = DecodeConfig(bn=8, bk=32, split=split, bn_d=8, bk_d=32, half=True)
             _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+        if quant == "q4_0":
+            return
         # groups of 64: two 32-input blocks share a (scale, zero) word
         gen = torch.Generator().manual_seed(6)
         w13, w2 = torch.randn(3, 128, 128, generator=gen), torch.randn(3, 128, 64, generator=gen)
@@ -206,9 +211,10 @@ def test_routed_groups_name_the_routed_experts_in_order():
 
 
 @needs_triton
+@pytest.mark.parametrize("quant", ["int4r", "q4_0"])
 @pytest.mark.parametrize("T", [10, 150])
-def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(T):
-    """The grouped-GEMM prompt path (int4 rows; kernels/triton/grouped.py), as the GPU provider's
+def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(quant, T):
+    """The grouped-GEMM prompt path (int4 rows, q4_0; kernels/triton/grouped.py), as the GPU provider's
     chunked prefill runs it: pair rows of chunks of experts (K=1 calls over their tokens, the
     experts in a pool of more slots than the layer has experts, `routed` bounding the scratch),
     then combine_pairs, equal the resident call bit for bit; the call is deterministic and
@@ -225,7 +231,7 @@ def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(T):
     if CUDA:  # the library's tile configs at a real layer's shapes
         E, D, I, K = 128, 2048, 768, 8
     gen = torch.Generator().manual_seed(40 + T)
-    ex = _layer("int4r", E, D, I, device, gen)
+    ex = _layer(quant, E, D, I, device, gen)
     x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
     ids, w = _routing(T, E, K, device, gen)
     want = moe_experts(x, ids, w, ex)
@@ -260,10 +266,10 @@ def test_host_reads_give_the_pool_bits(quant, mma):
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
     from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
-    if quant == "int4r" and (mma or not CUDA):  # interpreter: the provider's device-miss test
-        pytest.skip(
-            "int4 rows run on CUDA cores only; on the CPU test_cpu_device_misses covers them"
-        )
+    if quant in ROW_QUANTS and mma:
+        pytest.skip("the row layouts run on CUDA cores only")
+    if quant == "int4r" and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
+        pytest.skip("int4 rows: on the CPU q4_0's case and test_cpu_device_misses cover them")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 128, 64, 3
     gen = torch.Generator().manual_seed(40 + mma)
@@ -300,8 +306,10 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
     any way, every pair in the first call or every pair in the second; the pair rows too."""
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
 
-    if quant == "int4r" and (mma or not CUDA):
-        pytest.skip("int4 rows run on CUDA cores only; on the CPU the provider's test runs them")
+    if quant in ROW_QUANTS and mma:
+        pytest.skip("the row layouts run on CUDA cores only")
+    if quant == "int4r" and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
+        pytest.skip("int4 rows: on the CPU q4_0's case and the provider's test cover them")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 64, 64, 3
     gen = torch.Generator().manual_seed(50 + mma)
@@ -340,7 +348,7 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
 
 @needs_triton
 @pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "int4r"])
+@pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("block_n", [0, 32])
 def test_prefill_interpreter(quant, block_n):
     """fp32 only: the interpreter's bf16 tl.dot is wrong (triton 3.6), the GPU test covers bf16.
@@ -379,19 +387,20 @@ def test_decode_cuda(quant, case, T):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("quant", ROW_QUANTS)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("T", [1, 3, 8])
-def test_decode_half_cuda(case, T):
-    """int4 rows with DecodeConfig.half as the tiles do not set it (the H200's set it: each
-    nibble 0.5 + q / 256 by one PTX permute, the offset folded into the zero term, and
+def test_decode_half_cuda(quant, case, T):
+    """int4 rows (q4_0) with DecodeConfig.half as the tiles do not set it (the H200's set it:
+    each nibble 0.5 + q / 256 by one PTX permute, the offset folded into the zero term, and
     test_decode_cuda runs that) against the float64 spec, the default tiles otherwise."""
     from moestream.kernels.triton.decode import default_config, moe_decode
 
     (E, D, I, K), dtype = case
-    tiles = default_config("int4r", D, I, 32, "NVIDIA H200")
+    tiles = default_config(quant, D, I, 32, "NVIDIA H200")
     cfg = replace(tiles, half=not tiles.half)
     for seed in range(2):
-        _check(moe_decode, "int4r", E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
+        _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 
 
 # tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)
@@ -411,8 +420,8 @@ def test_decode_mma_cuda(quant, case, T):
     byte-to-bf16 conversions, tiles fitted to each shape."""
     from moestream.kernels.triton.decode import DecodeConfig, fit_config, moe_decode
 
-    if quant == "int4r":
-        pytest.skip("int4 rows run on CUDA cores only")
+    if quant in ROW_QUANTS:
+        pytest.skip("the row layouts run on CUDA cores only")
     (E, D, I, K), dtype = case
     cfg = fit_config(quant, D, I, 32, DecodeConfig(**MMA_TILES[quant], mma=True))
     for seed, stages in ((0, 0), (1, 3)):  # the K loop unrolled, then software-pipelined
@@ -447,7 +456,7 @@ PREFILL_TILES = [
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tiles", PREFILL_TILES)
-@pytest.mark.parametrize("quant", ["int8", "int4r"])
+@pytest.mark.parametrize("quant", ["int8", "int4r", "q4_0"])
 def test_prefill_tiles_cuda(quant, tiles):
     """The tile candidates bench_gpu_prefill.py times, at Qwen3-30B-A3B's D and I."""
     from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill

@@ -29,6 +29,8 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
 - int4 records enter the pool (and the mirror) repacked into the kernels' row layout
   (kernels/triton/layout.py: `rows_sections`; the same numbers, moved): the decode kernels then
   run int8's CUDA-core structure on half the bytes instead of the store's k-major 64-row blocks.
+  q4_0 records (a GGUF's Q4_0 experts) already hold those row bytes (an fp16 scale a 32-block, no
+  zero) and enter as they are.
 - `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI); with
   `kernel="triton"` the interpreter runs the device-side misses on CPU tensors.
 """
@@ -88,8 +90,9 @@ def check_scheme(store: Store) -> None:
     name = store.scheme.name
     if name not in SCHEMES:
         raise ConfigError(
-            f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only); run "
-            "it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
+            f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; the GPU "
+            "reads bf16, int8, int4 and q4_0); run it on the CPU, or convert the model with "
+            "--quant int4 (or int8) for the GPU"
         )
 
 
@@ -212,8 +215,9 @@ class GpuExperts(ExpertProvider):
             # what torch's cache holds unused is free for the scratch too
             free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         cap = torch.cuda.get_device_capability(self.device) if self.cuda else None
+        quant = "int4r" if self.rows else self.store.scheme.name  # StackedExperts.kernel_quant
         self.prefill, self.prefill_why = prompt_kernels(
-            self.cfg.prefill, self.rows, cap, free, self.prefill_scratch
+            self.cfg.prefill, quant, cap, free, self.prefill_scratch
         )
         if self.cfg.kernel == "triton":
             self.kernel = functools.partial(self.kernel, prefill=self.prefill)

@@ -8,7 +8,7 @@
   int4). Variants measured slower (one persistent launch per layer, ...) are benchmark code:
   benchmarks/ablations/triton_decode.py.
 - `prefill.py`: tokens grouped by expert on the device, tl.dot per block of BLOCK_M rows.
-- `grouped.py`: a prompt on int4 rows (bf16, sm_90): the routed experts dequantized to bf16, then
+- `grouped.py`: a prompt on int4 rows or q4_0 (bf16, sm_90): the routed experts dequantized to bf16, then
   torch's grouped GEMM (CUTLASS); the default for prompts (`prefill="grouped"`), 1.07-1.86x
   faster per layer than prefill.py at 16-2048 tokens on the H200.
 `moe_experts` picks the path (`prompt_path`); shapes the kernels do not take fall back to the
@@ -25,7 +25,9 @@ import torch
 from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
-SCHEMES = ("bf16", "int8", "int4")  # the expert schemes the GPU kernels read (q4_0, q4_1: CPU only)
+# the expert schemes the GPU kernels read (q4_0: GGUF's Q4_0 blocks as stored; q4_1, q5_0, q8_0,
+# the K-quants: CPU only)
+SCHEMES = ("bf16", "int8", "int4", "q4_0")
 PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
 _KEPT: dict = {}
 
@@ -67,15 +69,19 @@ def arch_unsupported(capability: tuple[int, int]) -> str | None:
     return None
 
 
-def prompt_kernels(asked: str, rows: bool, capability: tuple[int, int] | None, free: int | None,
+def prompt_kernels(asked: str, quant: str, capability: tuple[int, int] | None, free: int | None,
                    scratch: int) -> tuple[str, str | None]:  # fmt: skip
     """A provider's prompt kernels at start-up: ("grouped" or "triton", why not grouped when it
-    was asked for and cannot run). capability None: not CUDA (the interpreter's tests); free:
-    VRAM free for the scratch (None: not measured)."""
+    was asked for and cannot run). quant: the pool's kernel layout (StackedExperts.kernel_quant);
+    capability None: not CUDA (the interpreter's tests); free: VRAM free for the scratch (None:
+    not measured)."""
+    from moestream.kernels.triton.decode import ROW_QUANTS
+
     if asked == "triton":
         return "triton", None
-    if not rows:
-        return "triton", "the grouped GEMMs read int4 experts in groups of a multiple of 32"
+    if quant not in ROW_QUANTS:
+        return "triton", ("the grouped GEMMs read int4 experts in groups of a multiple of 32, or "
+                          "q4_0 ones")  # fmt: skip
     if capability is not None and arch_unsupported(capability):
         return "triton", arch_unsupported(capability)
     if free is not None and free < scratch + SCRATCH_MARGIN:

@@ -37,7 +37,11 @@ import triton.language as tl
 from moestream.kernels.triton import kept, tuned
 from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
-QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3}  # int4r: int4 rows (layout.py)
+# int4r: int4 rows (layout.py); q4_0: GGUF's Q4_0 as the store keeps it, int4r's byte layout with
+# an fp16 scale a row block and no zero
+QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4}
+ROW_QUANTS = ("int4r", "q4_0")  # 16 bytes a row's 32 inputs (input i low nibble, i + 16 high)
+SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d"}  # the 2nd one
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 # Programs a block of a misses-only launch (pick mode 2; _picked): not yet timed on a GPU.
 PICK_LANES = 2
@@ -145,7 +149,7 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 1:
         kk = tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NG, G]
-    elif QUANT == 3:  # each 32-input block's first 16 (low nibbles); the high ones are at + 16
+    elif QUANT >= 3:  # each 32-input block's first 16 (low nibbles); the high ones are at + 16
         kk = tl.arange(0, BK // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NB, 16]
     else:
@@ -163,7 +167,7 @@ def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 1:
         a = tl.zeros([BN, BK // G], tl.float32)
         return a, a
-    elif QUANT == 3:
+    elif QUANT >= 3:
         a = tl.zeros([BN, BK // 32], tl.float32)
         return a, a
     elif ELEM:
@@ -185,7 +189,7 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         r = n0 + tl.arange(0, BN)[:, None, None]
         kk = k0 + tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.load(q_ptr + e * (N * K) + r * K + kk)  # [BN, NG, G]
-    elif QUANT == 3:
+    elif QUANT >= 3:
         r = n0 + tl.arange(0, BN)[:, None, None]
         kb = k0 // 32 + tl.arange(0, BK // 32)[None, :, None]
         j = tl.arange(0, 16)[None, None, :]
@@ -212,17 +216,27 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         s = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
         p = tl.sum(_s8_f32(w, FAST) * xv, 2) * s  # [BN, NG]
         return p, p
-    elif QUANT == 3:  # s (q - 8) + z summed per 32-block as s * dot + z * sum(x)
+    elif QUANT >= 3:  # s (q - 8) + z summed per 32-block as s * dot + z * sum(x) (q4_0: z = 0)
         NB: tl.constexpr = BK // 32
         r = n0 + tl.arange(0, BN)[:, None]
-        kg = (k0 + tl.arange(0, NB)[None, :] * 32) // G
-        v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg)  # (scale, zero) words [BN, NB]
-        sc = (v << 16).to(tl.float32, bitcast=True)
-        zp = (v & -65536).to(tl.float32, bitcast=True)
+        if QUANT == 3:
+            kg = (k0 + tl.arange(0, NB)[None, :] * 32) // G
+            v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg)  # (scale, zero) [BN, NB]
+            sc = (v << 16).to(tl.float32, bitcast=True)
+            zp = (v & -65536).to(tl.float32, bitcast=True)
+        else:  # q4_0: fp16 d [N, K/32] per expert
+            kb = k0 // 32 + tl.arange(0, NB)[None, :]
+            sc = tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + kb).to(tl.float32)
         lo, hi = _u4_f32(w, FAST, HALF)  # q - 8, or HALF f = 0.5 + q / 256: [BN, NB, 16]
         if HALF:  # sum (q - 8) x = 256 sum f x - 136 sum x: the offset into the zero term
-            sc, zp = sc * 256.0, zp - sc * 136.0
-        p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
+            if QUANT == 3:
+                sc, zp = sc * 256.0, zp - sc * 136.0
+            else:
+                sc, zp = sc * 256.0, sc * -136.0
+        if QUANT == 3 or HALF:
+            p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
+        else:  # q4_0's q - 8: no zero term
+            p = tl.sum(lo * xv + hi * xh, 2) * sc
         return p, p
     else:
         lo, hi = _u4_f32(w, FAST)  # q - 8, [NG, G, 32]
@@ -365,7 +379,7 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
         wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
         wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
         xv = tl.load(xrow + kb + koff).to(tl.float32)
-        if QUANT == 3:
+        if QUANT >= 3:
             xh = tl.load(xrow + kb + koff + 16).to(tl.float32)
         else:
             xh = xv
@@ -458,7 +472,7 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
         else:
             w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
         hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
-        if QUANT == 3:
+        if QUANT >= 3:
             hh = tl.load(h_ptr + p * I + k0 + koff + 16).to(tl.float32)
         else:
             hh = hv
@@ -735,8 +749,8 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     if quant == "int4":
         if inter % INT4_ROWS or hidden % INT4_ROWS or cfg.bn != 64 or cfg.bn_d != 64:
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
-    if quant == "int4r" and (group % 32 or cfg.mma):
-        return f"int4 rows need groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
+    if quant in ROW_QUANTS and (group % 32 or cfg.mma):
+        return f"{quant} needs groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
@@ -849,7 +863,7 @@ class Launch:
             for k, v in sec.items():
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
                 assert far[k].is_contiguous(), f"host {k} must be contiguous"
-        scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
+        scale = SCALE_SECTION[quant]
         h_dtype = h_dtype or x.dtype
         ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, h_dtype)
         if out is None and combine:

@@ -1,5 +1,5 @@
-"""int4 rows (the GPU's row-major repack, quant.int4_to_rows) dequantized into the activation
-dtype by one launch: the weights a prompt's F.linear multiplies (QuantLinear with kernel
+"""int4 rows (the GPU's row-major repack, quant.int4_to_rows; or q4_0, the same row bytes with
+an fp16 d a 32-block) dequantized into the activation dtype by one launch: the weights a prompt's F.linear multiplies (QuantLinear with kernel
 "triton" above the GEMV's 8 tokens) and the grouped-GEMM prefill ablation
 (benchmarks/ablations/prefill_grouped.py). Spec: kernels/ref.py's dequantize, `(v - 8) * s + z`
 in fp32 rounded to nearest even, so the values are that spec's bit for bit (tests: test_triton_dense.py,
@@ -40,11 +40,12 @@ def _round(v, DT: tl.constexpr):
 @triton.jit
 def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DT: tl.constexpr, SRC: tl.constexpr):  # fmt: skip
+                         DT: tl.constexpr, SRC: tl.constexpr, Q40: tl.constexpr):  # fmt: skip
     """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1. A row's
     16 bytes per 32 inputs hold input i in the low nibble and i + 16 in the high one; the word of
-    (row, group) holds its bf16 scale (low half) and zero (high half). SRC: out[d] is matrix
-    src[d], and nothing is read or written where src[d] < 0 (the loads are masked off)."""
+    (row, group) holds its bf16 scale (low half) and zero (high half); Q40: w_ptr is q4_0's fp16
+    d per 32 inputs, no zero. SRC: out[d] is matrix src[d], and nothing is read or written where
+    src[d] < 0 (the loads are masked off)."""
     d = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     k0 = tl.program_id(2) * BK
@@ -61,11 +62,16 @@ def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.
     b = b.to(tl.int32)
     g = (k0 + c * 32) // G  # both nibbles of a chunk are in one group (G % 32 == 0)
     w = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0)
-    s = (w << 16).to(tl.float32, bitcast=True)
-    z = (w & -65536).to(tl.float32, bitcast=True)
-    # (v - 8) * s is exact in fp32 (4 x 8 significant bits), so a fused add rounds as the spec's
-    lo = ((b & 15) - 8).to(tl.float32) * s + z
-    hi = ((b >> 4) - 8).to(tl.float32) * s + z
+    if Q40:  # (v - 8) * d: exact in fp32 (4 x 11 significant bits)
+        s = w.to(tl.float32)
+        lo = ((b & 15) - 8).to(tl.float32) * s
+        hi = ((b >> 4) - 8).to(tl.float32) * s
+    else:
+        s = (w << 16).to(tl.float32, bitcast=True)
+        z = (w & -65536).to(tl.float32, bitcast=True)
+        # (v - 8) * s is exact in fp32 (4 x 8 significant bits): a fused add rounds as the spec's
+        lo = ((b & 15) - 8).to(tl.float32) * s + z
+        hi = ((b >> 4) - 8).to(tl.float32) * s + z
     at = out_ptr + d * (N * K) + r * K + k0 + c * 32 + j
     tl.store(at, _round(lo, DT), mask=m)
     tl.store(at + 16, _round(hi, DT), mask=m)
@@ -75,7 +81,7 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
                       out: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
                       src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [..., N, K/2] uint8 and words [..., N, K/G] int32 (one weight, or [E] stacked) ->
-    [..., N, K] in dtype. `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix
+    [..., N, K] in dtype; words fp16 [..., N, K/32]: q4_0's d (the same row bytes, no zero). `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix
     src[c], and out[c] is left as it was (nothing read) where src[c] < 0, so a prompt
     dequantizes only the experts it routes to. Runs on the current stream, syncs nothing."""
     lead = rows.shape[:-2]
@@ -89,9 +95,11 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
         out = torch.empty(shape, device=rows.device, dtype=dtype)
     assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
     grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), K // bk)
+    q40 = words.dtype == torch.float16
+    assert q40 and group == 32 or words.dtype == torch.int32, f"{words.dtype} words, G={group}"
     _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
                                G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
-                               SRC=src is not None, num_warps=4)  # fmt: skip
+                               SRC=src is not None, Q40=q40, num_warps=4)  # fmt: skip
     return out
 
 

@@ -13,7 +13,8 @@ family for prompts up to some length, "short": `default_config` takes the call's
 - tokens on M (`_gate_up_grouped`, `_down_grouped`; block_n 0, and always for the store's int4
   layout): the weight tile is the dot's B operand, converted in its layout (each warp along M
   repeats the dequant).
-int4 rows (the GPU pool's layout) are read as each row's contiguous bytes and split by nibble:
+int4 rows (the GPU pool's layout) and q4_0 (the same bytes, an fp16 scale a 32-block and no zero)
+are read as each row's contiguous bytes and split by nibble:
 two dots per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the
 same products). A pair's row never meets another pair's row in a dot, so pair rows from chunks
 of pairs give the bits of one call (`moe_pairs`).
@@ -29,7 +30,13 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import tuned
-from moestream.kernels.triton.decode import INT4_ROWS, QUANT_CODE, combine_pairs
+from moestream.kernels.triton.decode import (
+    INT4_ROWS,
+    QUANT_CODE,
+    ROW_QUANTS,
+    SCALE_SECTION,
+    combine_pairs,
+)
 from moestream.kernels.triton.layout import kernel_sections
 
 
@@ -91,7 +98,8 @@ def _w_tiles(
     DT: tl.constexpr,
 ):
     """Expert e's weight rows [n0, n0 + HALF) and [n0 + HALF, n0 + 2 HALF), inputs [k0, k0 + BK),
-    dequantized and transposed to two [BK, HALF] tiles in dtype DT."""
+    dequantized and transposed to two [BK, HALF] tiles in dtype DT (bf16, int8, the store's int4;
+    the row layouts go through _rows_tiles)."""
     kk = k0 + tl.arange(0, BK)[:, None]  # [BK, 1]
     di = tl.arange(0, HALF)[None, :]  # [1, HALF]
     if QUANT == 2:
@@ -101,27 +109,6 @@ def _w_tiles(
         s_hi = tl.load(sp + 64).to(tl.float32)
         w_lo = ((b & 15).to(tl.float32) - 8.0) * s_lo + tl.load(sp + 1).to(tl.float32)
         w_hi = ((b >> 4).to(tl.float32) - 8.0) * s_hi + tl.load(sp + 65).to(tl.float32)
-    elif (
-        QUANT == 3
-    ):  # int4 rows: input k of row r in byte (k // 32) * 16 + k % 16, nibble k % 32 >= 16
-        r_lo = n0 + di
-        r_hi = r_lo + HALF
-        byte = (kk // 32) * 16 + kk % 16
-        sh = (kk % 32) // 16 * 4
-        w = q_ptr + e * (N * (K // 2)) + byte
-        b_lo = tl.load(w + r_lo * (K // 2), mask=r_lo < n_end, other=0).to(tl.int32)
-        b_hi = tl.load(w + r_hi * (K // 2), mask=r_hi < n_end, other=0).to(tl.int32)
-        sp = s_ptr + e * (N * (K // G)) + kk // G  # (scale, zero) words [N, K/G]
-        v_lo = tl.load(sp + r_lo * (K // G), mask=r_lo < n_end, other=0)
-        v_hi = tl.load(sp + r_hi * (K // G), mask=r_hi < n_end, other=0)
-        q_lo = ((b_lo >> sh) & 15).to(tl.float32) - 8.0
-        q_hi = ((b_hi >> sh) & 15).to(tl.float32) - 8.0
-        w_lo = q_lo * (v_lo << 16).to(tl.float32, bitcast=True) + (v_lo & -65536).to(
-            tl.float32, bitcast=True
-        )
-        w_hi = q_hi * (v_hi << 16).to(tl.float32, bitcast=True) + (v_hi & -65536).to(
-            tl.float32, bitcast=True
-        )
     else:
         r_lo = n0 + di
         r_hi = r_lo + HALF
@@ -154,14 +141,15 @@ def _rows_wm(
     k0,
     N: tl.constexpr,
     K: tl.constexpr,
+    QUANT: tl.constexpr,
     G: tl.constexpr,
     BN: tl.constexpr,
     BK: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """int4 rows: expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK), read as each row's
-    contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and high nibbles'
-    tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
+    """int4 rows (QUANT 3) or q4_0 (4): expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK),
+    read as each row's contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and
+    high nibbles' tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
     # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one (scale, zero) word, loaded once
     r = r0 + tl.arange(0, BN)[:, None, None]
     blk = tl.arange(0, BK // 32)[None, :, None]
@@ -169,19 +157,27 @@ def _rows_wm(
     m = r < n_end
     b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + blk * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
-    v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G, mask=m, other=0)
-    sc = (v << 16).to(tl.float32, bitcast=True)  # [BN, BK / 32, 1]
-    zp = (v & -65536).to(tl.float32, bitcast=True)
-    w_lo = tl.reshape(((b & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
-    w_hi = tl.reshape((((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp, [BN, BK // 2])
-    return w_lo.to(DT), w_hi.to(DT)
+    if QUANT == 3:  # (scale, zero) bf16 words [N, K/G]
+        v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G, mask=m,
+                    other=0)  # fmt: skip
+        sc = (v << 16).to(tl.float32, bitcast=True)  # [BN, BK / 32, 1]
+        zp = (v & -65536).to(tl.float32, bitcast=True)
+        w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
+        w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
+    else:  # q4_0: fp16 d [N, K/32], no zero
+        d = tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + k0 // 32 + blk, mask=m, other=0)
+        d = d.to(tl.float32)
+        w_lo = ((b & 15).to(tl.float32) - 8.0) * d
+        w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * d
+    return tl.reshape(w_lo, [BN, BK // 2]).to(DT), tl.reshape(w_hi, [BN, BK // 2]).to(DT)
 
 
 @triton.jit
 def _rows_tiles(q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
-                G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr):  # fmt: skip
+                QUANT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr,
+                DT: tl.constexpr):  # fmt: skip
     """_rows_wm's tiles transposed for the tokens-on-M dot, [BK / 2, HALF] each."""
-    w_lo, w_hi = _rows_wm(q_ptr, s_ptr, e, r0, n_end, k0, N, K, G, HALF, BK, DT)
+    w_lo, w_hi = _rows_wm(q_ptr, s_ptr, e, r0, n_end, k0, N, K, QUANT, G, HALF, BK, DT)
     return tl.trans(w_lo), tl.trans(w_hi)
 
 
@@ -201,10 +197,10 @@ def _dense_wm(q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
 
 @triton.jit
 def _rows_dots(xl, xh, acc, q_ptr, s_ptr, e, r0, n_end, k0, N: tl.constexpr, K: tl.constexpr,
-               G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr, DT: tl.constexpr,
-               PREC: tl.constexpr):  # fmt: skip
+               QUANT: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, HALF: tl.constexpr,
+               DT: tl.constexpr, PREC: tl.constexpr):  # fmt: skip
     """acc [BM, HALF] += inputs (split by nibble, [BM, BK / 2] each) times rows [r0, r0 + HALF)."""
-    wl, wh = _rows_tiles(q_ptr, s_ptr, e, r0, n_end, k0, N, K, G, BK, HALF, DT)
+    wl, wh = _rows_tiles(q_ptr, s_ptr, e, r0, n_end, k0, N, K, QUANT, G, BK, HALF, DT)
     acc = tl.dot(xl, wl, acc, input_precision=PREC)
     return tl.dot(xh, wh, acc, input_precision=PREC)
 
@@ -243,17 +239,18 @@ def _gate_up_grouped(
     u_lo = tl.zeros([BM, HALF], tl.float32)
     u_hi = tl.zeros([BM, HALF], tl.float32)
     for k0 in range(0, D, BK):
-        if QUANT == 3:  # int4 rows: each row's bytes in a row, the inputs split by nibble
+        if QUANT >= 3:  # int4 rows / q4_0: each row's bytes in a row, inputs split by nibble
             cl, ch = _split_cols(k0, BK)
             xl = tl.load(x_ptr + tok[:, None] * D + cl[None, :]).to(DT)  # [BM, BK / 2]
             xh = tl.load(x_ptr + tok[:, None] * D + ch[None, :]).to(DT)
-            g_lo = _rows_dots(xl, xh, g_lo, q_ptr, s_ptr, e, n0, I, k0, N, D, G, BK, HALF, DT, PREC)
-            g_hi = _rows_dots(xl, xh, g_hi, q_ptr, s_ptr, e, n0 + HALF, I, k0, N, D, G, BK, HALF,
+            g_lo = _rows_dots(xl, xh, g_lo, q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BK, HALF,
                               DT, PREC)  # fmt: skip
-            u_lo = _rows_dots(xl, xh, u_lo, q_ptr, s_ptr, e, n0 + I, N, k0, N, D, G, BK, HALF,
-                              DT, PREC)  # fmt: skip
-            u_hi = _rows_dots(xl, xh, u_hi, q_ptr, s_ptr, e, n0 + I + HALF, N, k0, N, D, G, BK,
+            g_hi = _rows_dots(xl, xh, g_hi, q_ptr, s_ptr, e, n0 + HALF, I, k0, N, D, QUANT, G, BK,
                               HALF, DT, PREC)  # fmt: skip
+            u_lo = _rows_dots(xl, xh, u_lo, q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BK,
+                              HALF, DT, PREC)  # fmt: skip
+            u_hi = _rows_dots(xl, xh, u_hi, q_ptr, s_ptr, e, n0 + I + HALF, N, k0, N, D, QUANT, G,
+                              BK, HALF, DT, PREC)  # fmt: skip
         else:
             xt = tl.load(x_ptr + tok[:, None] * D + k0 + tl.arange(0, BK)[None, :]).to(DT)
             a, b = _w_tiles(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BK, HALF, DT)
@@ -314,14 +311,14 @@ def _down_grouped(
     acc_hi = tl.zeros([BM, HALF], tl.float32)
     row = gu_ptr + safe[:, None] * (2 * I)
     for k0 in range(0, I, BK):
-        if QUANT == 3:  # int4 rows: h at the low and the high nibbles' inputs
+        if QUANT >= 3:  # int4 rows / q4_0: h at the low and the high nibbles' inputs
             cl, ch = _split_cols(k0, BK)
             hl = _silu_up(row, cl[None, :], I, DT)
             hh = _silu_up(row, ch[None, :], I, DT)
-            acc_lo = _rows_dots(hl, hh, acc_lo, q_ptr, s_ptr, e, n0, D, k0, D, I, G, BK, HALF,
-                                DT, PREC)  # fmt: skip
-            acc_hi = _rows_dots(hl, hh, acc_hi, q_ptr, s_ptr, e, n0 + HALF, D, k0, D, I, G, BK,
+            acc_lo = _rows_dots(hl, hh, acc_lo, q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BK,
                                 HALF, DT, PREC)  # fmt: skip
+            acc_hi = _rows_dots(hl, hh, acc_hi, q_ptr, s_ptr, e, n0 + HALF, D, k0, D, I, QUANT, G,
+                                BK, HALF, DT, PREC)  # fmt: skip
         else:
             h = _silu_up(row, k0 + tl.arange(0, BK)[None, :], I, DT)  # [BM, BK]
             a, b = _w_tiles(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BK, HALF, DT)
@@ -368,13 +365,13 @@ def _gate_up_wm(
     g = tl.zeros([BN, BM], tl.float32)
     u = tl.zeros([BN, BM], tl.float32)
     for k0 in range(0, D, BK):
-        if QUANT == 3:  # int4 rows: two dots per K step, the inputs split by nibble
+        if QUANT >= 3:  # int4 rows / q4_0: two dots per K step, the inputs split by nibble
             cl, ch = _split_cols(k0, BK)
             xl = tl.load(x_ptr + tok[None, :] * D + cl[:, None]).to(DT)  # [BK / 2, BM]
             xh = tl.load(x_ptr + tok[None, :] * D + ch[:, None]).to(DT)
-            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, I, k0, N, D, G, BN, BK, DT)
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, I, k0, N, D, QUANT, G, BN, BK, DT)
             g = tl.dot(wh, xh, tl.dot(wl, xl, g, input_precision=PREC), input_precision=PREC)
-            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, G, BN, BK, DT)
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0 + I, N, k0, N, D, QUANT, G, BN, BK, DT)
             u = tl.dot(wh, xh, tl.dot(wl, xl, u, input_precision=PREC), input_precision=PREC)
         else:
             xt = tl.load(x_ptr + tok[None, :] * D + k0 + tl.arange(0, BK)[:, None]).to(DT)
@@ -422,11 +419,11 @@ def _down_wm(
     acc = tl.zeros([BN, BM], tl.float32)
     row = h_ptr + safe[None, :] * I  # [1, BM]
     for k0 in range(0, I, BK):
-        if QUANT == 3:
+        if QUANT >= 3:
             cl, ch = _split_cols(k0, BK)
             hl = tl.load(row + cl[:, None])  # [BK / 2, BM]
             hh = tl.load(row + ch[:, None])
-            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, D, k0, D, I, G, BN, BK, DT)
+            wl, wh = _rows_wm(q_ptr, s_ptr, e, n0, D, k0, D, I, QUANT, G, BN, BK, DT)
             acc = tl.dot(wh, hh, tl.dot(wl, hl, acc, input_precision=PREC), input_precision=PREC)
         else:
             ht = tl.load(row + k0 + tl.arange(0, BK)[:, None])  # [BK, BM]
@@ -462,8 +459,8 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: PrefillCo
         return f"D={hidden} and I={inter} must be multiples of BK={cfg.bk} (itself of G={group})"
     if quant == "int4" and (inter % INT4_ROWS or hidden % INT4_ROWS or cfg.half != 32):
         return f"int4 needs D and I multiples of {INT4_ROWS} and half=32"
-    if quant == "int4r" and (group % 32 or cfg.bk % 32):
-        return f"int4 rows need groups and BK of a multiple of 32 (G={group}, BK={cfg.bk})"
+    if quant in ROW_QUANTS and (group % 32 or cfg.bk % 32):
+        return f"{quant} needs groups and BK of a multiple of 32 (G={group}, BK={cfg.bk})"
     return None
 
 
@@ -486,7 +483,7 @@ def moe_prefill(x, ids, weights, experts, cfg: PrefillConfig | None = None, out=
         k: v.view(torch.int32) if k.endswith(".rz") else v
         for k, v in kernel_sections(experts).items()
     }
-    scale = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz"}[quant]
+    scale = SCALE_SECTION[quant]
     y = torch.empty(P, D, device=x.device, dtype=torch.float32)
     x, weights = x.contiguous(), weights.contiguous()
     f32 = x.dtype == torch.float32
