@@ -4,6 +4,8 @@
 #   setsid bash benchmarks/gpu_peers.sh prepare >/tmp/prep.log 2>&1 &   # detached, then in a later call:
 #   bash benchmarks/gpu_peers.sh wait [SECONDS]   # until prepare wrote $WORK/prepare.exit (exit 3: not yet)
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]   # PROMPT=512 TOKENS=16 SHARES=1: long prompts
+#   bash benchmarks/gpu_peers.sh gguf OUT [COMMIT]    # llama.cpp's Q4_0 file itself on both engines
+#     (moestream keeps its Q4_0 experts as q4_0; GGUF=1 prepare converts it beforehand)
 #   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # admissions A/B on the same store (no llama.cpp):
 #     SHARE=0.25 POOL_KERNELS=triton,triton-admitall PROGRAMS=32 (LLAMA=0 prepare: the store only)
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
@@ -18,7 +20,7 @@ LAYERS=${LAYERS:-16}
 SRC=$WORK/src
 export PYTHONPATH=$PWD:$SRC/llama/gguf-py PYTHONUNBUFFERED=1
 mkdir -p "$WORK"
-case ${1:?prepare, wait, bench or admit} in
+case ${1:?prepare, wait, bench, gguf or admit} in
 prepare)
   rm -f "$WORK/prepare.exit"
   # the marker is written by this shell itself (a subshell of a device call's command can be
@@ -42,6 +44,9 @@ prepare)
   cat "$WORK/build.done"
   [ "$llama" = 0 ] && { rm -f "$WORK/build.done"; ls -la "$WORK/work"; exit 0; }
   "$WORK/llb/bin/llama-quantize" --allow-requantize "$WORK/work/llama-Q8_0.gguf" "$WORK/work/llama-Q4_0.gguf" Q4_0 >/dev/null 2>&1
+  # the store bench_peers --gguf makes of that file (its name: ensure_gguf_store's)
+  [ "${GGUF:-0}" = 0 ] || python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; from pathlib import Path; print(b.ensure_gguf_store(Path(sys.argv[1]), Path(sys.argv[2])))' \
+    "$WORK/work/llama-Q4_0.gguf" "$WORK/work"
   mkdir -p "$WORK/llama/build/bin" && ln -sf "$WORK/llb/bin/"* "$WORK/llama/build/bin/"
   mkdir -p "$WORK/llama/venv/bin" "$WORK/llama/src" && ln -sf "$(command -v python)" "$WORK/llama/venv/bin/python"
   ln -sf "$SRC/llama/convert_hf_to_gguf.py" "$WORK/llama/src/"
@@ -58,6 +63,13 @@ bench)
     --pairs int4:Q4_0 --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton,compiled}" \
     --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p "${PROMPT:-64}" -n "${TOKENS:-64}" \
     --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3} 2>&1 | tee "$out/gpu_peers.log"
+  ;;
+gguf)
+  out=${2:?OUT folder}
+  python benchmarks/bench_peers.py --device cuda --gguf "$WORK/work/llama-Q4_0.gguf" --llama "$WORK/llama" \
+    --work "$WORK/work" --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton}" \
+    --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p "${PROMPT:-64}" -n "${TOKENS:-64}" \
+    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3} 2>&1 | tee "$out/gpu_peers_gguf.log"
   ;;
 admit)
   out=${2:?OUT folder}
