@@ -56,7 +56,7 @@ def sweep(quant: str, D: int, I: int) -> list:
     d = default(quant, D, I)
     if quant in ROW_QUANTS:  # int4 rows, q4_0: CUDA cores only, no one-launch ablation
         return [d, replace(d, pdl=False), replace(d, bk=256), replace(d, bn=8, bn_d=16),
-                replace(d, bn=8, bk=256, bn_d=16, warps_d=4)]  # fmt: skip
+                replace(d, bn=8, bk=256, bn_d=16, warps_d=4), replace(d, chain=not d.chain)]  # fmt: skip
     return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
             replace(d, mma=False, **_CUDA_CORES[quant]), *(replace(d, **t) for t in _TILES[quant]),
             replace(d, fused=True), *(replace(d, fused=True, **f) for f in _FUSED[quant])]  # fmt: skip

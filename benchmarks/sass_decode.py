@@ -93,7 +93,8 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
         consts = dict(common, P=8, NPROG=1024, BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split,
                       BN_D=cfg.bn_d, BK_D=cfg.bk_d, ELEM=cfg.elem, MMA=cfg.mma, STAGES=cfg.stages,
                       COMBINE=True, DT=tl.bfloat16 if cfg.mma else tl.float32,
-                      PREC="tf32" if cfg.mma else "ieee", HALF=cfg.half)  # fmt: skip
+                      PREC="tf32" if cfg.mma else "ieee", HALF=cfg.half,
+                      CHAIN=cfg.chain)  # fmt: skip
         del consts["PDL"], consts["HOST"]  # the fused kernel reads the VRAM pool only, no PDL
         yield ("fused", ab._fused_kernel, sig, consts, cfg.num_warps, 3 * rows * D,
                max(I // rows * cfg.split, D // rows_d))  # fmt: skip
@@ -107,7 +108,7 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
                rows_d * I, D // rows_d)  # fmt: skip
     else:
         # HALF: int4 rows read as 0.5 + q / 256 (the product's and the prefetch ablation's)
-        fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem, HALF=cfg.half)
+        fn, extra = dk._gate_up_kernel, dict(ELEM=cfg.elem, HALF=cfg.half, CHAIN=cfg.chain)
         if cfg.prefetch:  # the ablation's gate/up kernel, with one expert's w2 section bytes
             fn = ab._gate_up_prefetch_kernel
             tiles = {
@@ -119,7 +120,8 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
             extra.update(W2Q_BYTES=nbytes[0], W2S_BYTES=sum(nbytes[1:]), NT=32 * cfg.num_warps)
         yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
-        yield ("down", dk._down_kernel, dn, {**common, **tiles_d, "ELEM": cfg.elem, "HALF": cfg.half},
+        yield ("down", dk._down_kernel, dn,
+               {**common, **tiles_d, "ELEM": cfg.elem, "HALF": cfg.half, "CHAIN": cfg.chain},
                cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 

@@ -134,6 +134,12 @@ def test_decode_interpreter(quant):
         for split in (2, 1):
             cfg = DecodeConfig(bn=8, bk=32, split=split, bn_d=8, bk_d=32, half=True)
             _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+        # chain: a block's products summed by one chain of fused multiply-adds (with and
+        # without half); refused for the other layouts (check_shapes)
+        for half in (True, False):
+            cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=32, half=half, chain=True)
+            _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=7, cfg=cfg)
+        assert "chain" in check_shapes("int8", 64, 64, 32, DecodeConfig(chain=True))
         if quant == "q4_0":
             return
         # groups of 64: two 32-input blocks share a (scale, zero) word
@@ -401,6 +407,20 @@ def test_decode_half_cuda(quant, case, T):
     cfg = replace(tiles, half=not tiles.half)
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ROW_QUANTS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_chain_cuda(quant, case, T):
+    """The row layouts with DecodeConfig.chain (a block's products by one chain of fused
+    multiply-adds; not in the tiles yet) against the float64 spec, the default tiles otherwise."""
+    from moestream.kernels.triton.decode import default_config, moe_decode
+
+    (E, D, I, K), dtype = case
+    cfg = replace(default_config(quant, D, I, 32, "NVIDIA H200"), chain=True)
+    _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + T, cfg=cfg)
 
 
 # tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)

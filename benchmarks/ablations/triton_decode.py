@@ -94,6 +94,7 @@ def _gate_up_prefetch_kernel(
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, W2Q_BYTES: tl.constexpr, W2S_BYTES: tl.constexpr, NT: tl.constexpr,
     PDL: tl.constexpr, HOST: tl.constexpr, HALF: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):  # fmt: skip
     """The product gate/up program after prefetching its share of the pair's w2 (and scales)."""
     p = tl.program_id(0)
@@ -111,7 +112,7 @@ def _gate_up_prefetch_kernel(
         _prefetch_l2(sb, j * W2S_BYTES // n_j, (j + 1) * W2S_BYTES // n_j, NT)
     _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr, cnt_ptr,
                   p, nb, sk, P, D, I, QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False,
-                  HOST, HALF)  # fmt: skip
+                  HOST, HALF, CHAIN)  # fmt: skip
 
 
 # ---- one persistent launch per layer ------------------------------------------------------------
@@ -123,7 +124,7 @@ def _fused_kernel(
     BK: tl.constexpr, SPLIT: tl.constexpr, BN_D: tl.constexpr, BK_D: tl.constexpr,
     TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, MMA: tl.constexpr,
     DT: tl.constexpr, PREC: tl.constexpr, STAGES: tl.constexpr, COMBINE: tl.constexpr,
-    HALF: tl.constexpr = False,
+    HALF: tl.constexpr = False, CHAIN: tl.constexpr = False,
 ):  # fmt: skip
     """A whole layer in one launch of NPROG persistent programs. Work items are numbered gate/up
     first, then down, and taken in that order from a counter (work[0]); a program takes its
@@ -154,7 +155,7 @@ def _fused_kernel(
             else:
                 _gate_up_item(x_ptr, ids_ptr, q13_ptr, s13_ptr, q13_ptr, s13_ptr, part_ptr,
                               cnt_g_ptr, h_ptr, ready_ptr, p, nb, sk, P, D, I, QUANT, G, BN, BK,
-                              SPLIT, TOPK, ELEM, FAST, True, False, HALF)  # fmt: skip
+                              SPLIT, TOPK, ELEM, FAST, True, False, HALF, CHAIN)  # fmt: skip
         else:
             p = (it - N_GU) // NBD
             nb = (it - N_GU) % NBD
@@ -165,7 +166,7 @@ def _fused_kernel(
             else:
                 _down_item(h_ptr, ids_ptr, rw_ptr, q2_ptr, s2_ptr, q2_ptr, s2_ptr, dpart_ptr,
                            cnt_d_ptr, out_ptr, ready_ptr, p, nb, D, I, QUANT, G, BN_D, BK_D, TOPK,
-                           ELEM, FAST, 2, NBG, COMBINE, False, HALF)  # fmt: skip
+                           ELEM, FAST, 2, NBG, COMBINE, False, HALF, CHAIN)  # fmt: skip
         it = nxt
     if tl.atomic_add(work_ptr + 1, 1, sem="acq_rel", scope="gpu") == NPROG - 1:
         for i in tl.static_range(P):  # every item is done

@@ -63,12 +63,18 @@ class DecodeConfig:
     # folded into the zero term, so no subtract per weight (_u4_f32's HALF; 16% / 12% fewer gate/up /
     # down instructions at sm_90). Exact values; the sums differ in rounding from half=False's.
     half: bool = False
+    # int4 rows / q4_0 on CUDA cores: each 32-block's products summed by one chain of fused
+    # multiply-adds (_chain) instead of tl.sum's products and tree of adds (sm_90 SASS with half,
+    # Qwen3-30B-A3B: gate/up 5.00 -> 4.53 instructions a weight and 122 -> 79 registers, down
+    # 7.33 -> 6.92). Not yet timed on a GPU; the sums round in another order.
+    chain: bool = False
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
         assert not (self.half and self.mma), "half is the CUDA-core kernels' int4 conversion"
+        assert not (self.chain and self.mma), "chain is the CUDA-core kernels' row-layout step"
 
 
 # ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
@@ -201,12 +207,30 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
 
 
 @triton.jit
+def _chain(acc, a, b, c, d, BN: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
+    """acc [BN, NB] + the sum over the last axis (W) of a * b + c * d ([BN, NB, W] each) as one
+    chain of fused multiply-adds, in the order the axis is halved (tl.split: free, the axis is
+    in-thread); tl.sum would multiply first and add the products in a tree."""
+    if W == 1:
+        acc = tl.fma(tl.reshape(a, [BN, NB]), tl.reshape(b, [BN, NB]), acc)
+        return tl.fma(tl.reshape(c, [BN, NB]), tl.reshape(d, [BN, NB]), acc)
+    else:
+        a0, a1 = tl.split(tl.reshape(a, [BN, NB, W // 2, 2]))
+        b0, b1 = tl.split(tl.reshape(b, [BN, NB, W // 2, 2]))
+        c0, c1 = tl.split(tl.reshape(c, [BN, NB, W // 2, 2]))
+        d0, d1 = tl.split(tl.reshape(d, [BN, NB, W // 2, 2]))
+        acc = _chain(acc, a0, b0, c0, d0, BN, NB, W // 2)
+        return _chain(acc, a1, b1, c1, d1, BN, NB, W // 2)
+
+
+@triton.jit
 def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
           G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
-          FAST: tl.constexpr, HALF: tl.constexpr = False):  # fmt: skip
+          FAST: tl.constexpr, HALF: tl.constexpr = False, CHAIN: tl.constexpr = False):  # fmt: skip
     """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments.
     xh: int4 rows' high-nibble inputs (xv's + 16); the other layouts ignore it. HALF: int4 rows
-    through _u4_f32's HALF (DecodeConfig.half)."""
+    through _u4_f32's HALF (DecodeConfig.half); CHAIN: a block's products by _chain
+    (DecodeConfig.chain)."""
     NG: tl.constexpr = BK // G
     if QUANT == 0:
         p = w.to(tl.float32) * xv
@@ -233,10 +257,14 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
                 sc, zp = sc * 256.0, zp - sc * 136.0
             else:
                 sc, zp = sc * 256.0, sc * -136.0
+        if CHAIN:
+            dot = _chain(tl.zeros([BN, NB], tl.float32), lo, xv, hi, xh, BN, NB, 16)
+        else:
+            dot = tl.sum(lo * xv + hi * xh, 2)
         if QUANT == 3 or HALF:
-            p = tl.sum(lo * xv + hi * xh, 2) * sc + tl.sum(xv + xh, 2) * zp
+            p = dot * sc + tl.sum(xv + xh, 2) * zp
         else:  # q4_0's q - 8: no zero term
-            p = tl.sum(lo * xv + hi * xh, 2) * sc
+            p = dot * sc
         return p, p
     else:
         lo, hi = _u4_f32(w, FAST)  # q - 8, [NG, G, 32]
@@ -362,7 +390,8 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
                   p, nb, sk, P, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
                   G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, READY: tl.constexpr,
-                  HOST: tl.constexpr, HALF: tl.constexpr = False):  # fmt: skip
+                  HOST: tl.constexpr, HALF: tl.constexpr = False,
+                  CHAIN: tl.constexpr = False):  # fmt: skip
     """Work item (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair
     p's expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a
     counter when SPLIT > 1)."""
@@ -383,10 +412,12 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
             xh = tl.load(xrow + kb + koff + 16).to(tl.float32)
         else:
             xh = xv
-        a, b = _step(wg, s_ptr, e, n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF)
+        a, b = _step(wg, s_ptr, e, n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF,
+                     CHAIN)  # fmt: skip
         ga += a
         gb += b
-        a, b = _step(wu, s_ptr, e, I + n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF)
+        a, b = _step(wu, s_ptr, e, I + n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF,
+                     CHAIN)  # fmt: skip
         ua += a
         ub += b
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
@@ -418,6 +449,7 @@ def _gate_up_kernel(
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
     PICK: tl.constexpr = 0, LANES: tl.constexpr = 1, HALF: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item (of a pair _picked by this launch)."""
     if PDL:
@@ -427,12 +459,13 @@ def _gate_up_kernel(
             if _picked(sel_ptr, p, PICK):
                 _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr,
                               h_ptr, cnt_ptr, p, tl.program_id(1), tl.program_id(2), P, D, I,
-                              QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST,
-                              HALF)  # fmt: skip
+                              QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST, HALF,
+                              CHAIN)  # fmt: skip
     elif _picked(sel_ptr, tl.program_id(0), PICK):
         _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
                       cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
-                      QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST, HALF)  # fmt: skip
+                      QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST, HALF,
+                      CHAIN)  # fmt: skip
 
 
 @triton.jit
@@ -454,7 +487,8 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
                ready_ptr, p, nb, D: tl.constexpr, I: tl.constexpr, QUANT: tl.constexpr,
                G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
                ELEM: tl.constexpr, FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
-               COMBINE: tl.constexpr, HOST: tl.constexpr, HALF: tl.constexpr = False):  # fmt: skip
+               COMBINE: tl.constexpr, HOST: tl.constexpr, HALF: tl.constexpr = False,
+               CHAIN: tl.constexpr = False):  # fmt: skip
     """Work item (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
     weight, stored as pair p's fp32 row; with COMBINE the token's last item for the row block adds
     its TOPK rows in slot order and writes the output. The first weight tile is loaded before
@@ -476,7 +510,7 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
             hh = tl.load(h_ptr + p * I + k0 + koff + 16).to(tl.float32)
         else:
             hh = hv
-        a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST, HALF)
+        a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST, HALF, CHAIN)
         acc_a += a
         acc_b += b
     ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
@@ -502,6 +536,7 @@ def _down_kernel(
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
     PICK: tl.constexpr = 0, LANES: tl.constexpr = 1, HALF: tl.constexpr = False,
+    CHAIN: tl.constexpr = False,
 ):  # fmt: skip
     """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid), of a pair _picked by
     this launch: the combine counts only pairs that ran, so of a layer's two picked launches
@@ -511,12 +546,12 @@ def _down_kernel(
             if _picked(sel_ptr, p, PICK):
                 _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
                            cnt_ptr, out_ptr, cnt_ptr, p, tl.program_id(1), D, I, QUANT, G, BN,
-                           BK, TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST,
-                           HALF)  # fmt: skip
+                           BK, TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF,
+                           CHAIN)  # fmt: skip
     elif _picked(sel_ptr, tl.program_id(0), PICK):
         _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
                    out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
-                   TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF)  # fmt: skip
+                   TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF, CHAIN)  # fmt: skip
 
 
 @triton.jit
@@ -751,6 +786,8 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
     if quant in ROW_QUANTS and (group % 32 or cfg.mma):
         return f"{quant} needs groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
+    if cfg.chain and quant not in ROW_QUANTS:
+        return f"chain is the row layouts' step ({', '.join(ROW_QUANTS)}), not {quant}'s"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
@@ -879,6 +916,8 @@ class Launch:
             common.update(ELEM=True, FAST=gpu)
             if cfg.half:  # the product kernels' (an ablation's kernel never takes it)
                 common.update(HALF=True)
+            if cfg.chain:
+                common.update(CHAIN=True)
         w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", scale))
         if pick is not None:
