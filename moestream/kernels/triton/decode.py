@@ -41,7 +41,8 @@ from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 # an fp16 scale a row block and no zero
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4}
 ROW_QUANTS = ("int4r", "q4_0")  # 16 bytes a row's 32 inputs (input i low nibble, i + 16 high)
-SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d"}  # the 2nd one
+# the section the kernels read through s_ptr (bf16: none, q again)
+SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d"}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 # Programs a block of a misses-only launch (pick mode 2; _picked): not yet timed on a GPU.
 PICK_LANES = 2

@@ -1,6 +1,7 @@
 """int4 rows (the GPU's row-major repack, quant.int4_to_rows; or q4_0, the same row bytes with
-an fp16 d a 32-block) dequantized into the activation dtype by one launch: the weights a prompt's F.linear multiplies (QuantLinear with kernel
-"triton" above the GEMV's 8 tokens) and the grouped-GEMM prefill ablation
+an fp16 d a 32-block) dequantized into the activation dtype by one launch: the weights a prompt's
+F.linear multiplies (QuantLinear with kernel "triton" above the GEMV's 8 tokens), a prompt's
+routed experts for the grouped GEMMs (grouped.py) and the grouped-GEMM prefill ablation
 (benchmarks/ablations/prefill_grouped.py). Spec: kernels/ref.py's dequantize, `(v - 8) * s + z`
 in fp32 rounded to nearest even, so the values are that spec's bit for bit (tests: test_triton_dense.py,
 test_triton_ablations.py). The torch reference this replaces runs ~8 elementwise passes over
@@ -81,9 +82,10 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
                       out: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
                       src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """rows [..., N, K/2] uint8 and words [..., N, K/G] int32 (one weight, or [E] stacked) ->
-    [..., N, K] in dtype; words fp16 [..., N, K/32]: q4_0's d (the same row bytes, no zero). `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix
-    src[c], and out[c] is left as it was (nothing read) where src[c] < 0, so a prompt
-    dequantizes only the experts it routes to. Runs on the current stream, syncs nothing."""
+    [..., N, K] in dtype; words fp16 [..., N, K/32]: q4_0's d (the same row bytes, no zero).
+    `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix src[c], and out[c] is left
+    as it was (nothing read) where src[c] < 0, so a prompt dequantizes only the experts it
+    routes to. Runs on the current stream, syncs nothing."""
     lead = rows.shape[:-2]
     N, K = rows.shape[-2], 2 * rows.shape[-1]
     bk = math.gcd(K, bk)
