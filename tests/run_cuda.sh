@@ -21,12 +21,13 @@ shard() {
 }
 
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
-shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda or decode_half_cuda" &
+shard decode -m cuda "$kern" "$abl" -k "test_decode_cuda or fused_decode_cuda or decode_half_cuda or decode_chain_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
-# The prompt kernels in two shards (one took ~300 s alone and ran past 400 s beside the peers'
-# prepare at a1f37fe, 95 of 97 done): the same tests, each once.
+# The prompt kernels in three shards (one took ~300 s alone and ran past 400 s beside the peers'
+# prepare at a1f37fe, 95 of 97 done; q4_0 added 17 cases): the same tests, each once.
 pre="prefill_cuda or prefill_tiles_cuda or dispatcher_cuda"
-shard prefill "$kern" "$abl" -k "$pre" &
+shard prefill "$kern" "$abl" -k "($pre) and not prefill_tiles_cuda" &
+shard tiles "$kern" -k prefill_tiles_cuda &
 shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups) and not ($pre)" &
 shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
 # The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
