@@ -31,7 +31,7 @@ def test_row_sums_per_step_interpreter(quant):
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", [*QUANTS, "int4r", "q4_0"])
 @pytest.mark.parametrize("mma", [False, True])
 def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     """One persistent launch per layer (fused=True: work items taken from a counter, down items
@@ -43,13 +43,19 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     warps, so their sums reduce in another order), so a run must not mix the paths."""
     from ablations.triton_decode import MMA_CONFIGS, default, moe_decode
 
-    from moestream.kernels.triton.decode import fit_config
+    from moestream.kernels.triton.decode import ROW_QUANTS, fit_config
 
+    if quant in ROW_QUANTS and mma:
+        pytest.skip("the row layouts run on CUDA cores only")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
     base = MMA_CONFIGS[quant] if mma else default(quant, D, I)
     bk = min(base.bk, 512 if CUDA else 32)
-    cfg = fit_config(quant, D, I, 32, replace(base, split=2, bk=bk))
+    # the row layouts with DecodeConfig.chain (the tiles' half as they set it; on the CPU 16
+    # rows a program: the interpreter runs programs one by one)
+    rows = {} if CUDA or quant not in ROW_QUANTS else dict(bn=16, bn_d=16)
+    cfg = replace(base, split=2, bk=bk, chain=quant in ROW_QUANTS, **rows)
+    cfg = fit_config(quant, D, I, 32, cfg)
     gen = torch.Generator().manual_seed(40 + mma)
     ex = _layer(quant, E, D, I, device, gen)
     # the third call reuses the reset counters (one token on the CPU: CI time)
@@ -70,18 +76,19 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("quant", [*QUANTS, "int4r", "q4_0"])
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_fused_decode_cuda(quant, case, T):
     """The default tiles as one persistent launch (work counter), each case twice, so the second
-    call reuses the counters the first one reset."""
+    call reuses the counters the first one reset (the row layouts with DecodeConfig.chain)."""
     from ablations.triton_decode import default, moe_decode
 
-    from moestream.kernels.triton.decode import fit_config
+    from moestream.kernels.triton.decode import ROW_QUANTS, fit_config
 
     (E, D, I, K), dtype = case
     cfg = replace(fit_config(quant, D, I, 32, default(quant, D, I)), fused=True)
+    cfg = replace(cfg, chain=quant in ROW_QUANTS)  # the row layouts: with DecodeConfig.chain
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 
