@@ -34,8 +34,10 @@ from ablations import triton_decode as ab  # noqa: E402
 from common import bench_row, override, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
-Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8", "int4r": "*u8", "q4_0": "*u8"}
-S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32", "int4r": "*i32", "q4_0": "*fp16"}
+Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8", "int4r": "*u8", "q4_0": "*u8",
+          "q4_1": "*u8"}  # fmt: skip
+S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32", "int4r": "*i32", "q4_0": "*fp16",
+          "q4_1": "*fp16"}  # fmt: skip
 DEVICE = "NVIDIA H200"  # the sm_90 GPU whose tuned tiles are compiled
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 

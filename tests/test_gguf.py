@@ -312,12 +312,12 @@ def test_nibble_gguf_is_kept_exactly(nibbles, arch, kind, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("kind", list(NIBBLE_KEPT))
-def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4_0(nibbles, kind, capsys,
+def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4(nibbles, kind, capsys,
                                                                       monkeypatch):  # fmt: skip
     """On the native kernel (q4_0 / q4_1 / q5_0 x Q8_0 activations) streaming at the minimum budget
-    gives the resident bits. The GPU provider reads Q4_0's records as stored: its spec and its
-    Triton kernels (the interpreter, a prompt and decode steps) give the CPU spec's logits; q4_1 /
-    q5_0, which it has no kernel for, it refuses by name."""
+    gives the resident bits. The GPU provider reads Q4_0's and Q4_1's records as stored: its spec
+    and its Triton kernels (the interpreter, a prompt and decode steps) give the CPU spec's
+    logits; q5_0, which it has no kernel for, it refuses by name."""
     from moestream.config import ConfigError
     from moestream.experts.config import GpuConfig
 
@@ -326,7 +326,7 @@ def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4_0(nibbles, 
     want = our_logits(store, StreamConfig(resident=True))
     got = our_logits(store, StreamConfig(memory_budget=min_budget(Store(store))))
     assert torch.equal(want, got)
-    if scheme != "q4_0":
+    if scheme not in ("q4_0", "q4_1"):
         match = f"{scheme} experts, which have no GPU kernel.*--quant int4"
         with pytest.raises(ConfigError, match=match):
             load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))

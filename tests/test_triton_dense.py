@@ -234,20 +234,22 @@ def test_int4_rows_dequantize_to_the_reference_values(group, dtype):
     assert torch.equal(got, torch.stack([dequantize(w.sections(), "w", group, dtype) for w in ws]))
 
 
+@pytest.mark.parametrize("fmt", ["q4_0", "q4_1"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_q4_0_rows_dequantize_to_the_reference_values(dtype):
-    """The same launch on q4_0's sections (the row bytes as stored, fp16 d, no zero: a GPU
-    prompt's grouped GEMMs) equals kernels/ref.py's dequantize bit for bit, stacked and routed
-    by `src` (-1: that output left as it was)."""
+def test_q4_rows_dequantize_to_the_reference_values(fmt, dtype):
+    """The same launch on q4_0's / q4_1's sections (the row bytes as stored, fp16 d, q4_1's fp16
+    m: a GPU prompt's grouped GEMMs) equals kernels/ref.py's dequantize bit for bit, stacked and
+    routed by `src` (-1: that output left as it was)."""
     from moestream.kernels.triton.dequant import dequant_int4_rows
 
-    ws = [_weight("q4_0", 48, 256, s, 32).to(DEVICE) for s in (6, 7, 8)]
-    q, d = torch.stack([w.q for w in ws]), torch.stack([w.d for w in ws])
+    ws = [_weight(fmt, 48, 256, s, 32).to(DEVICE) for s in (6, 7, 8)]
+    scale = "d" if fmt == "q4_0" else "dm"
+    q, d = torch.stack([w.q for w in ws]), torch.stack([getattr(w, scale) for w in ws])
     want = torch.stack([dequantize(w.sections(), "w", 32, dtype) for w in ws])
-    assert torch.equal(dequant_int4_rows(q, d, 32, dtype, bk=128), want)
+    assert torch.equal(dequant_int4_rows(q, d, 32, dtype, bk=128, fmt=fmt), want)
     out = torch.full((2, 48, 256), 7.0, dtype=dtype, device=DEVICE)
     src = torch.tensor([2, -1], dtype=torch.int32, device=DEVICE)
-    got = dequant_int4_rows(q, d, 32, dtype, out=out, src=src)
+    got = dequant_int4_rows(q, d, 32, dtype, out=out, src=src, fmt=fmt)
     assert torch.equal(got[0], want[2]) and (got[1] == 7.0).all()
 
 

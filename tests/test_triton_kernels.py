@@ -32,9 +32,13 @@ except ImportError:
     HAS_TRITON = False
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (gpu extra)")
-# int4r: int4 in the GPU pool's row layout; q4_0: GGUF's Q4_0 as stored (the same row bytes)
-QUANTS = ["bf16", "int8", "int4", "int4r", "q4_0"]
-ROW_QUANTS = ("int4r", "q4_0")  # CUDA cores only (decode.ROW_QUANTS)
+# int4r: int4 in the GPU pool's row layout; q4_0 / q4_1: GGUF's blocks as stored (the same row
+# bytes)
+QUANTS = ["bf16", "int8", "int4", "int4r", "q4_0", "q4_1"]
+ROW_QUANTS = ("int4r", "q4_0", "q4_1")  # CUDA cores only (decode.ROW_QUANTS)
+# CI time: on the CPU, q4_0 runs the row layouts' kernels in the calls' bookkeeping tests (pair
+# rows, picked calls, host reads); the others' scale and zero are checked by the spec tests
+CPU_ROWS_SKIP = ("int4r", "q4_1")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
@@ -126,7 +130,7 @@ def test_decode_interpreter(quant):
         _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     # the default tiles, fitted to a small shape
     _check(moe_decode, quant, 3, 128, 128, 1, 2, torch.float32, "cpu", seed=4)
-    if quant in ("int4r", "q4_0"):  # CUDA cores only (check_shapes refuses mma)
+    if quant in ROW_QUANTS:  # CUDA cores only (check_shapes refuses mma)
         cfg = DecodeConfig(bn=16, bk=64, bn_d=16, bk_d=32, mma=True)
         assert "CUDA-core" in check_shapes(quant, 128, 64, 32, cfg)
         # half: nibbles read as 0.5 + q / 256, the offset in the zero term (DecodeConfig.half;
@@ -140,7 +144,7 @@ def test_decode_interpreter(quant):
             cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=32, half=half, chain=True)
             _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=7, cfg=cfg)
         assert "chain" in check_shapes("int8", 64, 64, 32, DecodeConfig(chain=True))
-        if quant == "q4_0":
+        if quant != "int4r":
             return
         # groups of 64: two 32-input blocks share a (scale, zero) word
         gen = torch.Generator().manual_seed(6)
@@ -172,8 +176,8 @@ def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
     150-token call, not of a short prompt); and a call is deterministic."""
     from moestream.kernels.triton import combine_pairs, moe_experts, moe_pairs
 
-    if quant == "int4r" and not CUDA:  # CI time: the layout-free pair/combine path is covered
-        pytest.skip("int4 rows: interpreter coverage in test_decode_interpreter / prefill")
+    if quant in CPU_ROWS_SKIP and not CUDA:  # CI time: the layout-free pair/combine path
+        pytest.skip("interpreter coverage in test_decode_interpreter / prefill (and q4_0's case)")
     if T > 100 and not CUDA:
         pytest.skip("CI time: the interpreter takes minutes at 150 tokens")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
@@ -217,7 +221,7 @@ def test_routed_groups_name_the_routed_experts_in_order():
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", ["int4r", "q4_0"])
+@pytest.mark.parametrize("quant", ROW_QUANTS)
 @pytest.mark.parametrize("T", [10, 150])
 def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(quant, T):
     """The grouped-GEMM prompt path (int4 rows, q4_0; kernels/triton/grouped.py), as the GPU provider's
@@ -274,8 +278,8 @@ def test_host_reads_give_the_pool_bits(quant, mma):
 
     if quant in ROW_QUANTS and mma:
         pytest.skip("the row layouts run on CUDA cores only")
-    if quant == "int4r" and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
-        pytest.skip("int4 rows: on the CPU q4_0's case and test_cpu_device_misses cover them")
+    if quant in CPU_ROWS_SKIP and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
+        pytest.skip("on the CPU q4_0's case and test_cpu_device_misses cover the row layouts")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 128, 64, 3
     gen = torch.Generator().manual_seed(40 + mma)
@@ -314,8 +318,8 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
 
     if quant in ROW_QUANTS and mma:
         pytest.skip("the row layouts run on CUDA cores only")
-    if quant == "int4r" and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
-        pytest.skip("int4 rows: on the CPU q4_0's case and the provider's test cover them")
+    if quant in CPU_ROWS_SKIP and not CUDA:  # CI time: q4_0 runs the row layout's kernels here
+        pytest.skip("on the CPU q4_0's case and the provider's test cover the row layouts")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 6, 64, 64, 3
     gen = torch.Generator().manual_seed(50 + mma)
@@ -476,7 +480,7 @@ PREFILL_TILES = [
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("tiles", PREFILL_TILES)
-@pytest.mark.parametrize("quant", ["int8", "int4r", "q4_0"])
+@pytest.mark.parametrize("quant", ["int8", *ROW_QUANTS])
 def test_prefill_tiles_cuda(quant, tiles):
     """The tile candidates bench_gpu_prefill.py times, at Qwen3-30B-A3B's D and I."""
     from moestream.kernels.triton.prefill import PrefillConfig, moe_prefill

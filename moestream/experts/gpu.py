@@ -29,8 +29,8 @@ route (on the GPU) -> make resident -> compute (Triton, `kernels/triton`) -> com
 - int4 records enter the pool (and the mirror) repacked into the kernels' row layout
   (kernels/triton/layout.py: `rows_sections`; the same numbers, moved): the decode kernels then
   run int8's CUDA-core structure on half the bytes instead of the store's k-major 64-row blocks.
-  q4_0 records (a GGUF's Q4_0 experts) already hold those row bytes (an fp16 scale a 32-block, no
-  zero) and enter as they are.
+  q4_0 / q4_1 records (a GGUF's Q4_0 / Q4_1 experts) already hold those row bytes (an fp16 d a
+  32-block; q4_0 no zero, q4_1 an fp16 m) and enter as they are.
 - `device="cpu"` with `kernel="ref"` runs the same bookkeeping without CUDA (tests, CI); with
   `kernel="triton"` the interpreter runs the device-side misses on CPU tensors.
 """
@@ -91,7 +91,7 @@ def check_scheme(store: Store) -> None:
     if name not in SCHEMES:
         raise ConfigError(
             f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; the GPU "
-            "reads bf16, int8, int4 and q4_0); run it on the CPU, or convert the model with "
+            "reads bf16, int8, int4, q4_0 and q4_1); run it on the CPU, or convert the model with "
             "--quant int4 (or int8) for the GPU"
         )
 

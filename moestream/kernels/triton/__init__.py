@@ -8,7 +8,7 @@
   int4). Variants measured slower (one persistent launch per layer, ...) are benchmark code:
   benchmarks/ablations/triton_decode.py.
 - `prefill.py`: tokens grouped by expert on the device, tl.dot per block of BLOCK_M rows.
-- `grouped.py`: a prompt on int4 rows or q4_0 (bf16, sm_90): the routed experts dequantized to bf16, then
+- `grouped.py`: a prompt on int4 rows, q4_0 or q4_1 (bf16, sm_90): the routed experts dequantized to bf16, then
   torch's grouped GEMM (CUTLASS); the default for prompts (`prefill="grouped"`), 1.07-1.86x
   faster per layer than prefill.py at 16-2048 tokens on the H200.
 `moe_experts` picks the path (`prompt_path`); shapes the kernels do not take fall back to the
@@ -25,9 +25,9 @@ import torch
 from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
-# the expert schemes the GPU kernels read (q4_0: GGUF's Q4_0 blocks as stored; q4_1, q5_0, q8_0,
-# the K-quants: CPU only)
-SCHEMES = ("bf16", "int8", "int4", "q4_0")
+# the expert schemes the GPU kernels read (q4_0 / q4_1: GGUF's Q4_0 / Q4_1 blocks as stored;
+# q5_0, q8_0, the K-quants: CPU only)
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1")
 PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
 _KEPT: dict = {}
 
@@ -81,7 +81,7 @@ def prompt_kernels(asked: str, quant: str, capability: tuple[int, int] | None, f
         return "triton", None
     if quant not in ROW_QUANTS:
         return "triton", ("the grouped GEMMs read int4 experts in groups of a multiple of 32, or "
-                          "q4_0 ones")  # fmt: skip
+                          "q4_0 / q4_1 ones")  # fmt: skip
     if capability is not None and arch_unsupported(capability):
         return "triton", arch_unsupported(capability)
     if free is not None and free < scratch + SCRATCH_MARGIN:

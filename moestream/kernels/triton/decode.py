@@ -37,12 +37,13 @@ import triton.language as tl
 from moestream.kernels.triton import kept, tuned
 from moestream.kernels.triton.layout import StackedExperts, kernel_sections
 
-# int4r: int4 rows (layout.py); q4_0: GGUF's Q4_0 as the store keeps it, int4r's byte layout with
-# an fp16 scale a row block and no zero
-QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4}
-ROW_QUANTS = ("int4r", "q4_0")  # 16 bytes a row's 32 inputs (input i low nibble, i + 16 high)
+# int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
+# byte layout with an fp16 d a 32-block (q4_0: no zero; q4_1: an fp16 m, w = d q + m)
+QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4, "q4_1": 5}
+# 16 bytes a row's 32 inputs (input i low nibble, i + 16 high)
+ROW_QUANTS = ("int4r", "q4_0", "q4_1")
 # the section the kernels read through s_ptr (bf16: none, q again)
-SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d"}
+SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d", "q4_1": "dm"}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 # Programs a block of a misses-only launch (pick mode 2; _picked): not yet timed on a GPU.
 PICK_LANES = 2
@@ -244,25 +245,29 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
     elif QUANT >= 3:  # s (q - 8) + z summed per 32-block as s * dot + z * sum(x) (q4_0: z = 0)
         NB: tl.constexpr = BK // 32
         r = n0 + tl.arange(0, BN)[:, None]
+        kb = k0 // 32 + tl.arange(0, NB)[None, :]
         if QUANT == 3:
             kg = (k0 + tl.arange(0, NB)[None, :] * 32) // G
             v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + kg)  # (scale, zero) [BN, NB]
             sc = (v << 16).to(tl.float32, bitcast=True)
             zp = (v & -65536).to(tl.float32, bitcast=True)
-        else:  # q4_0: fp16 d [N, K/32] per expert
-            kb = k0 // 32 + tl.arange(0, NB)[None, :]
+        elif QUANT == 4:  # q4_0: fp16 d [N, K/32] per expert
             sc = tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + kb).to(tl.float32)
+        else:  # q4_1: fp16 (d, m) [N, K/32, 2]; d q + m = d (q - 8) + (m + 8 d)
+            dm = s_ptr + (e * (N * (K // 32)) + r * (K // 32) + kb) * 2
+            sc = tl.load(dm).to(tl.float32)
+            zp = tl.load(dm + 1).to(tl.float32) + sc * 8.0
         lo, hi = _u4_f32(w, FAST, HALF)  # q - 8, or HALF f = 0.5 + q / 256: [BN, NB, 16]
         if HALF:  # sum (q - 8) x = 256 sum f x - 136 sum x: the offset into the zero term
-            if QUANT == 3:
-                sc, zp = sc * 256.0, zp - sc * 136.0
-            else:
+            if QUANT == 4:
                 sc, zp = sc * 256.0, sc * -136.0
+            else:
+                sc, zp = sc * 256.0, zp - sc * 136.0
         if CHAIN:
             dot = _chain(tl.zeros([BN, NB], tl.float32), lo, xv, hi, xh, BN, NB, 16)
         else:
             dot = tl.sum(lo * xv + hi * xh, 2)
-        if QUANT == 3 or HALF:
+        if QUANT != 4 or HALF:
             p = dot * sc + tl.sum(xv + xh, 2) * zp
         else:  # q4_0's q - 8: no zero term
             p = dot * sc

@@ -1,5 +1,5 @@
-"""int4 rows (the GPU's row-major repack, quant.int4_to_rows; or q4_0, the same row bytes with
-an fp16 d a 32-block) dequantized into the activation dtype by one launch: the weights a prompt's
+"""int4 rows (the GPU's row-major repack, quant.int4_to_rows; or q4_0 / q4_1, the same row bytes
+with an fp16 d a 32-block and q4_1's m) dequantized into the activation dtype by one launch: the weights a prompt's
 F.linear multiplies (QuantLinear with kernel "triton" above the GEMV's 8 tokens), a prompt's
 routed experts for the grouped GEMMs (grouped.py) and the grouped-GEMM prefill ablation
 (benchmarks/ablations/prefill_grouped.py). Spec: kernels/ref.py's dequantize, `(v - 8) * s + z`
@@ -41,12 +41,13 @@ def _round(v, DT: tl.constexpr):
 @triton.jit
 def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DT: tl.constexpr, SRC: tl.constexpr, Q40: tl.constexpr):  # fmt: skip
+                         DT: tl.constexpr, SRC: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
     """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1. A row's
     16 bytes per 32 inputs hold input i in the low nibble and i + 16 in the high one; the word of
-    (row, group) holds its bf16 scale (low half) and zero (high half); Q40: w_ptr is q4_0's fp16
-    d per 32 inputs, no zero. SRC: out[d] is matrix src[d], and nothing is read or written where
-    src[d] < 0 (the loads are masked off)."""
+    (row, group) holds its bf16 scale (low half) and zero (high half) (FMT 0); FMT 1: w_ptr is
+    q4_0's fp16 d per 32 inputs, no zero; FMT 2: q4_1's fp16 (d, m) per 32 inputs. SRC: out[d]
+    is matrix src[d], and nothing is read or written where src[d] < 0 (the loads are masked
+    off)."""
     d = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     k0 = tl.program_id(2) * BK
@@ -62,12 +63,18 @@ def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.
     b = tl.load(q_ptr + e * (N * K // 2) + r * (K // 2) + k0 // 2 + c * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
     g = (k0 + c * 32) // G  # both nibbles of a chunk are in one group (G % 32 == 0)
-    w = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0)
-    if Q40:  # (v - 8) * d: exact in fp32 (4 x 11 significant bits)
-        s = w.to(tl.float32)
+    if FMT == 1:  # (v - 8) * d: exact in fp32 (4 x 11 significant bits)
+        s = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0).to(tl.float32)
         lo = ((b & 15) - 8).to(tl.float32) * s
         hi = ((b >> 4) - 8).to(tl.float32) * s
+    elif FMT == 2:  # v * d + m: the product exact, one rounding in the add (the spec's)
+        dm = w_ptr + (e * (N * (K // G)) + r * (K // G) + g) * 2
+        s = tl.load(dm, mask=m, other=0).to(tl.float32)
+        z = tl.load(dm + 1, mask=m, other=0).to(tl.float32)
+        lo = (b & 15).to(tl.float32) * s + z
+        hi = (b >> 4).to(tl.float32) * s + z
     else:
+        w = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0)
         s = (w << 16).to(tl.float32, bitcast=True)
         z = (w & -65536).to(tl.float32, bitcast=True)
         # (v - 8) * s is exact in fp32 (4 x 8 significant bits): a fused add rounds as the spec's
@@ -78,11 +85,15 @@ def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.
     tl.store(at + 16, _round(hi, DT), mask=m)
 
 
+DEQUANT_ROWS = {"int4r": 0, "q4_0": 1, "q4_1": 2}  # the row layouts dequant_int4_rows reads (FMT)
+
+
 def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype: torch.dtype,
                       out: torch.Tensor | None = None, bn: int = 16, bk: int = 256,
-                      src: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+                      src: torch.Tensor | None = None, fmt: str = "int4r") -> torch.Tensor:  # fmt: skip
     """rows [..., N, K/2] uint8 and words [..., N, K/G] int32 (one weight, or [E] stacked) ->
-    [..., N, K] in dtype; words fp16 [..., N, K/32]: q4_0's d (the same row bytes, no zero).
+    [..., N, K] in dtype; `fmt` "q4_0": words are its fp16 d [..., N, K/32] (no zero), "q4_1":
+    its fp16 (d, m) [..., N, K/32, 2] (the same row bytes).
     `src` [C] int (stacked weights): out [C, N, K], out[c] is matrix src[c], and out[c] is left
     as it was (nothing read) where src[c] < 0, so a prompt dequantizes only the experts it
     routes to. Runs on the current stream, syncs nothing."""
@@ -90,18 +101,22 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     N, K = rows.shape[-2], 2 * rows.shape[-1]
     bk = math.gcd(K, bk)
     assert group % 32 == 0 and bk % group == 0, f"K={K}, BK={bk}: multiples of G={group} (of 32)"
-    assert words.shape == (*lead, N, K // group) and rows.is_contiguous() and words.is_contiguous()
+    code = DEQUANT_ROWS[fmt]
+    pair = (2,) if fmt == "q4_1" else ()  # q4_1's (d, m)
+    assert words.shape == (*lead, N, K // group, *pair), f"{fmt} words {tuple(words.shape)}"
+    assert rows.is_contiguous() and words.is_contiguous()
+    assert words.dtype == (torch.int32 if fmt == "int4r" else torch.float16) and (
+        fmt == "int4r" or group == 32
+    ), f"{fmt}: {words.dtype} words, G={group}"
     shape = (*lead, N, K) if src is None else (src.numel(), N, K)
     assert src is None or (len(lead) == 1 and src.dim() == 1), "src [C] names stacked weights"
     if out is None:
         out = torch.empty(shape, device=rows.device, dtype=dtype)
     assert out.shape == shape and out.dtype == dtype and out.is_contiguous()
     grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), K // bk)
-    q40 = words.dtype == torch.float16
-    assert q40 and group == 32 or words.dtype == torch.int32, f"{words.dtype} words, G={group}"
     _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
                                G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
-                               SRC=src is not None, Q40=q40, num_warps=4)  # fmt: skip
+                               SRC=src is not None, FMT=code, num_warps=4)  # fmt: skip
     return out
 
 

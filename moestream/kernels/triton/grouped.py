@@ -1,4 +1,4 @@
-"""A prompt's routed experts on tensor cores through the vendor's grouped GEMM (int4 rows, q4_0).
+"""A prompt's routed experts on tensor cores through the vendor's grouped GEMM (the row layouts).
 
 The routed experts of a layer are dequantized to bf16 (kernels/triton/dequant.py, only the
 experts the prompt routes to, into one group each in ascending expert order), then the pairs,
@@ -35,7 +35,7 @@ from moestream.kernels.triton.layout import NAMES, StackedExperts
 def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
     """Why this layer's prompt cannot take the grouped-GEMM path (None when it can)."""
     if experts.kernel_quant not in ROW_QUANTS:
-        return "the grouped-GEMM prefill reads int4 rows (the GPU pool's int4 layout) or q4_0"
+        return "the grouped-GEMM prefill reads int4 rows (the GPU pool's int4 layout), q4_0 or q4_1"
     if x.is_cuda:
         if x.dtype != torch.bfloat16:
             return "torch._grouped_mm takes bf16 activations on CUDA"
@@ -94,9 +94,12 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     groups = min(experts.routed or experts.num_experts, flat.numel())
     src, offs = routed_groups(flat, experts.num_experts, groups)
     secs, g = experts.sections, experts.scheme.group_size
-    scale = SCALE_SECTION[experts.kernel_quant]  # int4 rows' (scale, zero) words, or q4_0's d
+    scale = SCALE_SECTION[experts.kernel_quant]  # int4 rows' (scale, zero) words, q4_0's d, ...
     w13, w2 = (
-        dequant_int4_rows(secs[f"{n}.q"], secs[f"{n}.{scale}"], g, x.dtype, src=src) for n in NAMES
+        dequant_int4_rows(
+            secs[f"{n}.q"], secs[f"{n}.{scale}"], g, x.dtype, src=src, fmt=experts.kernel_quant
+        )
+        for n in NAMES
     )
     rows = grouped_rows(x, flat, weights, ids.shape[1], w13, w2, offs)
     return combine_pairs(rows, ids.shape[1], x.dtype, out=out) if combine else rows

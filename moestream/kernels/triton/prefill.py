@@ -13,8 +13,8 @@ family for prompts up to some length, "short": `default_config` takes the call's
 - tokens on M (`_gate_up_grouped`, `_down_grouped`; block_n 0, and always for the store's int4
   layout): the weight tile is the dot's B operand, converted in its layout (each warp along M
   repeats the dequant).
-int4 rows (the GPU pool's layout) and q4_0 (the same bytes, an fp16 scale a 32-block and no zero)
-are read as each row's contiguous bytes and split by nibble:
+int4 rows (the GPU pool's layout), q4_0 and q4_1 (the same bytes, an fp16 d a 32-block, and
+q4_1's fp16 m) are read as each row's contiguous bytes and split by nibble:
 two dots per K step, over the inputs k % 32 < 16 and k % 32 >= 16 (sums in another order, the
 same products). A pair's row never meets another pair's row in a dot, so pair rows from chunks
 of pairs give the bits of one call (`moe_pairs`).
@@ -147,7 +147,7 @@ def _rows_wm(
     BK: tl.constexpr,
     DT: tl.constexpr,
 ):
-    """int4 rows (QUANT 3) or q4_0 (4): expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK),
+    """int4 rows (QUANT 3), q4_0 (4) or q4_1 (5): expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK),
     read as each row's contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and
     high nibbles' tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
     # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one (scale, zero) word, loaded once
@@ -164,11 +164,17 @@ def _rows_wm(
         zp = (v & -65536).to(tl.float32, bitcast=True)
         w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
         w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
-    else:  # q4_0: fp16 d [N, K/32], no zero
+    elif QUANT == 4:  # q4_0: fp16 d [N, K/32], no zero
         d = tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + k0 // 32 + blk, mask=m, other=0)
         d = d.to(tl.float32)
         w_lo = ((b & 15).to(tl.float32) - 8.0) * d
         w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * d
+    else:  # q4_1: fp16 (d, m) [N, K/32, 2], q d + m (the spec's: the product, then the add)
+        dm = s_ptr + (e * (N * (K // 32)) + r * (K // 32) + k0 // 32 + blk) * 2
+        d = tl.load(dm, mask=m, other=0).to(tl.float32)
+        mn = tl.load(dm + 1, mask=m, other=0).to(tl.float32)
+        w_lo = (b & 15).to(tl.float32) * d + mn
+        w_hi = ((b >> 4) & 15).to(tl.float32) * d + mn
     return tl.reshape(w_lo, [BN, BK // 2]).to(DT), tl.reshape(w_hi, [BN, BK // 2]).to(DT)
 
 
