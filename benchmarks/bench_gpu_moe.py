@@ -31,8 +31,8 @@ from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E4
 from common import bench_row, capture_graph, hardware, override, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
-from moestream.kernels.triton.decode import ROW_QUANTS, check_shapes  # noqa: E402
-from moestream.kernels.triton.layout import StackedExperts  # noqa: E402
+from moestream.kernels.triton.decode import check_shapes  # noqa: E402
+from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}

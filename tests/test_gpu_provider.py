@@ -148,6 +148,39 @@ def test_cpu_gpu_provider_matches_cpu_provider(stores):
     assert (got_logits - want_logits).abs().max() < 1e-3
 
 
+NO_TRITON = """
+import sys
+sys.modules["triton"] = None  # an install without the gpu extra
+import torch
+from moestream.engine.kv_cache import KVCache
+from moestream.experts.config import GpuConfig
+from moestream.loader import load_model
+rt = load_model(sys.argv[1], GpuConfig(resident=True, kernel="ref", device="cpu"))
+with torch.no_grad():
+    out = rt.model(torch.tensor([5, 17, 300, 42]), KVCache(rt.args, 8, torch.float32), 0)
+torch.save((rt.provider.prefill, out), sys.argv[2])
+"""
+
+
+def test_cpu_gpu_provider_runs_without_triton(stores, tmp_path):
+    """The GPU provider's bookkeeping with the reference kernel (GpuConfig(kernel="ref")) needs
+    no Triton: in a process where importing triton fails it loads and gives the logits it gives
+    with Triton installed (its start-up rules, `prompt_kernels` among them, import nothing of
+    the kernels)."""
+    import subprocess
+    import sys
+
+    store = stores("int8")
+    got = tmp_path / "got.pt"
+    subprocess.run([sys.executable, "-c", NO_TRITON, str(store), str(got)], check=True)
+    prefill, logits = torch.load(got)
+    rt = load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+    with torch.no_grad():
+        want = rt.model(torch.tensor([5, 17, 300, 42]), KVCache(rt.args, 8, torch.float32), 0)
+    assert prefill == rt.provider.prefill and torch.equal(logits, want)
+    rt.provider.close()
+
+
 def test_gpu_budget_below_top_k_is_refused(stores):
     from moestream.config import ConfigError
 

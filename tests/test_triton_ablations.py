@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_triton_kernels import CASES, CUDA, TOL, _check, _layer, _routing, needs_triton
 
-from moestream.kernels.triton.layout import moe_stacked_ref, quantize_stacked
+from moestream.kernels.triton.layout import ROW_QUANTS, moe_stacked_ref, quantize_stacked
 from moestream.quant import make_scheme
 
 QUANTS = ["bf16", "int8", "int4"]  # the ablations run the store layouts (not the pool's int4 rows)
@@ -43,7 +43,7 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     warps, so their sums reduce in another order), so a run must not mix the paths."""
     from ablations.triton_decode import MMA_CONFIGS, default, moe_decode
 
-    from moestream.kernels.triton.decode import ROW_QUANTS, fit_config
+    from moestream.kernels.triton.decode import fit_config
 
     if quant in ROW_QUANTS and mma:
         pytest.skip("the row layouts run on CUDA cores only")
@@ -84,7 +84,7 @@ def test_fused_decode_cuda(quant, case, T):
     call reuses the counters the first one reset (the row layouts with DecodeConfig.chain)."""
     from ablations.triton_decode import default, moe_decode
 
-    from moestream.kernels.triton.decode import ROW_QUANTS, fit_config
+    from moestream.kernels.triton.decode import fit_config
 
     (E, D, I, K), dtype = case
     cfg = replace(fit_config(quant, D, I, 32, default(quant, D, I)), fused=True)

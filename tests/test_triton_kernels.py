@@ -20,7 +20,12 @@ import pytest
 import torch
 
 from moestream.kernels.ref import dequantize
-from moestream.kernels.triton.layout import moe_stacked_ref, quantize_stacked, stack_records
+from moestream.kernels.triton.layout import (
+    ROW_QUANTS,  # CUDA cores only
+    moe_stacked_ref,
+    quantize_stacked,
+    stack_records,
+)
 from moestream.quant import RecordLayout, make_scheme, quantize_expert
 
 CUDA = torch.cuda.is_available()
@@ -35,7 +40,6 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (
 # int4r: int4 in the GPU pool's row layout; q4_0 / q4_1: GGUF's blocks as stored (the same row
 # bytes)
 QUANTS = ["bf16", "int8", "int4", "int4r", "q4_0", "q4_1"]
-ROW_QUANTS = ("int4r", "q4_0", "q4_1")  # CUDA cores only (decode.ROW_QUANTS)
 # CI time: on the CPU, q4_0 runs the row layouts' kernels in the calls' bookkeeping tests (pair
 # rows, picked calls, host reads); the others' scale and zero are checked by the spec tests
 CPU_ROWS_SKIP = ("int4r", "q4_1")

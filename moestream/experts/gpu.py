@@ -215,9 +215,8 @@ class GpuExperts(ExpertProvider):
             # what torch's cache holds unused is free for the scratch too
             free += torch.cuda.memory_reserved(dev) - torch.cuda.memory_allocated(dev)
         cap = torch.cuda.get_device_capability(self.device) if self.cuda else None
-        quant = "int4r" if self.rows else self.store.scheme.name  # StackedExperts.kernel_quant
         self.prefill, self.prefill_why = prompt_kernels(
-            self.cfg.prefill, quant, cap, free, self.prefill_scratch
+            self.cfg.prefill, self.pool.kernel_quant, cap, free, self.prefill_scratch
         )
         if self.cfg.kernel == "triton":
             self.kernel = functools.partial(self.kernel, prefill=self.prefill)

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.triton.layout import StackedExperts, moe_stacked_ref
+from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
 # the expert schemes the GPU kernels read (q4_0 / q4_1: GGUF's Q4_0 / Q4_1 blocks as stored;
@@ -75,8 +75,6 @@ def prompt_kernels(asked: str, quant: str, capability: tuple[int, int] | None, f
     was asked for and cannot run). quant: the pool's kernel layout (StackedExperts.kernel_quant);
     capability None: not CUDA (the interpreter's tests); free: VRAM free for the scratch (None:
     not measured)."""
-    from moestream.kernels.triton.decode import ROW_QUANTS
-
     if asked == "triton":
         return "triton", None
     if quant not in ROW_QUANTS:

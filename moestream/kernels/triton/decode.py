@@ -35,13 +35,11 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept, tuned
-from moestream.kernels.triton.layout import StackedExperts, kernel_sections
+from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts, kernel_sections
 
 # int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
 # byte layout with an fp16 d a 32-block (q4_0: no zero; q4_1: an fp16 m, w = d q + m)
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4, "q4_1": 5}
-# 16 bytes a row's 32 inputs (input i low nibble, i + 16 high)
-ROW_QUANTS = ("int4r", "q4_0", "q4_1")
 # the section the kernels read through s_ptr (bf16: none, q again)
 SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d", "q4_1": "dm"}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)

@@ -27,9 +27,9 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import arch_unsupported
-from moestream.kernels.triton.decode import ROW_QUANTS, SCALE_SECTION, combine_pairs
+from moestream.kernels.triton.decode import SCALE_SECTION, combine_pairs
 from moestream.kernels.triton.dequant import dequant_int4_rows
-from moestream.kernels.triton.layout import NAMES, StackedExperts
+from moestream.kernels.triton.layout import NAMES, ROW_QUANTS, StackedExperts
 
 
 def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:

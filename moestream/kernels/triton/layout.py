@@ -33,6 +33,9 @@ from moestream.quant import (
 )
 
 NAMES = ("w13", "w2")
+# the row layouts (`StackedExperts.kernel_quant`): 16 bytes a row's 32 inputs (input i low nibble,
+# i + 16 high): int4 rows, and a GGUF's q4_0 / q4_1 blocks as stored
+ROW_QUANTS = ("int4r", "q4_0", "q4_1")
 
 
 @dataclass(frozen=True, slots=True)
