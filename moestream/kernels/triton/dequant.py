@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton.decode import QUANT_CODE
+from moestream.kernels.triton.layout import ROW_QUANTS
 from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, QK_K
 
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -39,15 +41,34 @@ def _round(v, DT: tl.constexpr):
 
 
 @triton.jit
+def row_weights(b, w_ptr, at, m, QUANT: tl.constexpr):
+    """A row layout's bytes b (int32; input i of a 32-block in the low nibble, i + 16 in the high)
+    -> the (low, high) nibbles' weights in fp32, with their group's scales at index `at` of w_ptr
+    (masked by m). QUANT (decode.QUANT_CODE): 3 int4 rows, the bf16 (scale, zero) word:
+    (v - 8) s + z; 4 q4_0, fp16 d: (v - 8) d; 5 q4_1, fp16 (d, m) pairs: v d + m. Each product is
+    exact in fp32, so a fused add rounds once, as the spec's (ref.dequantize): its bits."""
+    v_lo, v_hi = (b & 15).to(tl.float32), ((b >> 4) & 15).to(tl.float32)
+    if QUANT == 4:
+        d = tl.load(w_ptr + at, mask=m, other=0).to(tl.float32)
+        return (v_lo - 8.0) * d, (v_hi - 8.0) * d
+    elif QUANT == 5:
+        d = tl.load(w_ptr + 2 * at, mask=m, other=0).to(tl.float32)
+        mn = tl.load(w_ptr + 2 * at + 1, mask=m, other=0).to(tl.float32)
+        return v_lo * d + mn, v_hi * d + mn
+    else:
+        w = tl.load(w_ptr + at, mask=m, other=0)
+        s = (w << 16).to(tl.float32, bitcast=True)
+        z = (w & -65536).to(tl.float32, bitcast=True)
+        return (v_lo - 8.0) * s + z, (v_hi - 8.0) * s + z
+
+
+@triton.jit
 def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
                          G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         DT: tl.constexpr, SRC: tl.constexpr, FMT: tl.constexpr):  # fmt: skip
-    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1. A row's
-    16 bytes per 32 inputs hold input i in the low nibble and i + 16 in the high one; the word of
-    (row, group) holds its bf16 scale (low half) and zero (high half) (FMT 0); FMT 1: w_ptr is
-    q4_0's fp16 d per 32 inputs, no zero; FMT 2: q4_1's fp16 (d, m) per 32 inputs. SRC: out[d]
-    is matrix src[d], and nothing is read or written where src[d] < 0 (the loads are masked
-    off)."""
+                         DT: tl.constexpr, SRC: tl.constexpr, QUANT: tl.constexpr):  # fmt: skip
+    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1 of a row
+    layout (QUANT: row_weights'). SRC: out[d] is matrix src[d], and nothing is read or written
+    where src[d] < 0 (the loads are masked off)."""
     d = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BN
     k0 = tl.program_id(2) * BK
@@ -63,29 +84,10 @@ def _dequant_rows_kernel(q_ptr, w_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.
     b = tl.load(q_ptr + e * (N * K // 2) + r * (K // 2) + k0 // 2 + c * 16 + j, mask=m, other=0)
     b = b.to(tl.int32)
     g = (k0 + c * 32) // G  # both nibbles of a chunk are in one group (G % 32 == 0)
-    if FMT == 1:  # (v - 8) * d: exact in fp32 (4 x 11 significant bits)
-        s = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0).to(tl.float32)
-        lo = ((b & 15) - 8).to(tl.float32) * s
-        hi = ((b >> 4) - 8).to(tl.float32) * s
-    elif FMT == 2:  # v * d + m: the product exact, one rounding in the add (the spec's)
-        dm = w_ptr + (e * (N * (K // G)) + r * (K // G) + g) * 2
-        s = tl.load(dm, mask=m, other=0).to(tl.float32)
-        z = tl.load(dm + 1, mask=m, other=0).to(tl.float32)
-        lo = (b & 15).to(tl.float32) * s + z
-        hi = (b >> 4).to(tl.float32) * s + z
-    else:
-        w = tl.load(w_ptr + e * (N * (K // G)) + r * (K // G) + g, mask=m, other=0)
-        s = (w << 16).to(tl.float32, bitcast=True)
-        z = (w & -65536).to(tl.float32, bitcast=True)
-        # (v - 8) * s is exact in fp32 (4 x 8 significant bits): a fused add rounds as the spec's
-        lo = ((b & 15) - 8).to(tl.float32) * s + z
-        hi = ((b >> 4) - 8).to(tl.float32) * s + z
+    lo, hi = row_weights(b, w_ptr, e * (N * (K // G)) + r * (K // G) + g, m, QUANT)
     at = out_ptr + d * (N * K) + r * K + k0 + c * 32 + j
     tl.store(at, _round(lo, DT), mask=m)
     tl.store(at + 16, _round(hi, DT), mask=m)
-
-
-DEQUANT_ROWS = {"int4r": 0, "q4_0": 1, "q4_1": 2}  # the row layouts dequant_int4_rows reads (FMT)
 
 
 def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype: torch.dtype,
@@ -101,7 +103,7 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     N, K = rows.shape[-2], 2 * rows.shape[-1]
     bk = math.gcd(K, bk)
     assert group % 32 == 0 and bk % group == 0, f"K={K}, BK={bk}: multiples of G={group} (of 32)"
-    code = DEQUANT_ROWS[fmt]
+    assert fmt in ROW_QUANTS, fmt
     pair = (2,) if fmt == "q4_1" else ()  # q4_1's (d, m)
     assert words.shape == (*lead, N, K // group, *pair), f"{fmt} words {tuple(words.shape)}"
     assert rows.is_contiguous() and words.is_contiguous()
@@ -116,7 +118,7 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), K // bk)
     _dequant_rows_kernel[grid](rows, words, out, src if src is not None else rows, N=N, K=K,
                                G=group, BN=bn, BK=bk, DT=DTYPES[dtype],
-                               SRC=src is not None, FMT=code, num_warps=4)  # fmt: skip
+                               SRC=src is not None, QUANT=QUANT_CODE[fmt], num_warps=4)  # fmt: skip
     return out
 
 

@@ -37,6 +37,7 @@ from moestream.kernels.triton.decode import (
     SCALE_SECTION,
     combine_pairs,
 )
+from moestream.kernels.triton.dequant import row_weights
 from moestream.kernels.triton.layout import kernel_sections
 
 
@@ -150,31 +151,14 @@ def _rows_wm(
     """int4 rows (QUANT 3), q4_0 (4) or q4_1 (5): expert e's rows [r0, r0 + BN), inputs [k0, k0 + BK),
     read as each row's contiguous BK / 2 bytes (coalesced) and dequantized; returns the low and
     high nibbles' tiles [BN, BK / 2] each (the inputs of _split_cols), rows first."""
-    # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one (scale, zero) word, loaded once
+    # [BN, BK / 32, 16]: 16 bytes (32 inputs) of a row share one group's scales, loaded once
     r = r0 + tl.arange(0, BN)[:, None, None]
     blk = tl.arange(0, BK // 32)[None, :, None]
     j = tl.arange(0, 16)[None, None, :]
     m = r < n_end
     b = tl.load(q_ptr + e * (N * (K // 2)) + r * (K // 2) + k0 // 2 + blk * 16 + j, mask=m, other=0)
-    b = b.to(tl.int32)
-    if QUANT == 3:  # (scale, zero) bf16 words [N, K/G]
-        v = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G, mask=m,
-                    other=0)  # fmt: skip
-        sc = (v << 16).to(tl.float32, bitcast=True)  # [BN, BK / 32, 1]
-        zp = (v & -65536).to(tl.float32, bitcast=True)
-        w_lo = ((b & 15).to(tl.float32) - 8.0) * sc + zp
-        w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * sc + zp
-    elif QUANT == 4:  # q4_0: fp16 d [N, K/32], no zero
-        d = tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + k0 // 32 + blk, mask=m, other=0)
-        d = d.to(tl.float32)
-        w_lo = ((b & 15).to(tl.float32) - 8.0) * d
-        w_hi = (((b >> 4) & 15).to(tl.float32) - 8.0) * d
-    else:  # q4_1: fp16 (d, m) [N, K/32, 2], q d + m (the spec's: the product, then the add)
-        dm = s_ptr + (e * (N * (K // 32)) + r * (K // 32) + k0 // 32 + blk) * 2
-        d = tl.load(dm, mask=m, other=0).to(tl.float32)
-        mn = tl.load(dm + 1, mask=m, other=0).to(tl.float32)
-        w_lo = (b & 15).to(tl.float32) * d + mn
-        w_hi = ((b >> 4) & 15).to(tl.float32) * d + mn
+    at = e * (N * (K // G)) + r * (K // G) + (k0 + blk * 32) // G  # [BN, BK / 32, 1]: the group
+    w_lo, w_hi = row_weights(b.to(tl.int32), s_ptr, at, m, QUANT)
     return tl.reshape(w_lo, [BN, BK // 2]).to(DT), tl.reshape(w_hi, [BN, BK // 2]).to(DT)
 
 
