@@ -27,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from moestream.kernels.triton import decode as dk
+from moestream.kernels.triton.layout import KQUANTS
 from moestream.quant import make_scheme, tensor_sections
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -35,9 +36,9 @@ from common import bench_row, override, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8", "int4r": "*u8", "q4_0": "*u8",
-          "q4_1": "*u8"}  # fmt: skip
+          "q4_1": "*u8", **dict.fromkeys(KQUANTS, "*u8")}  # fmt: skip
 S_TYPE = {"bf16": "*bf16", "int8": "*fp32", "int4": "*i32", "int4r": "*i32", "q4_0": "*fp16",
-          "q4_1": "*fp16"}  # fmt: skip
+          "q4_1": "*fp16", **dict.fromkeys(KQUANTS, "*u8")}  # fmt: skip
 DEVICE = "NVIDIA H200"  # the sm_90 GPU whose tuned tiles are compiled
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 
@@ -71,13 +72,28 @@ def opcodes(compiled, tmp: Path) -> collections.Counter:
     return ops
 
 
+def group(quant: str) -> int:
+    """The group the kernels take: 32, or a K-quant's 256-input super-block."""
+    return 256 if quant.split("+")[0] in KQUANTS else 32
+
+
 def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
-    two launches."""
+    two launches. quant "q4_k+q6_k": a K-quant layer whose w2 has its own scheme (Q4_K_M's)."""
+    quant, down = (quant.split("+") * 2)[:2]
     qt, st = Q_TYPE[quant], S_TYPE[quant]
     common = dict(
-        D=D, I=I, QUANT=dk.QUANT_CODE[quant], G=32, TOPK=8, FAST=True, PDL=True, HOST=False
+        D=D,
+        I=I,
+        QUANT=dk.QUANT_CODE[quant],
+        G=group(quant),
+        TOPK=8,
+        FAST=True,
+        PDL=True,
+        HOST=False,
     )
+    # the down launch's own step and nibble conversion (Launch.down_own)
+    own = {"QUANT": dk.QUANT_CODE[down], "HALF": cfg.half and down in dk.HALF_QUANTS}
     rows = 64 if quant == "int4" else cfg.bn
     rows_d = 64 if quant == "int4" else cfg.bn_d
     gu = dict(x_ptr="*bf16", ids_ptr="*i64", q_ptr=qt, s_ptr=st, hq_ptr=qt, hs_ptr=st, part_ptr="*fp32",
@@ -123,8 +139,8 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
         yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_kernel, dn,
-               {**common, **tiles_d, "ELEM": cfg.elem, "HALF": cfg.half, "CHAIN": cfg.chain},
-               cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
+               {**common, **tiles_d, "ELEM": cfg.elem, "HALF": cfg.half, "CHAIN": cfg.chain,
+                **own}, cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 
 def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]:
@@ -185,7 +201,7 @@ def main() -> None:
     D, I = MODELS[args.model]
     rows = []
     for quant in args.quant:
-        cfgs = [ab.default(quant, D, I, DEVICE)]
+        cfgs = [ab.default(quant.split("+")[0], D, I, DEVICE)]
         if args.config:
             cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":
@@ -193,7 +209,7 @@ def main() -> None:
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
             cfgs.append(other)
         for cfg in cfgs:
-            cfg = dk.fit_config(quant, D, I, 32, cfg)
+            cfg = dk.fit_config(quant.split("+")[0], D, I, group(quant), cfg)
             if args.stages is not None and cfg.mma:
                 cfg = replace(cfg, stages=args.stages)
             rows += report(args.model, quant, cfg, Path(args.tmp), bool(args.config))

@@ -21,7 +21,9 @@ import torch
 
 from moestream.kernels.ref import dequantize
 from moestream.kernels.triton.layout import (
+    KQUANTS,
     ROW_QUANTS,  # CUDA cores only
+    StackedExperts,
     moe_stacked_ref,
     quantize_stacked,
     stack_records,
@@ -44,9 +46,31 @@ QUANTS = ["bf16", "int8", "int4", "int4r", "q4_0", "q4_1"]
 # rows, picked calls, host reads); the others' scale and zero are checked by the spec tests
 CPU_ROWS_SKIP = ("int4r", "q4_1")
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+# a GGUF's K-quant layers as stored, "w13's+w2's" scheme where they differ (Q4_K_M: q6_k down
+# below q4_k gate/up on some layers; Q4_K_S: q5_k on some)
+KQUANT_LAYERS = [*KQUANTS, "q4_k+q6_k", "q4_k+q5_k"]
+
+
+def _kquant_layer(quant, E, D, I, device, seed):
+    """Random K-quant super-blocks (any valid block; q4_k / q5_k centred like a model's weights)."""
+    from gguf_models import kquant_blocks
+
+    q13, q2 = (quant.split("+") * 2)[:2]
+
+    def blocks(kind, n, k, s):
+        q6 = kind == "q6_k"  # (its scales are int8, up to 127)
+        b = kquant_blocks(kind, E * n, k, s, scale=0.0005 if q6 else 0.002, centred=not q6)
+        return torch.from_numpy(b).view(E, n, k // 256, -1).to(device)
+
+    secs = {"w13.q": blocks(q13, 2 * I, D, seed), "w2.q": blocks(q2, D, I, seed + 1)}
+    return StackedExperts(make_scheme(q13), secs, down=None if q2 == q13 else make_scheme(q2))
 
 
 def _layer(quant, E, D, I, device, gen):
+    if quant.split("+")[0] in KQUANTS:
+        return _kquant_layer(
+            quant, E, D, I, device, int(torch.randint(1 << 30, (1,), generator=gen))
+        )
     w13 = torch.randn(E, 2 * I, D, generator=gen).to(device) / D**0.5
     w2 = torch.randn(E, D, I, generator=gen).to(device) / I**0.5
     if quant == "int4r":
@@ -168,6 +192,28 @@ def test_decode_interpreter(quant):
                            bn_d=64 if quant == "int4" else 16, bk_d=32, mma=True,
                            stages=stages)  # fmt: skip
         _check(moe_decode, quant, 4, 128, 64, 2, 2, torch.float32, "cpu", seed=5, cfg=cfg)
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
+@pytest.mark.parametrize("quant", KQUANT_LAYERS)
+def test_decode_kquant_interpreter(quant):
+    """A GGUF's K-quant super-blocks as stored, against the float64 spec (the blocks dequantized
+    as llama.cpp does): one D split and two, q4_k's nibbles with and without half, a mixed
+    layer's down launch in its own step."""
+    from moestream.kernels.triton.decode import DecodeConfig, check_shapes, moe_decode
+
+    q13 = quant.split("+")[0]
+    cfg = DecodeConfig(bn=32, bk=256, bn_d=32, bk_d=256)
+    _check(moe_decode, quant, 3, 256, 256, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+    if q13 == "q4_k":  # (CI time: the other cases' steps take no split or half)
+        cfg = replace(cfg, split=2, half=True)
+        _check(moe_decode, quant, 3, 512, 256, 2, 2, torch.float32, "cpu", seed=3, cfg=cfg)
+    some = DecodeConfig(bk=256, bk_d=256)
+    assert "CUDA-core" in check_shapes(q13, 512, 256, 256, replace(some, mma=True))
+    assert "D=512" in check_shapes(q13, 512, 256, 256, replace(some, bk=128))  # super-blocks
+    if q13 != "q4_k":
+        assert "half" in check_shapes(q13, 512, 256, 256, replace(some, half=True))
 
 
 @needs_triton
@@ -398,6 +444,23 @@ def test_decode_cuda(quant, case, T):
     (E, D, I, K), dtype = case
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", KQUANT_LAYERS)
+@pytest.mark.parametrize("case", [c for c in CASES if c[0][2] % 256 == 0])  # super-blocks
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_decode_kquant_cuda(quant, case, T):
+    """A GGUF's K-quant layers as stored (mixed: w2's own step in the down launch) through the
+    default tiles and, for q4_k's nibbles, the other half setting, against the float64 spec."""
+    from moestream.kernels.triton.decode import default_config, moe_decode
+
+    (E, D, I, K), dtype = case
+    q13 = quant.split("+")[0]
+    tiles = default_config(q13, D, I, 256, "NVIDIA H200")
+    for cfg in (tiles, replace(tiles, half=not tiles.half)) if q13 == "q4_k" else (tiles,):
+        for seed in range(2):
+            _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 
 
 @pytest.mark.cuda

@@ -35,13 +35,19 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept, tuned
-from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts, kernel_sections
+from moestream.kernels.triton.kquant import f16_at, q6_value, scale_min
+from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts, kernel_sections
 
 # int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
-# byte layout with an fp16 d a 32-block (q4_0: no zero; q4_1: an fp16 m, w = d q + m)
-QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4, "q4_1": 5}
-# the section the kernels read through s_ptr (bf16: none, q again)
-SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d", "q4_1": "dm"}
+# byte layout with an fp16 d a 32-block (q4_0: no zero; q4_1: an fp16 m, w = d q + m); q4_k,
+# q5_k, q6_k: GGUF's K-quant super-blocks as stored (kquant.py)
+QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6,
+              "q5_k": 7, "q6_k": 8}  # fmt: skip
+# the section the kernels read through s_ptr (bf16 and the K-quants: none, q again)
+SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d", "q4_1": "dm",
+                 **dict.fromkeys(KQUANTS, "q")}  # fmt: skip
+# the layouts whose step converts 4-bit nibbles (_u4_f32), which DecodeConfig.half changes
+HALF_QUANTS = (*ROW_QUANTS, "q4_k")
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
 # Programs a block of a misses-only launch (pick mode 2; _picked): not yet timed on a GPU.
 PICK_LANES = 2
@@ -62,6 +68,8 @@ class DecodeConfig:
     # int4 rows on CUDA cores: each nibble read as 0.5 + q / 256 by one byte permute, the offset
     # folded into the zero term, so no subtract per weight (_u4_f32's HALF; 16% / 12% fewer gate/up /
     # down instructions at sm_90). Exact values; the sums differ in rounding from half=False's.
+    # The nibble layouts' (HALF_QUANTS); a layer whose w2 is q5_k / q6_k below q4_k gate/up
+    # (a Q4_K_M file's) reads those values as they are in its down launch.
     half: bool = False
     # int4 rows / q4_0 on CUDA cores: each 32-block's products summed by one chain of fused
     # multiply-adds (_chain) instead of tl.sum's products and tree of adds (sm_90 SASS with half,
@@ -155,6 +163,16 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 1:
         kk = tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NG, G]
+    elif QUANT == 8:  # q6_k: halves of 128 inputs, as 8 groups of 16 (a scale each)
+        kk = (
+            tl.arange(0, BK // 128)[None, :, None, None] * 128
+            + tl.arange(0, 8)[None, None, :, None] * 16
+            + tl.arange(0, 16)[None, None, None, :]
+        )
+        return tl.zeros([BN, 1, 1, 1], tl.int32) + kk  # [BN, NH, 8, 16]
+    elif QUANT >= 6:  # q4_k / q5_k: each 64-input chunk's first 32 (low nibbles); high at + 32
+        kk = tl.arange(0, BK // 64)[None, :, None] * 64 + tl.arange(0, 32)[None, None, :]
+        return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NC, 32]
     elif QUANT >= 3:  # each 32-input block's first 16 (low nibbles); the high ones are at + 16
         kk = tl.arange(0, BK // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NB, 16]
@@ -172,6 +190,12 @@ def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
         return a, a
     elif QUANT == 1:
         a = tl.zeros([BN, BK // G], tl.float32)
+        return a, a
+    elif QUANT == 8:
+        a = tl.zeros([BN, BK // 128], tl.float32)
+        return a, a
+    elif QUANT >= 6:
+        a = tl.zeros([BN, BK // 64], tl.float32)
         return a, a
     elif QUANT >= 3:
         a = tl.zeros([BN, BK // 32], tl.float32)
@@ -195,6 +219,24 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         r = n0 + tl.arange(0, BN)[:, None, None]
         kk = k0 + tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.load(q_ptr + e * (N * K) + r * K + kk)  # [BN, NG, G]
+    elif QUANT == 8:  # q6_k: a group's low-nibble bytes | its high-pair bytes << 8, int32
+        r = n0 + tl.arange(0, BN)[:, None, None, None]
+        hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None, None]  # the row's halves
+        g = tl.arange(0, 8)[None, None, :, None]
+        j = (g % 2) * 16 + tl.arange(0, 16)[None, None, None, :]  # lane in the quarter g // 2
+        blk = _kq_block(q_ptr, e, r, hb // 2, N, K, QUANT) + (hb % 2) * 64
+        lo = tl.load(blk + 32 * ((g // 2) % 2) + j).to(tl.int32)
+        return lo | (tl.load(blk + 128 - 32 * (hb % 2) + j).to(tl.int32) << 8)  # [BN, NH, 8, 16]
+    elif QUANT >= 6:  # q4_k: chunks' nibble bytes; q5_k: | the fifth bits' bytes << 8, int32
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        c = k0 // 64 + tl.arange(0, BK // 64)[None, :, None]
+        lane = tl.arange(0, 32)[None, None, :]
+        blk = _kq_block(q_ptr, e, r, c // 4, N, K, QUANT)
+        if QUANT == 6:
+            return tl.load(blk + 16 + (c % 4) * 32 + lane)  # [BN, NC, 32]
+        else:
+            qs = tl.load(blk + 48 + (c % 4) * 32 + lane).to(tl.int32)
+            return qs | (tl.load(blk + 16 + lane).to(tl.int32) << 8)
     elif QUANT >= 3:
         r = n0 + tl.arange(0, BN)[:, None, None]
         kb = k0 // 32 + tl.arange(0, BK // 32)[None, :, None]
@@ -204,6 +246,29 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         base = q_ptr + e * (N * (K // 2)) + (n0 // 64) * (K * 32)
         kk = k0 + _k_offsets(QUANT, G, 1, BK)
         return tl.load(base + kk * 32 + tl.arange(0, 32)[None, None, :])  # [NG, G, 32]
+
+
+@triton.jit
+def _kq_block(q_ptr, e, r, sb, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr):
+    """The address of super-block sb of row r of expert e's K-quant matrix [N, K/256, B]."""
+    if QUANT == 6:
+        return q_ptr + ((e * N + r) * (K // 256) + sb) * 144
+    elif QUANT == 7:
+        return q_ptr + ((e * N + r) * (K // 256) + sb) * 176
+    else:
+        return q_ptr + ((e * N + r) * (K // 256) + sb) * 210
+
+
+@triton.jit
+def _hi_inputs(ptr, xv, QUANT: tl.constexpr):
+    """The inputs of a K step's high nibbles, at ptr (the low ones' offsets): + 16 for the row
+    layouts, + 32 for q4_k / q5_k; xv for the others (unused)."""
+    if QUANT == 6 or QUANT == 7:
+        return tl.load(ptr + 32).to(tl.float32)
+    elif QUANT >= 3 and QUANT < 6:
+        return tl.load(ptr + 16).to(tl.float32)
+    else:
+        return xv
 
 
 @triton.jit
@@ -239,6 +304,40 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         r = n0 + tl.arange(0, BN)[:, None]
         s = tl.load(s_ptr + e * (N * (K // G)) + r * (K // G) + k0 // G + tl.arange(0, NG)[None, :])
         p = tl.sum(_s8_f32(w, FAST) * xv, 2) * s  # [BN, NG]
+        return p, p
+    elif QUANT == 8:  # q6_k: (d sc) (q - 32) summed per group of 16 as (d sc) dot
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None]
+        blk = _kq_block(s_ptr, e, r, hb // 2, N, K, QUANT)
+        g = tl.arange(0, 8)[None, None, :]
+        sc = tl.load(blk + 192 + 8 * (hb % 2) + g).to(tl.int8, bitcast=True).to(tl.float32)
+        q = q6_value(w & 255, w >> 8, tl.arange(0, 8)[None, None, :, None] // 2)
+        dot = tl.sum((q.to(tl.float32) - 32.0) * xv, 3)  # [BN, NH, 8]
+        p = tl.sum(dot * (f16_at(blk + 208, None) * sc), 2)
+        return p, p
+    elif QUANT >= 6:  # q4_k / q5_k: (d sc) q - dmin m per 32-block: (d sc) dot + z sum(x)
+        r = n0 + tl.arange(0, BN)[:, None]
+        c = k0 // 64 + tl.arange(0, BK // 64)[None, :]
+        blk = _kq_block(s_ptr, e, r, c // 4, N, K, QUANT)
+        d, dmin = f16_at(blk, None), f16_at(blk + 2, None)
+        sc, mn = scale_min(blk, 2 * (c % 4), None)  # the low nibbles' sub-block
+        ds_lo, dm_lo = d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+        sc, mn = scale_min(blk, 2 * (c % 4) + 1, None)  # the high nibbles'
+        ds_hi, dm_hi = d * sc.to(tl.float32), dmin * mn.to(tl.float32)
+        if QUANT == 6:
+            lo, hi = _u4_f32(w, FAST, HALF)  # q - 8, or HALF f = 0.5 + q / 256: [BN, NC, 32]
+            if HALF:  # q = 256 f - 128
+                a_lo, a_hi, off = ds_lo * 256.0, ds_hi * 256.0, -128.0
+            else:  # q = (q - 8) + 8
+                a_lo, a_hi, off = ds_lo, ds_hi, 8.0
+        else:  # q5_k: the nibble and its fifth bit (2c + i of the bits' byte); q = (q - 16) + 16
+            cs = 2 * (c % 4)[:, :, None]
+            lo = ((w & 15) | (((w >> (8 + cs)) & 1) << 4)).to(tl.float32) - 16.0
+            hi = (((w >> 4) & 15) | (((w >> (9 + cs)) & 1) << 4)).to(tl.float32) - 16.0
+            a_lo, a_hi, off = ds_lo, ds_hi, 16.0
+        z_lo, z_hi = off * ds_lo - dm_lo, off * ds_hi - dm_hi
+        p = (tl.sum(lo * xv, 2) * a_lo + tl.sum(hi * xh, 2) * a_hi + tl.sum(xv, 2) * z_lo
+             + tl.sum(xh, 2) * z_hi)  # fmt: skip
         return p, p
     elif QUANT >= 3:  # s (q - 8) + z summed per 32-block as s * dot + z * sum(x) (q4_0: z = 0)
         NB: tl.constexpr = BK // 32
@@ -412,10 +511,7 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
         wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
         wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
         xv = tl.load(xrow + kb + koff).to(tl.float32)
-        if QUANT >= 3:
-            xh = tl.load(xrow + kb + koff + 16).to(tl.float32)
-        else:
-            xh = xv
+        xh = _hi_inputs(xrow + kb + koff, xv, QUANT)
         a, b = _step(wg, s_ptr, e, n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF,
                      CHAIN)  # fmt: skip
         ga += a
@@ -510,10 +606,7 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
         else:
             w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
         hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
-        if QUANT >= 3:
-            hh = tl.load(h_ptr + p * I + k0 + koff + 16).to(tl.float32)
-        else:
-            hh = hv
+        hh = _hi_inputs(h_ptr + p * I + k0 + koff, hv, QUANT)
         a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST, HALF, CHAIN)
         acc_a += a
         acc_b += b
@@ -790,6 +883,10 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
     if quant in ROW_QUANTS and (group % 32 or cfg.mma):
         return f"{quant} needs groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
+    if quant in KQUANTS and cfg.mma:
+        return f"{quant} needs the CUDA-core kernels (its super-block step)"
+    if cfg.half and quant not in HALF_QUANTS:
+        return f"half is the nibble layouts' step ({', '.join(HALF_QUANTS)}), not {quant}'s"
     if cfg.chain and quant not in ROW_QUANTS:
         return f"chain is the row layouts' step ({', '.join(ROW_QUANTS)}), not {quant}'s"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
@@ -876,6 +973,7 @@ class Launch:
     gpu: bool  # else the interpreter: plain casts, no PTX, no PDL
     common: dict  # constexprs both kernels take
     pick: dict  # moe_decode's `pick`: the pairs this launch runs ({} every pair)
+    down_own: dict  # the down launch's constexprs where w2's scheme differs from w13's
 
     @property
     def P(self) -> int:
@@ -892,10 +990,12 @@ class Launch:
               pick: tuple[torch.Tensor, int] | None = None) -> Launch:  # fmt: skip
         """h_dtype: gate/up's output (default x's dtype; an ablation keeps it fp32); pick:
         moe_decode's."""
-        quant = experts.kernel_quant
+        quant, down = experts.kernel_quant, experts.down_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
-        why = check_shapes(quant, D, I, G, cfg)
+        why = check_shapes(quant, D, I, G, cfg) or check_shapes(
+            down, D, I, G, replace(cfg, half=cfg.half and down in HALF_QUANTS)
+        )
         assert why is None, why
         gpu = x.device.type == "cuda"
         sec = _kernel_sections(experts)
@@ -923,7 +1023,12 @@ class Launch:
             if cfg.chain:
                 common.update(CHAIN=True)
         w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
-        w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", scale))
+        w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", SCALE_SECTION[down]))
+        # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up): its step, and no
+        # nibble conversion to halve where it has none
+        own = {}
+        if down != quant:
+            own = {"QUANT": QUANT_CODE[down], "HALF": cfg.half and down in HALF_QUANTS}
         if pick is not None:
             sel, mode = pick
             assert mode in (1, 2) and sel.numel() == P and sel.is_contiguous()
@@ -931,7 +1036,7 @@ class Launch:
             if mode == 2:  # the misses' launch: a few programs a block walk the pairs
                 pick["LANES"] = min(PICK_LANES, P)
         return cls(cfg, x.contiguous(), ids.contiguous(), weights.contiguous(), w13, w2, ws, out,
-                   combine, gpu, common, pick or {})  # fmt: skip
+                   combine, gpu, common, pick or {}, own)  # fmt: skip
 
     def gate_up(self, kernel=None, **extra) -> None:
         """Gate/up programs (P, I / bn, split); `kernel` and `extra` arguments: an ablation's."""
@@ -956,7 +1061,8 @@ class Launch:
         kernel[(self.lanes, self.common["D"] // cfg.bn_d)](
             h, self.ids, self.weights, *self.w2, dpart, cnt_d, self.out, self.P,
             BN=cfg.bn_d, BK=cfg.bk_d, PDL=pdl, COMBINE=self.combine, num_warps=cfg.warps_d,
-            **({"launch_pdl": True} if pdl else {}), **{**self.common, **self.pick, **extra},
+            **({"launch_pdl": True} if pdl else {}),
+            **{**self.common, **self.down_own, **self.pick, **extra},
         )  # fmt: skip
 
     def result(self) -> torch.Tensor:

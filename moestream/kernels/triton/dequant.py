@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton.decode import QUANT_CODE
+from moestream.kernels.triton.kquant import byte_at, f16_at, q6_value, scale_min
 from moestream.kernels.triton.layout import ROW_QUANTS
 from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, QK_K
 
@@ -131,15 +132,6 @@ _PER_COLUMN = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_1": 2, "int4": 2, "q5_0": 32
 
 
 @triton.jit
-def _f16(ptr, m):
-    """The little-endian fp16 at bytes ptr, ptr + 1 -> fp32 (exact); 0 where m is off."""
-    v = tl.load(ptr, mask=m, other=0).to(tl.uint16) | (
-        tl.load(ptr + 1, mask=m, other=0).to(tl.uint16) << 8
-    )
-    return v.to(tl.float16, bitcast=True).to(tl.float32)
-
-
-@triton.jit
 def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl.constexpr,
                        FMT: tl.constexpr, B: tl.constexpr, BK: tl.constexpr,
                        DT: tl.constexpr):  # fmt: skip
@@ -182,7 +174,7 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
         b = tl.load(blk + 6 + j % 16, mask=m, other=0).to(tl.int32)
         bit = (tl.load(blk + 2 + j // 8, mask=m, other=0).to(tl.int32) >> (j % 8)) & 1
         q = (((b >> (4 * (j // 16))) & 15) | (bit << 4)) - 16
-        v = q.to(tl.float32) * _f16(blk, m)
+        v = q.to(tl.float32) * f16_at(blk, m)
     elif FMT == 2:
         j = k % 32
         b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)
@@ -195,11 +187,10 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
         j = k % 256
         if FMT == 5:  # q6_k: half h, quarter c, lane l; 16 scales of 16 inputs, d at 208
             h, c, lane = j // 128, (j % 128) // 32, j % 32
-            lo = tl.load(blk + 64 * h + 32 * (c % 2) + lane, mask=m, other=0).to(tl.int32)
-            hi = tl.load(blk + 128 + 32 * h + lane, mask=m, other=0).to(tl.int32)
-            q = (((lo >> (4 * (c // 2))) & 15) | (((hi >> (2 * c)) & 3) << 4)) - 32
+            lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
+            q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
             sc = tl.load(blk + 192 + j // 16, mask=m, other=0).to(tl.int8, bitcast=True)
-            d = _f16(blk + 208, m)
+            d = f16_at(blk + 208, m)
             # d * sc (fp16 x int8) and then x q (6 bits): exact in fp32, as the spec's products
             v = (d * sc.to(tl.float32)) * q.to(tl.float32)
         else:  # q4_k / q5_k: chunk c of 64 (low nibbles, then high), sub-block 2c + i of 32
@@ -209,16 +200,10 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
             if FMT == 4:  # bit 2c + i of qh[lane] on top
                 qh = tl.load(blk + 16 + lane, mask=m, other=0).to(tl.int32)
                 q = q | (((qh >> (2 * c + i)) & 1) << 4)
-            sb = 2 * c + i  # 6-bit scale and min: bytes 4-15, as ggml packs 8 of each
-            lo4 = sb < 4
-            a = tl.load(blk + 4 + sb % 4, mask=m, other=0).to(tl.int32)
-            b = tl.load(blk + 8 + sb % 4, mask=m, other=0).to(tl.int32)
-            e = tl.load(blk + 12 + sb % 4, mask=m, other=0).to(tl.int32)
-            sc = tl.where(lo4, a & 63, (e & 15) | ((a >> 2) & 48))
-            mn = tl.where(lo4, b & 63, (e >> 4) | ((b >> 2) & 48))
+            sc, mn = scale_min(blk, 2 * c + i, m)
             # d * sc, dmin * m and their q product are exact in fp32 (<= 22 significant bits):
             # the one rounding is the subtraction's, fused or not
-            ds, dm = _f16(blk, m) * sc.to(tl.float32), _f16(blk + 2, m) * mn.to(tl.float32)
+            ds, dm = f16_at(blk, m) * sc.to(tl.float32), f16_at(blk + 2, m) * mn.to(tl.float32)
             v = ds * q.to(tl.float32) - dm
     tl.store(out_ptr + t * K + k, _round(v, DT), mask=m)
 

@@ -36,6 +36,9 @@ NAMES = ("w13", "w2")
 # the row layouts (`StackedExperts.kernel_quant`): 16 bytes a row's 32 inputs (input i low nibble,
 # i + 16 high): int4 rows, and a GGUF's q4_0 / q4_1 blocks as stored
 ROW_QUANTS = ("int4r", "q4_0", "q4_1")
+# a GGUF's K-quant super-blocks as stored (quant.KQUANT_BYTES: [N, K/256, B] bytes, the scales
+# inside): the decode kernels' super-block steps and the grouped GEMMs' block dequant read them
+KQUANTS = ("q4_k", "q5_k", "q6_k")
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,9 @@ class StackedExperts:
     # the most distinct matrices one call routes to: a slot pool's layer expert count (a call's
     # ids are one layer's experts); None: all of them (the grouped prefill sizes its scratch so)
     routed: int | None = None
+    # w2's scheme where it differs from w13's (a GGUF's K-quant layer, e.g. Q4_K_M's q4_k gate/up
+    # and q6_k down): K-quants only, whose sections name their own format
+    down: QuantScheme | None = None
 
     def __post_init__(self):
         if "b13" in self.sections:  # the kernels and moe_stacked_ref would drop them silently
@@ -52,8 +58,13 @@ class StackedExperts:
                 "experts with biases and the clamped SwiGLU (gpt_oss) are not supported by the "
                 "Triton kernels yet; run them with a CPU provider"
             )
+        if self.down is not None:
+            assert {self.scheme.name, self.down.name} <= set(KQUANTS), (
+                f"w13 {self.scheme.name} and w2 {self.down.name}: projections of different "
+                "schemes are K-quants only"
+            )
         q = self.sections["w13.q"]
-        e, n2, _ = q.shape
+        e, n2 = q.shape[:2]
         assert n2 % 2 == 0, f"w13 has an odd number of rows {n2}"
         for name, t in self.sections.items():
             assert t.shape[0] == e, f"{name}: {t.shape[0]} experts, w13.q has {e}"
@@ -81,6 +92,11 @@ class StackedExperts:
         """The layout the kernels read: the scheme's name, or "int4r" for int4 rows."""
         return "int4r" if self.rows else self.scheme.name
 
+    @property
+    def down_quant(self) -> str:
+        """The layout the down kernels read: kernel_quant, or w2's own K-quant."""
+        return self.kernel_quant if self.down is None else self.down.name
+
     def expert(self, e: int) -> dict[str, torch.Tensor]:
         """Expert e's sections in the store layout, as a record's `RecordLayout.views` gives them
         (views; an int4 rows pool's are unpacked back, a copy)."""
@@ -106,7 +122,7 @@ class StackedExperts:
 
     def to(self, device) -> StackedExperts:
         secs = {k: v.to(device) for k, v in self.sections.items()}
-        return StackedExperts(self.scheme, secs, self.routed)
+        return StackedExperts(self.scheme, secs, self.routed, self.down)
 
 
 def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:

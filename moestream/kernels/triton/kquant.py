@@ -1,0 +1,55 @@
+"""A GGUF K-quant super-block's fields in Triton: the decode kernels' super-block steps
+(decode.py) and the dequant kernels (dequant.py: an embedding's rows, a prompt's routed experts)
+read the same bytes the same way. ggml's layouts of 256 inputs (quant.unpack_kquant):
+
+  q4_k, 144 bytes: fp16 d, fp16 dmin, 12 bytes of 6-bit scales and mins of 8 sub-blocks of 32,
+        128 bytes of nibbles: chunk c of 64 inputs is bytes 16 + 32c .., input 64c + l in byte
+        l's low nibble, 64c + 32 + l in its high one; w = (d sc) q - (dmin m)
+  q5_k, 176 bytes: q4_k's with 32 bytes of fifth bits at 16 (input 64c + 32i + l: bit 2c + i of
+        byte l) and the nibbles at 48
+  q6_k, 210 bytes: 128 bytes of low nibbles, 64 of 2-bit high pairs at 128, 16 int8 scales of 16
+        inputs at 192, fp16 d at 208: half h, quarter c (32 inputs), lane l: low nibble of byte
+        64h + 32 (c % 2) + l shifted 4 (c // 2), high bits (byte 128 + 32h + l) >> 2c;
+        w = (d sc) (q - 32)
+Every product of two fields is exact in fp32 (<= 22 significant bits)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def byte_at(ptr, m):
+    """The bytes at ptr as int32 (0 where the mask m is off; m None: no mask)."""
+    if m is None:
+        return tl.load(ptr).to(tl.int32)
+    else:
+        return tl.load(ptr, mask=m, other=0).to(tl.int32)
+
+
+@triton.jit
+def f16_at(ptr, m):
+    """The little-endian fp16 at bytes ptr, ptr + 1 -> fp32 (exact); 0 where m is off."""
+    v = byte_at(ptr, m) | (byte_at(ptr + 1, m) << 8)
+    return v.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def scale_min(blk, sb, m):
+    """Sub-block sb's (0-7) 6-bit scale and min (int32) of the q4_k / q5_k block at blk, as ggml's
+    get_scale_min_k4 packs them: sub-blocks 0-3 in the low 6 bits of bytes 4-7 and 8-11, 4-7 in
+    the nibbles of bytes 12-15 with their top 2 bits in bytes 4-11's."""
+    lo4 = sb < 4
+    a = byte_at(blk + 4 + sb % 4, m)
+    b = byte_at(blk + 8 + sb % 4, m)
+    e = byte_at(blk + 12 + sb % 4, m)
+    sc = tl.where(lo4, a & 63, (e & 15) | ((a >> 2) & 48))
+    mn = tl.where(lo4, b & 63, (e >> 4) | ((b >> 2) & 48))
+    return sc, mn
+
+
+@triton.jit
+def q6_value(lo, hi, c):
+    """q6_k's 6-bit value (0-63) of quarter c from its low-nibble byte and high-pair byte."""
+    return ((lo >> (4 * (c // 2))) & 15) | (((hi >> (2 * c)) & 3) << 4)
