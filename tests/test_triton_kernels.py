@@ -217,6 +217,49 @@ def test_decode_kquant_interpreter(quant):
 
 
 @needs_triton
+@pytest.mark.parametrize("quant", KQUANT_LAYERS)
+def test_kquant_blocks_dequantize_to_the_spec_bits(quant):
+    """A prompt's routed K-quant experts dequantized by one launch each projection
+    (dequant_kquant_blocks): the spec's values (ggml's dequantize_row_q*_K) bit for bit, in
+    fp32 and rounded to bf16; only the matrices src names are written."""
+    from moestream.kernels.triton.dequant import dequant_kquant_blocks
+
+    device = "cuda" if CUDA else "cpu"
+    ex = _layer(quant, 3, 256, 256, device, torch.Generator().manual_seed(8))
+    src = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
+    for n in ("w13", "w2"):
+        want = torch.stack([dequantize(ex.expert(e), n, 256, torch.float32) for e in range(3)])
+        for dtype in (torch.float32, torch.bfloat16):
+            got = dequant_kquant_blocks(ex.sections[f"{n}.q"], dtype, src=src)
+            assert torch.equal(got[0], want[2].to(dtype)) and torch.equal(got[2], want[0].to(dtype))
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", ["q4_k+q6_k", "q5_k"])  # (CI time: every block kind once)
+def test_kquant_prompts_dequantize_the_routed_experts(quant):
+    """A prompt on K-quant experts dequantizes its routed experts, then runs the grouped GEMMs
+    (prefill "grouped") or the float Triton prefill ("triton", any GPU): both against the float64
+    spec; the Triton family's pair rows in chunks of tokens give the call's bits (each chunk
+    dequantizes its own experts; the grouped GEMMs' chunks of experts: the test below)."""
+    from moestream.kernels.triton import combine_pairs, moe_experts, moe_pairs
+
+    device = "cuda" if CUDA else "cpu"
+    dtype = torch.bfloat16 if CUDA else torch.float32  # (_grouped_mm: bf16 on CUDA)
+    gen = torch.Generator().manual_seed(9)
+    ex = _layer(quant, 4, 256, 256, device, gen)
+    x = torch.randn(10, 256, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(10, 4, 2, device, gen)
+    want = moe_stacked_ref(x.double(), ids, w.double(), ex).cpu()
+    for prefill in ("grouped", "triton"):
+        got = moe_experts(x, ids, w, ex, prefill=prefill)
+        err = ((got.double().cpu() - want).norm() / want.norm()).item()
+        assert err <= TOL[dtype], f"{quant} {prefill}: relative error {err:.2e}"
+    rows = [moe_pairs(x[a:b], ids[a:b], w[a:b], ex, 10, prefill="triton").clone()
+            for a, b in ((0, 4), (4, 10))]  # fmt: skip
+    assert torch.equal(combine_pairs(torch.cat(rows), 2, dtype), got)
+
+
+@needs_triton
 @pytest.mark.parametrize("quant", QUANTS)
 @pytest.mark.parametrize("T", [3, 10, 150])
 def test_pair_rows_in_chunks_give_the_call_bits(quant, T):
@@ -271,7 +314,7 @@ def test_routed_groups_name_the_routed_experts_in_order():
 
 
 @needs_triton
-@pytest.mark.parametrize("quant", ROW_QUANTS)
+@pytest.mark.parametrize("quant", [*ROW_QUANTS, "q4_k+q6_k"])
 @pytest.mark.parametrize("T", [10, 150])
 def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(quant, T):
     """The grouped-GEMM prompt path (int4 rows, q4_0; kernels/triton/grouped.py), as the GPU provider's
@@ -288,6 +331,8 @@ def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(quant, T):
         pytest.skip("150 tokens: the library's tile configs at real shapes, on CUDA")
     device, dtype = ("cuda", torch.bfloat16) if CUDA else ("cpu", torch.float32)
     E, D, I, K = 8, 64, 64, 2
+    if "_k" in quant:  # super-blocks of 256 (a Q4_K_M layer: q4_k gate/up, q6_k down)
+        D = I = 256
     if CUDA:  # the library's tile configs at a real layer's shapes
         E, D, I, K = 128, 2048, 768, 8
     gen = torch.Generator().manual_seed(40 + T)

@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts, moe_stacked_ref
+from moestream.config import ConfigError
+from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts, moe_stacked_ref
 
 DECODE_MAX_TOKENS = 8  # above this, grouping tokens by expert reads each expert once
-# the expert schemes the GPU kernels read (q4_0 / q4_1: GGUF's Q4_0 / Q4_1 blocks as stored;
-# q5_0, q8_0, the K-quants: CPU only)
-SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1")
+# the expert schemes the GPU kernels read (q4_0 / q4_1 / q4_k / q5_k / q6_k: GGUF's blocks as
+# stored; q5_0, q8_0: CPU only)
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", *KQUANTS)
 PREFILL = ("grouped", "triton")  # GpuConfig.prefill: a prompt's kernels, grouped.py / prefill.py
 _KEPT: dict = {}
 
@@ -50,6 +51,8 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     if tokens <= DECODE_MAX_TOKENS:
         cfg = decode.default_config(q, D, I, s.group_size, device)
         return None if cfg else f"no decode tile fits D={D}, I={I}"
+    if q in KQUANTS:  # a prompt dequantizes its routed experts: the float kernels' shapes
+        q = "bf16"
     cfg = prefill.default_config(q, D, I, device, tokens)
     return prefill.check_shapes(q, D, I, s.group_size, cfg)
 
@@ -75,11 +78,18 @@ def prompt_kernels(asked: str, quant: str, capability: tuple[int, int] | None, f
     was asked for and cannot run). quant: the pool's kernel layout (StackedExperts.kernel_quant);
     capability None: not CUDA (the interpreter's tests); free: VRAM free for the scratch (None:
     not measured)."""
+    if quant in KQUANTS and free is not None and free < scratch + SCRATCH_MARGIN:
+        # (either family dequantizes a K-quant prompt's routed experts first)
+        raise ConfigError(
+            f"a prompt on {quant} experts dequantizes a layer's routed experts into a bf16 "
+            f"scratch ({scratch / 2**30:.2f} GiB), which does not fit the free VRAM "
+            f"({free / 2**30:.2f} GiB): lower --gpu-budget"
+        )
     if asked == "triton":
         return "triton", None
-    if quant not in ROW_QUANTS:
+    if quant not in (*ROW_QUANTS, *KQUANTS):
         return "triton", ("the grouped GEMMs read int4 experts in groups of a multiple of 32, or "
-                          "q4_0 / q4_1 ones")  # fmt: skip
+                          "q4_0 / q4_1 / K-quant ones")  # fmt: skip
     if capability is not None and arch_unsupported(capability):
         return "triton", arch_unsupported(capability)
     if free is not None and free < scratch + SCRATCH_MARGIN:
@@ -123,6 +133,9 @@ def moe_experts(
         return moe_stacked_ref(x, ids, weights, experts, expert_ids)
     if x.shape[0] <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts)
+    if experts.kernel_quant in KQUANTS:  # the routed experts dequantized, the float kernels
+        ex, gids = grouped.dequantized(experts, ids, x.dtype)
+        return tiles.moe_prefill(x, gids, weights, ex)
     return tiles.moe_prefill(x, ids, weights, experts)
 
 
@@ -141,6 +154,9 @@ def moe_pairs(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
         raise NotImplementedError(f"pair rows need the Triton kernels: {why}")
     if tokens <= DECODE_MAX_TOKENS:
         return decode.moe_decode(x, ids, weights, experts, combine=False)
+    if experts.kernel_quant in KQUANTS:  # (as moe_experts: a pair row's bits are its expert's)
+        ex, gids = grouped.dequantized(experts, ids, x.dtype)
+        return tiles.moe_prefill(x, gids, weights, ex, combine=False, tokens=tokens)
     return tiles.moe_prefill(x, ids, weights, experts, combine=False, tokens=tokens)
 
 

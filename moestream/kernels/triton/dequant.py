@@ -23,9 +23,9 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton.decode import QUANT_CODE
-from moestream.kernels.triton.kquant import byte_at, f16_at, q6_value, scale_min
+from moestream.kernels.triton.kquant import f16_at, kquant_value
 from moestream.kernels.triton.layout import ROW_QUANTS
-from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, QK_K
+from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, KQUANT_OF_BYTES, QK_K
 
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -123,6 +123,45 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
     return out
 
 
+@triton.jit
+def _dequant_blocks_kernel(q_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
+                           B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
+                           SRC: tl.constexpr):  # fmt: skip
+    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1 of K-quant
+    blocks [.., N, K/256, B] (kquant_value); SRC as _dequant_rows_kernel's."""
+    d = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None]
+    k = tl.program_id(2) * BK + tl.arange(0, BK)[None, :]
+    e = d
+    rows = N
+    if SRC:
+        e = tl.load(src_ptr + d).to(tl.int64)
+        rows = tl.where(e >= 0, N, 0)  # no rows of an unnamed matrix
+    m = (r < rows) & (k < K)
+    blk = q_ptr + ((e * N + r) * (K // 256) + k // 256) * B
+    tl.store(
+        out_ptr + d * (N * K) + r * K + k, _round(kquant_value(blk, k % 256, m, B), DT), mask=m
+    )
+
+
+def dequant_kquant_blocks(q: torch.Tensor, dtype: torch.dtype, src: torch.Tensor | None = None,
+                          bn: int = 16, bk: int = 256) -> torch.Tensor:  # fmt: skip
+    """K-quant blocks q [..., N, K/256, B] uint8 (one weight, or [E] stacked) -> [..., N, K] in
+    dtype, the spec's values (ref.dequantize_kquant) bit for bit; `src` as dequant_int4_rows'
+    (out[c] is matrix src[c], left as it was where src[c] < 0). One launch, no sync."""
+    lead, (N, nb, B) = q.shape[:-3], q.shape[-3:]
+    K = nb * QK_K
+    assert B in KQUANT_OF_BYTES and q.dtype == torch.uint8 and q.is_contiguous(), q.shape
+    assert src is None or (len(lead) == 1 and src.dim() == 1), "src [C] names stacked weights"
+    shape = (*lead, N, K) if src is None else (src.numel(), N, K)
+    out = torch.empty(shape, device=q.device, dtype=dtype)
+    grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), triton.cdiv(K, bk))
+    _dequant_blocks_kernel[grid](q, out, src if src is not None else q, N=N, K=K, B=B, BN=bn,
+                                 BK=bk, DT=DTYPES[dtype], SRC=src is not None,
+                                 num_warps=4)  # fmt: skip
+    return out
+
+
 # formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
 TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "int4": 6,
                  "q4_1": 7, "q5_0": 8}  # fmt: skip
@@ -184,27 +223,7 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
         )
     else:
         blk = q_ptr + r * (K // 256 * B) + (k // 256) * B  # each input's super-block
-        j = k % 256
-        if FMT == 5:  # q6_k: half h, quarter c, lane l; 16 scales of 16 inputs, d at 208
-            h, c, lane = j // 128, (j % 128) // 32, j % 32
-            lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
-            q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
-            sc = tl.load(blk + 192 + j // 16, mask=m, other=0).to(tl.int8, bitcast=True)
-            d = f16_at(blk + 208, m)
-            # d * sc (fp16 x int8) and then x q (6 bits): exact in fp32, as the spec's products
-            v = (d * sc.to(tl.float32)) * q.to(tl.float32)
-        else:  # q4_k / q5_k: chunk c of 64 (low nibbles, then high), sub-block 2c + i of 32
-            c, i, lane = j // 64, (j % 64) // 32, j % 32
-            q = tl.load(blk + B - 128 + 32 * c + lane, mask=m, other=0).to(tl.int32)
-            q = (q >> (4 * i)) & 15
-            if FMT == 4:  # bit 2c + i of qh[lane] on top
-                qh = tl.load(blk + 16 + lane, mask=m, other=0).to(tl.int32)
-                q = q | (((qh >> (2 * c + i)) & 1) << 4)
-            sc, mn = scale_min(blk, 2 * c + i, m)
-            # d * sc, dmin * m and their q product are exact in fp32 (<= 22 significant bits):
-            # the one rounding is the subtraction's, fused or not
-            ds, dm = f16_at(blk, m) * sc.to(tl.float32), f16_at(blk + 2, m) * mn.to(tl.float32)
-            v = ds * q.to(tl.float32) - dm
+        v = kquant_value(blk, k % 256, m, B)
     tl.store(out_ptr + t * K + k, _round(v, DT), mask=m)
 
 

@@ -28,14 +28,16 @@ import triton.language as tl
 
 from moestream.kernels.triton import arch_unsupported
 from moestream.kernels.triton.decode import SCALE_SECTION, combine_pairs
-from moestream.kernels.triton.dequant import dequant_int4_rows
-from moestream.kernels.triton.layout import NAMES, ROW_QUANTS, StackedExperts
+from moestream.kernels.triton.dequant import dequant_int4_rows, dequant_kquant_blocks
+from moestream.kernels.triton.layout import KQUANTS, NAMES, ROW_QUANTS, StackedExperts
+from moestream.quant import make_scheme
 
 
 def unsupported(experts: StackedExperts, x: torch.Tensor) -> str | None:
     """Why this layer's prompt cannot take the grouped-GEMM path (None when it can)."""
-    if experts.kernel_quant not in ROW_QUANTS:
-        return "the grouped-GEMM prefill reads int4 rows (the GPU pool's int4 layout), q4_0 or q4_1"
+    if experts.kernel_quant not in (*ROW_QUANTS, *KQUANTS):
+        return ("the grouped-GEMM prefill reads int4 rows (the GPU pool's int4 layout), q4_0, "
+                "q4_1 or K-quants")  # fmt: skip
     if x.is_cuda:
         if x.dtype != torch.bfloat16:
             return "torch._grouped_mm takes bf16 activations on CUDA"
@@ -93,16 +95,39 @@ def moe_grouped(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
     flat = ids.reshape(-1)
     groups = min(experts.routed or experts.num_experts, flat.numel())
     src, offs = routed_groups(flat, experts.num_experts, groups)
-    secs, g = experts.sections, experts.scheme.group_size
-    scale = SCALE_SECTION[experts.kernel_quant]  # int4 rows' (scale, zero) words, q4_0's d, ...
-    w13, w2 = (
-        dequant_int4_rows(
-            secs[f"{n}.q"], secs[f"{n}.{scale}"], g, x.dtype, src=src, fmt=experts.kernel_quant
-        )
-        for n in NAMES
-    )
+    w13, w2 = routed_weights(experts, src, x.dtype)
     rows = grouped_rows(x, flat, weights, ids.shape[1], w13, w2, offs)
     return combine_pairs(rows, ids.shape[1], x.dtype, out=out) if combine else rows
+
+
+def routed_weights(experts: StackedExperts, src: torch.Tensor, dtype: torch.dtype):
+    """w13 [C, 2I, D] and w2 [C, D, I] in dtype of the matrices src [C] names (routed_groups;
+    nothing where src < 0): one dequant launch each (a K-quant projection in its own blocks)."""
+    secs, g, quant = experts.sections, experts.scheme.group_size, experts.kernel_quant
+    if quant in KQUANTS:
+        return tuple(dequant_kquant_blocks(secs[f"{n}.q"], dtype, src=src) for n in NAMES)
+    scale = SCALE_SECTION[quant]  # int4 rows' (scale, zero) words, q4_0's d, q4_1's (d, m)
+    return tuple(
+        dequant_int4_rows(secs[f"{n}.q"], secs[f"{n}.{scale}"], g, dtype, src=src, fmt=quant)
+        for n in NAMES
+    )
+
+
+def dequantized(experts: StackedExperts, ids: torch.Tensor,
+                dtype: torch.dtype) -> tuple[StackedExperts, torch.Tensor]:  # fmt: skip
+    """The routed experts of a K-quant layer in dtype, as a float StackedExperts (group g: the
+    g-th smallest routed id), and ids renamed to their groups: the Triton prefill's (prefill.py's
+    float kernels) input where the grouped GEMMs do not run. No sync."""
+    n, flat = experts.num_experts, ids.reshape(-1)
+    groups = min(experts.routed or n, flat.numel())
+    src, _ = routed_groups(flat, n, groups)
+    w13, w2 = routed_weights(experts, src, dtype)
+    # each matrix's group: a scatter, the unnamed groups (src -1) into a slot past the n matrices
+    group = torch.zeros(n + 1, dtype=torch.int64, device=ids.device)
+    at = torch.where(src >= 0, src, n).long()
+    group.scatter_(0, at, torch.arange(groups, device=ids.device))
+    float_experts = StackedExperts(make_scheme("bf16"), {"w13.q": w13, "w2.q": w2})
+    return float_experts, group[ids.long()].to(ids.dtype)
 
 
 def grouped_rows(x: torch.Tensor, flat: torch.Tensor, weights: torch.Tensor, K: int,

@@ -53,3 +53,24 @@ def scale_min(blk, sb, m):
 def q6_value(lo, hi, c):
     """q6_k's 6-bit value (0-63) of quarter c from its low-nibble byte and high-pair byte."""
     return ((lo >> (4 * (c // 2))) & 15) | (((hi >> (2 * c)) & 3) << 4)
+
+
+@triton.jit
+def kquant_value(blk, j, m, B: tl.constexpr):
+    """Input j (0-255) of the K-quant super-block at blk (B bytes: 144 q4_k, 176 q5_k, 210 q6_k)
+    as fp32, ggml's dequantize_row_q*_K: each product of fields exact, so the one rounding is
+    the subtraction's (q4_k / q5_k), fused or not: the spec's bits (ref.dequantize_kquant)."""
+    if B == 210:  # q6_k: half h, quarter c, lane l; 16 scales of 16 inputs, d at 208
+        h, c, lane = j // 128, (j % 128) // 32, j % 32
+        lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
+        q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
+        sc = tl.load(blk + 192 + j // 16, mask=m, other=0).to(tl.int8, bitcast=True)
+        return (f16_at(blk + 208, m) * sc.to(tl.float32)) * q.to(tl.float32)
+    else:  # q4_k / q5_k: chunk c of 64 (low nibbles, then high), sub-block 2c + i of 32
+        c, i, lane = j // 64, (j % 64) // 32, j % 32
+        q = (byte_at(blk + B - 128 + 32 * c + lane, m) >> (4 * i)) & 15
+        if B == 176:  # bit 2c + i of qh[lane] on top
+            q = q | (((byte_at(blk + 16 + lane, m) >> (2 * c + i)) & 1) << 4)
+        sc, mn = scale_min(blk, 2 * c + i, m)
+        ds, dm = f16_at(blk, m) * sc.to(tl.float32), f16_at(blk + 2, m) * mn.to(tl.float32)
+        return ds * q.to(tl.float32) - dm
