@@ -116,12 +116,46 @@ def test_kquant_gguf_is_kept_exactly(kq, kind, tmp_path, capsys):
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
 
 
-def test_kquant_store_streams_the_resident_tokens_and_refuses_the_gpu(kq, capsys):
-    """On the native K-quant kernels, greedy decoding streamed at the minimum budget gives the
-    resident tokens (and the prompt's logits their bits); the GPU provider refuses the store by
-    name with the fix."""
+def gpu_reads_the_blocks(store, monkeypatch) -> None:
+    """The GPU provider (device "cpu": its spec, and the Triton kernels on the interpreter with
+    one small decode tile) reads a K-quant store's records as stored: a prompt's logits (the
+    routed experts dequantized, then the grouped GEMMs) and one token a call (the decode
+    kernels' super-block steps) are the CPU spec's. A --gpu-budget pool of them is refused
+    (not yet tested)."""
+    import importlib.util
+
+    from test_gguf import stepwise_logits
+
     from moestream.experts.config import GpuConfig
 
+    spec = our_logits(store)  # the CPU's pure-torch spec, fp32 activations
+    kernels = ("ref", "triton") if importlib.util.find_spec("triton") else ("ref",)
+    calls = []
+    if "triton" in kernels:  # the kernels ran, not the reference fallback
+        from moestream.kernels.triton import decode as dk
+        from moestream.kernels.triton import grouped
+
+        tile = dk.DecodeConfig(bn=64, bk=256, bn_d=64, bk_d=256)  # (the interpreter's time)
+        monkeypatch.setattr(dk, "default_config", lambda *a: tile)
+        for mod, name in ((dk, "moe_decode"), (grouped, "moe_grouped")):
+            f = getattr(mod, name)
+            monkeypatch.setattr(
+                mod, name, lambda *a, f=f, n=name, **k: calls.append(n) or f(*a, **k)
+            )
+    for kernel in kernels:
+        cfg = GpuConfig(resident=True, kernel=kernel, device="cpu")
+        assert (our_logits(store, cfg) - spec).abs().max().item() < FP32_TOL, kernel
+        steps = stepwise_logits(store, cfg, 2)
+        assert (steps - spec[:2]).abs().max().item() < FP32_TOL, kernel
+    assert set(calls) == ({"moe_decode", "moe_grouped"} if "triton" in kernels else set())
+    with pytest.raises(ConfigError, match="every expert resident for now.*--quant int4"):
+        load_model(store, GpuConfig(gpu_budget=1 << 30, kernel="ref", device="cpu"))
+
+
+def test_kquant_store_streams_the_resident_tokens_and_the_gpu_reads_it(kq, capsys, monkeypatch):
+    """On the native K-quant kernels, greedy decoding streamed at the minimum budget gives the
+    resident tokens (and the prompt's logits their bits); the GPU provider reads the blocks as
+    stored (gpu_reads_the_blocks)."""
     store = kq("Q4_K", capsys)[3]
     loaded = load_model(store, StreamConfig(resident=True))
     assert loaded.provider.native  # the layer op, not the torch fallback
@@ -134,8 +168,7 @@ def test_kquant_store_streams_the_resident_tokens_and_refuses_the_gpu(kq, capsys
     resident = capsys.readouterr().out
     assert main([*args, "--memory-budget", str(budget)]) == 0
     assert capsys.readouterr().out == resident
-    with pytest.raises(ConfigError, match="q4_k experts, which have no GPU kernel.*--quant int4"):
-        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
+    gpu_reads_the_blocks(store, monkeypatch)
 
 
 # Q4_K_M as llama-quantize picks it: Q4_K gate/up, down Q6_K on some layers and Q4_K on others;
@@ -208,7 +241,8 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
     """Streamed at the minimum budget (slots of the largest record) a mixed store gives the
     resident greedy tokens and prompt logits bit for bit on the native kernels; the decode step
     of one native call declines it (layer 2's int8 down projection takes int16 activations, the
-    others int8) and the per-module path decodes; the GPU provider refuses it with the fix."""
+    others int8) and the per-module path decodes; the GPU provider refuses its per-layer record
+    layouts with the fix."""
     from moestream.experts.config import GpuConfig
     from moestream.models import native_step
 
@@ -232,7 +266,7 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
     resident = capsys.readouterr().out
     assert main([*args, "--memory-budget", str(budget)]) == 0
     assert capsys.readouterr().out == resident and resident.strip()
-    with pytest.raises(ConfigError, match="mixed expert schemes.*--quant int4"):
+    with pytest.raises(ConfigError, match="record layout differs across layers.*--quant int4"):
         load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
 
 
@@ -332,9 +366,10 @@ def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
         Store(store)
 
 
-def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
+def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path, monkeypatch):
     """Q4_K gate/up and Q6_K down in every layer (one layout, two schemes per record): the one-call
-    decode step qualifies and gives the per-module path's logits and caches bit for bit."""
+    decode step qualifies and gives the per-module path's logits and caches bit for bit; the GPU
+    provider reads the records as stored, w2 in its own step (gpu_reads_the_blocks)."""
     from test_native_step import _decode
 
     from moestream.kernels import native
@@ -356,6 +391,7 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path):
     assert torch.equal(got[0], want[0])
     assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     loaded.provider.close()
+    gpu_reads_the_blocks(store, monkeypatch)
 
 
 def test_mixed_store_bytes_are_each_records_own(mixed, tmp_path):

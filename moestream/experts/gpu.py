@@ -56,7 +56,8 @@ from moestream.kernels.triton import (
     scratch_bytes,
     unsupported,
 )  # fmt: skip
-from moestream.kernels.triton.layout import StackedExperts, pool_shapes, rows_sections
+from moestream.kernels.triton.layout import KQUANTS, StackedExperts, pool_shapes, rows_sections
+from moestream.quant import QuantScheme
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
 from moestream.store.policy import PolicyError, SlotTable, make_policy
@@ -79,28 +80,44 @@ class PinnedPool:
         return memoryview(self._np[slot * self.size : (slot + 1) * self.size])
 
 
-def check_scheme(store: Store) -> None:
-    """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read."""
-    if store.mixed:
+def check_scheme(store: Store) -> tuple[QuantScheme, QuantScheme | None]:
+    """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read; else
+    (w13's scheme, w2's where it differs): one record layout in every layer, w2 of its own
+    K-quant below K-quant gate/up (a GGUF's blocks kept per tensor)."""
+    fix = "run it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
+    if len(set(store.layouts.values())) > 1:
         raise ConfigError(
-            f"{store.folder} holds mixed expert schemes ({store.quant_name}: a GGUF's blocks kept "
-            "per tensor), which the GPU kernels do not read (one scheme per pool); run it on the "
-            "CPU, or convert the model with --quant int4 (or int8) for the GPU"
+            f"{store.folder} holds experts whose record layout differs across layers "
+            f"({store.quant_name}: a GGUF's blocks kept per tensor, as a Q4_K_M file's q6_k and "
+            "q4_k down projections), which the GPU pool does not hold yet (one record layout in "
+            f"every slot); {fix}"
         )
-    name = store.scheme.name
-    if name not in SCHEMES:
+    w13, w2 = store.layout.schemes
+    if w13 != w2 and not {w13.name, w2.name} <= set(KQUANTS):
         raise ConfigError(
-            f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; the GPU "
-            "reads bf16, int8, int4, q4_0 and q4_1); run it on the CPU, or convert the model with "
-            "--quant int4 (or int8) for the GPU"
+            f"{store.folder} holds {w13.name} gate/up and {w2.name} down projections, which the "
+            f"GPU kernels do not read together (a projection of its own scheme: K-quants); {fix}"
         )
+    for name in dict.fromkeys((w13.name, w2.name)):
+        if name not in SCHEMES:
+            raise ConfigError(
+                f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; "
+                f"the GPU reads {', '.join(SCHEMES)}); {fix}"
+            )
+    return w13, (w2 if w2 != w13 else None)
 
 
 class GpuExperts(ExpertProvider):
     """ExpertProvider with a VRAM (or, for tests, CPU) slot pool. `stats()`: cumulative counters."""
 
     def __init__(self, store: Store, cfg: GpuConfig):
-        check_scheme(store)
+        self.scheme, self.down = check_scheme(store)  # w13's scheme, w2's where it differs
+        if self.scheme.name in KQUANTS and not cfg.resident:
+            raise ConfigError(
+                f"{store.folder} holds {store.quant_name} experts, which the GPU runs with every "
+                "expert resident for now (a --gpu-budget slot pool of them is not yet tested): "
+                "drop --gpu-budget, run it on the CPU, or convert with --quant int4 to stream it"
+            )
         self.store, self.cfg = store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
@@ -113,10 +130,10 @@ class GpuExperts(ExpertProvider):
         self.size = layout.size
         # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id), int4
         # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
-        self.rows = (store.scheme.name == "int4" and store.scheme.group_size % 32 == 0
+        self.rows = (self.scheme.name == "int4" and self.scheme.group_size % 32 == 0
                      and cfg.kernel == "triton")  # fmt: skip
         # the decode kernels must take the shape (else the reference kernel runs, host misses)
-        shape_only = StackedExperts(store.scheme, self._sections((0,), self.device))
+        shape_only = self._stacked(self._sections((0,), self.device))
         self.device_misses = cfg.device_side_misses() and unsupported(shape_only, 1) is None
         # a declined miss is read from the mirror again next time: only with device misses
         self.scored = self.device_misses and cfg.admit == "scored"
@@ -149,7 +166,7 @@ class GpuExperts(ExpertProvider):
             self.n_slots -= 2 * self.K
         n_pool = self.n_slots + (self.K if self.staged else 0) + 2 * self.K * self.prefetching
         # routed=E: a call's ids are one layer's experts (the grouped prefill's scratch bound)
-        self.pool = StackedExperts(store.scheme, self._sections((n_pool,), self.device), self.E)
+        self.pool = self._stacked(self._sections((n_pool,), self.device), self.E)
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
         self.syncs = 0
@@ -168,10 +185,9 @@ class GpuExperts(ExpertProvider):
             # each layer's experts as a view: its routed ids are its slots (no offset kernel)
             E = self.E
             self.layer_pools = [
-                StackedExperts(store.scheme, {k: v[i * E : (i + 1) * E] for k, v in
-                                              self.pool.sections.items()})
+                self._stacked({k: v[i * E : (i + 1) * E] for k, v in self.pool.sections.items()})
                 for i in range(len(self.layers))
-            ]  # fmt: skip
+            ]
             self._choose_prefill()
             return
         self._choose_prefill()
@@ -221,18 +237,22 @@ class GpuExperts(ExpertProvider):
         if self.cfg.kernel == "triton":
             self.kernel = functools.partial(self.kernel, prefill=self.prefill)
 
+    def _stacked(self, secs: dict[str, torch.Tensor], routed: int | None = None) -> StackedExperts:
+        """Pool-layout sections as the kernels' StackedExperts (w2's own scheme where it differs)."""
+        return StackedExperts(self.scheme, secs, routed, self.down)
+
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
         """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
         shapes = {s.name: (s.shape, s.dtype) for s in self.store.layout.sections}
         # int4's sz -> rz [N, K/G] int32 (rows), or sz in the store-layout kernels' order
-        shapes = pool_shapes(self.store.scheme, shapes, self.rows)
+        shapes = pool_shapes(self.scheme, shapes, self.rows)
         return {n: torch.empty((*lead, *sh), dtype=dt, device=device, pin_memory=pin)
                 for n, (sh, dt) in shapes.items()}  # fmt: skip
 
     def _pool_layout(self, secs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """Store-layout sections [m, ...] -> the pool's layout (int4: repacked into rows, or its
         sz reordered once for the store-layout kernels)."""
-        return rows_sections(self.store.scheme, secs, self.rows)
+        return rows_sections(self.scheme, secs, self.rows)
 
     def _absent(self, rows):
         """slot_map's code for mirror rows (layer index * E + expert) not in VRAM."""
@@ -256,7 +276,7 @@ class GpuExperts(ExpertProvider):
                     secs[name][i * E : (i + 1) * E] = t
         finally:
             reader.close()
-        self.mirror = StackedExperts(self.store.scheme, secs)
+        self.mirror = self._stacked(secs)
 
     def _init_device_misses(self) -> None:
         L, K = len(self.layers), self.K
@@ -770,7 +790,7 @@ class GpuExperts(ExpertProvider):
 
     def describe(self) -> dict:
         d = {"experts": "vram resident" if self.cfg.resident else "vram slot cache",
-             "quant": self.store.scheme.name, "kernel": self.cfg.kernel}  # fmt: skip
+             "quant": self.store.quant_name, "kernel": self.cfg.kernel}  # fmt: skip
         if self.cfg.kernel == "triton":  # a prompt's kernels (bf16 prompts; fp32 ones: triton)
             d["prefill"] = "grouped-gemm" if self.prefill == "grouped" else "triton"
             if self.prefill == "grouped":
