@@ -112,12 +112,6 @@ class GpuExperts(ExpertProvider):
 
     def __init__(self, store: Store, cfg: GpuConfig):
         self.scheme, self.down = check_scheme(store)  # w13's scheme, w2's where it differs
-        if self.scheme.name in KQUANTS and not cfg.resident:
-            raise ConfigError(
-                f"{store.folder} holds {store.quant_name} experts, which the GPU runs with every "
-                "expert resident for now (a --gpu-budget slot pool of them is not yet tested): "
-                "drop --gpu-budget, run it on the CPU, or convert with --quant int4 to stream it"
-            )
         self.store, self.cfg = store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
