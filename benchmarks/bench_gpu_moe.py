@@ -32,7 +32,7 @@ from common import bench_row, capture_graph, hardware, override, write_rows  # n
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
 from moestream.kernels.triton.decode import check_shapes  # noqa: E402
-from moestream.kernels.triton.layout import ROW_QUANTS, StackedExperts  # noqa: E402
+from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768, 128, 8), "Qwen3.5-35B-A3B": (2048, 512, 256, 8)}
@@ -49,12 +49,22 @@ _FUSED = {"bf16": [dict(bn=8), dict(bn_d=32)], "int8": [dict(bn_d=16), dict(bn=8
           "int4": [dict(bk=64, bk_d=128), dict(mma=False, **_CUDA_CORES["int4"])]}  # fmt: skip
 
 
+def tiles_of(quant: str) -> str:
+    """The layout whose tiles a quant takes: "q4_k+q6_k" (a K-quant layer with its own w2) q4_k's."""
+    return quant.split("+")[0]
+
+
+def group_of(quant: str) -> int:
+    """The group the kernels take: 32, or a K-quant's 256-input super-block."""
+    return 256 if tiles_of(quant) in KQUANTS else 32
+
+
 def sweep(quant: str, D: int, I: int) -> list:
     """Configs timed at T=1: the default (configs/tiles.json, tuned per kernel by
     tune_gpu_decode.py), the other family (tensor cores / CUDA cores), tiles, and the programmatic
     dependent launch and the one-launch ablation (benchmarks/ablations) switched one at a time."""
-    d = default(quant, D, I)
-    if quant in ROW_QUANTS:  # int4 rows, q4_0: CUDA cores only, no one-launch ablation
+    d = default(tiles_of(quant), D, I)
+    if tiles_of(quant) in (*ROW_QUANTS, *KQUANTS):  # CUDA cores only, no one-launch ablation
         return [d, replace(d, pdl=False), replace(d, bk=256), replace(d, bn=8, bn_d=16),
                 replace(d, bn=8, bk=256, bn_d=16, warps_d=4), replace(d, chain=not d.chain)]  # fmt: skip
     return [d, MMA_CONFIGS[quant], replace(d, pdl=False),
@@ -130,9 +140,14 @@ def read_routed(ex: StackedExperts, ids, out):
 
 def random_layer(quant: str, D: int, I: int, E: int) -> StackedExperts:
     """Random sections of E experts in the store layout, on the GPU ("int4r": int4 repacked into
-    the GPU pool's row layout, as the provider holds it)."""
+    the GPU pool's row layout, as the provider holds it; K-quants: random block bytes, whose
+    fp16 fields may be inf or NaN: the kernels' time, not their values)."""
     if quant == "int4r":
         return random_layer("int4", D, I, E).to_rows()
+    if "+" in quant:  # "q4_k+q6_k": K-quant gate/up, w2 in its own K-quant (a Q4_K_M layer's)
+        up, down = (random_layer(q, D, I, E) for q in quant.split("+"))
+        secs = {"w13.q": up.sections["w13.q"], "w2.q": down.sections["w2.q"]}
+        return StackedExperts(up.scheme, secs, down=down.scheme)
     scheme, secs = make_scheme(quant), {}
     for name, n, k in (("w13", 2 * I, D), ("w2", D, I)):
         for sname, dtype, shape in tensor_sections(scheme, name, n, k):
@@ -190,10 +205,10 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
         routed_bytes = unique * eb
         roof_ms = routed_bytes / bw * 1e3
         times = {}
-        d = default(quant, D, I)
-        more = [] if quant in ROW_QUANTS else [replace(d, fused=True)]
+        d = default(tiles_of(quant), D, I)
+        more = [] if tiles_of(quant) in (*ROW_QUANTS, *KQUANTS) else [replace(d, fused=True)]
         for cfg in sweep(quant, D, I) if T == 1 else [d, *more]:
-            if check_shapes(quant, D, I, 32, cfg):
+            if check_shapes(tiles_of(quant), D, I, group_of(quant), cfg):
                 continue
 
             def step(cfg=cfg):
@@ -249,7 +264,7 @@ def bench_one(model, quant, D, I, E, K, layers, bw, gen, tokens) -> list[dict]:
 def parse_configs(quant: str, D: int, I: int, spec: str) -> list:
     """'bn=4,bk=64;bn=8' -> the default config and one override of it per ';' item (ints; 0/1 for
     the flags)."""
-    base = default(quant, D, I)
+    base = default(tiles_of(quant), D, I)
     return [base] + [override(base, item) for item in filter(None, spec.split(";"))]
 
 
@@ -268,7 +283,7 @@ def sweep_only(model, quant, D, I, E, K, layers, bw, gen, cfgs) -> dict:
           f"roofline + two empty launches {net_ms * 1e3:.1f} us", flush=True)  # fmt: skip
     runs: dict[str, list[float]] = {}  # a config given twice (an interleaved repeat): both times
     for cfg in cfgs:
-        if check_shapes(quant, D, I, 32, cfg):
+        if check_shapes(tiles_of(quant), D, I, group_of(quant), cfg):
             continue
 
         def step(cfg=cfg):
@@ -316,7 +331,7 @@ def baselines(x, ids, w, ex, quant, E, ms) -> dict:
     w_all = torch.zeros(1, E, device="cuda")
     w_all[0, ids[0]] = w[0]
     # every expert as a slot of the one token, same kernels and tiles
-    cfg = default(quant, ex.hidden, ex.inter)
+    cfg = default(tiles_of(quant), ex.hidden, ex.inter)
     dense_ms = graph_ms(lambda: moe_decode(x, all_ids, w_all, ex, cfg), 1)
     loop_ms = do_bench(lambda: moe_loop_ref(x, ids, w, ex), warmup=5, rep=50, return_mode="median")
     out = {
