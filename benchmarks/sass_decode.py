@@ -136,11 +136,13 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
             nbytes = [math.prod(shape) * dt.itemsize
                       for _, dt, shape in tensor_sections(make_scheme(quant), "w2", D, I)]  # fmt: skip
             extra.update(W2Q_BYTES=nbytes[0], W2S_BYTES=sum(nbytes[1:]), NT=32 * cfg.num_warps)
+        if fn is dk._gate_up_kernel:  # packed experts (the product's ES; not the ablation's)
+            extra.update(ES=0)
         yield ("gate_up", fn, gu, {**common, **tiles, **extra}, cfg.num_warps,
                2 * rows * D // cfg.split, I // rows * cfg.split)  # fmt: skip
         yield ("down", dk._down_kernel, dn,
                {**common, **tiles_d, "ELEM": cfg.elem, "HALF": cfg.half, "CHAIN": cfg.chain,
-                **own}, cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
+                "ES": 0, **own}, cfg.warps_d, rows_d * I, D // rows_d)  # fmt: skip
 
 
 def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]:

@@ -66,6 +66,20 @@ def _kquant_layer(quant, E, D, I, device, seed):
     return StackedExperts(make_scheme(q13), secs, down=None if q2 == q13 else make_scheme(q2))
 
 
+def _padded(ex: StackedExperts, extra: int) -> StackedExperts:
+    """ex with each K-quant section housed in slots `extra` bytes longer (layout.padded_view, as
+    a pool of per-layer layouts holds a smaller layout), the padding NaN bytes."""
+    from moestream.kernels.triton.layout import padded_view
+
+    secs = {}
+    for name, t in ex.sections.items():
+        slots = torch.full((t.shape[0], t[0].numel() + extra), 255, dtype=t.dtype, device=t.device)
+        secs[name] = padded_view(slots, t.shape[1:])
+        secs[name].copy_(t)
+        assert not secs[name].is_contiguous()
+    return StackedExperts(ex.scheme, secs, ex.routed, ex.down)
+
+
 def _layer(quant, E, D, I, device, gen):
     if quant.split("+")[0] in KQUANTS:
         return _kquant_layer(
@@ -207,8 +221,15 @@ def test_decode_kquant_interpreter(quant):
     cfg = DecodeConfig(bn=32, bk=256, bn_d=32, bk_d=256)
     _check(moe_decode, quant, 3, 256, 256, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
     if quant == "q4_k":  # (CI time: the other cases' steps take no split or half)
-        cfg = replace(cfg, split=2, half=True)
-        _check(moe_decode, quant, 3, 512, 256, 2, 2, torch.float32, "cpu", seed=3, cfg=cfg)
+        _check(moe_decode, quant, 3, 512, 256, 2, 2, torch.float32, "cpu", seed=3,
+               cfg=replace(cfg, split=2, half=True))  # fmt: skip
+    if quant == "q4_k+q5_k":  # each section in slots of a larger record (per-layer layouts)
+        gen = torch.Generator().manual_seed(5)
+        ex = _padded(_layer(quant, 3, 256, 256, "cpu", gen), 256 * 256)
+        x, (ids, w) = torch.randn(2, 256, generator=gen), _routing(2, 3, 2, "cpu", gen)
+        want = moe_stacked_ref(x.double(), ids, w.double(), ex)
+        got = moe_decode(x, ids, w, ex, cfg).double()
+        assert ((got - want).norm() / want.norm()).item() <= TOL[torch.float32]
     some = DecodeConfig(bk=256, bk_d=256)
     assert "CUDA-core" in check_shapes(q13, 512, 256, 256, replace(some, mma=True))
     assert "D=512" in check_shapes(q13, 512, 256, 256, replace(some, bk=128))  # super-blocks
@@ -226,6 +247,8 @@ def test_kquant_blocks_dequantize_to_the_spec_bits(quant):
 
     device = "cuda" if CUDA else "cpu"
     ex = _layer(quant, 3, 256, 256, device, torch.Generator().manual_seed(8))
+    if quant == "q4_k+q6_k":  # sections in longer slots (a pool of per-layer layouts)
+        ex = _padded(ex, 4096)
     src = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
     for n in ("w13", "w2"):
         want = torch.stack([dequantize(ex.expert(e), n, 256, torch.float32) for e in range(3)])

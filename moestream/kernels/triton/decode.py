@@ -210,7 +210,7 @@ def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
 
 @triton.jit
 def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
-            G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):  # fmt: skip
+            G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ES: tl.constexpr = 0):  # fmt: skip
     """Raw weight tile of expert e, rows from n0 (int4: the 64-row block at n0), inputs from k0."""
     if QUANT == 0:
         r = n0 + tl.arange(0, BN)[:, None]
@@ -224,14 +224,14 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None, None]  # the row's halves
         g = tl.arange(0, 8)[None, None, :, None]
         j = (g % 2) * 16 + tl.arange(0, 16)[None, None, None, :]  # lane in the quarter g // 2
-        blk = _kq_block(q_ptr, e, r, hb // 2, N, K, QUANT) + (hb % 2) * 64
+        blk = _kq_block(q_ptr, e, r, hb // 2, N, K, QUANT, ES) + (hb % 2) * 64
         lo = tl.load(blk + 32 * ((g // 2) % 2) + j).to(tl.int32)
         return lo | (tl.load(blk + 128 - 32 * (hb % 2) + j).to(tl.int32) << 8)  # [BN, NH, 8, 16]
     elif QUANT >= 6:  # q4_k: chunks' nibble bytes; q5_k: | the fifth bits' bytes << 8, int32
         r = n0 + tl.arange(0, BN)[:, None, None]
         c = k0 // 64 + tl.arange(0, BK // 64)[None, :, None]
         lane = tl.arange(0, 32)[None, None, :]
-        blk = _kq_block(q_ptr, e, r, c // 4, N, K, QUANT)
+        blk = _kq_block(q_ptr, e, r, c // 4, N, K, QUANT, ES)
         if QUANT == 6:
             return tl.load(blk + 16 + (c % 4) * 32 + lane)  # [BN, NC, 32]
         else:
@@ -249,14 +249,16 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
 
 
 @triton.jit
-def _kq_block(q_ptr, e, r, sb, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr):
-    """The address of super-block sb of row r of expert e's K-quant matrix [N, K/256, B]."""
-    if QUANT == 6:
-        return q_ptr + ((e * N + r) * (K // 256) + sb) * 144
-    elif QUANT == 7:
-        return q_ptr + ((e * N + r) * (K // 256) + sb) * 176
+def _kq_block(q_ptr, e, r, sb, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
+              ES: tl.constexpr = 0):  # fmt: skip
+    """The address of super-block sb of row r of expert e's K-quant matrix [N, K/256, B]; ES:
+    the bytes from one expert's matrix to the next (0: N K/256 B, packed; a pool of per-layer
+    layouts: its largest record's, Launch.build)."""
+    B: tl.constexpr = 144 if QUANT == 6 else (176 if QUANT == 7 else 210)
+    if ES == 0:
+        return q_ptr + ((e * N + r) * (K // 256) + sb) * B
     else:
-        return q_ptr + ((e * N + r) * (K // 256) + sb) * 210
+        return q_ptr + e * ES + (r * (K // 256) + sb) * B
 
 
 @triton.jit
@@ -291,7 +293,7 @@ def _chain(acc, a, b, c, d, BN: tl.constexpr, NB: tl.constexpr, W: tl.constexpr)
 @triton.jit
 def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: tl.constexpr,
           G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, ELEM: tl.constexpr,
-          FAST: tl.constexpr, HALF: tl.constexpr = False, CHAIN: tl.constexpr = False):  # fmt: skip
+          FAST: tl.constexpr, HALF: tl.constexpr = False, CHAIN: tl.constexpr = False, ES: tl.constexpr = 0):  # fmt: skip
     """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments.
     xh: int4 rows' high-nibble inputs (xv's + 16); the other layouts ignore it. HALF: int4 rows
     through _u4_f32's HALF (DecodeConfig.half); CHAIN: a block's products by _chain
@@ -308,7 +310,7 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
     elif QUANT == 8:  # q6_k: (d sc) (q - 32) summed per group of 16 as (d sc) dot
         r = n0 + tl.arange(0, BN)[:, None, None]
         hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None]
-        blk = _kq_block(s_ptr, e, r, hb // 2, N, K, QUANT)
+        blk = _kq_block(s_ptr, e, r, hb // 2, N, K, QUANT, ES)
         g = tl.arange(0, 8)[None, None, :]
         sc = tl.load(blk + 192 + 8 * (hb % 2) + g).to(tl.int8, bitcast=True).to(tl.float32)
         q = q6_value(w & 255, w >> 8, tl.arange(0, 8)[None, None, :, None] // 2)
@@ -318,7 +320,7 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
     elif QUANT >= 6:  # q4_k / q5_k: (d sc) q - dmin m per 32-block: (d sc) dot + z sum(x)
         r = n0 + tl.arange(0, BN)[:, None]
         c = k0 // 64 + tl.arange(0, BK // 64)[None, :]
-        blk = _kq_block(s_ptr, e, r, c // 4, N, K, QUANT)
+        blk = _kq_block(s_ptr, e, r, c // 4, N, K, QUANT, ES)
         d, dmin = f16_at(blk, None), f16_at(blk + 2, None)
         sc, mn = scale_min(blk, 2 * (c % 4), None)  # the low nibbles' sub-block
         ds_lo, dm_lo = d * sc.to(tl.float32), dmin * mn.to(tl.float32)
@@ -494,7 +496,7 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
                   G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT: tl.constexpr,
                   TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr, READY: tl.constexpr,
                   HOST: tl.constexpr, HALF: tl.constexpr = False,
-                  CHAIN: tl.constexpr = False):  # fmt: skip
+                  CHAIN: tl.constexpr = False, ES: tl.constexpr = 0):  # fmt: skip
     """Work item (p, nb, sk): gate rows [n0, n0 + BN) and the same up rows (I + n0 ...) of pair
     p's expert over D split sk -> h[p, n0 + r] = silu(g) * u (through split partials and a
     counter when SPLIT > 1)."""
@@ -508,16 +510,16 @@ def _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_pt
     ua, ub = _acc_zeros(QUANT, G, BN, BK, ELEM)
     for kb in tl.static_range(0, KC, BK):
         k0 = sk * KC + kb
-        wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK)
-        wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK)
+        wg = _load_w(q_ptr, e, n0, k0, N, D, QUANT, G, BN, BK, ES)
+        wu = _load_w(q_ptr, e, I + n0, k0, N, D, QUANT, G, BN, BK, ES)
         xv = tl.load(xrow + kb + koff).to(tl.float32)
         xh = _hi_inputs(xrow + kb + koff, xv, QUANT)
         a, b = _step(wg, s_ptr, e, n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF,
-                     CHAIN)  # fmt: skip
+                     CHAIN, ES)  # fmt: skip
         ga += a
         gb += b
         a, b = _step(wu, s_ptr, e, I + n0, k0, xv, xh, N, D, QUANT, G, BN, BK, ELEM, FAST, HALF,
-                     CHAIN)  # fmt: skip
+                     CHAIN, ES)  # fmt: skip
         ua += a
         ub += b
     g_a, g_b = _reduce(ga, gb, QUANT, ELEM)
@@ -549,7 +551,7 @@ def _gate_up_kernel(
     BK: tl.constexpr, SPLIT: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr,
     FAST: tl.constexpr, PDL: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
     PICK: tl.constexpr = 0, LANES: tl.constexpr = 1, HALF: tl.constexpr = False,
-    CHAIN: tl.constexpr = False,
+    CHAIN: tl.constexpr = False, ES: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (p, nb, sk) = one _gate_up_item (of a pair _picked by this launch)."""
     if PDL:
@@ -560,12 +562,12 @@ def _gate_up_kernel(
                 _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr,
                               h_ptr, cnt_ptr, p, tl.program_id(1), tl.program_id(2), P, D, I,
                               QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST, HALF,
-                              CHAIN)  # fmt: skip
+                              CHAIN, ES)  # fmt: skip
     elif _picked(sel_ptr, tl.program_id(0), PICK):
         _gate_up_item(x_ptr, ids_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, part_ptr, cnt_ptr, h_ptr,
                       cnt_ptr, tl.program_id(0), tl.program_id(1), tl.program_id(2), P, D, I,
                       QUANT, G, BN, BK, SPLIT, TOPK, ELEM, FAST, False, HOST, HALF,
-                      CHAIN)  # fmt: skip
+                      CHAIN, ES)  # fmt: skip
 
 
 @triton.jit
@@ -588,7 +590,7 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
                G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, TOPK: tl.constexpr,
                ELEM: tl.constexpr, FAST: tl.constexpr, WAIT: tl.constexpr, NBG: tl.constexpr,
                COMBINE: tl.constexpr, HOST: tl.constexpr, HALF: tl.constexpr = False,
-               CHAIN: tl.constexpr = False):  # fmt: skip
+               CHAIN: tl.constexpr = False, ES: tl.constexpr = 0):  # fmt: skip
     """Work item (p, nb): output rows [n0, n0 + BN) of pair p over all of I, times the routing
     weight, stored as pair p's fp32 row; with COMBINE the token's last item for the row block adds
     its TOPK rows in slot order and writes the output. The first weight tile is loaded before
@@ -597,17 +599,18 @@ def _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, 
     q_ptr, s_ptr, e = _source(ids_ptr, p, q_ptr, s_ptr, hq_ptr, hs_ptr, HOST)
     n0 = nb * BN
     koff = _k_offsets(QUANT, G, BN, BK)
-    w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK)  # weights need no wait
+    w_first = _load_w(q_ptr, e, n0, 0, D, I, QUANT, G, BN, BK, ES)  # weights need no wait
     _await(ready_ptr, p, WAIT, NBG)
     acc_a, acc_b = _acc_zeros(QUANT, G, BN, BK, ELEM)
     for k0 in tl.static_range(0, I, BK):
         if k0 == 0:
             w = w_first
         else:
-            w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK)
+            w = _load_w(q_ptr, e, n0, k0, D, I, QUANT, G, BN, BK, ES)
         hv = tl.load(h_ptr + p * I + k0 + koff).to(tl.float32)
         hh = _hi_inputs(h_ptr + p * I + k0 + koff, hv, QUANT)
-        a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST, HALF, CHAIN)
+        a, b = _step(w, s_ptr, e, n0, k0, hv, hh, D, I, QUANT, G, BN, BK, ELEM, FAST, HALF, CHAIN,
+                     ES)  # fmt: skip
         acc_a += a
         acc_b += b
     ya, yb = _reduce(acc_a, acc_b, QUANT, ELEM)
@@ -633,7 +636,7 @@ def _down_kernel(
     BK: tl.constexpr, TOPK: tl.constexpr, ELEM: tl.constexpr, FAST: tl.constexpr,
     PDL: tl.constexpr, COMBINE: tl.constexpr, HOST: tl.constexpr, sel_ptr=None,
     PICK: tl.constexpr = 0, LANES: tl.constexpr = 1, HALF: tl.constexpr = False,
-    CHAIN: tl.constexpr = False,
+    CHAIN: tl.constexpr = False, ES: tl.constexpr = 0,
 ):  # fmt: skip
     """Program (p, nb) = one _down_item (PDL: waits for the gate/up grid), of a pair _picked by
     this launch: the combine counts only pairs that ran, so of a layer's two picked launches
@@ -644,11 +647,11 @@ def _down_kernel(
                 _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr,
                            cnt_ptr, out_ptr, cnt_ptr, p, tl.program_id(1), D, I, QUANT, G, BN,
                            BK, TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF,
-                           CHAIN)  # fmt: skip
+                           CHAIN, ES)  # fmt: skip
     elif _picked(sel_ptr, tl.program_id(0), PICK):
         _down_item(h_ptr, ids_ptr, rw_ptr, q_ptr, s_ptr, hq_ptr, hs_ptr, dpart_ptr, cnt_ptr,
                    out_ptr, cnt_ptr, tl.program_id(0), tl.program_id(1), D, I, QUANT, G, BN, BK,
-                   TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF, CHAIN)  # fmt: skip
+                   TOPK, ELEM, FAST, 1 if PDL else 0, 0, COMBINE, HOST, HALF, CHAIN, ES)  # fmt: skip
 
 
 @triton.jit
@@ -935,6 +938,13 @@ def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
     }
 
 
+def _expert_stride(q: torch.Tensor) -> int:
+    """The kernels' ES: 0 for packed experts, else the elements from one expert's section to the
+    next (a pool of per-layer K-quant layouts views each layer's records in slots of its largest
+    record's bytes: StackedExperts)."""
+    return 0 if q.is_contiguous() else q.stride(0)
+
+
 def _workspace(device, split: int, P: int, I: int, T: int, D: int, nbg: int, nbd: int,
                h_dtype: torch.dtype):  # fmt: skip
     """fp32 gate/up partials [split, P, 2I], h [P, I] (activation dtype), fp32 pair rows [P, D]
@@ -1003,7 +1013,7 @@ class Launch:
         if host is not None:
             for k, v in sec.items():
                 assert far[k].dtype == v.dtype and far[k].shape[1:] == v.shape[1:], k
-                assert far[k].is_contiguous(), f"host {k} must be contiguous"
+                assert far[k].stride() == v.stride(), f"host {k}: the pool's strides"
         scale = SCALE_SECTION[quant]
         h_dtype = h_dtype or x.dtype
         ws = _workspace(x.device, cfg.split, P, I, T, D, I // cfg.bn, D // cfg.bn_d, h_dtype)
@@ -1012,6 +1022,8 @@ class Launch:
         assert not combine or (out.is_contiguous() and out.shape == (T, D))
         common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=ids.shape[1],
                       HOST=host is not None)  # fmt: skip
+        if _expert_stride(sec["w13.q"]):  # (only then: the ablations' kernels take packed experts)
+            common.update(ES=_expert_stride(sec["w13.q"]))
         if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
             bf16 = x.dtype == torch.bfloat16
             common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
@@ -1026,9 +1038,9 @@ class Launch:
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", SCALE_SECTION[down]))
         # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up): its step, and no
         # nibble conversion to halve where it has none
-        own = {}
+        own = {"ES": _expert_stride(sec["w2.q"])} if _expert_stride(sec["w2.q"]) else {}
         if down != quant:
-            own = {"QUANT": QUANT_CODE[down], "HALF": cfg.half and down in HALF_QUANTS}
+            own.update(QUANT=QUANT_CODE[down], HALF=cfg.half and down in HALF_QUANTS)
         if pick is not None:
             sel, mode = pick
             assert mode in (1, 2) and sel.numel() == P and sel.is_contiguous()

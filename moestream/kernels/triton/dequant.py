@@ -24,7 +24,7 @@ import triton.language as tl
 
 from moestream.kernels.triton.decode import QUANT_CODE
 from moestream.kernels.triton.kquant import f16_at, kquant_value
-from moestream.kernels.triton.layout import ROW_QUANTS
+from moestream.kernels.triton.layout import ROW_QUANTS, per_expert
 from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, KQUANT_OF_BYTES, QK_K
 
 DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -125,10 +125,11 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
 
 @triton.jit
 def _dequant_blocks_kernel(q_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
-                           B: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, DT: tl.constexpr,
-                           SRC: tl.constexpr):  # fmt: skip
+                           B: tl.constexpr, ES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           DT: tl.constexpr, SRC: tl.constexpr):  # fmt: skip
     """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1 of K-quant
-    blocks [.., N, K/256, B] (kquant_value); SRC as _dequant_rows_kernel's."""
+    blocks [.., N, K/256, B] (kquant_value), matrix d at byte d * ES; SRC as
+    _dequant_rows_kernel's."""
     d = tl.program_id(0).to(tl.int64)
     r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None]
     k = tl.program_id(2) * BK + tl.arange(0, BK)[None, :]
@@ -138,7 +139,7 @@ def _dequant_blocks_kernel(q_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.const
         e = tl.load(src_ptr + d).to(tl.int64)
         rows = tl.where(e >= 0, N, 0)  # no rows of an unnamed matrix
     m = (r < rows) & (k < K)
-    blk = q_ptr + ((e * N + r) * (K // 256) + k // 256) * B
+    blk = q_ptr + e * ES + (r * (K // 256) + k // 256) * B
     tl.store(
         out_ptr + d * (N * K) + r * K + k, _round(kquant_value(blk, k % 256, m, B), DT), mask=m
     )
@@ -151,13 +152,16 @@ def dequant_kquant_blocks(q: torch.Tensor, dtype: torch.dtype, src: torch.Tensor
     (out[c] is matrix src[c], left as it was where src[c] < 0). One launch, no sync."""
     lead, (N, nb, B) = q.shape[:-3], q.shape[-3:]
     K = nb * QK_K
-    assert B in KQUANT_OF_BYTES and q.dtype == torch.uint8 and q.is_contiguous(), q.shape
+    assert B in KQUANT_OF_BYTES and q.dtype == torch.uint8, q.shape
+    # each matrix contiguous (a pool of per-layer layouts: its slots padded, layout.padded_view)
+    assert q.is_contiguous() or (len(lead) == 1 and per_expert(q)), "contiguous matrices"
     assert src is None or (len(lead) == 1 and src.dim() == 1), "src [C] names stacked weights"
     shape = (*lead, N, K) if src is None else (src.numel(), N, K)
     out = torch.empty(shape, device=q.device, dtype=dtype)
     grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), triton.cdiv(K, bk))
-    _dequant_blocks_kernel[grid](q, out, src if src is not None else q, N=N, K=K, B=B, BN=bn,
-                                 BK=bk, DT=DTYPES[dtype], SRC=src is not None,
+    es = q.stride(0) if len(lead) == 1 else N * nb * B
+    _dequant_blocks_kernel[grid](q, out, src if src is not None else q, N=N, K=K, B=B, ES=es,
+                                 BN=bn, BK=bk, DT=DTYPES[dtype], SRC=src is not None,
                                  num_warps=4)  # fmt: skip
     return out
 

@@ -68,7 +68,11 @@ class StackedExperts:
         assert n2 % 2 == 0, f"w13 has an odd number of rows {n2}"
         for name, t in self.sections.items():
             assert t.shape[0] == e, f"{name}: {t.shape[0]} experts, w13.q has {e}"
-            assert t.is_contiguous(), f"{name} must be contiguous"
+            # each expert's section contiguous; only a K-quant pool's smaller layouts are views
+            # into slots of its largest record (per-layer layouts), whose stride the kernels take
+            assert t.is_contiguous() or (
+                name.endswith(".q") and self.quant_of(name[:-2]) in KQUANTS and per_expert(t)
+            ), f"{name} must be contiguous"
 
     @property
     def num_experts(self) -> int:
@@ -91,6 +95,10 @@ class StackedExperts:
     def kernel_quant(self) -> str:
         """The layout the kernels read: the scheme's name, or "int4r" for int4 rows."""
         return "int4r" if self.rows else self.scheme.name
+
+    def quant_of(self, name: str) -> str:
+        """The layout the kernels read for projection name ("w13" or "w2")."""
+        return self.down_quant if name == "w2" else self.kernel_quant
 
     @property
     def down_quant(self) -> str:
@@ -123,6 +131,18 @@ class StackedExperts:
     def to(self, device) -> StackedExperts:
         secs = {k: v.to(device) for k, v in self.sections.items()}
         return StackedExperts(self.scheme, secs, self.routed, self.down)
+
+
+def per_expert(t: torch.Tensor) -> bool:
+    """Each t[i] is contiguous, and the experts do not overlap (a view of padded slots)."""
+    inner = torch.empty(t.shape[1:], device="meta").stride()
+    return t.stride()[1:] == inner and t.stride(0) >= t[0].numel()
+
+
+def padded_view(t: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """Slots t [n, ...] read as [n, *shape] packed at each slot's start (a smaller record layout
+    in a pool of its largest record's slots)."""
+    return t.view(t.shape[0], -1)[:, : torch.Size(shape).numel()].view(t.shape[0], *shape)
 
 
 def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
