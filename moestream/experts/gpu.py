@@ -56,8 +56,14 @@ from moestream.kernels.triton import (
     scratch_bytes,
     unsupported,
 )  # fmt: skip
-from moestream.kernels.triton.layout import KQUANTS, StackedExperts, pool_shapes, rows_sections
-from moestream.quant import QuantScheme
+from moestream.kernels.triton.layout import (
+    KQUANTS,
+    StackedExperts,
+    padded_view,
+    pool_shapes,
+    rows_sections,
+)
+from moestream.quant import KQUANT_OF_BYTES, QuantScheme, make_scheme
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
 from moestream.store.policy import PolicyError, SlotTable, make_policy
@@ -80,30 +86,38 @@ class PinnedPool:
         return memoryview(self._np[slot * self.size : (slot + 1) * self.size])
 
 
-def check_scheme(store: Store) -> tuple[QuantScheme, QuantScheme | None]:
-    """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read; else
-    (w13's scheme, w2's where it differs): one record layout in every layer, w2 of its own
-    K-quant below K-quant gate/up (a GGUF's blocks kept per tensor)."""
+def check_scheme(store: Store) -> None:
+    """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read: every
+    projection in a GPU scheme, one record layout in every layer or K-quants only (a GGUF's
+    blocks kept per tensor, as a Q4_K_M file's q6_k and q4_k down projections: the pool's slots
+    hold the largest record, each layer's kernels their own), a projection of its own scheme
+    K-quants only."""
     fix = "run it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
-    if len(set(store.layouts.values())) > 1:
+    layouts = set(store.layouts.values())
+    names = {s.name for layout in layouts for s in layout.schemes}
+    for name in sorted(names - set(SCHEMES)):
+        raise ConfigError(
+            f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; "
+            f"the GPU reads {', '.join(SCHEMES)}); {fix}"
+        )
+    if len(layouts) > 1 and not names <= set(KQUANTS):
         raise ConfigError(
             f"{store.folder} holds experts whose record layout differs across layers "
-            f"({store.quant_name}: a GGUF's blocks kept per tensor, as a Q4_K_M file's q6_k and "
-            "q4_k down projections), which the GPU pool does not hold yet (one record layout in "
-            f"every slot); {fix}"
+            f"({store.quant_name}), which the GPU pool holds for K-quants only; {fix}"
         )
-    w13, w2 = store.layout.schemes
-    if w13 != w2 and not {w13.name, w2.name} <= set(KQUANTS):
-        raise ConfigError(
-            f"{store.folder} holds {w13.name} gate/up and {w2.name} down projections, which the "
-            f"GPU kernels do not read together (a projection of its own scheme: K-quants); {fix}"
-        )
-    for name in dict.fromkeys((w13.name, w2.name)):
-        if name not in SCHEMES:
+    for layout in layouts:
+        w13, w2 = layout.schemes
+        if w13 != w2 and not {w13.name, w2.name} <= set(KQUANTS):
             raise ConfigError(
-                f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; "
-                f"the GPU reads {', '.join(SCHEMES)}); {fix}"
+                f"{store.folder} holds {w13.name} gate/up and {w2.name} down projections, which "
+                f"the GPU kernels do not read together (a projection of its own scheme: "
+                f"K-quants); {fix}"
             )
+
+
+def _schemes(layout) -> tuple[QuantScheme, QuantScheme | None]:
+    """A record layout's (w13 scheme, w2's where it differs): StackedExperts' scheme and down."""
+    w13, w2 = layout.schemes
     return w13, (w2 if w2 != w13 else None)
 
 
@@ -111,17 +125,32 @@ class GpuExperts(ExpertProvider):
     """ExpertProvider with a VRAM (or, for tests, CPU) slot pool. `stats()`: cumulative counters."""
 
     def __init__(self, store: Store, cfg: GpuConfig):
-        self.scheme, self.down = check_scheme(store)  # w13's scheme, w2's where it differs
+        check_scheme(store)
         self.store, self.cfg = store, cfg
         self.device = torch.device(cfg.device)
         self.cuda = self.device.type == "cuda"
         self.kernel = moe_kernel(cfg.kernel)
-        layout, a = store.layout, store.args
+        a = store.args
         self.layers = sorted(store.crc)
         self.layer_index = {layer: i for i, layer in enumerate(self.layers)}
         self.E, self.K = a.num_experts, a.num_experts_per_tok
         self.n_slots = slot_count(store, cfg)
-        self.size = layout.size
+        self.size = store.slot_size  # the largest record (per-layer layouts: a Q4_K_M store's)
+        # Each section at its largest layout's shape; a layer of a smaller one reads its records
+        # packed at each slot's start (layout.padded_view: _layer_view). One layout: the pool's.
+        self.layouts = [store.layouts[layer] for layer in self.layers]
+        self.largest: dict = {}  # section name -> its largest Section over the layouts
+        for layout in self.layouts:
+            for sec in layout.sections:
+                if sec.name not in self.largest or sec.nbytes > self.largest[sec.name].nbytes:
+                    self.largest[sec.name] = sec
+        # the pool's schemes (w13's, w2's where it differs): the one layout's, or (K-quants) those
+        # of its largest sections, which name their format by their block bytes
+        self.scheme, self.down = _schemes(self.layouts[0])
+        if len(set(self.layouts)) > 1:
+            w13, w2 = (make_scheme(KQUANT_OF_BYTES[self.largest[f"{n}.q"].shape[-1]])
+                       for n in ("w13", "w2"))  # fmt: skip
+            self.scheme, self.down = w13, (w2 if w2 != w13 else None)
         # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id), int4
         # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
         self.rows = (self.scheme.name == "int4" and self.scheme.group_size % 32 == 0
@@ -161,6 +190,9 @@ class GpuExperts(ExpertProvider):
         n_pool = self.n_slots + (self.K if self.staged else 0) + 2 * self.K * self.prefetching
         # routed=E: a call's ids are one layer's experts (the grouped prefill's scratch bound)
         self.pool = self._stacked(self._sections((n_pool,), self.device), self.E)
+        # each layer's view of the pool (its own layout, per-layer layouts; else the pool)
+        self.pools = [self._layer_view(i, self.pool.sections, self.E)
+                      for i in range(len(self.layers))]  # fmt: skip
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.h2d_bytes = 0
         self.syncs = 0
@@ -179,7 +211,9 @@ class GpuExperts(ExpertProvider):
             # each layer's experts as a view: its routed ids are its slots (no offset kernel)
             E = self.E
             self.layer_pools = [
-                self._stacked({k: v[i * E : (i + 1) * E] for k, v in self.pool.sections.items()})
+                self._layer_view(
+                    i, {k: v[i * E : (i + 1) * E] for k, v in self.pool.sections.items()}
+                )
                 for i in range(len(self.layers))
             ]
             self._choose_prefill()
@@ -235,9 +269,22 @@ class GpuExperts(ExpertProvider):
         """Pool-layout sections as the kernels' StackedExperts (w2's own scheme where it differs)."""
         return StackedExperts(self.scheme, secs, routed, self.down)
 
+    def _layer_view(self, li: int, secs: dict[str, torch.Tensor],
+                    routed: int | None = None) -> StackedExperts:  # fmt: skip
+        """Pool-layout sections [n, *largest shape] as layer li's StackedExperts: a section of a
+        smaller layout read packed at each slot's start (layout.padded_view), its own schemes."""
+        layout = self.layouts[li]
+        if len(set(self.layouts)) == 1:
+            return self._stacked(secs, routed)
+        own = {sec.name: sec.shape for sec in layout.sections}
+        views = {n: t if t.shape[1:] == own[n] else padded_view(t, own[n]) for n, t in secs.items()}
+        w13, down = _schemes(layout)
+        return StackedExperts(w13, views, routed, down)
+
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:
-        """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's)."""
-        shapes = {s.name: (s.shape, s.dtype) for s in self.store.layout.sections}
+        """Empty pool-layout sections [*lead, *shape] (the pool's, or the mirror's; each section
+        at its largest layout's shape)."""
+        shapes = {n: (sec.shape, sec.dtype) for n, sec in self.largest.items()}
         # int4's sz -> rz [N, K/G] int32 (rows), or sz in the store-layout kernels' order
         shapes = pool_shapes(self.scheme, shapes, self.rows)
         return {n: torch.empty((*lead, *sh), dtype=dt, device=device, pin_memory=pin)
@@ -256,7 +303,7 @@ class GpuExperts(ExpertProvider):
     def _fill_mirror(self) -> None:
         """Every record into the pinned mirror, section by section ([L * E, *shape] each, the
         pool's layout, so the kernels index it like the pool)."""
-        layout, E = self.store.layout, self.E
+        E = self.E
         n = len(self.layers) * E
         secs = self._sections((n,), "cpu", pin=self.cuda)
         stage = PinnedPool(self.size, E, pin=False)
@@ -265,12 +312,14 @@ class GpuExperts(ExpertProvider):
             for i, layer in enumerate(self.layers):
                 reader.read(layer, [(e, e) for e in range(E)])
                 got = {s.name: stage.buf[:, s.offset : s.offset + s.nbytes].contiguous()
-                       .view(s.dtype).view(E, *s.shape) for s in layout.sections}  # fmt: skip
+                       .view(s.dtype).view(E, *s.shape) for s in self.layouts[i].sections}  # fmt: skip
+                rows = self._layer_view(i, {k: v[i * E : (i + 1) * E] for k, v in secs.items()})
                 for name, t in self._pool_layout(got).items():
-                    secs[name][i * E : (i + 1) * E] = t
+                    rows.sections[name].copy_(t)
         finally:
             reader.close()
         self.mirror = self._stacked(secs)
+        self.mirrors = [self._layer_view(i, secs) for i in range(len(self.layers))]
 
     def _init_device_misses(self) -> None:
         L, K = len(self.layers), self.K
@@ -368,15 +417,15 @@ class GpuExperts(ExpertProvider):
         gather_codes(ids.reshape(-1), self.slot_map[li], codes, self._seen[li])
         if self.prefetching:
             slots = self._prefetching_stage(li, x, codes)
-            return moe_decode(x, slots.view_as(ids), weights, self.pool)
+            return moe_decode(x, slots.view_as(ids), weights, self.pools[li])
         if self._stage is not None and self.cfg.hits_first:
-            return self._hits_first(x, ids, weights, codes)
+            return self._hits_first(li, x, ids, weights, codes)
         if self._stage_down is not None:
-            return self._split_staged(x, ids, weights, codes)
+            return self._split_staged(li, x, ids, weights, codes)
         if self._stage is not None:  # staging slots n_slots .. n_slots + K - 1, this layer's
             self._stage(codes, self._stage_slots, self.n_slots)
-            return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool)
-        return moe_decode(x, codes.view_as(ids), weights, self.pool, host=self.mirror)
+            return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pools[li])
+        return moe_decode(x, codes.view_as(ids), weights, self.pools[li], host=self.mirrors[li])
 
     @contextlib.contextmanager
     def _aside(self):
@@ -394,7 +443,7 @@ class GpuExperts(ExpertProvider):
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._stage_stream)
 
-    def _hits_first(self, x, ids, weights, codes) -> torch.Tensor:
+    def _hits_first(self, li: int, x, ids, weights, codes) -> torch.Tensor:
         """GpuConfig.hits_first: the misses staged on a side stream (forked and joined inside a
         captured step) while the hits' pairs compute on this one, then the misses' pairs, both
         into one output (moe_decode's `pick`: the one launch's bits)."""
@@ -403,12 +452,12 @@ class GpuExperts(ExpertProvider):
         with self._aside():  # after the codes' gather and the last layer's reads
             self._stage(codes, self._stage_slots, self.n_slots)
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        moe_decode(x, codes.view_as(ids), weights, self.pool, out=out, pick=(codes, 1))
+        moe_decode(x, codes.view_as(ids), weights, self.pools[li], out=out, pick=(codes, 1))
         self._join()
-        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool, out=out,
+        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pools[li], out=out,
                           pick=(codes, 2))  # fmt: skip
 
-    def _split_staged(self, x, ids, weights, codes) -> torch.Tensor:
+    def _split_staged(self, li: int, x, ids, weights, codes) -> torch.Tensor:
         """GpuConfig.split_staging: the misses' gate/up sections staged on this stream, then their
         down sections on a side stream (forked after that staging, joined before the down kernel)
         while the gate/up kernel runs. The same rows into the same staging slots as one launch."""
@@ -417,7 +466,7 @@ class GpuExperts(ExpertProvider):
         self._stage(codes, self._stage_slots, self.n_slots)
         with self._aside():  # after the gate/up sections and the last layer's down reads
             self._stage_down(codes, self._stage_slots, self.n_slots)
-        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pool,
+        return moe_decode(x, self._stage_slots.view_as(ids), weights, self.pools[li],
                           before_down=self._join)  # fmt: skip
 
     def _prefetch_base(self, li: int) -> int:
@@ -626,20 +675,22 @@ class GpuExperts(ExpertProvider):
                 reader.read(layer, [(e, e) for e in range(self.E)])
                 dev = stage.buf.to(self.device)
                 slots = torch.arange(i * self.E, (i + 1) * self.E, device=self.device)
-                self._scatter(dev, slots)
+                self._scatter(i, dev, slots)
                 self.h2d_bytes += dev.numel()
         finally:
             reader.close()
         if self.cuda:
             torch.cuda.synchronize(self.device)
 
-    def _scatter(self, records: torch.Tensor, slots: torch.Tensor) -> None:
-        """records [m, size] uint8 on the device -> the pool's section tensors at `slots` [m]."""
+    def _scatter(self, li: int, records: torch.Tensor, slots: torch.Tensor) -> None:
+        """records [m, size] uint8 of layer li on the device -> the pool's section tensors at
+        `slots` [m] (in layer li's layout)."""
         m = records.shape[0]
         secs = {s.name: records[:, s.offset : s.offset + s.nbytes].contiguous().view(s.dtype)
-                .view(m, *s.shape) for s in self.store.layout.sections}  # fmt: skip
+                .view(m, *s.shape) for s in self.layouts[li].sections}  # fmt: skip
+        pool = self.pools[li].sections
         for name, t in self._pool_layout(secs).items():
-            self.pool.sections[name].index_copy_(0, slots, t)
+            pool[name].index_copy_(0, slots, t)
 
     def _load_misses(self, li: int, layer: int, misses: list[tuple[int, int]], evicted) -> None:
         """Fill the VRAM slots of misses [(expert, slot)] and bring slot_map up to date: evicted
@@ -700,7 +751,7 @@ class GpuExperts(ExpertProvider):
                 dev[j].copy_(self.host.buf[li * self.E + e], non_blocking=True)
         else:
             dev.copy_(self.host.buf[:m], non_blocking=True)
-        self._scatter(dev, slots)
+        self._scatter(li, dev, slots)
 
     # ---- compute -------------------------------------------------------------------------------
     def _slot_ids(self, layer: int, ids: torch.Tensor) -> torch.Tensor:
@@ -736,7 +787,7 @@ class GpuExperts(ExpertProvider):
         if slots is None:
             return self._chunked(layer, x, ids, weights)
         # expert ids: the reference kernel adds experts in ascending id, not slot, order
-        return self.kernel(x, slots, weights, self.pool, expert_ids=ids)
+        return self.kernel(x, slots, weights, self.pools[self.layer_index[layer]], expert_ids=ids)
 
     def _chunked(self, layer: int, x, ids, weights) -> torch.Tensor:
         """A prefill whose experts do not fit the pool at once: the (token, k) pairs of each chunk
@@ -753,7 +804,7 @@ class GpuExperts(ExpertProvider):
         experts = sorted(set(host.tolist()))
         cap = self.table.policy.capacity(self.n_slots)
         pairs = self.cfg.kernel == "triton" and (
-            prompt_path(self.pool, x, T, self.prefill) or not unsupported(self.pool, T)
+            prompt_path(self.pools[li], x, T, self.prefill) or not unsupported(self.pools[li], T)
         )
         if pairs:
             rows = torch.empty(T * K, x.shape[1], device=self.device, dtype=torch.float32)
@@ -771,10 +822,11 @@ class GpuExperts(ExpertProvider):
             slots = self.slot_map[li][flat[sel]].reshape(-1, 1)
             w = weights.reshape(-1)[sel].reshape(-1, 1)
             if pairs:
-                rows[sel] = moe_pairs(x[tok], slots, w, self.pool, tokens=T,
+                rows[sel] = moe_pairs(x[tok], slots, w, self.pools[li], tokens=T,
                                       prefill=self.prefill)  # fmt: skip
             else:
-                y = self.kernel(x[tok], slots, w, self.pool, expert_ids=flat[sel].reshape(-1, 1))
+                y = self.kernel(x[tok], slots, w, self.pools[li],
+                                expert_ids=flat[sel].reshape(-1, 1))  # fmt: skip
                 y = y.to(out.dtype)
                 owner = host[sel_host]
                 for e in chunk:  # ascending ids, as the resident call adds them
