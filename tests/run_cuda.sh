@@ -30,8 +30,8 @@ shard mma -m cuda "$kern" -k mma_cuda &
 pre="prefill_cuda or prefill_tiles_cuda or dispatcher_cuda"
 shard prefill "$kern" "$abl" -k "($pre) and not prefill_tiles_cuda" &
 shard tiles "$kern" -k prefill_tiles_cuda &
-shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups) and not ($pre)" &
-shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py &
+shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups or kquant_blocks or kquant_prompts) and not ($pre)" &
+shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py tests/test_kquant.py &
 # The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
 # the q6_k output layer's GEMV, the record copy and the misses' staging).
 shard dense tests/test_triton_dense.py tests/test_triton_small.py &

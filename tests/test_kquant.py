@@ -380,14 +380,16 @@ def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
 
 @pytest.mark.cuda
 def test_kquant_store_streams_on_cuda(tmp_path):
-    """A Q4_K + Q6_K store (one layout) streamed through 3 slots with device-side misses (staged
-    from the pinned mirror inside a captured step) gives the resident run's greedy tokens and
+    """A Q4_K_M-like store (q6_k down on layers 0 and 2, q4_k on layer 1: per-layer layouts in
+    slots of the largest record) streamed through 3 slots with device-side misses (staged from
+    the pinned mirror inside a captured step) gives the resident run's greedy tokens and
     log-probs exactly."""
     from test_gpu_provider import device_miss_runs
 
     hf = save(perturbed_model("qwen3_moe", seed=2, **WIDE), tmp_path / "hf", "per_expert")
     path = tmp_path / "m.gguf"
-    write_gguf(hf, path, dict.fromkeys(range(3), ("Q4_K", "Q4_K", "Q6_K")), dense_type="Q8_0")
+    kinds = {0: ("Q4_K", "Q4_K", "Q6_K"), 1: ("Q4_K",) * 3, 2: ("Q4_K", "Q4_K", "Q6_K")}
+    write_gguf(hf, path, kinds, dense_type="Q8_0")
     store = convert(path, tmp_path / "s", source_scheme(path, None), False)
     (_, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 16, 3)
     assert rt.provider.device_misses and rt.provider.staged
