@@ -59,8 +59,11 @@ def _operands(w: QuantWeight, quant: str):
 
 
 def _exact(w: QuantWeight) -> torch.Tensor:
-    """The stored weight dequantized in float64 (no rounding): [N, K]."""
+    """The stored weight dequantized in float64 (no rounding; K-quants: ggml's values, whose one
+    rounding is part of the format): [N, K]."""
     n, k = w.shape
+    if w.scheme.name in ("q4_k", "q5_k", "q6_k"):
+        return dequantize(w.sections(), "w", 256, torch.float32).double()
     if w.scheme.name == "int8":
         return (w.q.double().view(n, -1, 32) * w.s.double()[..., None]).view(n, k)
     if w.scheme.name == "q4_0":
@@ -359,6 +362,28 @@ def test_q6_k_output_layer_runs_the_int8_gemv_over_its_exact_values():
     ids = torch.tensor([95, 0, 7], device=DEVICE)
     rows = dequantize(w6.sections(), "w", 256, ACT)[ids]
     assert torch.equal(QuantEmbedding(w, ACT, "triton")(ids), rows)
+
+
+@pytest.mark.parametrize("fmt", ["q4_k", "q5_k"])
+@pytest.mark.parametrize("T", [1, 3])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kquant_gemv_matches_the_float64_spec(fmt, T, dtype):
+    """A GGUF's Q4_K / Q5_K dense weights (a Q4_K_M file's attention) as stored: the MoE decode
+    kernels' super-block steps as a GEMV against the float64 spec, with and without a bias, rows
+    in blocks of 4 and of 2; QuantLinear's kernel "triton" takes it for decode (its bits), a
+    prompt dequantizes."""
+    for i, (n, k) in enumerate(((96, 512), (6, 256))):
+        w = _table(fmt, n, k, seed=n + T).to(DEVICE)
+        g = torch.Generator().manual_seed(k + T)
+        x = torch.randn(T, k, generator=g).to(DEVICE, dtype) / 8
+        bias = torch.randn(n, generator=g).to(DEVICE, dtype) if i == 0 else None
+        got = tdense.gemv(x, w.q, w.q, bias, fmt, n, 256)
+        assert got.dtype == dtype
+        _check(got, x, w, bias)
+        lin = QuantLinear(w, bias, "triton")
+        assert lin.resolved_kernel(x.device, T) == "triton" and torch.equal(lin(x), got)
+        assert lin.resolved_kernel(x.device, 9) == "ref"
+    assert "super-blocks" in tdense.unsupported(fmt, 96, 384, 256, 1)
 
 
 def test_q4_1_dense_weights_run_the_reference_under_triton():

@@ -15,7 +15,9 @@ Kernels (`DENSE_KERNELS`, chosen by the loader from the run's `--kernel` and dev
 No kernel keeps a dequantized copy: memory holds only the sections, each weight once. Kernel
 triton holds an int4 weight's row-major repack of the same size in their place once the model
 is loaded (the decode GEMV reads it 1.4-1.9x faster; `release_sections`), and a q6_k weight as
-int8 of group 16 (`triton_form`, exact: the GEMV has no q6_k loop).
+int8 of group 16 (`triton_form`, exact: the int8 GEMV's 8.5 bits against q6_k's step at 3x
+q4_k's instructions); q4_k / q5_k weights (a Q4_K_M file's attention) run the MoE decode
+kernels' super-block steps as a GEMV (kernels/triton/dense.py: _kquant_gemv).
 The embedding gathers and dequantizes only the rows it is asked for, on every kernel (triton:
 in one launch from the sections as stored, dequant.TABLE_FORMATS).
 """
@@ -131,7 +133,8 @@ class QuantLinear(nn.Module):
         if s.name == "int4":
             self.register_buffer("kn_sz", int4_sz_kn(w.sz, w.shape[0]), persistent=False)
             return "int4", "qweight.q", "kn_sz", g
-        scales = w.scale_suffix and f"qweight.{w.scale_suffix}"
+        # K-quants: their scales are in the blocks (the GEMV's scale operand: q again, unread)
+        scales = f"qweight.{w.scale_suffix}" if w.scale_suffix else "qweight.q"
         return s.name, "qweight.q", scales, g
 
     @property

@@ -47,11 +47,17 @@ import torch
 import triton
 import triton.language as tl
 
+from moestream.kernels.triton import decode as dk
 from moestream.kernels.triton import kept
 from moestream.kernels.triton.decode import _s8_f32, _u4_dt, _u4_f32
+from moestream.quant import KQUANT_BYTES
 
 MAX_TOKENS = 8  # decode; a prompt's rows go to the dequantized weight and F.linear (tensor cores)
 SCHEMES = ("int8", "int4", "q4_0")
+# a GGUF's q4_k / q5_k blocks as stored, through the MoE decode kernels' steps (_kquant_gemv; a
+# q6_k weight runs as its exact int8, kernels/dense.py: triton_form: 8.5 bits a weight against
+# q6_k's step at 3x q4_k's instructions)
+GEMV_KQUANTS = ("q4_k", "q5_k")
 # int4_rows: int4 weights repacked row-major (quant.int4_to_rows), 1-8 tokens on the fma kernel
 QUANT_CODE = {"int8": 1, "int4": 2, "q4_0": 3, "int4_rows": 4}
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
@@ -111,6 +117,8 @@ def unsupported(quant: str, n: int, k: int, group: int, tokens: int) -> str | No
     """Why the GEMV cannot take this weight at this token count (None when it can)."""
     if tokens > MAX_TOKENS:
         return f"{tokens} tokens: the GEMV takes at most {MAX_TOKENS} (decode)"
+    if quant in GEMV_KQUANTS:  # the MoE decode kernels' super-block steps (_kquant_gemv_kernel)
+        return None if k % 256 == 0 else f"{quant} with K={k}: super-blocks of 256"
     if quant == "int4_rows" and group % 32:
         return f"group size {group}: the int4 row repack needs a multiple of 32"
     if quant not in SCHEMES + ("int4_rows",):
@@ -547,6 +555,55 @@ def _gemv_fma_kernel(x_ptr, q_ptr, s_ptr, b_ptr, out_ptr, part_ptr, T: tl.conste
                 tl.atomic_xchg(cnt_ptr + nb, 0, sem="relaxed", scope="gpu")  # the next call's
 
 
+# ---- K-quants: the MoE decode kernels' super-block steps, one matrix ---------------------------
+@triton.jit
+def _kquant_gemv_kernel(x_ptr, q_ptr, b_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+                        QUANT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                        HAS_BIAS: tl.constexpr, FAST: tl.constexpr,
+                        HALF: tl.constexpr):  # fmt: skip
+    """Program (row block nb, token t): out[t, rows] = x[t] . W[rows] (+ bias) for a GGUF's
+    K-quant blocks [N, K/256, B] as stored, through decode.py's _load_w / _step of one expert:
+    fp32 sums of each 32-block's (d sc) dot + (off d sc - dmin m) sum(x) (q6_k: per 16), one
+    rounding to the output dtype."""
+    n0 = tl.program_id(0) * BN
+    t = tl.program_id(1)
+    xrow = x_ptr + t * K
+    koff = dk._k_offsets(QUANT, 256, BN, BK)
+    acc, _ = dk._acc_zeros(QUANT, 256, BN, BK, True)
+    for k0 in tl.range(0, K, BK):
+        w = dk._load_w(q_ptr, 0, n0, k0, N, K, QUANT, 256, BN, BK)
+        xv = tl.load(xrow + k0 + koff).to(tl.float32)
+        xh = dk._hi_inputs(xrow + k0 + koff, xv, QUANT)
+        a, _ = dk._step(w, q_ptr, 0, n0, k0, xv, xh, N, K, QUANT, 256, BN, BK, True, FAST, HALF)
+        acc += a
+    y = tl.sum(acc, 1)
+    r = n0 + tl.arange(0, BN)
+    if HAS_BIAS:
+        y += tl.load(b_ptr + r).to(tl.float32)
+    tl.store(out_ptr + t * N + r, y.to(out_ptr.dtype.element_ty))
+
+
+def _kquant_gemv(x: torch.Tensor, q: torch.Tensor, bias: torch.Tensor | None, quant: str,
+                 n: int) -> torch.Tensor:  # fmt: skip
+    """x [T, K] -> [T, n] from K-quant blocks q [n, K/256, B]. Tiles by an untuned rule: the MoE
+    decode's rows (4, fewer where n asks) and K steps (512, else 256); q4_k's nibbles as the
+    H200's MoE tiles read them (half)."""
+    T, K = x.shape
+    assert q.shape == (n, K // 256, KQUANT_BYTES[quant]) and q.is_contiguous(), q.shape
+    bn = 4
+    while n % bn:
+        bn //= 2
+    bk = 512 if K % 512 == 0 else 256
+    gpu = x.device.type == "cuda"
+    out = torch.empty(T, n, device=x.device, dtype=x.dtype)
+    _kquant_gemv_kernel[(n // bn, T)](
+        x.contiguous(), q, out if bias is None else bias, out, N=n, K=K,
+        QUANT=dk.QUANT_CODE[quant], BN=bn, BK=bk, HAS_BIAS=bias is not None, FAST=gpu,
+        HALF=gpu and quant in dk.HALF_QUANTS, num_warps=2,
+    )  # fmt: skip
+    return out
+
+
 # ---- host side ----------------------------------------------------------------------------------
 _TL = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -560,6 +617,9 @@ def gemv_impl(x: torch.Tensor, q: torch.Tensor, s: torch.Tensor, bias: torch.Ten
     why = unsupported(quant, n, K, group, T)
     assert why is None, why
     assert x.dtype in DTYPES, f"activations in {x.dtype}: the GEMV takes bf16, fp16 or fp32"
+    if quant in GEMV_KQUANTS:  # (no tiles to sweep yet: its own launcher)
+        assert cfg is None, "the K-quant GEMV takes no GemvConfig"
+        return _kquant_gemv(x, q, bias, quant, n)
     cfg = cfg or gemv_config(quant, n, K, group, T)
     assert not cfg.elem or (cfg.fma and quant == "int4_rows"), "elem: the int4-rows fma kernel"
     assert not cfg.half or (cfg.fma and quant == "int4_rows" and not cfg.elem), (
