@@ -311,6 +311,34 @@ def test_nibble_gguf_is_kept_exactly(nibbles, arch, kind, tmp_path, capsys):
         assert (want - native).abs().max().item() < 0.05 * want.abs().max().item()
 
 
+def gpu_gives_the_spec(store, monkeypatch, steps: int, triton: bool = True, tile=None) -> None:
+    """The GPU provider on device "cpu" (its spec, kernel "ref", and with `triton` the Triton
+    kernels on the interpreter, decode tiles `tile` if given) gives the CPU spec's logits: a
+    prompt (the Triton kernels: the grouped GEMMs) and `steps` tokens one a call (the decode
+    kernels); the kernels ran, not the reference fallback."""
+    from moestream.experts.config import GpuConfig
+
+    spec = our_logits(store)  # the CPU's pure-torch spec, fp32 activations
+    kernels = ("ref", "triton") if triton and importlib.util.find_spec("triton") else ("ref",)
+    calls = []
+    if "triton" in kernels:
+        from moestream.kernels.triton import decode, grouped
+
+        if tile is not None:
+            monkeypatch.setattr(decode, "default_config", lambda *a: tile)
+        for mod, name in ((decode, "moe_decode"), (grouped, "moe_grouped")):
+            f = getattr(mod, name)
+            monkeypatch.setattr(
+                mod, name, lambda *a, f=f, n=name, **k: calls.append(n) or f(*a, **k)
+            )
+    for kernel in kernels:
+        cfg = GpuConfig(resident=True, kernel=kernel, device="cpu")
+        assert (our_logits(store, cfg) - spec).abs().max().item() < FP32_TOL, kernel
+        got = stepwise_logits(store, cfg, steps)  # one token a call: the decode kernels
+        assert (got - spec[:steps]).abs().max().item() < FP32_TOL, kernel
+    assert set(calls) == ({"moe_decode", "moe_grouped"} if "triton" in kernels else set())
+
+
 @pytest.mark.parametrize("kind", list(NIBBLE_KEPT))
 def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4(nibbles, kind, capsys,
                                                                       monkeypatch):  # fmt: skip
@@ -331,24 +359,7 @@ def test_nibble_store_streams_the_resident_bits_and_the_gpu_reads_q4(nibbles, ki
         with pytest.raises(ConfigError, match=match):
             load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))
         return
-    spec = our_logits(store)  # the CPU's pure-torch spec, fp32 activations
-    kernels = ("ref", "triton") if importlib.util.find_spec("triton") else ("ref",)
-    calls = []
-    if "triton" in kernels:  # the kernels ran, not the reference fallback
-        from moestream.kernels.triton import decode, grouped
-
-        for mod, name in ((decode, "moe_decode"), (grouped, "moe_grouped")):
-            f = getattr(mod, name)
-            monkeypatch.setattr(
-                mod, name, lambda *a, f=f, n=name, **k: calls.append(n) or f(*a, **k)
-            )
-    for kernel in kernels:
-        cfg = GpuConfig(resident=True, kernel=kernel, device="cpu")
-        prompt = our_logits(store, cfg)
-        assert (prompt - spec).abs().max().item() < FP32_TOL, kernel
-        steps = stepwise_logits(store, cfg, 4)  # one token a call: the decode kernels
-        assert (steps - spec[:4]).abs().max().item() < FP32_TOL, kernel
-    assert set(calls) == ({"moe_decode", "moe_grouped"} if "triton" in kernels else set())
+    gpu_gives_the_spec(store, monkeypatch, 4)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q5_0"])

@@ -122,32 +122,16 @@ def gpu_reads_the_blocks(store, monkeypatch, triton: bool = True) -> None:
     routed experts dequantized, then the grouped GEMMs) and one token a call (the decode
     kernels' super-block steps) are the CPU spec's; streamed through a small pool, the resident
     bits."""
-    import importlib.util
-
-    from test_gguf import stepwise_logits
+    from test_gguf import gpu_gives_the_spec, stepwise_logits
 
     from moestream.experts.config import GpuConfig
 
-    spec = our_logits(store)  # the CPU's pure-torch spec, fp32 activations
-    kernels = ("ref", "triton") if triton and importlib.util.find_spec("triton") else ("ref",)
-    calls = []
-    if "triton" in kernels:  # the kernels ran, not the reference fallback
-        from moestream.kernels.triton import decode as dk
-        from moestream.kernels.triton import grouped
+    tile = None
+    if triton:  # (the interpreter's time: one small decode tile)
+        from moestream.kernels.triton.decode import DecodeConfig
 
-        tile = dk.DecodeConfig(bn=64, bk=256, bn_d=64, bk_d=256)  # (the interpreter's time)
-        monkeypatch.setattr(dk, "default_config", lambda *a: tile)
-        for mod, name in ((dk, "moe_decode"), (grouped, "moe_grouped")):
-            f = getattr(mod, name)
-            monkeypatch.setattr(
-                mod, name, lambda *a, f=f, n=name, **k: calls.append(n) or f(*a, **k)
-            )
-    for kernel in kernels:
-        cfg = GpuConfig(resident=True, kernel=kernel, device="cpu")
-        assert (our_logits(store, cfg) - spec).abs().max().item() < FP32_TOL, kernel
-        steps = stepwise_logits(store, cfg, 2)
-        assert (steps - spec[:2]).abs().max().item() < FP32_TOL, kernel
-    assert set(calls) == ({"moe_decode", "moe_grouped"} if "triton" in kernels else set())
+        tile = DecodeConfig(bn=64, bk=256, bn_d=64, bk_d=256)
+    gpu_gives_the_spec(store, monkeypatch, 2, triton, tile)
     # streamed through a pool of 2K slots (the host path's misses): the resident bits (the
     # Triton kernels' device-side misses: test_kquant_store_streams_on_cuda, and ~60 s on the
     # interpreter, run by hand)
