@@ -224,9 +224,10 @@ def test_cli_device_flags(monkeypatch):
 
 def test_prompt_kernels_fall_back_with_the_reason():
     """The provider's start-up choice of a prompt's kernels: grouped GEMMs when asked for, on int4
-    rows or q4_0, on sm_90+ and with their scratch free beside the pool; otherwise the Triton kernels,
+    rows, q4_0 or K-quants, on sm_90+ and with their scratch free beside the pool; otherwise the Triton kernels,
     with a reason that names the fix (the mode line prints it)."""
     from moestream.cli import mode_line
+    from moestream.config import ConfigError
     from moestream.kernels.triton import SCRATCH_MARGIN, prompt_kernels, scratch_bytes
 
     need = scratch_bytes(128, 2048, 768)
@@ -241,6 +242,13 @@ def test_prompt_kernels_fall_back_with_the_reason():
     assert kind == "triton" and "sm_90+" in why and "sm_86" in why
     assert prompt_kernels("grouped", "q4_0", (9, 0), room, need)[0] == "grouped"
     assert prompt_kernels("grouped", "int8", (9, 0), None, need)[0] == "triton"
+    # K-quants: the grouped GEMMs, or on another GPU the Triton prefill over their dequantized
+    # experts; either needs the scratch, so a pool that leaves no room for it is refused
+    assert prompt_kernels("grouped", "q4_k", (9, 0), room, need) == ("grouped", None)
+    assert prompt_kernels("grouped", "q6_k", (8, 9), room, need)[0] == "triton"
+    for asked in ("grouped", "triton"):
+        with pytest.raises(ConfigError, match="q4_k experts dequantizes.*lower --gpu-budget"):
+            prompt_kernels(asked, "q4_k", (9, 0), need, need)
     mode = {"experts": "vram resident", "quant": "int4", "device": "cuda", "dtype": "bfloat16",
             "cuda_graph": True, "prefill": "triton", "prefill_note": "--gpu-prefill grouped not "
             "used: " + why}  # fmt: skip

@@ -253,7 +253,7 @@ class GpuExperts(ExpertProvider):
         a = self.store.args
         self.prefill_scratch = scratch_bytes(self.E, a.hidden_size, a.moe_intermediate_size)
         free = None
-        if self.cuda:
+        if self.cuda and self.cfg.kernel == "triton":  # (the reference needs no scratch)
             dev = self.device
             free, _ = torch.cuda.mem_get_info(dev)
             # what torch's cache holds unused is free for the scratch too

@@ -83,7 +83,8 @@ def prompt_kernels(asked: str, quant: str, capability: tuple[int, int] | None, f
         raise ConfigError(
             f"a prompt on {quant} experts dequantizes a layer's routed experts into a bf16 "
             f"scratch ({scratch / 2**30:.2f} GiB), which does not fit the free VRAM "
-            f"({free / 2**30:.2f} GiB): lower --gpu-budget"
+            f"({free / 2**30:.2f} GiB): lower --gpu-budget (or set one: every expert resident "
+            "leaves less room)"
         )
     if asked == "triton":
         return "triton", None
