@@ -28,7 +28,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
-from common import bench_row, capture_graph, hardware, override, write_rows  # noqa: E402
+from common import bench_row, capture_graph, group_of, hardware, override, tiles_of, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
 from moestream.kernels.triton.decode import check_shapes  # noqa: E402
@@ -47,16 +47,6 @@ _TILES = {"bf16": [dict(bk_d=512)], "int8": [dict(bk_d=512)],
           "int4": [dict(bk=256), dict(stages=0), dict(stages=2), dict(bk_d=512)]}  # fmt: skip
 _FUSED = {"bf16": [dict(bn=8), dict(bn_d=32)], "int8": [dict(bn_d=16), dict(bn=8, bn_d=16)],
           "int4": [dict(bk=64, bk_d=128), dict(mma=False, **_CUDA_CORES["int4"])]}  # fmt: skip
-
-
-def tiles_of(quant: str) -> str:
-    """The layout whose tiles a quant takes: "q4_k+q6_k" (a K-quant layer with its own w2) q4_k's."""
-    return quant.split("+")[0]
-
-
-def group_of(quant: str) -> int:
-    """The group the kernels take: 32, or a K-quant's 256-input super-block."""
-    return 256 if tiles_of(quant) in KQUANTS else 32
 
 
 def sweep(quant: str, D: int, I: int) -> list:

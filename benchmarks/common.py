@@ -13,6 +13,19 @@ __all__ = ["RESERVED", "SCHEMA", "bench_row", "capture_graph", "cuda_median_seco
            "write_rows"]  # fmt: skip
 
 
+def tiles_of(quant: str) -> str:
+    """The layout whose tiles a quant name takes: "q4_k+q6_k" (a K-quant layer whose w2 has its
+    own K-quant) takes q4_k's."""
+    return quant.split("+")[0]
+
+
+def group_of(quant: str) -> int:
+    """The group the decode kernels take: 32, or a K-quant's 256-input super-block."""
+    from moestream.kernels.triton.layout import KQUANTS
+
+    return 256 if tiles_of(quant) in KQUANTS else 32
+
+
 def override(cfg, spec: str):
     """A frozen config with fields replaced from 'bn=8,mma=1' (whole numbers; 0/1 for flags)."""
     kw = {k: int(v) for k, v in (kv.split("=") for kv in spec.split(","))}

@@ -32,7 +32,7 @@ from moestream.quant import make_scheme, tensor_sections
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ablations import triton_decode as ab  # noqa: E402
-from common import bench_row, override, write_rows  # noqa: E402
+from common import bench_row, group_of, override, tiles_of, write_rows  # noqa: E402
 
 MODELS = {"Qwen3-30B-A3B": (2048, 768), "Qwen3.5-35B-A3B": (2048, 512)}
 Q_TYPE = {"bf16": "*bf16", "int8": "*i8", "int4": "*u8", "int4r": "*u8", "q4_0": "*u8",
@@ -72,11 +72,6 @@ def opcodes(compiled, tmp: Path) -> collections.Counter:
     return ops
 
 
-def group(quant: str) -> int:
-    """The group the kernels take: 32, or a K-quant's 256-input super-block."""
-    return 256 if quant.split("+")[0] in KQUANTS else 32
-
-
 def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
     """(name, fn, signature, constexprs, warps, weights per program, programs per pair) of the
     two launches. quant "q4_k+q6_k": a K-quant layer whose w2 has its own scheme (Q4_K_M's)."""
@@ -86,7 +81,7 @@ def kernels(quant: str, cfg: ab.AblationConfig, D: int, I: int):
         D=D,
         I=I,
         QUANT=dk.QUANT_CODE[quant],
-        G=group(quant),
+        G=group_of(quant),
         TOPK=8,
         FAST=True,
         PDL=True,
@@ -203,7 +198,7 @@ def main() -> None:
     D, I = MODELS[args.model]
     rows = []
     for quant in args.quant:
-        cfgs = [ab.default(quant.split("+")[0], D, I, DEVICE)]
+        cfgs = [ab.default(tiles_of(quant), D, I, DEVICE)]
         if args.config:
             cfgs = [override(cfgs[0], spec) for spec in args.config]
         elif args.mma == "both":
@@ -211,7 +206,7 @@ def main() -> None:
                 cfgs[0], mma=False, bn=64, bk=128, split=8, bn_d=64, bk_d=128)  # fmt: skip
             cfgs.append(other)
         for cfg in cfgs:
-            cfg = dk.fit_config(quant.split("+")[0], D, I, group(quant), cfg)
+            cfg = dk.fit_config(tiles_of(quant), D, I, group_of(quant), cfg)
             if args.stages is not None and cfg.mma:
                 cfg = replace(cfg, stages=args.stages)
             rows += report(args.model, quant, cfg, Path(args.tmp), bool(args.config))

@@ -1022,8 +1022,9 @@ class Launch:
         assert not combine or (out.is_contiguous() and out.shape == (T, D))
         common = dict(D=D, I=I, QUANT=QUANT_CODE[quant], G=G, TOPK=ids.shape[1],
                       HOST=host is not None)  # fmt: skip
-        if _expert_stride(sec["w13.q"]):  # (only then: the ablations' kernels take packed experts)
-            common.update(ES=_expert_stride(sec["w13.q"]))
+        es13, es2 = _expert_stride(sec["w13.q"]), _expert_stride(sec["w2.q"])
+        if es13:  # (only then: the ablations' kernels take packed experts)
+            common.update(ES=es13)
         if cfg.mma:  # bf16 activations: bf16 dots of exact weights; fp32 (tests): "ieee" fp32 dots
             bf16 = x.dtype == torch.bfloat16
             common.update(DT=tl.bfloat16 if bf16 else tl.float32, PREC="tf32" if bf16 else "ieee",
@@ -1038,7 +1039,7 @@ class Launch:
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", SCALE_SECTION[down]))
         # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up): its step, and no
         # nibble conversion to halve where it has none
-        own = {"ES": _expert_stride(sec["w2.q"])} if _expert_stride(sec["w2.q"]) else {}
+        own = {"ES": es2} if es2 else {}
         if down != quant:
             own.update(QUANT=QUANT_CODE[down], HALF=cfg.half and down in HALF_QUANTS)
         if pick is not None:
