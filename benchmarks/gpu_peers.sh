@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_peers.sh wait [SECONDS]   # until prepare wrote $WORK/prepare.exit (exit 3: not yet)
 #   bash benchmarks/gpu_peers.sh bench OUT [COMMIT]   # PROMPT=512 TOKENS=16 SHARES=1: long prompts
 #   bash benchmarks/gpu_peers.sh gguf OUT [COMMIT]    # llama.cpp's Q4_0 file itself on both engines
-#     (moestream keeps its Q4_0 experts as q4_0; GGUF=1 prepare converts it beforehand)
+#     (moestream keeps its Q4_0 experts as q4_0; GGUF=1 prepare converts it beforehand; FILE=Q4_K_M
+#     runs that type's file, which GGUF=Q4_K_M prepare quantizes from the Q8_0 and converts)
 #   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # admissions A/B on the same store (no llama.cpp):
 #     SHARE=0.25 POOL_KERNELS=triton,triton-admitall PROGRAMS=32 (LLAMA=0 prepare: the store only)
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
@@ -43,10 +44,15 @@ prepare)
   wait
   cat "$WORK/build.done"
   [ "$llama" = 0 ] && { rm -f "$WORK/build.done"; ls -la "$WORK/work"; exit 0; }
-  "$WORK/llb/bin/llama-quantize" --allow-requantize "$WORK/work/llama-Q8_0.gguf" "$WORK/work/llama-Q4_0.gguf" Q4_0 >/dev/null 2>&1
-  # the store bench_peers --gguf makes of that file (its name: ensure_gguf_store's)
-  [ "${GGUF:-0}" = 0 ] || python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; from pathlib import Path; print(b.ensure_gguf_store(Path(sys.argv[1]), Path(sys.argv[2])))' \
-    "$WORK/work/llama-Q4_0.gguf" "$WORK/work"
+  # GGUF=1: Q4_0's store too; GGUF=Q4_0,Q4_K_M: each type's file (from the Q8_0) and its store
+  types=Q4_0; [ "${GGUF:-0}" = 0 ] || [ "${GGUF}" = 1 ] || types=Q4_0,$GGUF
+  for t in ${types//,/ }; do
+    [ -f "$WORK/work/llama-$t.gguf" ] || "$WORK/llb/bin/llama-quantize" --allow-requantize \
+      "$WORK/work/llama-Q8_0.gguf" "$WORK/work/llama-$t.gguf" "$t" >/dev/null 2>&1
+    # the store bench_peers --gguf makes of that file (its name: ensure_gguf_store's)
+    [ "${GGUF:-0}" = 0 ] || python -c 'import sys; sys.path.insert(0, "benchmarks"); import bench_peers as b; from pathlib import Path; print(b.ensure_gguf_store(Path(sys.argv[1]), Path(sys.argv[2])))' \
+      "$WORK/work/llama-$t.gguf" "$WORK/work"
+  done
   mkdir -p "$WORK/llama/build/bin" && ln -sf "$WORK/llb/bin/"* "$WORK/llama/build/bin/"
   mkdir -p "$WORK/llama/venv/bin" "$WORK/llama/src" && ln -sf "$(command -v python)" "$WORK/llama/venv/bin/python"
   ln -sf "$SRC/llama/convert_hf_to_gguf.py" "$WORK/llama/src/"
@@ -66,10 +72,10 @@ bench)
   ;;
 gguf)
   out=${2:?OUT folder}
-  python benchmarks/bench_peers.py --device cuda --gguf "$WORK/work/llama-Q4_0.gguf" --llama "$WORK/llama" \
+  python benchmarks/bench_peers.py --device cuda --gguf "$WORK/work/llama-${FILE:-Q4_0}.gguf" --llama "$WORK/llama" \
     --work "$WORK/work" --shares "${SHARES:-1,0.5,0.25}" --kernels "${KERNELS:-triton}" \
     --pool-kernels "${POOL_KERNELS:-triton}" --threads 16 -p "${PROMPT:-64}" -n "${TOKENS:-64}" \
-    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3} 2>&1 | tee "$out/gpu_peers_gguf.log"
+    --reps "${REPS:-2}" --out "$out/gpu_peers.jsonl" ${3:+--commit $3} 2>&1 | tee -a "$out/gpu_peers_gguf.log"
   ;;
 admit)
   out=${2:?OUT folder}
