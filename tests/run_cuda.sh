@@ -9,6 +9,13 @@ out=${1:?usage: tests/run_cuda.sh OUT_DIR [SECONDS_PER_SHARD]}
 limit=${2:-300}
 py=${PYTHON:-python}
 export OMP_WAIT_POLICY=PASSIVE PYTHONPATH=$PWD
+# The GPU machine's image has no `gguf` (test_kquant.py and the GGUF tests import it at
+# collection; one missing import took the provider shard at d2c6d4e): llama.cpp's own gguf-py,
+# from the source the peers' run carries, where the package is missing.
+if ! "$py" -c "import gguf" 2>/dev/null && [ -f .carry/pack/llama.tar.xz ]; then
+    mkdir -p /tmp/run_cuda_gguf && tar -xJf .carry/pack/llama.tar.xz -C /tmp/run_cuda_gguf llama/gguf-py
+    export PYTHONPATH=$PYTHONPATH:/tmp/run_cuda_gguf/llama/gguf-py
+fi
 kern=tests/test_triton_kernels.py
 abl=tests/test_triton_ablations.py
 

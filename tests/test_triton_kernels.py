@@ -98,7 +98,7 @@ def _routing(T, E, K, device, gen):
     return ids.to(device), (weights / weights.sum(1, keepdim=True)).to(device)
 
 
-def _check(fn, quant, E, D, I, T, K, dtype, device, seed, **kw):
+def _check(fn, quant, E, D, I, T, K, dtype, device, seed, tol=TOL, **kw):
     gen = torch.Generator().manual_seed(seed)
     ex = _layer(quant, E, D, I, device, gen)
     x = torch.randn(T, D, generator=gen).to(device=device, dtype=dtype)
@@ -111,7 +111,7 @@ def _check(fn, quant, E, D, I, T, K, dtype, device, seed, **kw):
     got = out.double().cpu()
     assert torch.isfinite(got).all(), "output not fully written"
     err = ((got - want).norm() / want.norm()).item()
-    assert err <= TOL[dtype], f"{quant} T={T} {dtype}: relative error {err:.2e}"
+    assert err <= tol[dtype], f"{quant} T={T} {dtype}: relative error {err:.2e}"
 
 
 # ---- no triton needed ------------------------------------------------------------------------
@@ -382,7 +382,10 @@ def test_grouped_prompt_pairs_in_chunks_give_the_call_bits(quant, T):
     if CUDA:  # (the interpreter's Triton prefill against the spec: test_prefill_interpreter)
         tri = moe_experts(x, ids, w, ex, prefill="triton")
         assert not torch.equal(tri, want)  # another path (the library's products)
-        torch.testing.assert_close(tri.float(), want.float(), rtol=TOL[dtype], atol=TOL[dtype])
+        # relative to the output's norm: random K-quant blocks give outputs of ~1e4, where two
+        # bf16 roundings of one value differ by ~100 (the bf16 spec's own max error is 124 there)
+        err = ((tri.double() - want.double()).norm() / want.double().norm()).item()
+        assert err <= TOL[dtype], f"{quant} T={T}: relative error {err:.2e}"
 
 
 @needs_triton
@@ -560,7 +563,11 @@ def test_decode_chain_cuda(quant, case, T):
 
     (E, D, I, K), dtype = case
     cfg = replace(default_config(quant, D, I, 32, "NVIDIA H200"), chain=True)
-    _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + T, cfg=cfg)
+    # fp32: a chain adds a block's 32 products in sequence (error ~ n eps, a tree's ~ log n eps),
+    # on top of half's offset cancellation (256 sum f x - 136 sum x): 1.007e-5 measured on q4_0
+    # at T=3 (H200, d2c6d4e), so twice the tree kernels' bound
+    tol = {torch.float32: 2e-5, torch.bfloat16: TOL[torch.bfloat16]}
+    _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + T, cfg=cfg, tol=tol)
 
 
 # tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)
