@@ -108,6 +108,8 @@ def test_int4_rows_half_matches_the_float64_spec(T, dtype):
     64, a split K and a folded one."""
     from dataclasses import replace
 
+    if DEVICE == "cpu" and (T == 3) == (dtype == DTYPES[0]):  # CI time: a dtype at one T each
+        pytest.skip("the interpreter runs the first dtype at one token, the second at three")
     for i, (n, k) in enumerate(SHAPES):
         for group in (32, 64):
             w = _weight("int4_rows", n, k, seed=n + T + group, group=group).to(DEVICE)

@@ -467,6 +467,8 @@ def test_picked_calls_give_the_one_call_bits(quant, mma):
             assert out.isnan().all()
         moe_decode(x, ids, w, ex, cfg, out=out, pick=(codes, 2))
         assert torch.equal(out, want), f"{quant} mma={mma}: picked calls changed the bits"
+        if codes is not mixed and not CUDA:  # CI time: the pair rows of a split of both calls
+            continue
         moe_decode(other, ids, w, ex, cfg, combine=False)
         pair_rows = moe_decode(x, ids, w, ex, cfg, combine=False)  # the workspace's rows
         pair_rows.fill_(float("nan"))
