@@ -7,6 +7,10 @@ appended to --out as soon as it is measured.
 
     PYTHONPATH=. python benchmarks/bench_gpu_prefill.py --quant int4r int8 --tokens 64 512 \
         --configs "block_m=64;half=64,bk=128" --out rows.jsonl
+
+`--path experts` times the layer as a prompt runs it (kernels/triton.moe_experts: on sm_90 the
+routed experts dequantized, then the grouped GEMMs; K-quant layers, "q4_k+q6_k" included, take
+this path only), with `--profile` each kernel's share (the dequant launches among them).
 """
 
 from __future__ import annotations
@@ -32,8 +36,13 @@ def parse_configs(text: str | None) -> list[dict]:
 
 
 def layer(quant: str, E: int, D: int, I: int):
-    from moestream.kernels.triton.layout import quantize_stacked
+    from moestream.kernels.triton.layout import KQUANTS, quantize_stacked
     from moestream.quant import make_scheme
+
+    if quant.split("+")[0] in KQUANTS:  # random block bytes (no quantizer: GGUF files' blocks)
+        from bench_gpu_moe import random_layer
+
+        return random_layer(quant, D, I, E)
 
     g = torch.Generator(device="cuda").manual_seed(0)
     w13 = torch.randn(E, 2 * I, D, device="cuda", generator=g) / D**0.5
@@ -105,6 +114,7 @@ def ceilings() -> tuple[float, float]:
 
 
 def main(argv=None) -> int:
+    from moestream.kernels.triton import moe_experts
     from moestream.kernels.triton.prefill import PrefillConfig, default_config, moe_prefill
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -113,12 +123,20 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default="2048,768,128,8", help="D,I,E,K")
     ap.add_argument("--configs", default=None, help="PrefillConfig overrides, ';' between")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--path", choices=["tiles", "experts"], default="tiles",
+                    help="tiles: prefill.py's kernels (--configs); experts: moe_experts' dispatch")  # fmt: skip
     ap.add_argument("--profile", action="store_true", help="also each kernel's GPU time, and "
                     "the compiled kernels' registers and matrix instructions")  # fmt: skip
     ap.add_argument("--out", default=None)
     ap.add_argument("--commit", default=None)
     a = ap.parse_args(argv)
     D, I, E, K = (int(v) for v in a.shape.split(","))
+    if a.path == "tiles" and any("_k" in q for q in a.quant):
+        ap.error(
+            "K-quant layers run a prompt through --path experts (prefill.py has no K-quant tiles)"
+        )
+    if a.path == "experts" and a.configs:
+        ap.error("--configs are prefill.py's tiles: --path tiles")
     tflops, gbps = ceilings()
     print(f"ceilings: bf16 GEMM {tflops:.0f} TFLOP/s, HBM copy {gbps:.0f} GB/s")
     known = {f.name for f in fields(PrefillConfig)}
@@ -126,7 +144,8 @@ def main(argv=None) -> int:
         ex = layer(quant, E, D, I)
         rec = sum(t.numel() * t.element_size() for t in ex.sections.values()) // E
         for T in a.tokens:
-            base = default_config(quant, D, I, torch.cuda.get_device_name(), T)  # T picks tiles
+            if a.path == "tiles":  # T picks tiles
+                base = default_config(quant, D, I, torch.cuda.get_device_name(), T)
             g = torch.Generator().manual_seed(T)
             ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).cuda()
             w = torch.rand(T, K, generator=g).cuda()
@@ -134,24 +153,28 @@ def main(argv=None) -> int:
             touched = int(torch.unique(ids).numel())
             for over in parse_configs(a.configs):
                 assert set(over) <= known, f"unknown PrefillConfig field in {over}"
-                cfg = replace(base, **over)
+                cfg = None if a.path == "experts" else replace(base, **over)
+
+                def run(cfg=cfg):
+                    if cfg is None:
+                        return moe_experts(x, ids, w, ex)
+                    return moe_prefill(x, ids, w, ex, cfg=cfg)
+
                 try:
-                    s = timed(lambda cfg=cfg: moe_prefill(x, ids, w, ex, cfg=cfg), a.reps)
+                    s = timed(run, a.reps)
                 except Exception as err:  # a tile the compiler refuses (shared memory, shapes)
                     print(f"{quant} T={T} {over}: failed: {str(err).splitlines()[0][:120]}")
                     continue
                 flop = 2 * T * K * 3 * D * I
-                r = {"quant": quant, "tokens": T,
-                     "tiles": {f.name: getattr(cfg, f.name) for f in fields(cfg)},
+                r = {"quant": quant, "tokens": T, "path": a.path,
+                     "tiles": {f.name: getattr(cfg, f.name) for f in fields(cfg)} if cfg else None,
                      "us_per_layer": s * 1e6, "tflops": flop / s / 1e12,
                      "tflops_fraction": flop / s / 1e12 / tflops,
                      "experts_touched": touched, "gbps": touched * rec / s / 1e9,
                      "hbm_fraction": touched * rec / s / 1e9 / gbps,
                      "ceiling_tflops": tflops, "ceiling_gbps": gbps}  # fmt: skip
                 if a.profile:
-                    r["kernel_us"] = kernel_times(
-                        lambda cfg=cfg: moe_prefill(x, ids, w, ex, cfg=cfg)
-                    )
+                    r["kernel_us"] = kernel_times(run)
                     print("   " + ", ".join(f"{k} {v:.0f}" for k, v in r["kernel_us"].items()))
                 print(f"{quant} T={T} {over or 'default'}: {r['us_per_layer']:.1f} us/layer, "
                       f"{r['tflops']:.1f} TFLOP/s ({r['tflops_fraction']:.3f}), "

@@ -242,11 +242,12 @@ def test_decode_kquant_interpreter(quant):
 def test_kquant_blocks_dequantize_to_the_spec_bits(quant):
     """A prompt's routed K-quant experts dequantized by one launch each projection
     (dequant_kquant_blocks): the spec's values (ggml's dequantize_row_q*_K) bit for bit, in
-    fp32 and rounded to bf16; only the matrices src names are written."""
+    fp32 and rounded to bf16; only the matrices src names are written. Rows of two super-blocks
+    (w13, 512 inputs) and of one (w2)."""
     from moestream.kernels.triton.dequant import dequant_kquant_blocks
 
     device = "cuda" if CUDA else "cpu"
-    ex = _layer(quant, 3, 256, 256, device, torch.Generator().manual_seed(8))
+    ex = _layer(quant, 3, 512, 256, device, torch.Generator().manual_seed(8))
     if quant == "q4_k+q6_k":  # sections in longer slots (a pool of per-layer layouts)
         ex = _padded(ex, 4096)
     src = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton.decode import QUANT_CODE
-from moestream.kernels.triton.kquant import f16_at, kquant_value
+from moestream.kernels.triton.kquant import byte_at, f16_at, kquant_value, q6_value, scale_min
 from moestream.kernels.triton.layout import ROW_QUANTS, per_expert
 from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, KQUANT_OF_BYTES, QK_K
 
@@ -125,28 +125,53 @@ def dequant_int4_rows(rows: torch.Tensor, words: torch.Tensor, group: int, dtype
 
 @triton.jit
 def _dequant_blocks_kernel(q_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
-                           B: tl.constexpr, ES: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                           B: tl.constexpr, ES: tl.constexpr, BN: tl.constexpr,
                            DT: tl.constexpr, SRC: tl.constexpr):  # fmt: skip
-    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1 of K-quant
-    blocks [.., N, K/256, B] (kquant_value), matrix d at byte d * ES; SRC as
-    _dequant_rows_kernel's."""
+    """Program (d, n block, super-block sb): rows n0 .. n0 + BN - 1 of out[d], inputs 256 sb ..
+    of K-quant blocks [.., N, K/256, B] (kquant.py's layouts), matrix d at byte d * ES; SRC as
+    _dequant_rows_kernel's. The tile is shaped by the block's own axes, so each byte of values
+    is loaded once and each sub-block's scale and min once a row (an input-wise lookup, as
+    kquant_value does for an embedding's few rows, loads ~8 bytes for every weight); the
+    values are kquant_value's, the same products and one rounding: the spec's bits."""
     d = tl.program_id(0).to(tl.int64)
-    r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None]
-    k = tl.program_id(2) * BK + tl.arange(0, BK)[None, :]
+    sb = tl.program_id(2)
     e = d
     rows = N
     if SRC:
         e = tl.load(src_ptr + d).to(tl.int64)
         rows = tl.where(e >= 0, N, 0)  # no rows of an unnamed matrix
-    m = (r < rows) & (k < K)
-    blk = q_ptr + e * ES + (r * (K // 256) + k // 256) * B
-    tl.store(
-        out_ptr + d * (N * K) + r * K + k, _round(kquant_value(blk, k % 256, m, B), DT), mask=m
-    )
+    if B == 210:  # q6_k: [BN, half h, quarter c, 16-group s, lane t], input 128h + 32c + 16s + t
+        r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None, None, None, None]
+        h = tl.arange(0, 2)[None, :, None, None, None]
+        c = tl.arange(0, 4)[None, None, :, None, None]
+        s = tl.arange(0, 2)[None, None, None, :, None]
+        lane = 16 * s + tl.arange(0, 16)[None, None, None, None, :]
+        m = r < rows
+        blk = q_ptr + e * ES + (r * (K // 256) + sb) * B
+        lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
+        q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
+        sc = tl.load(blk + 192 + 8 * h + 2 * c + s, mask=m, other=0).to(tl.int8, bitcast=True)
+        w = (f16_at(blk + 208, m) * sc.to(tl.float32)) * q.to(tl.float32)
+        j = 128 * h + 32 * c + lane
+    else:  # q4_k / q5_k: [BN, chunk c, nibble i, lane], input 64c + 32i + lane, sub-block 2c + i
+        r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None, None, None]
+        c = tl.arange(0, 4)[None, :, None, None]
+        i = tl.arange(0, 2)[None, None, :, None]
+        lane = tl.arange(0, 32)[None, None, None, :]
+        m = r < rows
+        blk = q_ptr + e * ES + (r * (K // 256) + sb) * B
+        q = (byte_at(blk + B - 128 + 32 * c + lane, m) >> (4 * i)) & 15
+        if B == 176:  # bit 2c + i of qh[lane] on top
+            q = q | (((byte_at(blk + 16 + lane, m) >> (2 * c + i)) & 1) << 4)
+        sc, mn = scale_min(blk, 2 * c + i, m)
+        ds, dm = f16_at(blk, m) * sc.to(tl.float32), f16_at(blk + 2, m) * mn.to(tl.float32)
+        w = ds * q.to(tl.float32) - dm
+        j = 64 * c + 32 * i + lane
+    tl.store(out_ptr + d * (N * K) + r * K + sb * 256 + j, _round(w, DT), mask=m & (j >= 0))
 
 
 def dequant_kquant_blocks(q: torch.Tensor, dtype: torch.dtype, src: torch.Tensor | None = None,
-                          bn: int = 16, bk: int = 256) -> torch.Tensor:  # fmt: skip
+                          bn: int = 16) -> torch.Tensor:  # fmt: skip
     """K-quant blocks q [..., N, K/256, B] uint8 (one weight, or [E] stacked) -> [..., N, K] in
     dtype, the spec's values (ref.dequantize_kquant) bit for bit; `src` as dequant_int4_rows'
     (out[c] is matrix src[c], left as it was where src[c] < 0). One launch, no sync."""
@@ -158,10 +183,10 @@ def dequant_kquant_blocks(q: torch.Tensor, dtype: torch.dtype, src: torch.Tensor
     assert src is None or (len(lead) == 1 and src.dim() == 1), "src [C] names stacked weights"
     shape = (*lead, N, K) if src is None else (src.numel(), N, K)
     out = torch.empty(shape, device=q.device, dtype=dtype)
-    grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), triton.cdiv(K, bk))
+    grid = (math.prod(shape[:-2]), triton.cdiv(N, bn), nb)
     es = q.stride(0) if len(lead) == 1 else N * nb * B
     _dequant_blocks_kernel[grid](q, out, src if src is not None else q, N=N, K=K, B=B, ES=es,
-                                 BN=bn, BK=bk, DT=DTYPES[dtype], SRC=src is not None,
+                                 BN=bn, DT=DTYPES[dtype], SRC=src is not None,
                                  num_warps=4)  # fmt: skip
     return out
 
