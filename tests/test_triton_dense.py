@@ -385,6 +385,10 @@ def test_kquant_gemv_matches_the_float64_spec(fmt, T, dtype):
         got = lin(x)
         assert got.dtype == dtype
         _check(got, x, w, bias)
+    # a prompt: the blocks dequantized by one launch, the reference's bits (F.linear over them)
+    x9 = torch.randn(9, k, generator=g).to(DEVICE, dtype)
+    want = F.linear(x9, dequantize(w.sections(), "w", 256, dtype))
+    assert torch.equal(lin(x9), want)
     assert "super-blocks" in tdense.unsupported(fmt, 96, 384, 256, 1)
 
 

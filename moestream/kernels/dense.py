@@ -186,10 +186,11 @@ class QuantLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def _dequantized(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight in dtype for F.linear, transient: an int4 row repack by one Triton launch
-        (kernels/triton/dequant.py: the same values as the reference, bit for bit, without its
-        fp32 passes; inside torch.compile the reference over the repack taken back to the store's
-        layout, quant.int4_from_rows), else the reference over the sections."""
+        """The weight in dtype for F.linear, transient: an int4 row repack or (kernel triton) q4_k /
+        q5_k blocks by one Triton launch (kernels/triton/dequant.py: the same values as the
+        reference, bit for bit, without its fp32 passes; inside torch.compile the reference, over
+        the repack taken back to the store's layout, quant.int4_from_rows), else the reference
+        over the sections."""
         g = self.qweight.scheme.group_size
         if self.rows_layout:
             from moestream.kernels.triton import dequant
@@ -198,6 +199,12 @@ class QuantLinear(nn.Module):
                 return dequant.dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
             q, sz = int4_from_rows(self.rows_q, self.rows_sz)
             return dequantize({"w.q": q, "w.sz": sz}, "w", g, dtype)
+        if self._triton is not None and self.qweight.scheme.name in ("q4_k", "q5_k"):
+            from moestream.kernels.triton import dequant
+
+            # one launch for the reference's unpack + fp32 passes, the same bits
+            if dtype in dequant.DTYPES and not torch.compiler.is_compiling():
+                return dequant.dequant_kquant_blocks(self.qweight.q, dtype)
         return dequantize(self.qweight.sections(), "w", g, dtype)
 
     def release_sections(self) -> None:
