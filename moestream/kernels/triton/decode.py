@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept, tuned
-from moestream.kernels.triton.kquant import f16_at, q6_value, scale_min
+from moestream.kernels.triton.kquant import f16_at, scale_min
 from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts, kernel_sections
 
 # int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
@@ -163,13 +163,14 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 1:
         kk = tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NG, G]
-    elif QUANT == 8:  # q6_k: halves of 128 inputs, as 8 groups of 16 (a scale each)
+    elif QUANT == 8:  # q6_k: a half's quarters 0, 1 (low nibbles) as 4 groups of 16 (a scale
+        # each); quarters 2, 3 (the same bytes' high nibbles) at + 64
         kk = (
             tl.arange(0, BK // 128)[None, :, None, None] * 128
-            + tl.arange(0, 8)[None, None, :, None] * 16
+            + tl.arange(0, 4)[None, None, :, None] * 16
             + tl.arange(0, 16)[None, None, None, :]
         )
-        return tl.zeros([BN, 1, 1, 1], tl.int32) + kk  # [BN, NH, 8, 16]
+        return tl.zeros([BN, 1, 1, 1], tl.int32) + kk  # [BN, NH, 4, 16]
     elif QUANT >= 6:  # q4_k / q5_k: each 64-input chunk's first 32 (low nibbles); high at + 32
         kk = tl.arange(0, BK // 64)[None, :, None] * 64 + tl.arange(0, 32)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NC, 32]
@@ -219,14 +220,15 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         r = n0 + tl.arange(0, BN)[:, None, None]
         kk = k0 + tl.arange(0, BK // G)[None, :, None] * G + tl.arange(0, G)[None, None, :]
         return tl.load(q_ptr + e * (N * K) + r * K + kk)  # [BN, NG, G]
-    elif QUANT == 8:  # q6_k: a group's low-nibble bytes | its high-pair bytes << 8, int32
-        r = n0 + tl.arange(0, BN)[:, None, None, None]
-        hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None, None]  # the row's halves
-        g = tl.arange(0, 8)[None, None, :, None]
-        j = (g % 2) * 16 + tl.arange(0, 16)[None, None, None, :]  # lane in the quarter g // 2
-        blk = _kq_block(q_ptr, e, r, hb // 2, N, K, QUANT, ES) + (hb % 2) * 64
-        lo = tl.load(blk + 32 * ((g // 2) % 2) + j).to(tl.int32)
-        return lo | (tl.load(blk + 128 - 32 * (hb % 2) + j).to(tl.int32) << 8)  # [BN, NH, 8, 16]
+    elif QUANT == 8:  # q6_k: each nibble byte once | its lane's high-pair byte << 8, int32
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None]  # the row's halves
+        g = tl.arange(0, 4)[None, None, :, None]  # group of quarter g // 2, lanes 16 (g % 2) ..
+        t = tl.arange(0, 16)[None, None, None, :]
+        blk = (_kq_block(q_ptr, e, r, hb // 2, N, K, QUANT, ES) + (hb % 2) * 64)[:, :, :, None]
+        lo = tl.load(blk + 16 * g + t).to(tl.int32)
+        hi = tl.load(blk + 128 - 32 * (hb % 2)[:, :, :, None] + 16 * (g % 2) + t)
+        return lo | (hi.to(tl.int32) << 8)  # [BN, NH, 4, 16]
     elif QUANT >= 6:  # q4_k: chunks' nibble bytes; q5_k: | the fifth bits' bytes << 8, int32
         r = n0 + tl.arange(0, BN)[:, None, None]
         c = k0 // 64 + tl.arange(0, BK // 64)[None, :, None]
@@ -264,9 +266,11 @@ def _kq_block(q_ptr, e, r, sb, N: tl.constexpr, K: tl.constexpr, QUANT: tl.const
 @triton.jit
 def _hi_inputs(ptr, xv, QUANT: tl.constexpr):
     """The inputs of a K step's high nibbles, at ptr (the low ones' offsets): + 16 for the row
-    layouts, + 32 for q4_k / q5_k; xv for the others (unused)."""
+    layouts, + 32 for q4_k / q5_k, + 64 for q6_k; xv for the others (unused)."""
     if QUANT == 6 or QUANT == 7:
         return tl.load(ptr + 32).to(tl.float32)
+    elif QUANT == 8:  # q6_k: quarters 2, 3
+        return tl.load(ptr + 64).to(tl.float32)
     elif QUANT >= 3 and QUANT < 6:
         return tl.load(ptr + 16).to(tl.float32)
     else:
@@ -310,12 +314,19 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
     elif QUANT == 8:  # q6_k: (d sc) (q - 32) summed per group of 16 as (d sc) dot
         r = n0 + tl.arange(0, BN)[:, None, None]
         hb = k0 // 128 + tl.arange(0, BK // 128)[None, :, None]
+        g = tl.arange(0, 4)[None, None, :]  # quarter g // 2's group g % 2; + 4: quarter + 2's
         blk = _kq_block(s_ptr, e, r, hb // 2, N, K, QUANT, ES)
-        g = tl.arange(0, 8)[None, None, :]
-        sc = tl.load(blk + 192 + 8 * (hb % 2) + g).to(tl.int8, bitcast=True).to(tl.float32)
-        q = q6_value(w & 255, w >> 8, tl.arange(0, 8)[None, None, :, None] // 2)
-        dot = tl.sum((q.to(tl.float32) - 32.0) * xv, 3)  # [BN, NH, 8]
-        p = tl.sum(dot * (f16_at(blk + 208, None) * sc), 2)
+        d = f16_at(blk + 208, None)
+        sc = blk + 192 + 8 * (hb % 2) + g
+        ds_lo = d * tl.load(sc).to(tl.int8, bitcast=True).to(tl.float32)
+        ds_hi = d * tl.load(sc + 4).to(tl.int8, bitcast=True).to(tl.float32)
+        # a byte's nibbles are quarters a = g // 2 and a + 2: high pairs at qh bits 2a, 2a + 4
+        sh = 2 * (tl.arange(0, 4)[None, None, :, None] // 2)
+        q_lo = (w & 15) | (((w >> (8 + sh)) & 3) << 4)
+        q_hi = ((w >> 4) & 15) | (((w >> (12 + sh)) & 3) << 4)
+        dot_lo = tl.sum((q_lo.to(tl.float32) - 32.0) * xv, 3)  # [BN, NH, 4]
+        dot_hi = tl.sum((q_hi.to(tl.float32) - 32.0) * xh, 3)
+        p = tl.sum(dot_lo * ds_lo + dot_hi * ds_hi, 2)
         return p, p
     elif QUANT >= 6:  # q4_k / q5_k: (d sc) q - dmin m per 32-block: (d sc) dot + z sum(x)
         r = n0 + tl.arange(0, BN)[:, None]
