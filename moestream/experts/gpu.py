@@ -58,6 +58,7 @@ from moestream.kernels.triton import (
 )  # fmt: skip
 from moestream.kernels.triton.layout import (
     KQUANTS,
+    NAMES,
     StackedExperts,
     padded_view,
     pool_shapes,
@@ -115,9 +116,8 @@ def check_scheme(store: Store) -> None:
             )
 
 
-def _schemes(layout) -> tuple[QuantScheme, QuantScheme | None]:
-    """A record layout's (w13 scheme, w2's where it differs): StackedExperts' scheme and down."""
-    w13, w2 = layout.schemes
+def _schemes(w13: QuantScheme, w2: QuantScheme) -> tuple[QuantScheme, QuantScheme | None]:
+    """(w13's scheme, w2's where it differs): StackedExperts' scheme and down."""
     return w13, (w2 if w2 != w13 else None)
 
 
@@ -139,6 +139,7 @@ class GpuExperts(ExpertProvider):
         # Each section at its largest layout's shape; a layer of a smaller one reads its records
         # packed at each slot's start (layout.padded_view: _layer_view). One layout: the pool's.
         self.layouts = [store.layouts[layer] for layer in self.layers]
+        self.mixed = len(set(self.layouts)) > 1
         self.largest: dict = {}  # section name -> its largest Section over the layouts
         for layout in self.layouts:
             for sec in layout.sections:
@@ -146,11 +147,11 @@ class GpuExperts(ExpertProvider):
                     self.largest[sec.name] = sec
         # the pool's schemes (w13's, w2's where it differs): the one layout's, or (K-quants) those
         # of its largest sections, which name their format by their block bytes
-        self.scheme, self.down = _schemes(self.layouts[0])
-        if len(set(self.layouts)) > 1:
-            w13, w2 = (make_scheme(KQUANT_OF_BYTES[self.largest[f"{n}.q"].shape[-1]])
-                       for n in ("w13", "w2"))  # fmt: skip
-            self.scheme, self.down = w13, (w2 if w2 != w13 else None)
+        self.scheme, self.down = _schemes(*self.layouts[0].schemes)
+        if self.mixed:
+            self.scheme, self.down = _schemes(
+                *(make_scheme(KQUANT_OF_BYTES[self.largest[f"{n}.q"].shape[-1]]) for n in NAMES)
+            )
         # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id), int4
         # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
         self.rows = (self.scheme.name == "int4" and self.scheme.group_size % 32 == 0
@@ -273,12 +274,12 @@ class GpuExperts(ExpertProvider):
                     routed: int | None = None) -> StackedExperts:  # fmt: skip
         """Pool-layout sections [n, *largest shape] as layer li's StackedExperts: a section of a
         smaller layout read packed at each slot's start (layout.padded_view), its own schemes."""
-        layout = self.layouts[li]
-        if len(set(self.layouts)) == 1:
+        if not self.mixed:
             return self._stacked(secs, routed)
+        layout = self.layouts[li]
         own = {sec.name: sec.shape for sec in layout.sections}
         views = {n: t if t.shape[1:] == own[n] else padded_view(t, own[n]) for n, t in secs.items()}
-        w13, down = _schemes(layout)
+        w13, down = _schemes(*layout.schemes)
         return StackedExperts(w13, views, routed, down)
 
     def _sections(self, lead: tuple, device, pin: bool = False) -> dict[str, torch.Tensor]:

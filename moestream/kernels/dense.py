@@ -199,7 +199,7 @@ class QuantLinear(nn.Module):
                 return dequant.dequant_int4_rows(self.rows_q, self.rows_sz, g, dtype)
             q, sz = int4_from_rows(self.rows_q, self.rows_sz)
             return dequantize({"w.q": q, "w.sz": sz}, "w", g, dtype)
-        if self._triton is not None and self.qweight.scheme.name in ("q4_k", "q5_k"):
+        if self._triton is not None and self._gemv[0] in self._triton.GEMV_KQUANTS:
             from moestream.kernels.triton import dequant
 
             # one launch for the reference's unpack + fp32 passes, the same bits

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton import kept, tuned
-from moestream.kernels.triton.kquant import f16_at, scale_min
+from moestream.kernels.triton.kquant import f16_at, q6_value, scale_min
 from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts, kernel_sections
 
 # int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
@@ -320,10 +320,10 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         sc = blk + 192 + 8 * (hb % 2) + g
         ds_lo = d * tl.load(sc).to(tl.int8, bitcast=True).to(tl.float32)
         ds_hi = d * tl.load(sc + 4).to(tl.int8, bitcast=True).to(tl.float32)
-        # a byte's nibbles are quarters a = g // 2 and a + 2: high pairs at qh bits 2a, 2a + 4
-        sh = 2 * (tl.arange(0, 4)[None, None, :, None] // 2)
-        q_lo = (w & 15) | (((w >> (8 + sh)) & 3) << 4)
-        q_hi = ((w >> 4) & 15) | (((w >> (12 + sh)) & 3) << 4)
+        # a byte's nibbles are quarters a = g // 2 and a + 2 (kquant.q6_value's c)
+        a = (g // 2)[:, :, :, None]
+        q_lo = q6_value(w & 255, w >> 8, a)
+        q_hi = q6_value(w & 255, w >> 8, a + 2)
         dot_lo = tl.sum((q_lo.to(tl.float32) - 32.0) * xv, 3)  # [BN, NH, 4]
         dot_hi = tl.sum((q_hi.to(tl.float32) - 32.0) * xh, 3)
         p = tl.sum(dot_lo * ds_lo + dot_hi * ds_hi, 2)
