@@ -28,9 +28,11 @@ shard() {
 }
 
 # The pair-row and fused-vs-two-launch tests are not marked cuda: they take the GPU when there is one.
-# decode in two shards (q4_0, half and chain doubled the 84 cases of one)
+# decode in three shards (q4_0, half and chain doubled the 84 cases of one; the second's 150
+# cases, ~3 s each, ran past 400 s at d2c6d4e beside the peers' prepare)
 shard decode -m cuda "$kern" -k "test_decode_cuda" &
-shard decode2 -m cuda "$kern" "$abl" -k "fused_decode_cuda or decode_half_cuda or decode_chain_cuda or decode_kquant_cuda" &
+shard decode2 -m cuda "$kern" "$abl" -k "fused_decode_cuda" &
+shard decode3 -m cuda "$kern" "$abl" -k "decode_half_cuda or decode_chain_cuda or decode_kquant_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
 # The prompt kernels in three shards (one took ~300 s alone and ran past 400 s beside the peers'
 # prepare at a1f37fe, 95 of 97 done; q4_0 added 17 cases): the same tests, each once.
