@@ -27,11 +27,10 @@ import triton.language as tl
 from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ablations.triton_decode import MMA_CONFIGS, default, moe_decode  # noqa: E402
+from ablations.triton_decode import MMA_CONFIGS, check_shapes, default, moe_decode  # noqa: E402
 from common import bench_row, capture_graph, group_of, hardware, override, tiles_of, write_rows  # noqa: E402
 
 from moestream.kernels.ref import dequantize, expert_ffn  # noqa: E402
-from moestream.kernels.triton.decode import check_shapes  # noqa: E402
 from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts  # noqa: E402
 from moestream.quant import make_scheme, tensor_sections  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The decode ablations of benchmarks/ablations/triton_decode.py (one persistent launch per layer,
-the L2 prefetch of w2, per-step int4 row sums) against the product kernels and the float64 spec,
+the L2 prefetch of w2, per-step int4 row sums, the chain sums) against the product kernels and the float64 spec,
 with the helpers and tolerances of test_triton_kernels.py. The fused-vs-two-launch check is not
 marked cuda: it runs in the interpreter without a GPU (equal bits) and compiled on one.
 conftest.py puts benchmarks/ on the path."""
@@ -31,6 +31,51 @@ def test_row_sums_per_step_interpreter(quant):
 
 
 @needs_triton
+@pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
+def test_chain_interpreter():
+    """chain=True (a 32-block's products summed by one chain of fused multiply-adds) with and
+    without half, on q4_0 (CI time: the row layouts share the chain); refused for the other
+    layouts and with the tensor cores."""
+    from ablations.triton_decode import AblationConfig, check_shapes, moe_decode
+
+    for half in (True, False):
+        cfg = AblationConfig(bn=8, bk=64, bn_d=8, bk_d=32, half=half, chain=True)
+        _check(moe_decode, "q4_0", 4, 64, 64, 2, 2, torch.float32, "cpu", seed=7, cfg=cfg)
+    # the hook runs: the chain's sums round in another order than the tree's
+    gen = torch.Generator().manual_seed(8)
+    ex = _layer("q4_0", 4, 64, 64, "cpu", gen)
+    x = torch.randn(2, 64, generator=gen)
+    ids, w = _routing(2, 4, 2, "cpu", gen)
+    tree = moe_decode(x, ids, w, ex, replace(cfg, chain=False)).clone()
+    assert not torch.equal(moe_decode(x, ids, w, ex, cfg), tree)
+    assert "chain" in check_shapes("int8", 64, 64, 32, AblationConfig(chain=True))
+    assert (
+        check_shapes("q4_0", 64, 64, 32, AblationConfig(bk=64, bn_d=8, bk_d=32, chain=True)) is None
+    )
+    with pytest.raises(AssertionError, match="chain"):
+        AblationConfig(chain=True, mma=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", ROW_QUANTS)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("T", [1, 3])
+def test_decode_chain_cuda(quant, case, T):
+    """The row layouts with chain=True against the float64 spec, the default tiles otherwise."""
+    from ablations.triton_decode import default, moe_decode
+
+    from moestream.kernels.triton.decode import fit_config
+
+    (E, D, I, K), dtype = case
+    cfg = replace(fit_config(quant, D, I, 32, default(quant, D, I, "NVIDIA H200")), chain=True)
+    # fp32: a chain adds a block's 32 products in sequence (error ~ n eps, a tree's ~ log n eps),
+    # on top of half's offset cancellation (256 sum f x - 136 sum x): 1.007e-5 measured on q4_0
+    # at T=3 (H200, d2c6d4e), so twice the tree kernels' bound
+    tol = {torch.float32: 2e-5, torch.bfloat16: TOL[torch.bfloat16]}
+    _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + T, cfg=cfg, tol=tol)
+
+
+@needs_triton
 @pytest.mark.parametrize("quant", [*QUANTS, "int4r", "q4_0"])
 @pytest.mark.parametrize("mma", [False, True])
 def test_fused_layer_gives_the_two_launch_bits(quant, mma):
@@ -51,7 +96,7 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
     E, D, I, K = (16, 2048, 768, 8) if CUDA else (5, 64, 64, 2)
     base = MMA_CONFIGS[quant] if mma else default(quant, D, I)
     bk = min(base.bk, 512 if CUDA else 32)
-    # the row layouts with DecodeConfig.chain (the tiles' half as they set it; on the CPU 16
+    # the row layouts with chain (the tiles' half as they set it; on the CPU 16
     # rows a program: the interpreter runs programs one by one)
     rows = {} if CUDA or quant not in ROW_QUANTS else dict(bn=16, bn_d=16)
     cfg = replace(base, split=2, bk=bk, chain=quant in ROW_QUANTS, **rows)
@@ -81,14 +126,14 @@ def test_fused_layer_gives_the_two_launch_bits(quant, mma):
 @pytest.mark.parametrize("T", [1, 3, 8])
 def test_fused_decode_cuda(quant, case, T):
     """The default tiles as one persistent launch (work counter), each case twice, so the second
-    call reuses the counters the first one reset (the row layouts with DecodeConfig.chain)."""
+    call reuses the counters the first one reset (the row layouts with chain)."""
     from ablations.triton_decode import default, moe_decode
 
     from moestream.kernels.triton.decode import fit_config
 
     (E, D, I, K), dtype = case
     cfg = replace(fit_config(quant, D, I, 32, default(quant, D, I)), fused=True)
-    cfg = replace(cfg, chain=quant in ROW_QUANTS)  # the row layouts: with DecodeConfig.chain
+    cfg = replace(cfg, chain=quant in ROW_QUANTS)  # the row layouts: with chain
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
 

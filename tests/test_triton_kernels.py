@@ -180,13 +180,6 @@ def test_decode_interpreter(quant):
         for split in (2, 1) if quant == "int4r" else (2,):  # (CI time: int4r's unsplit one)
             cfg = DecodeConfig(bn=8, bk=32, split=split, bn_d=8, bk_d=32, half=True)
             _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
-        # chain (an ablation, off in the tiles): a block's products summed by one chain of fused
-        # multiply-adds (with and without half), on q4_0 (CI time: the layouts share the chain);
-        # refused for the other layouts (check_shapes)
-        for half in (True, False) if quant == "q4_0" else ():
-            cfg = DecodeConfig(bn=8, bk=64, bn_d=8, bk_d=32, half=half, chain=True)
-            _check(moe_decode, quant, 4, 64, 64, 2, 2, torch.float32, "cpu", seed=7, cfg=cfg)
-        assert "chain" in check_shapes("int8", 64, 64, 32, DecodeConfig(chain=True))
         if quant != "int4r":
             return
         # groups of 64: two 32-input blocks share a (scale, zero) word
@@ -554,24 +547,6 @@ def test_decode_half_cuda(quant, case, T):
     cfg = replace(tiles, half=not tiles.half)
     for seed in range(2):
         _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("quant", ROW_QUANTS)
-@pytest.mark.parametrize("case", CASES)
-@pytest.mark.parametrize("T", [1, 3])
-def test_decode_chain_cuda(quant, case, T):
-    """The row layouts with DecodeConfig.chain (a block's products by one chain of fused
-    multiply-adds; not in the tiles yet) against the float64 spec, the default tiles otherwise."""
-    from moestream.kernels.triton.decode import default_config, moe_decode
-
-    (E, D, I, K), dtype = case
-    cfg = replace(default_config(quant, D, I, 32, "NVIDIA H200"), chain=True)
-    # fp32: a chain adds a block's 32 products in sequence (error ~ n eps, a tree's ~ log n eps),
-    # on top of half's offset cancellation (256 sum f x - 136 sum x): 1.007e-5 measured on q4_0
-    # at T=3 (H200, d2c6d4e), so twice the tree kernels' bound
-    tol = {torch.float32: 2e-5, torch.bfloat16: TOL[torch.bfloat16]}
-    _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=500 + T, cfg=cfg, tol=tol)
 
 
 # tensor-core tiles for every quant (int4's default family; the benchmarks' MMA_CONFIGS)

@@ -6,11 +6,17 @@
   elem      False: int4 CUDA-core sums rows per K step instead of once at the end.
   q8        int4 rows with int8 activations and dp4a (decode_q8.py; lossy): 6% faster at
             Qwen3-30B-A3B shapes, 10% slower at Qwen3.5-35B-A3B's.
+  chain     the row layouts' (int4 rows, q4_0, q4_1) 32-block products summed by one chain of
+            fused multiply-adds (the product step's CHAIN hook, decode._chain) instead of a tree:
+            fewer instructions (sm_90 SASS with half, Qwen3-30B-A3B: gate/up 5.00 -> 4.53 a
+            weight, 122 -> 79 registers), but slower on the H200: 15.99 vs 14.69 us a layer (int4
+            rows), 16.40 vs 14.91 (q4_0) (docs/gpu.md, d2c6d4e).
   MMA_CONFIGS  tensor-core tiles for every quant (the tuner's starting points; int4's default).
 
 All of them run the product work items of moestream/kernels/triton/decode.py through its hooks
-(READY, WAIT=2, ELEM); `moe_decode` here takes an `AblationConfig` (a DecodeConfig plus these
-flags) and `stages=` (one kernel alone, for the per-kernel timing of tune_gpu_decode.py).
+(READY, WAIT=2, ELEM, CHAIN); `moe_decode` here takes an `AblationConfig` (a DecodeConfig plus
+these flags) and `stages=` (one kernel alone, for the per-kernel timing of tune_gpu_decode.py);
+`check_shapes` is the product's with the flags' rules.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from moestream.kernels.triton.decode import (
     _gate_up_item,
     _gate_up_mma_item,
 )
+from moestream.kernels.triton.layout import ROW_QUANTS
 
 L2_PREFETCH_BYTES = 24 << 20  # prefetch w2 only while the pairs' w2 fit well inside L2 (50 MB)
 
@@ -42,11 +49,24 @@ class AblationConfig(DecodeConfig):
     prefetch: bool = False  # gate/up prefetches w2 into L2 (_gate_up_prefetch_kernel)
     fused: bool = False  # one persistent launch per layer (_fused_kernel) instead of two
     q8: bool = False  # int4 rows with int8 activations (decode_q8.py)
+    chain: bool = False  # the row layouts' block sums by one chain of fused multiply-adds
+
+    def __post_init__(self):
+        DecodeConfig.__post_init__(self)  # (slots: no zero-argument super())
+        assert not (self.chain and self.mma), "chain is the CUDA-core kernels' row-layout step"
 
     @classmethod
     def of(cls, cfg: DecodeConfig, **kw) -> AblationConfig:
         """A product config as an ablation config (flags off unless given)."""
         return cls(**{f.name: getattr(cfg, f.name) for f in fields(DecodeConfig)}, **kw)
+
+
+def check_shapes(quant: str, hidden: int, inter: int, group: int,
+                 cfg: AblationConfig) -> str | None:  # fmt: skip
+    """The ablation flags' own rules, then decode.check_shapes: None when the kernels take them."""
+    if cfg.chain and quant not in ROW_QUANTS:
+        return f"chain is the row layouts' step ({', '.join(ROW_QUANTS)}), not {quant}'s"
+    return dk.check_shapes(quant, hidden, inter, group, cfg)
 
 
 def default(quant: str, hidden: int, inter: int, device: str | None = None) -> AblationConfig:
@@ -229,7 +249,7 @@ def _run_fused(launch: dk.Launch, cfg: AblationConfig) -> None:
     kw = dict(DT=tl.float32, PREC="ieee", STAGES=cfg.stages)
     kw.update(BN=cfg.bn, BK=cfg.bk, SPLIT=cfg.split, BN_D=cfg.bn_d, BK_D=cfg.bk_d, MMA=cfg.mma,
               COMBINE=launch.combine, num_warps=cfg.num_warps, **launch.common)  # fmt: skip
-    kw["ELEM"] = cfg.elem
+    kw.update(ELEM=cfg.elem, CHAIN=cfg.chain)
     del kw["HOST"]
     # as many programs as the GPU holds at once (more would only queue); the interpreter runs
     # programs one after another, so it gets one
@@ -266,12 +286,15 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
 
         assert stages == "gate_up+down", "the int8-activation layer runs both stages"
         return decode_q8.moe_decode(x, ids, weights, experts, cfg, out=out, combine=combine)
+    why = check_shapes(experts.kernel_quant, x.shape[1], experts.inter,
+                       experts.scheme.group_size, cfg)  # fmt: skip
+    assert why is None, why
     launch = dk.Launch.build(x, ids, weights, experts, cfg, out, combine)
     if cfg.fused:
         assert stages == "gate_up+down", "the fused kernel runs both stages"
         _run_fused(launch, cfg)
         return launch.result()
-    elem = {} if cfg.mma else {"ELEM": cfg.elem}
+    elem = {} if cfg.mma else {"ELEM": cfg.elem, "CHAIN": cfg.chain}
     if "gate_up" in stages:
         pre = _prefetch_args(launch, cfg)
         if pre is None:

@@ -71,18 +71,12 @@ class DecodeConfig:
     # The nibble layouts' (HALF_QUANTS); a layer whose w2 is q5_k / q6_k below q4_k gate/up
     # (a Q4_K_M file's) reads those values as they are in its down launch.
     half: bool = False
-    # int4 rows / q4_0 on CUDA cores: each 32-block's products summed by one chain of fused
-    # multiply-adds (_chain) instead of tl.sum's products and tree of adds (sm_90 SASS with half,
-    # Qwen3-30B-A3B: gate/up 5.00 -> 4.53 instructions a weight and 122 -> 79 registers, down
-    # 7.33 -> 6.92). Not yet timed on a GPU; the sums round in another order.
-    chain: bool = False
 
     def __post_init__(self):
         for name in ("bn", "bk", "split", "bn_d", "bk_d"):
             v = getattr(self, name)
             assert v > 0 and v & (v - 1) == 0, f"{name} must be a power of two, got {v}"
         assert not (self.half and self.mma), "half is the CUDA-core kernels' int4 conversion"
-        assert not (self.chain and self.mma), "chain is the CUDA-core kernels' row-layout step"
 
 
 # ---- exact byte -> fp32 conversions (sm_90 PTX; the interpreter takes the plain casts) --------
@@ -281,7 +275,8 @@ def _hi_inputs(ptr, xv, QUANT: tl.constexpr):
 def _chain(acc, a, b, c, d, BN: tl.constexpr, NB: tl.constexpr, W: tl.constexpr):
     """acc [BN, NB] + the sum over the last axis (W) of a * b + c * d ([BN, NB, W] each) as one
     chain of fused multiply-adds, in the order the axis is halved (tl.split: free, the axis is
-    in-thread); tl.sum would multiply first and add the products in a tree."""
+    in-thread); tl.sum would multiply first and add the products in a tree. The chain ablation's
+    step (_step's CHAIN hook; benchmarks/ablations/triton_decode.py)."""
     if W == 1:
         acc = tl.fma(tl.reshape(a, [BN, NB]), tl.reshape(b, [BN, NB]), acc)
         return tl.fma(tl.reshape(c, [BN, NB]), tl.reshape(d, [BN, NB]), acc)
@@ -300,8 +295,8 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
           FAST: tl.constexpr, HALF: tl.constexpr = False, CHAIN: tl.constexpr = False, ES: tl.constexpr = 0):  # fmt: skip
     """One K step: raw tile w times inputs xv (shaped by _k_offsets) -> accumulator increments.
     xh: int4 rows' high-nibble inputs (xv's + 16); the other layouts ignore it. HALF: int4 rows
-    through _u4_f32's HALF (DecodeConfig.half); CHAIN: a block's products by _chain
-    (DecodeConfig.chain)."""
+    through _u4_f32's HALF (DecodeConfig.half); CHAIN: a block's products by _chain (the chain
+    ablation's hook, benchmarks/ablations/triton_decode.py; measured slower, off here)."""
     NG: tl.constexpr = BK // G
     if QUANT == 0:
         p = w.to(tl.float32) * xv
@@ -901,8 +896,6 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
         return f"{quant} needs the CUDA-core kernels (its super-block step)"
     if cfg.half and quant not in HALF_QUANTS:
         return f"half is the nibble layouts' step ({', '.join(HALF_QUANTS)}), not {quant}'s"
-    if cfg.chain and quant not in ROW_QUANTS:
-        return f"chain is the row layouts' step ({', '.join(ROW_QUANTS)}), not {quant}'s"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
@@ -1044,8 +1037,6 @@ class Launch:
             common.update(ELEM=True, FAST=gpu)
             if cfg.half:  # the product kernels' (an ablation's kernel never takes it)
                 common.update(HALF=True)
-            if cfg.chain:
-                common.update(CHAIN=True)
         w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", SCALE_SECTION[down]))
         # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up): its step, and no
