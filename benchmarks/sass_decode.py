@@ -4,7 +4,8 @@ Triton compiles the gate/up and down kernels of kernels/triton/decode.py for an 
 with the launch-time specialisation (16-byte aligned pointers), and cuobjdump (shipped with
 Triton) lists the SASS. The loops are unrolled (`tl.static_range`), so the static count is what one
 program executes. Prints per kernel: SASS instructions, thread-instructions per weight, shared
-memory, layout conversions in the TTGIR and the most frequent opcodes. A GPU's issue rate (4 warp
+memory, layout conversions in the TTGIR, number-format conversions (I2F, F2I, ...: 16 a clock an
+SM on sm_90, an eighth of fp32's rate) and the most frequent opcodes. A GPU's issue rate (4 warp
 instructions per clock per SM) turns the count into a floor on time; the time itself is measured
 only by bench_gpu_moe.py on the GPU. `--out` appends the figures as JSON rows.
   python benchmarks/sass_decode.py --quant int4 int8 --mma both [--out /tmp/sass.jsonl]
@@ -153,6 +154,9 @@ def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]
         per_weight = n * warps * 32 / weights
         rolled = ">" if cfg.mma and cfg.stages and name == "gate_up" else " "
         conv = c.asm["ttgir"].count("convert_layout")
+        # number-format conversions (I2F, I2FP, F2I, F2F, ...): 16 a clock an SM on sm_90
+        # against 64 for integer and 128 for fp32 arithmetic (CUDA C guide, throughput table)
+        cvt = sum(v for k, v in ops.items() if re.fullmatch(r"[IF]2[IF]\w*", k))
         fam = "mma" if cfg.mma else "cuda-cores"
         # waves of the one-token grid (8 pairs) on 132 SMs at this occupancy (the fused kernel
         # is persistent: one wave of programs taking items)
@@ -165,14 +169,14 @@ def report(model: str, quant: str, cfg, tmp: Path, show_cfg: bool) -> list[dict]
               f"(stack {res.get('STACK', 0)}), {bps:2} programs/SM, "
               f"{'persistent' if waves is None else f'{waves:4.2f} waves'} "
               f"at T=1, shared {c.metadata.shared:6} B, "
-              f"{conv:2} convert_layout | {ops.most_common(8)}")  # fmt: skip
+              f"{conv:2} convert_layout, {cvt:3} conversions | {ops.most_common(8)}")  # fmt: skip
         config = {"model": model, "D": D, "I": I, "quant": quant, "tiles": repr(cfg),
                   "target": "sm_90"}  # fmt: skip
         rows.append(bench_row("sass_decode", config, {
             "kernel": name, "sass_instructions": n, "instr_per_weight": per_weight,
             "instr_per_weight_lower_bound": rolled == ">", "registers": res["REG"],
             "stack_bytes": res.get("STACK", 0), "programs_per_sm": bps, "waves_t1": waves,
-            "shared_bytes": c.metadata.shared, "convert_layout": conv,
+            "shared_bytes": c.metadata.shared, "convert_layout": conv, "conversions": cvt,
             "top_opcodes": ops.most_common(8),
         }))  # fmt: skip
     return rows

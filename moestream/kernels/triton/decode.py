@@ -146,6 +146,16 @@ def _u4_f32(b, FAST: tl.constexpr, HALF: tl.constexpr = False):
             return lo - 8.0, hi - 8.0
 
 
+@triton.jit
+def _small_f32(q, OFF: tl.constexpr):
+    """q - OFF as fp32 for int32 0 <= q < 2^23 (the K-quants' 5- and 6-bit weights), exact and
+    with no integer-to-float conversion (I2F / I2FP: 16 a clock an SM on sm_90, an eighth of
+    fp32's rate): q as the mantissa under 2^23's exponent, minus 2^23 + OFF. The same bits as
+    q.to(float32) - OFF. (A sub-block's scales keep their conversion: one per 16-32 weights,
+    and the trick's or + subtract would add an instruction each.)"""
+    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFF)
+
+
 # ---- tiles: offsets of the inputs a K step needs, and the step's products ----------------------
 @triton.jit
 def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
@@ -319,8 +329,8 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         a = (g // 2)[:, :, :, None]
         q_lo = q6_value(w & 255, w >> 8, a)
         q_hi = q6_value(w & 255, w >> 8, a + 2)
-        dot_lo = tl.sum((q_lo.to(tl.float32) - 32.0) * xv, 3)  # [BN, NH, 4]
-        dot_hi = tl.sum((q_hi.to(tl.float32) - 32.0) * xh, 3)
+        dot_lo = tl.sum(_small_f32(q_lo, 32.0) * xv, 3)  # [BN, NH, 4]
+        dot_hi = tl.sum(_small_f32(q_hi, 32.0) * xh, 3)
         p = tl.sum(dot_lo * ds_lo + dot_hi * ds_hi, 2)
         return p, p
     elif QUANT >= 6:  # q4_k / q5_k: (d sc) q - dmin m per 32-block: (d sc) dot + z sum(x)
@@ -340,8 +350,8 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
                 a_lo, a_hi, off = ds_lo, ds_hi, 8.0
         else:  # q5_k: the nibble and its fifth bit (2c + i of the bits' byte); q = (q - 16) + 16
             cs = 2 * (c % 4)[:, :, None]
-            lo = ((w & 15) | (((w >> (8 + cs)) & 1) << 4)).to(tl.float32) - 16.0
-            hi = (((w >> 4) & 15) | (((w >> (9 + cs)) & 1) << 4)).to(tl.float32) - 16.0
+            lo = _small_f32((w & 15) | ((w >> (4 + cs)) & 16), 16.0)
+            hi = _small_f32(((w >> 4) & 15) | ((w >> (5 + cs)) & 16), 16.0)
             a_lo, a_hi, off = ds_lo, ds_hi, 16.0
         z_lo, z_hi = off * ds_lo - dm_lo, off * ds_hi - dm_hi
         p = (tl.sum(lo * xv, 2) * a_lo + tl.sum(hi * xh, 2) * a_hi + tl.sum(xv, 2) * z_lo
