@@ -327,8 +327,8 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         ds_hi = d * tl.load(sc + 4).to(tl.int8, bitcast=True).to(tl.float32)
         # a byte's nibbles are quarters a = g // 2 and a + 2 (kquant.q6_value's c)
         a = (g // 2)[:, :, :, None]
-        q_lo = q6_value(w & 255, w >> 8, a)
-        q_hi = q6_value(w & 255, w >> 8, a + 2)
+        q_lo = q6_value(w, a)
+        q_hi = q6_value(w, a + 2)
         dot_lo = tl.sum(_small_f32(q_lo, 32.0) * xv, 3)  # [BN, NH, 4]
         dot_hi = tl.sum(_small_f32(q_hi, 32.0) * xh, 3)
         p = tl.sum(dot_lo * ds_lo + dot_hi * ds_hi, 2)

@@ -149,7 +149,7 @@ def _dequant_blocks_kernel(q_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.const
         m = r < rows
         blk = q_ptr + e * ES + (r * (K // 256) + sb) * B
         lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
-        q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
+        q = q6_value(lo | (byte_at(blk + 128 + 32 * h + lane, m) << 8), c) - 32
         sc = tl.load(blk + 192 + 8 * h + 2 * c + s, mask=m, other=0).to(tl.int8, bitcast=True)
         w = (f16_at(blk + 208, m) * sc.to(tl.float32)) * q.to(tl.float32)
         j = 128 * h + 32 * c + lane

@@ -50,9 +50,10 @@ def scale_min(blk, sb, m):
 
 
 @triton.jit
-def q6_value(lo, hi, c):
-    """q6_k's 6-bit value (0-63) of quarter c from its low-nibble byte and high-pair byte."""
-    return ((lo >> (4 * (c // 2))) & 15) | (((hi >> (2 * c)) & 3) << 4)
+def q6_value(w, c):
+    """q6_k's 6-bit value (0-63) of quarter c from w = its low-nibble byte | its high-pair byte
+    << 8 (int32): the pair's bits 8 + 2c, 9 + 2c shifted down to 4, 5 (no left shift)."""
+    return ((w >> (4 * (c // 2))) & 15) | ((w >> (4 + 2 * c)) & 48)
 
 
 @triton.jit
@@ -63,7 +64,7 @@ def kquant_value(blk, j, m, B: tl.constexpr):
     if B == 210:  # q6_k: half h, quarter c, lane l; 16 scales of 16 inputs, d at 208
         h, c, lane = j // 128, (j % 128) // 32, j % 32
         lo = byte_at(blk + 64 * h + 32 * (c % 2) + lane, m)
-        q = q6_value(lo, byte_at(blk + 128 + 32 * h + lane, m), c) - 32
+        q = q6_value(lo | (byte_at(blk + 128 + 32 * h + lane, m) << 8), c) - 32
         sc = tl.load(blk + 192 + j // 16, mask=m, other=0).to(tl.int8, bitcast=True)
         return (f16_at(blk + 208, m) * sc.to(tl.float32)) * q.to(tl.float32)
     else:  # q4_k / q5_k: chunk c of 64 (low nibbles, then high), sub-block 2c + i of 32
