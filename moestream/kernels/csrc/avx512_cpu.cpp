@@ -2,7 +2,8 @@
 // integer block dots with vpdpbusd / vpdpwssd, then applies the same fp32 steps in the same order
 // (cpu_rows.h), so the bits equal the scalar and AVX2 variants' (tests/test_native_kernels.py).
 // vpdpbusd multiplies unsigned by signed bytes: int8 weights enter as w + 128 (w ^ 0x80) and the
-// 128 * sum(x) term is taken off again; int4 / q4_0 nibbles are unsigned already.
+// 128 * sum(x) term is taken off again; int4 / q4_0 nibbles and q5_0's 5-bit values are unsigned
+// already.
 #include <immintrin.h>
 
 #include "cpu_rows.h"
@@ -495,6 +496,63 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   }
 }
 
+// q5_0, one row x NT activation rows (NT = 1: a decode row): four blocks' 16 qs bytes per vector
+// (a 128-bit quarter each; the 22-byte blocks are not contiguous nibbles), q4_0's low / high
+// nibbles, each 5th bit added as 16 under a byte mask built from the blocks' qh words (bit i: the
+// low nibble of byte i, bit 16 + i: its high one), then q4_0's vpdpbusd (<= 4 * 31 * 127 a
+// lane: exact), minus 16 * sum x: q5_0_row_avx2_nt's integer dots, then its fp32 steps.
+template <int NT>
+void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
+  const int nb = w.K / G;
+  const __m512i m4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
+  __m256 accv[NT];
+  for (auto& v : accv) v = _mm256_setzero_ps();
+  int j = 0;
+  for (; j + 8 <= nb; j += 8) {
+    const uint8_t* p = q5_0_block(w, r, j);
+    prefetch_ahead(p, 8 * kQ5_0Bytes);
+    uint16_t d[8];
+    __m512i lo[2], hi[2];
+    for (int h = 0; h < 2; ++h) {
+      __m128i qs[4];
+      uint64_t klo = 0, khi = 0;
+      for (int b = 0; b < 4; ++b) {
+        const uint8_t* blk = p + (4 * h + b) * kQ5_0Bytes;
+        std::memcpy(d + 4 * h + b, blk, 2);
+        const uint64_t qh = Q5Block{blk}.qh();
+        klo |= (qh & 0xffff) << (16 * b);
+        khi |= (qh >> 16) << (16 * b);
+        qs[b] = _mm_loadu_si128((const __m128i*)(blk + 6));
+      }
+      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qs[1], qs[0])),
+                                           _mm256_set_m128i(qs[3], qs[2]), 1);
+      const __m512i l = _mm512_and_si512(v, m4), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+      lo[h] = _mm512_mask_add_epi8(l, (__mmask64)klo, l, bit4);
+      hi[h] = _mm512_mask_add_epi8(u, (__mmask64)khi, u, bit4);
+    }
+    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+    for (int t = 0; t < NT; ++t) {
+      const int8_t* xq = a.qr(ts[t]);
+      __m512i part[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512i x0 = _mm512_loadu_si512(xq + (j + 4 * h) * G), x1 = _mm512_loadu_si512(xq + (j + 4 * h + 2) * G);
+        const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
+        const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
+        part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
+      }
+      const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), 4);
+      const __m256i dots = _mm256_sub_epi32(block_sums8x4(part[0], part[1]), off);
+      const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[t]) + j));
+      accv[t] = _mm256_add_ps(accv[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
+    }
+  }
+  for (int t = 0; t < NT; ++t) {
+    float l[8];
+    _mm256_storeu_ps(l, accv[t]);
+    y[t * ys] = q5_0_tail(lanes_sum(l), w, r, a, ts[t], j, nb);
+  }
+}
+
 template void int4_block_avx512_nt<2>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void int4_block_avx512_nt<3>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void int4_block_avx512_nt<4>(const Weight&, int, const QAct&, const int*, float*, size_t);
@@ -504,6 +562,10 @@ template void int8_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*,
 template void q4_0_row_avx512_nt<2>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void q4_0_row_avx512_nt<3>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void q4_0_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void q5_0_row_avx512_nt<1>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void q5_0_row_avx512_nt<2>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void q5_0_row_avx512_nt<3>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void q5_0_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*, float*, size_t);
 
 #pragma GCC pop_options
 

@@ -114,6 +114,55 @@ inline float q4_0_tail(float acc, const uint8_t* q, const uint16_t* dw, const in
   return acc;
 }
 
+// q5_0 (w = (q - 16) * d, q 0..31: the low nibble from qs, the 5th bit from qh): per block
+// (d_w * d_x) * sum((q - 16) * x), as q4_0; the dot is an exact integer (<= 16 * 127 * 32).
+struct Q5Block {
+  const uint8_t* b;  // one block_q5_0
+  float d() const {
+    uint16_t h;
+    std::memcpy(&h, b, 2);
+    return fp16(h);
+  }
+  uint32_t qh() const {
+    uint32_t v;
+    std::memcpy(&v, b + 2, 4);
+    return v;
+  }
+};
+
+inline const uint8_t* q5_0_block(const Weight& w, int r, int j) {
+  return w.q + ((size_t)r * (w.K / G) + j) * kQ5_0Bytes;
+}
+
+// One block's 32 weights q - 16 (-16..15) in input order: the low nibble of qs[i] is element i,
+// the high one i + 16; bit i of qh is element i's 5th bit.
+inline void q5_0_values(const uint8_t* blk, int8_t* v) {
+  const uint32_t qh = Q5Block{blk}.qh();
+  const uint8_t* qs = blk + 6;
+  for (int i = 0; i < G / 2; ++i) {
+    v[i] = (int8_t)((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
+    v[G / 2 + i] = (int8_t)((int)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
+  }
+}
+
+inline int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
+  int8_t v[G];
+  q5_0_values(blk, v);
+  int32_t dot = 0;
+  for (int i = 0; i < G; ++i) dot += v[i] * xq[i];
+  return dot;
+}
+
+// A q5_0 row's last blocks [j, nb) for activation row t after its 8 lanes were summed into acc:
+// the scalar path's arithmetic, in order.
+inline float q5_0_tail(float acc, const Weight& w, int r, const QAct& a, int t, int j, int nb) {
+  for (; j < nb; ++j) {
+    const uint8_t* blk = q5_0_block(w, r, j);
+    acc = acc + (Q5Block{blk}.d() * a.dr(t)[j]) * (float)q5_0_dot(blk, a.qr(t) + j * G);
+  }
+  return acc;
+}
+
 // Row r's nb int8 scales as fp32: the section itself (fp32), or widened into buf (fp16, exact).
 const float* row_scales(const Weight& w, int r, int nb, float* buf);
 
@@ -131,6 +180,9 @@ template <int NT>
 void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
 template <int NT>
 void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+// q5_0 for NT = 1 (a decode row) to 4
+template <int NT>
+void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
 // Blocks [b0, b1) of an activation row (x its start; q8 or q16 and d, s, pr the row's own) quantized
 // as moe_cpu.cpp's quantize_blocks does, bit for bit; pr may be null.
 void quantize_blocks_avx512(const float* x, int b0, int b1, float qmax, int8_t* q8, int16_t* q16, float* d,

@@ -329,45 +329,6 @@ void q4_1_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   }
 }
 
-// q5_0 (w = (q - 16) * d, q 0..31: the low nibble from qs, the 5th bit from qh): per block
-// (d_w * d_x) * sum((q - 16) * x), as q4_0; the dot is an exact integer (<= 16 * 127 * 32).
-struct Q5Block {
-  const uint8_t* b;  // one block_q5_0
-  float d() const {
-    uint16_t h;
-    std::memcpy(&h, b, 2);
-    return fp16(h);
-  }
-  uint32_t qh() const {
-    uint32_t v;
-    std::memcpy(&v, b + 2, 4);
-    return v;
-  }
-};
-
-inline const uint8_t* q5_0_block(const Weight& w, int r, int j) {
-  return w.q + ((size_t)r * (w.K / G) + j) * kQ5_0Bytes;
-}
-
-// One block's 32 weights q - 16 (-16..15) in input order: the low nibble of qs[i] is element i,
-// the high one i + 16; bit i of qh is element i's 5th bit.
-inline void q5_0_values(const uint8_t* blk, int8_t* v) {
-  const uint32_t qh = Q5Block{blk}.qh();
-  const uint8_t* qs = blk + 6;
-  for (int i = 0; i < G / 2; ++i) {
-    v[i] = (int8_t)((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
-    v[G / 2 + i] = (int8_t)((int)((qs[i] >> 4) | (((qh >> (i + 16)) & 1) << 4)) - 16);
-  }
-}
-
-int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
-  int8_t v[G];
-  q5_0_values(blk, v);
-  int32_t dot = 0;
-  for (int i = 0; i < G; ++i) dot += v[i] * xq[i];
-  return dot;
-}
-
 void q5_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* xq = a.qr(t);
@@ -979,13 +940,7 @@ __attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, 
   for (int i = 0; i < NT; ++i) {
     float l[8];
     _mm256_storeu_ps(l, accv[i]);
-    float acc = lanes_sum(l);
-    const int t = ts[i];
-    for (int jj = j; jj < nb; ++jj) {
-      const uint8_t* blk = q5_0_block(w, r, jj);
-      acc = acc + (Q5Block{blk}.d() * a.dr(t)[jj]) * (float)q5_0_dot(blk, a.qr(t) + jj * G);
-    }
-    y[i * ys] = acc;
+    y[i * ys] = q5_0_tail(lanes_sum(l), w, r, a, ts[i], j, nb);
   }
 }
 
@@ -1019,9 +974,10 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
       q4_1_rows_scalar(w, r0, n, a, t, y);
     return;
   }
-  if (w.kind == kQ5_0) {  // no AVX-512 rows: the AVX2 ones run there
+  if (w.kind == kQ5_0) {
     if (isa >= kAvx2)
-      for (int i = 0; i < n; ++i) q5_0_row_avx2_nt<1>(w, r0 + i, a, &t, y + i, 1);
+      for (int i = 0; i < n; ++i)
+        (isa >= kAvx512 ? q5_0_row_avx512_nt<1> : q5_0_row_avx2_nt<1>)(w, r0 + i, a, &t, y + i, 1);
     else
       q5_0_rows_scalar(w, r0, n, a, t, y);
     return;
@@ -1063,7 +1019,8 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
   }
   if (w.kind == kQ5_0) {
     if (isa < kAvx2) return q5_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
-    for (int i = 0; i < n; ++i) q5_0_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
+    for (int i = 0; i < n; ++i)
+      (isa >= kAvx512 ? q5_0_row_avx512_nt<NT> : q5_0_row_avx2_nt<NT>)(w, r0 + i, a, ts, y + i, ys);
     return;
   }
   if (isa < kAvx2)
