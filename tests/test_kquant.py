@@ -232,18 +232,23 @@ def test_mixed_record_native_kernel_is_the_spec(mixed):
 def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys):
     """Streamed at the minimum budget (slots of the largest record) a mixed store gives the
     resident greedy tokens and prompt logits bit for bit on the native kernels; the decode step
-    of one native call declines it (layer 2's int8 down projection takes int16 activations, the
-    others int8) and the per-module path decodes; the GPU provider refuses its per-layer record
-    layouts with the fix."""
+    of one native call takes it, each layer's down input in its weights' width (layer 2's int8
+    down projection takes int16 activations, the others int8), with the per-module path's logits
+    and caches bit for bit; the GPU provider refuses its per-layer record layouts with the fix."""
+    from test_native_step import _decode
+
     from moestream.experts.config import GpuConfig
     from moestream.models import native_step
 
     store = mixed[3]
     loaded = load_model(store, StreamConfig(resident=True))
     assert loaded.provider.native  # the layer op, not the torch fallback
-    assert "layer 2: its down projection's activation width differs" in native_step.why_not(
-        loaded.model, loaded.provider
-    )
+    assert native_step.why_not(loaded.model, loaded.provider) is None
+    want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
+    got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
+    assert loaded.model._decode_step  # built, not declined
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
     loaded.provider.close()
     want = our_logits(store, StreamConfig(resident=True))
     s = Store(store)

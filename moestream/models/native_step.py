@@ -31,7 +31,7 @@ def why_not(model, provider) -> str | None:
         return "the native kernels did not build"
     if type(model).forward is not MoeCausalLM.forward:
         return f"{type(model).__name__} has its own forward"
-    tables, kinds = provider.native_tables() if provider is not None else None, None
+    tables = provider.native_tables() if provider is not None else None
     if tables is None:
         return "the expert provider does not keep every record resident for the native kernels"
     for i, layer in enumerate(model.model.layers):
@@ -46,20 +46,7 @@ def why_not(model, provider) -> str | None:
             return f"layer {i}: {why}"
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
-        # Schemes may differ across layers (a kept Q4_K_M store's do), but DecodeStep quantizes
-        # the down projections' input once for all layers: int16 for int8 weights, else int8.
-        here = _down_is_int8(tables[mlp.layer])
-        if kinds is not None and here != kinds:
-            return (
-                f"layer {i}: its down projection's activation width differs from an earlier layer's"
-            )
-        kinds = here
     return None
-
-
-def _down_is_int8(table: dict[int, list]) -> bool:
-    """Whether a layer's down projection is int8 (record tensors: w13's pair, then w2's)."""
-    return next(iter(table.values()))[2].dtype == torch.int8
 
 
 def _native_quant(p) -> bool:

@@ -1525,10 +1525,9 @@ class DecodeStep {
       l.w2.push_back(weight(experts[4 * e + 2], experts[4 * e + 3]));
       const Weight &a = l.w13.back(), &b = l.w2.back();
       if (I == 0) I = b.K;
-      // one layer's records share a layout; across layers only the down projection's activation
-      // width (int16 for int8 weights) must agree, as run() quantizes it once for all layers
+      // one layer's records share a layout (layers may differ: a kept Q4_K_M file's do)
       TORCH_CHECK(a.K == D && a.N == 2 * I && b.N == D && b.K == I && a.kind == l.w13[0].kind &&
-                      b.kind == l.w2[0].kind && (L.empty() || (b.kind == kInt8) == (L[0].w2[0].kind == kInt8)),
+                      b.kind == l.w2[0].kind,
                   "decode step: a layer's expert records must share one shape and scheme");
     }
     TORCH_CHECK(!o_wide || l.o.kind == kInt8, "int16 activations are for int8 weights");
@@ -1579,7 +1578,9 @@ class DecodeStep {
     // norms, the router's pick and the activations entering q/k/v and the experts are each
     // thread's own (Worker's prep: the same code on the same data, so the same bits).
     std::vector<float> qkv(Nqkv), qk((size_t)(H + Hkv) * hd), att((size_t)H * hd), sc(E), hx((size_t)k * N13), y(D), yk((size_t)k * D);
-    QAct ao(1, H * hd, L[0].o_wide), act(k, I, L[0].w2[0].kind == kInt8);
+    // the down projections' input, per layer in its weights' width (int16 for int8 weights, as
+    // native.moe quantizes it): both buffers, each layer takes its own
+    QAct ao(1, H * hd, L[0].o_wide), act8(k, I, false), act16(k, I, true);
     // o's activation blocks line up with a KV group's heads: each group quantizes its own
     const bool group_blocks = (G * hd) % kG == 0;
     constexpr int kPhasesPerLayer = 7;
@@ -1597,6 +1598,7 @@ class DecodeStep {
       QAct aq(1, D, L[0].qkv_wide), ax(1, D, false);
       for (size_t li = 0; li < L.size(); ++li) {
         const StepLayer& l = L[li];
+        QAct& act = l.w2[0].kind == kInt8 ? act16 : act8;
         const int M = (int)kcs[li].size(1);
         float *kp = kcs[li].data_ptr<float>(), *vp = vcs[li].data_ptr<float>();
         // input norm, q/k/v (+ bias): native.rmsnorm, then QuantLinear -> native.linear
