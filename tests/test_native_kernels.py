@@ -78,6 +78,21 @@ def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
         assert torch.equal(got, qlinear_q8(xin, sec, "w2", wide=True))
 
 
+def test_row_tails_equal_the_reference_bits():
+    """Rows whose blocks past the last full eight (1-7 of them; a 1408-wide projection has 4)
+    take the vector rows' tails (q5_0's AVX-512 row: the same integer dots from zero-padded
+    vectors), with one and with three activation rows: the spec's bits on every ISA."""
+    for scheme in ("q5_0", "q4_0", "int8"):
+        for tail in range(1, 8):
+            D = 32 * (8 + tail)
+            sec = records(scheme, D, 96, 1, seed=tail)[0]
+            for T in (1, 3):
+                x = torch.randn(T, D, generator=torch.Generator().manual_seed(tail))
+                want = qlinear_q8(x, sec, "w13")
+                for isa in ISAS:
+                    assert torch.equal(native.linear(x, sec, "w13", isa), want), (scheme, tail, T, isa)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("scheme,D,I", CASES)

@@ -496,60 +496,89 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   }
 }
 
-// q5_0, one row x NT activation rows (NT = 1: a decode row): four blocks' 16 qs bytes per vector
-// (a 128-bit quarter each; the 22-byte blocks are not contiguous nibbles), q4_0's low / high
-// nibbles, each 5th bit added as 16 under a byte mask built from the blocks' qh words (bit i: the
-// low nibble of byte i, bit 16 + i: its high one), then q4_0's vpdpbusd (<= 4 * 31 * 127 a
-// lane: exact), minus 16 * sum x: q5_0_row_avx2_nt's integer dots, then its fp32 steps.
+// q5_0: blocks [j, j + n) of row r (n <= 8; the rest of the 8 lanes zero) -> lo / hi: four blocks'
+// 16 qs bytes per vector (a 128-bit quarter each; the 22-byte blocks are not contiguous
+// nibbles), q4_0's low / high nibbles, each 5th bit added as 16 under a byte mask built from the
+// blocks' qh words (bit 16b + i: the low nibble of block b's byte i; the high word: its high
+// one); d: their eight fp16 scales widened (zero past n).
+inline __m256 q5_0_values8(const Weight& w, int r, int j, int n, __m512i* lo, __m512i* hi) {
+  const __m512i m4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
+  const uint8_t* p = q5_0_block(w, r, j);
+  prefetch_ahead(p, 8 * kQ5_0Bytes);
+  uint16_t d[8] = {};
+  for (int h = 0; h < 2; ++h) {
+    __m128i qs[4];
+    uint64_t klo = 0, khi = 0;
+    for (int b = 0; b < 4; ++b) {
+      qs[b] = _mm_setzero_si128();
+      if (4 * h + b >= n) continue;
+      const uint8_t* blk = p + (4 * h + b) * kQ5_0Bytes;
+      std::memcpy(d + 4 * h + b, blk, 2);
+      const uint64_t qh = Q5Block{blk}.qh();
+      klo |= (qh & 0xffff) << (16 * b);
+      khi |= (qh >> 16) << (16 * b);
+      qs[b] = _mm_loadu_si128((const __m128i*)(blk + 6));
+    }
+    const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qs[1], qs[0])),
+                                         _mm256_set_m128i(qs[3], qs[2]), 1);
+    const __m512i l = _mm512_and_si512(v, m4), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    lo[h] = _mm512_mask_add_epi8(l, (__mmask64)klo, l, bit4);
+    hi[h] = _mm512_mask_add_epi8(u, (__mmask64)khi, u, bit4);
+  }
+  return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+}
+
+// The eight blocks' sums of q x (q 0..31) against activation row xq from block j on, vpdpbusd as
+// q4_0's (<= 4 * 31 * 127 a lane: exact); only the first n blocks' activations are read.
+inline __m256i q5_0_sums8(const __m512i* lo, const __m512i* hi, const int8_t* xq, int j, int n) {
+  __m512i part[2];
+  for (int h = 0; h < 2; ++h) {
+    const int8_t* x = xq + (j + 4 * h) * G;
+    const int b0 = std::max(0, std::min(2, n - 4 * h)), b1 = std::max(0, std::min(2, n - 4 * h - 2));
+    const __m512i x0 = _mm512_maskz_loadu_epi8(b0 == 2 ? ~0ull : b0 == 1 ? 0xffffffffull : 0, x);
+    const __m512i x1 = _mm512_maskz_loadu_epi8(b1 == 2 ? ~0ull : b1 == 1 ? 0xffffffffull : 0, x + 2 * G);
+    const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));  // elements 0-15
+    const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));  // elements 16-31
+    part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
+  }
+  return block_sums8x4(part[0], part[1]);
+}
+
+// q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
+// (q5_0_values8), their sums of q x per activation row minus 16 * sum x: q5_0_row_avx2_nt's
+// integer dots, then its fp32 steps. The last nb % 8 blocks take the same integer dots from the
+// vector code and the scalar path's fp32 steps in order (q5_0_tail's arithmetic).
 template <int NT>
 void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
   const int nb = w.K / G;
-  const __m512i m4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
+  __m512i lo[2], hi[2];
   for (; j + 8 <= nb; j += 8) {
-    const uint8_t* p = q5_0_block(w, r, j);
-    prefetch_ahead(p, 8 * kQ5_0Bytes);
-    uint16_t d[8];
-    __m512i lo[2], hi[2];
-    for (int h = 0; h < 2; ++h) {
-      __m128i qs[4];
-      uint64_t klo = 0, khi = 0;
-      for (int b = 0; b < 4; ++b) {
-        const uint8_t* blk = p + (4 * h + b) * kQ5_0Bytes;
-        std::memcpy(d + 4 * h + b, blk, 2);
-        const uint64_t qh = Q5Block{blk}.qh();
-        klo |= (qh & 0xffff) << (16 * b);
-        khi |= (qh >> 16) << (16 * b);
-        qs[b] = _mm_loadu_si128((const __m128i*)(blk + 6));
-      }
-      const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qs[1], qs[0])),
-                                           _mm256_set_m128i(qs[3], qs[2]), 1);
-      const __m512i l = _mm512_and_si512(v, m4), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-      lo[h] = _mm512_mask_add_epi8(l, (__mmask64)klo, l, bit4);
-      hi[h] = _mm512_mask_add_epi8(u, (__mmask64)khi, u, bit4);
-    }
-    const __m256 ws = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+    const __m256 ws = q5_0_values8(w, r, j, 8, lo, hi);
     for (int t = 0; t < NT; ++t) {
-      const int8_t* xq = a.qr(ts[t]);
-      __m512i part[2];
-      for (int h = 0; h < 2; ++h) {
-        const __m512i x0 = _mm512_loadu_si512(xq + (j + 4 * h) * G), x1 = _mm512_loadu_si512(xq + (j + 4 * h + 2) * G);
-        const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));
-        const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));
-        part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
-      }
       const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), 4);
-      const __m256i dots = _mm256_sub_epi32(block_sums8x4(part[0], part[1]), off);
+      const __m256i dots = _mm256_sub_epi32(q5_0_sums8(lo, hi, a.qr(ts[t]), j, 8), off);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[t]) + j));
       accv[t] = _mm256_add_ps(accv[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
     }
   }
+  const int n = nb - j;
+  if (n > 0) q5_0_values8(w, r, j, n, lo, hi);
   for (int t = 0; t < NT; ++t) {
     float l[8];
     _mm256_storeu_ps(l, accv[t]);
-    y[t * ys] = q5_0_tail(lanes_sum(l), w, r, a, ts[t], j, nb);
+    float acc = lanes_sum(l);
+    if (n > 0) {
+      int32_t sums[8];
+      _mm256_storeu_si256((__m256i*)sums, q5_0_sums8(lo, hi, a.qr(ts[t]), j, n));
+      const float* dx = a.dr(ts[t]);
+      const int32_t* sx = a.sr(ts[t]);
+      for (int jj = j; jj < nb; ++jj)  // q5_0_tail's steps: (d_w * d_x) * dot, in order
+        acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * dx[jj]) * (float)(sums[jj - j] - 16 * sx[jj]);
+    }
+    y[t * ys] = acc;
   }
 }
 
