@@ -90,7 +90,8 @@ def test_row_tails_equal_the_reference_bits():
                 x = torch.randn(T, D, generator=torch.Generator().manual_seed(tail))
                 want = qlinear_q8(x, sec, "w13")
                 for isa in ISAS:
-                    assert torch.equal(native.linear(x, sec, "w13", isa), want), (scheme, tail, T, isa)
+                    got = native.linear(x, sec, "w13", isa)
+                    assert torch.equal(got, want), (scheme, tail, T, isa)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
