@@ -299,6 +299,44 @@ void int8_row16_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   *y = int8_tail(lanes_sum(l), q, s, xq, d, j, nb);
 }
 
+// Eight blocks' sums of q x against activation row xq from block j on, their unsigned values in
+// q4_0's vector layout (lo / hi: four blocks' elements 0-15 / 16-31 a vector, a 128-bit quarter
+// each; q4_0's nibbles, q5_0's 5-bit values): vpdpbusd, exact (<= 4 * 31 * 127 a lane); only the
+// first n blocks' activations are read (a row's tail).
+inline __m256i block_dots8(const __m512i* lo, const __m512i* hi, const int8_t* xq, int j, int n) {
+  __m512i part[2];
+  for (int h = 0; h < 2; ++h) {
+    const int8_t* x = xq + (j + 4 * h) * G;
+    const int b0 = std::max(0, std::min(2, n - 4 * h)), b1 = std::max(0, std::min(2, n - 4 * h - 2));
+    const __m512i x0 = _mm512_maskz_loadu_epi8(b0 == 2 ? ~0ull : b0 == 1 ? 0xffffffffull : 0, x);
+    const __m512i x1 = _mm512_maskz_loadu_epi8(b1 == 2 ? ~0ull : b1 == 1 ? 0xffffffffull : 0, x + 2 * G);
+    const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));  // elements 0-15
+    const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));  // elements 16-31
+    part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
+  }
+  return block_sums8x4(part[0], part[1]);
+}
+
+// A q4_0 row's last blocks [j, nb) (fewer than eight) after its 8 lanes were summed into acc: their
+// integer dots from the vector code (masked loads: nothing past the row is read), then q4_0_tail's
+// fp32 steps in order, so the bits are the scalar path's.
+inline float q4_0_tail_avx512(float acc, const uint8_t* q, const uint16_t* dw, const int8_t* xq, const float* d,
+                              const int32_t* sx, int j, int nb) {
+  const int n = nb - j;
+  if (n <= 0) return acc;
+  const __m512i m4 = _mm512_set1_epi8(15);
+  __m512i lo[2], hi[2];
+  for (int h = 0; h < 2; ++h) {
+    const int nh = std::max(0, std::min(4, n - 4 * h));  // this half's blocks, 16 bytes each
+    const __m512i v = _mm512_maskz_loadu_epi8(nh == 4 ? ~0ull : (1ull << (16 * nh)) - 1, q + (j + 4 * h) * G / 2);
+    lo[h] = _mm512_and_si512(v, m4), hi[h] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+  }
+  int32_t sums[8];
+  _mm256_storeu_si256((__m256i*)sums, block_dots8(lo, hi, xq, j, n));
+  for (int jj = j; jj < nb; ++jj) acc = acc + (fp16(dw[jj]) * d[jj]) * (float)(sums[jj - j] - 8 * sx[jj]);
+  return acc;
+}
+
 // q4_0, one row front to back: four blocks' 64 bytes per vector, low nibbles (elements 0-15 of
 // each block) and high (16-31) against the activations' matching halves, minus 8 * sum x; the
 // fp32 terms are q4_0_row_avx2's.
@@ -331,7 +369,7 @@ void q4_0_row_avx512(const Weight& w, int r, const QAct& a, int t, float* y) {
   }
   float l[8];
   _mm256_storeu_ps(l, accv);
-  *y = q4_0_tail(lanes_sum(l), q, dw, xq, d, j, nb);
+  *y = q4_0_tail_avx512(lanes_sum(l), q, dw, xq, d, sx, j, nb);
 }
 
 // quantize_blocks' arithmetic, 16 lanes at a time (max is exact and ignores NaNs in both; round to
@@ -492,7 +530,7 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   for (int t = 0; t < NT; ++t) {
     float l[8];
     _mm256_storeu_ps(l, accv[t]);
-    y[t * ys] = q4_0_tail(lanes_sum(l), q, dw, a.qr(ts[t]), a.dr(ts[t]), j, nb);
+    y[t * ys] = q4_0_tail_avx512(lanes_sum(l), q, dw, a.qr(ts[t]), a.dr(ts[t]), a.sr(ts[t]), j, nb);
   }
 }
 
@@ -528,22 +566,6 @@ inline __m256 q5_0_values8(const Weight& w, int r, int j, int n, __m512i* lo, __
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
-// The eight blocks' sums of q x (q 0..31) against activation row xq from block j on, vpdpbusd as
-// q4_0's (<= 4 * 31 * 127 a lane: exact); only the first n blocks' activations are read.
-inline __m256i q5_0_sums8(const __m512i* lo, const __m512i* hi, const int8_t* xq, int j, int n) {
-  __m512i part[2];
-  for (int h = 0; h < 2; ++h) {
-    const int8_t* x = xq + (j + 4 * h) * G;
-    const int b0 = std::max(0, std::min(2, n - 4 * h)), b1 = std::max(0, std::min(2, n - 4 * h - 2));
-    const __m512i x0 = _mm512_maskz_loadu_epi8(b0 == 2 ? ~0ull : b0 == 1 ? 0xffffffffull : 0, x);
-    const __m512i x1 = _mm512_maskz_loadu_epi8(b1 == 2 ? ~0ull : b1 == 1 ? 0xffffffffull : 0, x + 2 * G);
-    const __m512i xlo = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(2, 0, 2, 0));  // elements 0-15
-    const __m512i xhi = _mm512_shuffle_i64x2(x0, x1, _MM_SHUFFLE(3, 1, 3, 1));  // elements 16-31
-    part[h] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo[h], xlo), hi[h], xhi);
-  }
-  return block_sums8x4(part[0], part[1]);
-}
-
 // q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
 // (q5_0_values8), their sums of q x per activation row minus 16 * sum x: q5_0_row_avx2_nt's
 // integer dots, then its fp32 steps. The last nb % 8 blocks take the same integer dots from the
@@ -559,7 +581,7 @@ void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
     const __m256 ws = q5_0_values8(w, r, j, 8, lo, hi);
     for (int t = 0; t < NT; ++t) {
       const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), 4);
-      const __m256i dots = _mm256_sub_epi32(q5_0_sums8(lo, hi, a.qr(ts[t]), j, 8), off);
+      const __m256i dots = _mm256_sub_epi32(block_dots8(lo, hi, a.qr(ts[t]), j, 8), off);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[t]) + j));
       accv[t] = _mm256_add_ps(accv[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
     }
@@ -572,7 +594,7 @@ void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
     float acc = lanes_sum(l);
     if (n > 0) {
       int32_t sums[8];
-      _mm256_storeu_si256((__m256i*)sums, q5_0_sums8(lo, hi, a.qr(ts[t]), j, n));
+      _mm256_storeu_si256((__m256i*)sums, block_dots8(lo, hi, a.qr(ts[t]), j, n));
       const float* dx = a.dr(ts[t]);
       const int32_t* sx = a.sr(ts[t]);
       for (int jj = j; jj < nb; ++jj)  // q5_0_tail's steps: (d_w * d_x) * dot, in order
