@@ -472,6 +472,32 @@ __attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q,
   }
 }
 
+// A q4_0 row's last blocks [j, nb) (fewer than eight) after its 8 lanes were summed into acc:
+// their integer dots as the eight-block loop takes them (maddubs of the nibbles; nothing past
+// the row is read), then q4_0_tail's fp32 steps in order, so the bits are the scalar path's.
+__attribute__((target("avx2,fma,f16c"))) float q4_0_tail_avx2(float acc, const uint8_t* q, const uint16_t* dw,
+                                                               const int8_t* xq, const float* d, const int32_t* sx,
+                                                               int j, int nb) {
+  const int n = nb - j;
+  if (n <= 0) return acc;
+  const __m128i m4 = _mm_set1_epi8(15);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[8];
+  for (int b = 0; b < 8; ++b) {
+    if (b >= n) {
+      p[b] = _mm256_setzero_si256();
+      continue;
+    }
+    const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
+    const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+    p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
+  }
+  int32_t sums[8];
+  _mm256_storeu_si256((__m256i*)sums, hsum8(p));
+  for (int jj = j; jj < nb; ++jj) acc = acc + (fp16(dw[jj]) * d[jj]) * (float)(sums[jj - j] - 8 * sx[jj]);
+  return acc;
+}
+
 // q4_0, one row front to back: a block's 16 bytes -> 32 u8 nibbles in element order, maddubs with
 // the int8 activations (<= 2 * 15 * 127: no saturation), eight blocks' dots reduced to int32 at
 // once, minus 8 * sum x (exactly sum (q - 8) x); the fp32 terms added into their 8 lanes.
@@ -499,7 +525,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2(const Weight& w, int
   }
   float l[8];
   _mm256_storeu_ps(l, accv);
-  *y = q4_0_tail(lanes_sum(l), q, dw, xq, d, j, nb);
+  *y = q4_0_tail_avx2(lanes_sum(l), q, dw, xq, d, sx, j, nb);
 }
 
 // q4_1's (d, m) fp16 pairs of eight blocks -> d and m widened to fp32, lane b: block b.
@@ -552,16 +578,22 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int
 
 // Eight q5_0 blocks from block j of row r -> wv[b] = block b's 32 u8 values (0..31) in input
 // order (the nibbles as nibble_blocks8 lays them, the qh bits expanded to 0x10 per byte, byte i
-// from bit i), and their eight d widened (F16C: exact, as fp16()).
-__attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv) {
+// from bit i), and their eight d widened (F16C: exact, as fp16()); only the first n blocks are
+// read (a row's tail), the others zero.
+__attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv,
+                                                                     int n = 8) {
   const uint8_t* p = q5_0_block(w, r, j);
   prefetch_ahead(p, 8 * kQ5_0Bytes);
   const __m128i m4 = _mm_set1_epi8(15);
   const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
   const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: every bit but i % 8
   const __m256i ones = _mm256_set1_epi8(-1), bit4 = _mm256_set1_epi8(16);
-  uint16_t d[8];
+  uint16_t d[8] = {};
   for (int b = 0; b < 8; ++b) {
+    if (b >= n) {
+      wv[b] = _mm256_setzero_si256();
+      continue;
+    }
     const uint8_t* blk = p + b * kQ5_0Bytes;
     std::memcpy(d + b, blk, 2);
     int32_t qh;
@@ -572,6 +604,26 @@ __attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight
     wv[b] = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(bytes, ones), bit4));
   }
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
+}
+
+// q5_0's: the values of q5_0_blocks8 (zero past nb), q5_0_tail's fp32 steps in order.
+__attribute__((target("avx2,fma,f16c"))) float q5_0_tail_avx2(float acc, const Weight& w, int r, const QAct& a,
+                                                               int t, int j, int nb) {
+  const int n = nb - j;
+  if (n <= 0) return acc;
+  const __m256i ones = _mm256_set1_epi16(1);
+  const int8_t* xq = a.qr(t);
+  __m256i wv[8], p[8];
+  q5_0_blocks8(w, r, j, wv, n);
+  for (int b = 0; b < 8; ++b)
+    p[b] = b < n ? _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
+                                     ones)
+                 : _mm256_setzero_si256();
+  int32_t sums[8];
+  _mm256_storeu_si256((__m256i*)sums, hsum8(p));
+  for (int jj = j; jj < nb; ++jj)
+    acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * a.dr(t)[jj]) * (float)(sums[jj - j] - 16 * a.sr(t)[jj]);
+  return acc;
 }
 
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
@@ -862,17 +914,7 @@ __attribute__((target("avx2,fma,f16c"))) void q4_0_row_avx2_nt(const Weight& w, 
   for (int i = 0; i < NT; ++i) {
     float l[8];
     _mm256_storeu_ps(l, accv[i]);
-    float acc = lanes_sum(l);
-    const int8_t* xq = a.qr(ts[i]);
-    for (int jj = j; jj < nb; ++jj) {
-      int32_t dot = 0;
-      for (int k = 0; k < G / 2; ++k) {
-        dot += ((q[jj * G / 2 + k] & 15) - 8) * xq[jj * G + k];
-        dot += ((q[jj * G / 2 + k] >> 4) - 8) * xq[jj * G + G / 2 + k];
-      }
-      acc = acc + (fp16(dw[jj]) * a.dr(ts[i])[jj]) * (float)dot;
-    }
-    y[i * ys] = acc;
+    y[i * ys] = q4_0_tail_avx2(lanes_sum(l), q, dw, a.qr(ts[i]), a.dr(ts[i]), a.sr(ts[i]), j, nb);
   }
 }
 
@@ -940,7 +982,7 @@ __attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, 
   for (int i = 0; i < NT; ++i) {
     float l[8];
     _mm256_storeu_ps(l, accv[i]);
-    y[i * ys] = q5_0_tail(lanes_sum(l), w, r, a, ts[i], j, nb);
+    y[i * ys] = q5_0_tail_avx2(lanes_sum(l), w, r, a, ts[i], j, nb);
   }
 }
 
