@@ -333,8 +333,7 @@ inline float q4_0_tail_avx512(float acc, const uint8_t* q, const uint16_t* dw, c
   }
   int32_t sums[8];
   _mm256_storeu_si256((__m256i*)sums, block_dots8(lo, hi, xq, j, n));
-  for (int jj = j; jj < nb; ++jj) acc = acc + (fp16(dw[jj]) * d[jj]) * (float)(sums[jj - j] - 8 * sx[jj]);
-  return acc;
+  return q4_0_tail(acc, sums, dw, d, sx, j, nb);
 }
 
 // q4_0, one row front to back: four blocks' 64 bytes per vector, low nibbles (elements 0-15 of
@@ -569,7 +568,7 @@ inline __m256 q5_0_values8(const Weight& w, int r, int j, int n, __m512i* lo, __
 // q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
 // (q5_0_values8), their sums of q x per activation row minus 16 * sum x: q5_0_row_avx2_nt's
 // integer dots, then its fp32 steps. The last nb % 8 blocks take the same integer dots from the
-// vector code and the scalar path's fp32 steps in order (q5_0_tail's arithmetic).
+// vector code and the scalar path's fp32 steps in order (q5_0_tail).
 template <int NT>
 void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
   const int nb = w.K / G;
@@ -595,10 +594,7 @@ void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
     if (n > 0) {
       int32_t sums[8];
       _mm256_storeu_si256((__m256i*)sums, block_dots8(lo, hi, a.qr(ts[t]), j, n));
-      const float* dx = a.dr(ts[t]);
-      const int32_t* sx = a.sr(ts[t]);
-      for (int jj = j; jj < nb; ++jj)  // q5_0_tail's steps: (d_w * d_x) * dot, in order
-        acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * dx[jj]) * (float)(sums[jj - j] - 16 * sx[jj]);
+      acc = q5_0_tail(acc, sums, w, r, a.dr(ts[t]), a.sr(ts[t]), j, nb);
     }
     y[t * ys] = acc;
   }

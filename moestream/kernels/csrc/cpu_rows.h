@@ -101,16 +101,12 @@ inline float int8_tail(float acc, const int8_t* q, const float* s, const X* xq, 
   return acc;
 }
 
-inline float q4_0_tail(float acc, const uint8_t* q, const uint16_t* dw, const int8_t* xq, const float* d, int j,
+// A q4_0 row's last blocks [j, nb) after its 8 lanes were summed into acc, from their sums of
+// nibble x activation (sums[0] is block j's; the vector rows take them from zero-padded vectors):
+// the scalar path's fp32 steps in order, (d_w * d_x) * (sum - 8 * sum x).
+inline float q4_0_tail(float acc, const int32_t* sums, const uint16_t* dw, const float* d, const int32_t* sx, int j,
                        int nb) {
-  for (; j < nb; ++j) {
-    int32_t dot = 0;
-    for (int i = 0; i < G / 2; ++i) {
-      dot += ((q[j * G / 2 + i] & 15) - 8) * xq[j * G + i];
-      dot += ((q[j * G / 2 + i] >> 4) - 8) * xq[j * G + G / 2 + i];
-    }
-    acc = acc + (fp16(dw[j]) * d[j]) * (float)dot;
-  }
+  for (int jj = j; jj < nb; ++jj) acc = acc + (fp16(dw[jj]) * d[jj]) * (float)(sums[jj - j] - 8 * sx[jj]);
   return acc;
 }
 
@@ -153,13 +149,11 @@ inline int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 3
   return dot;
 }
 
-// A q5_0 row's last blocks [j, nb) for activation row t after its 8 lanes were summed into acc:
-// the scalar path's arithmetic, in order.
-inline float q5_0_tail(float acc, const Weight& w, int r, const QAct& a, int t, int j, int nb) {
-  for (; j < nb; ++j) {
-    const uint8_t* blk = q5_0_block(w, r, j);
-    acc = acc + (Q5Block{blk}.d() * a.dr(t)[j]) * (float)q5_0_dot(blk, a.qr(t) + j * G);
-  }
+// q5_0's: sums of q x (q 0..31), the scalar path's fp32 steps, (d_w * d_x) * (sum - 16 * sum x).
+inline float q5_0_tail(float acc, const int32_t* sums, const Weight& w, int r, const float* d, const int32_t* sx,
+                       int j, int nb) {
+  for (int jj = j; jj < nb; ++jj)
+    acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * d[jj]) * (float)(sums[jj - j] - 16 * sx[jj]);
   return acc;
 }
 

@@ -474,7 +474,7 @@ __attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q,
 
 // A q4_0 row's last blocks [j, nb) (fewer than eight) after its 8 lanes were summed into acc:
 // their integer dots as the eight-block loop takes them (maddubs of the nibbles; nothing past
-// the row is read), then q4_0_tail's fp32 steps in order, so the bits are the scalar path's.
+// the row is read), then q4_0_tail's fp32 steps, so the bits are the scalar path's.
 __attribute__((target("avx2,fma,f16c"))) float q4_0_tail_avx2(float acc, const uint8_t* q, const uint16_t* dw,
                                                                const int8_t* xq, const float* d, const int32_t* sx,
                                                                int j, int nb) {
@@ -494,8 +494,7 @@ __attribute__((target("avx2,fma,f16c"))) float q4_0_tail_avx2(float acc, const u
   }
   int32_t sums[8];
   _mm256_storeu_si256((__m256i*)sums, hsum8(p));
-  for (int jj = j; jj < nb; ++jj) acc = acc + (fp16(dw[jj]) * d[jj]) * (float)(sums[jj - j] - 8 * sx[jj]);
-  return acc;
+  return q4_0_tail(acc, sums, dw, d, sx, j, nb);
 }
 
 // q4_0, one row front to back: a block's 16 bytes -> 32 u8 nibbles in element order, maddubs with
@@ -621,9 +620,7 @@ __attribute__((target("avx2,fma,f16c"))) float q5_0_tail_avx2(float acc, const W
                  : _mm256_setzero_si256();
   int32_t sums[8];
   _mm256_storeu_si256((__m256i*)sums, hsum8(p));
-  for (int jj = j; jj < nb; ++jj)
-    acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * a.dr(t)[jj]) * (float)(sums[jj - j] - 16 * a.sr(t)[jj]);
-  return acc;
+  return q5_0_tail(acc, sums, w, r, a.dr(t), a.sr(t), j, nb);
 }
 
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
