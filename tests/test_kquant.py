@@ -235,20 +235,14 @@ def test_mixed_store_streams_the_resident_bits_and_refuses_the_gpu(mixed, capsys
     of one native call takes it, each layer's down input in its weights' width (layer 2's int8
     down projection takes int16 activations, the others int8), with the per-module path's logits
     and caches bit for bit; the GPU provider refuses its per-layer record layouts with the fix."""
-    from test_native_step import _decode
+    from test_native_step import assert_step_gives_the_per_module_bits
 
     from moestream.experts.config import GpuConfig
-    from moestream.models import native_step
 
     store = mixed[3]
     loaded = load_model(store, StreamConfig(resident=True))
     assert loaded.provider.native  # the layer op, not the torch fallback
-    assert native_step.why_not(loaded.model, loaded.provider) is None
-    want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
-    got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
-    assert loaded.model._decode_step  # built, not declined
-    assert torch.equal(got[0], want[0])
-    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert_step_gives_the_per_module_bits(loaded)
     loaded.provider.close()
     want = our_logits(store, StreamConfig(resident=True))
     s = Store(store)
@@ -390,10 +384,9 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path, monkeyp
     """Q4_K gate/up and Q6_K down in every layer (one layout, two schemes per record): the one-call
     decode step qualifies and gives the per-module path's logits and caches bit for bit; the GPU
     provider reads the records as stored, w2 in its own step (gpu_reads_the_blocks)."""
-    from test_native_step import _decode
+    from test_native_step import assert_step_gives_the_per_module_bits
 
     from moestream.kernels import native
-    from moestream.models import native_step
 
     if not native.available():
         pytest.skip("native kernels did not build here")
@@ -404,12 +397,7 @@ def test_one_mixed_layout_in_every_layer_takes_the_decode_step(tmp_path, monkeyp
     s = Store(store)
     assert s.mixed and s.manifest["version"] == MIXED_VERSION and s.layout.mixed
     loaded = load_model(store, StreamConfig(resident=True))
-    assert native_step.why_not(loaded.model, loaded.provider) is None
-    want = _decode(loaded.model, loaded.args, use_step=False, steps=4)
-    got = _decode(loaded.model, loaded.args, use_step=True, steps=4)
-    assert loaded.model._decode_step  # built, not declined
-    assert torch.equal(got[0], want[0])
-    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+    assert_step_gives_the_per_module_bits(loaded)
     loaded.provider.close()
     # (CI time: the Triton kernels on the Q4_K_M-like store of the test above)
     gpu_reads_the_blocks(store, monkeypatch, triton=False)

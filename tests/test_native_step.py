@@ -76,6 +76,17 @@ def _decode(model, args, use_step: bool, steps: int = 14):
     return torch.cat(out), [t[:, :n].clone() for t in (*cache.k, *cache.v) if t is not None]
 
 
+def assert_step_gives_the_per_module_bits(loaded, steps: int = 4) -> None:
+    """A resident store's model: the one-call step qualifies, is built, and gives the per-module
+    path's logits and caches bit for bit."""
+    assert native_step.why_not(loaded.model, loaded.provider) is None
+    want = _decode(loaded.model, loaded.args, use_step=False, steps=steps)
+    got = _decode(loaded.model, loaded.args, use_step=True, steps=steps)
+    assert loaded.model._decode_step  # built, not declined
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(a, b) for a, b in zip(got[1], want[1]))
+
+
 # qwen3_moe: q/k head norm; mixtral: no q/k norm, a sliding window of 16 (the decode passes it).
 @pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0"])
 @pytest.mark.parametrize("arch,over", [("qwen3_moe", {"mlp_only_layers": []}), ("mixtral", {})])
