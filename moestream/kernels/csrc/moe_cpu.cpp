@@ -462,38 +462,47 @@ __attribute__((target("avx2,fma"))) void int8_row16_avx2(const Weight& w, int r,
 
 // Eight 32-input blocks of q4_0 / q4_1 nibbles from block j on (16 bytes each: input i low nibble,
 // i + 16 high) -> wv[b] = the block's 32 u8 values in input order; rows of a work item are
-// contiguous, so the bytes g_prefetch ahead are prefetched (one stream).
-__attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q, int j, __m256i* wv) {
+// contiguous, so the bytes g_prefetch ahead are prefetched (one stream). Only the first n blocks
+// are read (a row's tail), the others zero.
+__attribute__((target("avx2,fma"))) inline void nibble_blocks8(const uint8_t* q, int j, __m256i* wv, int n = 8) {
   prefetch_ahead(q + j * G / 2, 8 * G / 2);
   const __m128i m4 = _mm_set1_epi8(15);
   for (int b = 0; b < 8; ++b) {
+    if (b >= n) {
+      wv[b] = _mm256_setzero_si256();
+      continue;
+    }
     const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
     wv[b] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
   }
 }
 
+// A row's tail: the first n of eight blocks' unsigned values wv (<= 31) against activation row xq
+// from block j on -> sums[b] = block b's sum of value x (maddubs, then madd: exact; only the n
+// blocks' activations are read), as the eight-block loops take them.
+__attribute__((target("avx2,fma"))) inline void tail_sums8(const __m256i* wv, const int8_t* xq, int j, int n,
+                                                           int32_t* sums) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i p[8];
+  for (int b = 0; b < 8; ++b)
+    p[b] = b < n ? _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
+                                     ones)
+                 : _mm256_setzero_si256();
+  _mm256_storeu_si256((__m256i*)sums, hsum8(p));
+}
+
 // A q4_0 row's last blocks [j, nb) (fewer than eight) after its 8 lanes were summed into acc:
-// their integer dots as the eight-block loop takes them (maddubs of the nibbles; nothing past
-// the row is read), then q4_0_tail's fp32 steps, so the bits are the scalar path's.
+// their integer dots from the vector code (nothing past the row is read), then q4_0_tail's fp32
+// steps, so the bits are the scalar path's.
 __attribute__((target("avx2,fma,f16c"))) float q4_0_tail_avx2(float acc, const uint8_t* q, const uint16_t* dw,
                                                                const int8_t* xq, const float* d, const int32_t* sx,
                                                                int j, int nb) {
   const int n = nb - j;
   if (n <= 0) return acc;
-  const __m128i m4 = _mm_set1_epi8(15);
-  const __m256i ones = _mm256_set1_epi16(1);
-  __m256i p[8];
-  for (int b = 0; b < 8; ++b) {
-    if (b >= n) {
-      p[b] = _mm256_setzero_si256();
-      continue;
-    }
-    const __m128i v = _mm_loadu_si128((const __m128i*)(q + (j + b) * G / 2));
-    const __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))), ones);
-  }
+  __m256i wv[8];
   int32_t sums[8];
-  _mm256_storeu_si256((__m256i*)sums, hsum8(p));
+  nibble_blocks8(q, j, wv, n);
+  tail_sums8(wv, xq, j, n, sums);
   return q4_0_tail(acc, sums, dw, d, sx, j, nb);
 }
 
@@ -610,16 +619,10 @@ __attribute__((target("avx2,fma,f16c"))) float q5_0_tail_avx2(float acc, const W
                                                                int t, int j, int nb) {
   const int n = nb - j;
   if (n <= 0) return acc;
-  const __m256i ones = _mm256_set1_epi16(1);
-  const int8_t* xq = a.qr(t);
-  __m256i wv[8], p[8];
-  q5_0_blocks8(w, r, j, wv, n);
-  for (int b = 0; b < 8; ++b)
-    p[b] = b < n ? _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
-                                     ones)
-                 : _mm256_setzero_si256();
+  __m256i wv[8];
   int32_t sums[8];
-  _mm256_storeu_si256((__m256i*)sums, hsum8(p));
+  q5_0_blocks8(w, r, j, wv, n);
+  tail_sums8(wv, a.qr(t), j, n, sums);
   return q5_0_tail(acc, sums, w, r, a.dr(t), a.sr(t), j, nb);
 }
 
@@ -1618,8 +1621,10 @@ class DecodeStep {
     // thread's own (Worker's prep: the same code on the same data, so the same bits).
     std::vector<float> qkv(Nqkv), qk((size_t)(H + Hkv) * hd), att((size_t)H * hd), sc(E), hx((size_t)k * N13), y(D), yk((size_t)k * D);
     // the down projections' input, per layer in its weights' width (int16 for int8 weights, as
-    // native.moe quantizes it): both buffers, each layer takes its own
-    QAct ao(1, H * hd, L[0].o_wide), act8(k, I, false), act16(k, I, true);
+    // native.moe quantizes it): a buffer for each width some layer takes (the other one empty)
+    bool wide = false, narrow = false;
+    for (const StepLayer& l : L) (l.w2[0].kind == kInt8 ? wide : narrow) = true;
+    QAct ao(1, H * hd, L[0].o_wide), act8(narrow ? k : 0, I, false), act16(wide ? k : 0, I, true);
     // o's activation blocks line up with a KV group's heads: each group quantizes its own
     const bool group_blocks = (G * hd) % kG == 0;
     constexpr int kPhasesPerLayer = 7;
