@@ -32,14 +32,14 @@ shard() {
 # cases, ~3 s each, ran past 400 s at d2c6d4e beside the peers' prepare)
 shard decode -m cuda "$kern" -k "test_decode_cuda" &
 shard decode2 -m cuda "$kern" "$abl" -k "fused_decode_cuda" &
-shard decode3 -m cuda "$kern" "$abl" -k "decode_half_cuda or decode_chain_cuda or decode_kquant_cuda" &
+shard decode3 -m cuda "$kern" "$abl" -k "decode_half_cuda or decode_chain_cuda or decode_kquant_cuda or decode_fallback_cuda" &
 shard mma -m cuda "$kern" -k mma_cuda &
 # The prompt kernels in three shards (one took ~300 s alone and ran past 400 s beside the peers'
 # prepare at a1f37fe, 95 of 97 done; q4_0 added 17 cases): the same tests, each once.
 pre="prefill_cuda or prefill_tiles_cuda or dispatcher_cuda"
 shard prefill "$kern" "$abl" -k "($pre) and not prefill_tiles_cuda" &
 shard tiles "$kern" -k prefill_tiles_cuda &
-shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups or kquant_blocks or kquant_prompts) and not ($pre)" &
+shard prefill2 "$kern" "$abl" -k "(pair_rows or picked_calls or host_reads or fused_layer or grouped or dequant_rows or routed_groups or kquant_blocks or kquant_prompts or fallback_downs) and not ($pre)" &
 shard provider -m cuda tests/test_gpu_provider.py tests/test_dense_quant.py tests/test_kquant.py &
 # The dense GEMV and the small kernels run on CUDA whenever it is there (unmarked tests included:
 # the q6_k output layer's GEMV, the record copy and the misses' staging).

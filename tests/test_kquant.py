@@ -116,9 +116,9 @@ def test_kquant_gguf_is_kept_exactly(kq, kind, tmp_path, capsys):
     assert (want - our_logits(store)).abs().max().item() < FP32_TOL
 
 
-def gpu_reads_the_blocks(store, monkeypatch, triton: bool = True) -> None:
+def gpu_reads_the_blocks(store, monkeypatch, triton: bool = True, tile=None) -> None:
     """The GPU provider (device "cpu": its spec, and the Triton kernels on the interpreter with
-    one small decode tile) reads a K-quant store's records as stored: a prompt's logits (the
+    one small decode tile, `tile` where given) reads a K-quant store's records as stored: a prompt's logits (the
     routed experts dequantized, then the grouped GEMMs) and one token a call (the decode
     kernels' super-block steps) are the CPU spec's; streamed through a small pool, the resident
     bits."""
@@ -126,8 +126,7 @@ def gpu_reads_the_blocks(store, monkeypatch, triton: bool = True) -> None:
 
     from moestream.experts.config import GpuConfig
 
-    tile = None
-    if triton:  # (the interpreter's time: one small decode tile)
+    if triton and tile is None:  # (the interpreter's time: one small decode tile)
         from moestream.kernels.triton.decode import DecodeConfig
 
         tile = DecodeConfig(bn=64, bk=256, bn_d=64, bk_d=256)
@@ -359,6 +358,49 @@ def test_damaged_record_layouts_are_refused(mixed, tmp_path, edit, match):
     (store / "manifest.json").write_text(json.dumps(m))
     with pytest.raises(StoreError, match=f"{match}.*convert"):
         Store(store)
+
+
+# A Q4_K_M file whose experts' width 256 does not divide (DeepSeek-V2-Lite's and Qwen1.5-MoE's
+# 1408): llama-quantize writes their down projections in its fallbacks below Q4_K gate/up, Q5_0
+# for Q4_K and Q8_0 for Q6_K (its use_more_bits layers).
+FALLBACK = {0: ("Q4_K", "Q4_K", "Q8_0"), 1: ("Q4_K", "Q4_K", "Q5_0"), 2: ("Q4_K", "Q4_K", "Q5_0")}
+NARROW = {**WIDE, "moe_intermediate_size": 96}  # 3 x 32: no K-quant down fits
+
+
+def fallback_store(root):
+    hf = save(perturbed_model("qwen3_moe", seed=4, **NARROW), root / "hf", "per_expert")
+    path = root / "m.gguf"
+    stored = write_gguf(hf, path, FALLBACK, dense_type="Q8_0")
+    return convert(path, root / "s", source_scheme(path, None), False), stored
+
+
+def test_fallback_down_store_is_kept_and_the_gpu_reads_it(tmp_path, monkeypatch):
+    """Q4_K gate/up over Q8_0 or Q5_0 down (a Q4_K_M file 256 does not divide): kept exactly
+    (q4_k, int8, q5_0 records per layer), and the GPU provider reads it as stored: its slots hold
+    the int8-down records, a q5_0-down layer reads its uint8 blocks packed at each slot's start,
+    the decode kernels' q5_0 and int8 steps in the down launch (a tile that fits I = 96), a
+    prompt's routed downs dequantized by dequant_blocks32 (gpu_reads_the_blocks)."""
+    from moestream.kernels.triton.decode import DecodeConfig
+
+    store, stored = fallback_store(tmp_path)
+    s = Store(store)
+    assert s.quant_name == "q4_k+int8+q5_0"
+    assert_records_are(s, stored, {0: ("q4_k", "int8"), 1: ("q4_k", "q5_0"), 2: ("q4_k", "q5_0")})
+    assert s.slot_size == s.layouts[0].size > s.layouts[1].size  # int8 down: the largest
+    gpu_reads_the_blocks(store, monkeypatch, tile=DecodeConfig(bn=32, bk=256, bn_d=64, bk_d=32))
+
+
+@pytest.mark.cuda
+def test_fallback_down_store_streams_on_cuda(tmp_path):
+    """The fallback-down store streamed through 3 slots with device-side misses (staged from the
+    pinned mirror inside a captured step): the resident run's greedy tokens and log-probs."""
+    from test_gpu_provider import device_miss_runs
+
+    store, _ = fallback_store(tmp_path)
+    (_, want), (rt, got) = device_miss_runs(store, "cuda", "bfloat16", 16, 3)
+    assert rt.provider.device_misses and rt.provider.staged
+    for a, b in zip(want, got):
+        assert a.ids == b.ids and a.logprobs == b.logprobs
 
 
 @pytest.mark.cuda

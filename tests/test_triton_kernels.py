@@ -49,10 +49,14 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 # a GGUF's K-quant layers as stored, "w13's+w2's" scheme where they differ (Q4_K_M: q6_k down
 # below q4_k gate/up on some layers; Q4_K_S: q5_k on some)
 KQUANT_LAYERS = [*KQUANTS, "q4_k+q6_k", "q4_k+q5_k"]
+# a K-quant layer whose experts' width 256 does not divide (DeepSeek-V2-Lite's 1408): llama-
+# quantize's Q4_K_M writes its down in Q5_0 (for Q4_K) or Q8_0 (for Q6_K, kept as int8)
+FALLBACK_LAYERS = ["q4_k+q5_0", "q4_k+int8"]
 
 
 def _kquant_layer(quant, E, D, I, device, seed):
-    """Random K-quant super-blocks (any valid block; q4_k / q5_k centred like a model's weights)."""
+    """Random K-quant super-blocks (any valid block; q4_k / q5_k centred like a model's weights);
+    a fallback down (q5_0, int8: DOWN_FALLBACKS) from random floats by quant.py's quantizers."""
     from gguf_models import kquant_blocks
 
     q13, q2 = (quant.split("+") * 2)[:2]
@@ -62,7 +66,13 @@ def _kquant_layer(quant, E, D, I, device, seed):
         b = kquant_blocks(kind, E * n, k, s, scale=0.0005 if q6 else 0.002, centred=not q6)
         return torch.from_numpy(b).view(E, n, k // 256, -1).to(device)
 
-    secs = {"w13.q": blocks(q13, 2 * I, D, seed), "w2.q": blocks(q2, D, I, seed + 1)}
+    secs = {"w13.q": blocks(q13, 2 * I, D, seed)}
+    if q2 in KQUANTS:
+        secs["w2.q"] = blocks(q2, D, I, seed + 1)
+    else:
+        w2 = torch.randn(E, D, I, generator=torch.Generator().manual_seed(seed)) * 0.02
+        ex = quantize_stacked(make_scheme(q2), w2.new_zeros(E, 2 * I, D), w2)
+        secs.update({k: v.to(device) for k, v in ex.sections.items() if k.startswith("w2.")})
     return StackedExperts(make_scheme(q13), secs, down=None if q2 == q13 else make_scheme(q2))
 
 
@@ -229,6 +239,64 @@ def test_decode_kquant_interpreter(quant):
     assert "D=512" in check_shapes(q13, 512, 256, 256, replace(some, bk=128))  # super-blocks
     if q13 != "q4_k":
         assert "half" in check_shapes(q13, 512, 256, 256, replace(some, half=True))
+
+
+@needs_triton
+@pytest.mark.skipif(CUDA, reason="compiled kernels are tested by the cuda tests")
+@pytest.mark.parametrize("quant", FALLBACK_LAYERS)
+def test_decode_fallback_down_interpreter(quant):
+    """A K-quant layer whose I (160) 256 does not divide, its down in llama-quantize's fallback
+    (q5_0 blocks as stored, or int8): gate/up's super-block step, the down launch in the
+    fallback's own step and group, against the float64 spec; the tiles fit bk_d to I; a q5_0
+    down in slots of a larger record (per-layer layouts: uint8 blocks in an int8 down's slots)."""
+    from moestream.kernels.triton.decode import DecodeConfig, check_shapes, fit_config, moe_decode
+
+    down = (quant.split("+")[1], 32)
+    tiles = DecodeConfig(bn=32, bk=256, bn_d=64, bk_d=256)
+    assert "I=160 must be a multiple of bk_d=256 (itself of G=32)" in check_shapes(
+        "q4_k", 256, 160, 256, tiles, down
+    )
+    cfg = fit_config("q4_k", 256, 160, 256, tiles, down)
+    assert cfg.bk_d == 32 and cfg.bk == 256  # (bk_d halved to a divisor of I, bk kept)
+    assert fit_config("q4_k", 256, 160, 256, tiles) is None  # (a K-quant down: no tile fits)
+    _check(moe_decode, quant, 3, 256, 160, 2, 2, torch.float32, "cpu", seed=2, cfg=cfg)
+    if quant == "q4_k+q5_0":
+        gen = torch.Generator().manual_seed(5)
+        ex = _padded(_layer(quant, 3, 256, 160, "cpu", gen), 4096)
+        x, (ids, w) = torch.randn(2, 256, generator=gen), _routing(2, 3, 2, "cpu", gen)
+        want = moe_stacked_ref(x.double(), ids, w.double(), ex)
+        got = moe_decode(x, ids, w, ex, cfg).double()
+        assert ((got - want).norm() / want.norm()).item() <= TOL[torch.float32]
+
+
+@needs_triton
+@pytest.mark.parametrize("quant", FALLBACK_LAYERS)
+def test_fallback_downs_dequantize_to_the_spec_bits(quant):
+    """A prompt's routed fallback downs (q5_0 blocks, also in padded slots; int8 and its fp32
+    scales) dequantized by one launch (dequant_blocks32): the spec's values bit for bit in fp32
+    and bf16; only the matrices src names are written, and a prompt on the layer (grouped GEMMs
+    and the float Triton prefill) is the float64 spec's."""
+    from moestream.kernels.triton import moe_experts
+    from moestream.kernels.triton.dequant import dequant_blocks32
+
+    device = "cuda" if CUDA else "cpu"
+    gen = torch.Generator().manual_seed(8)
+    ex = _layer(quant, 3, 256, 160, device, gen)
+    if quant == "q4_k+q5_0":
+        ex = _padded(ex, 4096)
+    src = torch.tensor([2, -1, 0], dtype=torch.int32, device=device)
+    want = torch.stack([dequantize(ex.expert(e), "w2", 32, torch.float32) for e in range(3)])
+    for dtype in (torch.float32, torch.bfloat16):
+        got = dequant_blocks32(ex.down.name, ex.sections["w2.q"], ex.sections.get("w2.s"), dtype,
+                               src=src)  # fmt: skip
+        assert torch.equal(got[0], want[2].to(dtype)) and torch.equal(got[2], want[0].to(dtype))
+    dtype = torch.bfloat16 if CUDA else torch.float32  # (_grouped_mm: bf16 on CUDA)
+    x = torch.randn(10, 256, generator=gen).to(device=device, dtype=dtype)
+    ids, w = _routing(10, 3, 2, device, gen)
+    spec = moe_stacked_ref(x.double(), ids, w.double(), ex).cpu()
+    for prefill in ("grouped", "triton"):
+        got = moe_experts(x, ids, w, ex, prefill=prefill).double().cpu()
+        assert ((got - spec).norm() / spec.norm()).item() <= TOL[dtype], prefill
 
 
 @needs_triton
@@ -530,6 +598,23 @@ def test_decode_kquant_cuda(quant, case, T):
     for cfg in (tiles, replace(tiles, half=not tiles.half)) if q13 == "q4_k" else (tiles,):
         for seed in range(2):
             _check(moe_decode, quant, E, D, I, T, K, dtype, "cuda", seed=100 * seed + T, cfg=cfg)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("quant", FALLBACK_LAYERS)
+@pytest.mark.parametrize("I", [1408, 160])
+@pytest.mark.parametrize("T", [1, 3, 8])
+def test_decode_fallback_cuda(quant, I, T):
+    """A K-quant layer 256 does not divide (DeepSeek-V2-Lite's I = 1408), its down in q5_0 or
+    int8: the H200's tiles fitted to it (and for q4_k's nibbles the other half setting) against
+    the float64 spec, bf16."""
+    from moestream.kernels.triton.decode import default_config, moe_decode
+
+    tiles = default_config("q4_k", 2048, I, 256, "NVIDIA H200", (quant.split("+")[1], 32))
+    for cfg in (tiles, replace(tiles, half=not tiles.half)):
+        for seed in range(2):
+            _check(moe_decode, quant, 16, 2048, I, T, 6, torch.bfloat16, "cuda",
+                   seed=100 * seed + T, cfg=cfg)  # fmt: skip
 
 
 @pytest.mark.cuda

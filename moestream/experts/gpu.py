@@ -57,14 +57,14 @@ from moestream.kernels.triton import (
     unsupported,
 )  # fmt: skip
 from moestream.kernels.triton.layout import (
+    DOWN_FALLBACKS,
     KQUANTS,
-    NAMES,
     StackedExperts,
     padded_view,
     pool_shapes,
     rows_sections,
 )
-from moestream.quant import KQUANT_OF_BYTES, QuantScheme, make_scheme
+from moestream.quant import QuantScheme
 from moestream.store.format import Store
 from moestream.store.io import RecordReader
 from moestream.store.policy import PolicyError, SlotTable, make_policy
@@ -89,30 +89,37 @@ class PinnedPool:
 
 def check_scheme(store: Store) -> None:
     """Refuse, before anything is loaded, experts in a scheme the GPU kernels do not read: every
-    projection in a GPU scheme, one record layout in every layer or K-quants only (a GGUF's
-    blocks kept per tensor, as a Q4_K_M file's q6_k and q4_k down projections: the pool's slots
-    hold the largest record, each layer's kernels their own), a projection of its own scheme
-    K-quants only."""
+    projection in a GPU scheme (q5_0: only as a K-quant layer's down), one record layout in
+    every layer or K-quant layers only (a GGUF's blocks kept per tensor, as a Q4_K_M file's q6_k
+    and q4_k down projections, or its q5_0 and int8 fallbacks where 256 does not divide the
+    experts' width: the pool's slots hold the largest record, each layer's kernels their own), a
+    down of its own scheme only below K-quant gate/up (a K-quant or DOWN_FALLBACKS)."""
     fix = "run it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
     layouts = set(store.layouts.values())
-    names = {s.name for layout in layouts for s in layout.schemes}
-    for name in sorted(names - set(SCHEMES)):
+    w13s, w2s = ({layout.schemes[i].name for layout in layouts} for i in (0, 1))
+    for name in sorted(w13s - set(SCHEMES) | (w2s - set(SCHEMES) - set(DOWN_FALLBACKS))):
         raise ConfigError(
             f"{store.folder} holds {name} experts, which have no GPU kernel yet (CPU only; "
-            f"the GPU reads {', '.join(SCHEMES)}); {fix}"
+            f"the GPU reads {', '.join(SCHEMES)}, and {', '.join(DOWN_FALLBACKS)} as a "
+            f"K-quant layer's down); {fix}"
         )
-    if len(layouts) > 1 and not names <= set(KQUANTS):
+
+    def kquant_layer(layout) -> bool:  # K-quant gate/up over a K-quant or fallback down
+        w13, w2 = layout.schemes
+        return w13.name in KQUANTS and w2.name in (*KQUANTS, *DOWN_FALLBACKS)
+
+    if len(layouts) > 1 and not all(kquant_layer(layout) for layout in layouts):
         raise ConfigError(
             f"{store.folder} holds experts whose record layout differs across layers "
-            f"({store.quant_name}), which the GPU pool holds for K-quants only; {fix}"
+            f"({store.quant_name}), which the GPU pool holds for K-quant layers only; {fix}"
         )
     for layout in layouts:
         w13, w2 = layout.schemes
-        if w13 != w2 and not {w13.name, w2.name} <= set(KQUANTS):
+        if (w13 != w2 or w13.name not in SCHEMES) and not kquant_layer(layout):
             raise ConfigError(
                 f"{store.folder} holds {w13.name} gate/up and {w2.name} down projections, which "
-                f"the GPU kernels do not read together (a projection of its own scheme: "
-                f"K-quants); {fix}"
+                f"the GPU kernels do not read together (a down of its own scheme: below K-quant "
+                f"gate/up, in a K-quant or {' / '.join(DOWN_FALLBACKS)}); {fix}"
             )
 
 
@@ -141,17 +148,15 @@ class GpuExperts(ExpertProvider):
         self.layouts = [store.layouts[layer] for layer in self.layers]
         self.mixed = len(set(self.layouts)) > 1
         self.largest: dict = {}  # section name -> its largest Section over the layouts
+        owner: dict = {}  # section name -> the schemes of the layout holding the largest
         for layout in self.layouts:
             for sec in layout.sections:
                 if sec.name not in self.largest or sec.nbytes > self.largest[sec.name].nbytes:
                     self.largest[sec.name] = sec
-        # the pool's schemes (w13's, w2's where it differs): the one layout's, or (K-quants) those
-        # of its largest sections, which name their format by their block bytes
-        self.scheme, self.down = _schemes(*self.layouts[0].schemes)
-        if self.mixed:
-            self.scheme, self.down = _schemes(
-                *(make_scheme(KQUANT_OF_BYTES[self.largest[f"{n}.q"].shape[-1]]) for n in NAMES)
-            )
+                    owner[sec.name] = layout.schemes
+        # the pool's schemes (w13's, w2's where it differs): the one layout's, or those of the
+        # layouts holding its largest sections (each layer's views: its own, _layer_view)
+        self.scheme, self.down = _schemes(owner["w13.q"][0], owner["w2.q"][1])
         # VRAM pool: per section [n_slots, *shape] (the Triton kernels index it by slot id), int4
         # in the kernels' row layout (layout.py: records are repacked as they enter the pool).
         self.rows = (self.scheme.name == "int4" and self.scheme.group_size % 32 == 0
@@ -277,8 +282,12 @@ class GpuExperts(ExpertProvider):
         if not self.mixed:
             return self._stacked(secs, routed)
         layout = self.layouts[li]
-        own = {sec.name: sec.shape for sec in layout.sections}
-        views = {n: t if t.shape[1:] == own[n] else padded_view(t, own[n]) for n, t in secs.items()}
+        own = {sec.name: sec for sec in layout.sections}  # (a fallback's sections: its layers')
+        views = {
+            n: t if (t.shape[1:], t.dtype) == (own[n].shape, own[n].dtype)
+            else padded_view(t, own[n].shape, own[n].dtype)
+            for n, t in secs.items() if n in own
+        }  # fmt: skip
         w13, down = _schemes(*layout.schemes)
         return StackedExperts(w13, views, routed, down)
 

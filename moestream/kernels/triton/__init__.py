@@ -49,7 +49,7 @@ def unsupported(experts: StackedExperts, tokens: int) -> str | None:
     s, D, I, q = experts.scheme, experts.hidden, experts.inter, experts.kernel_quant
     device = tuned.device_name(next(iter(experts.sections.values())).device)
     if tokens <= DECODE_MAX_TOKENS:
-        cfg = decode.default_config(q, D, I, s.group_size, device)
+        cfg = decode.default_config(q, D, I, s.group_size, device, decode.own_down(experts))
         return None if cfg else f"no decode tile fits D={D}, I={I}"
     if q in KQUANTS:  # a prompt dequantizes its routed experts: the float kernels' shapes
         q = "bf16"

@@ -40,12 +40,13 @@ from moestream.kernels.triton.layout import KQUANTS, ROW_QUANTS, StackedExperts,
 
 # int4r: int4 rows (layout.py); q4_0 / q4_1: GGUF's Q4_0 / Q4_1 as the store keeps them, int4r's
 # byte layout with an fp16 d a 32-block (q4_0: no zero; q4_1: an fp16 m, w = d q + m); q4_k,
-# q5_k, q6_k: GGUF's K-quant super-blocks as stored (kquant.py)
+# q5_k, q6_k: GGUF's K-quant super-blocks as stored (kquant.py); q5_0: GGUF's 22-byte blocks as
+# stored (a K-quant layer's down where 256 does not divide I: layout.DOWN_FALLBACKS)
 QUANT_CODE = {"bf16": 0, "int8": 1, "int4": 2, "int4r": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6,
-              "q5_k": 7, "q6_k": 8}  # fmt: skip
-# the section the kernels read through s_ptr (bf16 and the K-quants: none, q again)
+              "q5_k": 7, "q6_k": 8, "q5_0": 9}  # fmt: skip
+# the section the kernels read through s_ptr (bf16, the K-quants and q5_0: none, q again)
 SCALE_SECTION = {"bf16": "q", "int8": "s", "int4": "sz", "int4r": "rz", "q4_0": "d", "q4_1": "dm",
-                 **dict.fromkeys(KQUANTS, "q")}  # fmt: skip
+                 **dict.fromkeys((*KQUANTS, "q5_0"), "q")}  # fmt: skip
 # the layouts whose step converts 4-bit nibbles (_u4_f32), which DecodeConfig.half changes
 HALF_QUANTS = (*ROW_QUANTS, "q4_k")
 INT4_ROWS = 64  # rows per packed int4 block (quant.INT4_BLOCK_N)
@@ -175,12 +176,13 @@ def _k_offsets(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
             + tl.arange(0, 16)[None, None, None, :]
         )
         return tl.zeros([BN, 1, 1, 1], tl.int32) + kk  # [BN, NH, 4, 16]
+    elif QUANT == 9 or (QUANT >= 3 and QUANT < 6):  # q5_0 and the row layouts: each 32-input
+        # block's first 16 (low nibbles); the high ones are at + 16
+        kk = tl.arange(0, BK // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
+        return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NB, 16]
     elif QUANT >= 6:  # q4_k / q5_k: each 64-input chunk's first 32 (low nibbles); high at + 32
         kk = tl.arange(0, BK // 64)[None, :, None] * 64 + tl.arange(0, 32)[None, None, :]
         return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NC, 32]
-    elif QUANT >= 3:  # each 32-input block's first 16 (low nibbles); the high ones are at + 16
-        kk = tl.arange(0, BK // 32)[None, :, None] * 32 + tl.arange(0, 16)[None, None, :]
-        return tl.zeros([BN, 1, 1], tl.int32) + kk  # [BN, NB, 16]
     else:
         return tl.arange(0, BK // G)[:, None, None] * G + tl.arange(0, G)[None, :, None]
 
@@ -199,11 +201,11 @@ def _acc_zeros(QUANT: tl.constexpr, G: tl.constexpr, BN: tl.constexpr, BK: tl.co
     elif QUANT == 8:
         a = tl.zeros([BN, BK // 128], tl.float32)
         return a, a
+    elif QUANT == 9 or (QUANT >= 3 and QUANT < 6):
+        a = tl.zeros([BN, BK // 32], tl.float32)
+        return a, a
     elif QUANT >= 6:
         a = tl.zeros([BN, BK // 64], tl.float32)
-        return a, a
-    elif QUANT >= 3:
-        a = tl.zeros([BN, BK // 32], tl.float32)
         return a, a
     elif ELEM:
         a = tl.zeros([BK // G, G, 32], tl.float32)
@@ -233,6 +235,15 @@ def _load_w(q_ptr, e, n0, k0, N: tl.constexpr, K: tl.constexpr, QUANT: tl.conste
         lo = tl.load(blk + 16 * g + t).to(tl.int32)
         hi = tl.load(blk + 128 - 32 * (hb % 2)[:, :, :, None] + 16 * (g % 2) + t)
         return lo | (hi.to(tl.int32) << 8)  # [BN, NH, 4, 16]
+    elif QUANT == 9:  # q5_0: each nibble byte | the low inputs' fifth-bit byte << 8 | the high
+        # inputs' << 16, int32 (lane j's bits are j % 8 of bytes 2 + j // 8 and 4 + j // 8)
+        r = n0 + tl.arange(0, BN)[:, None, None]
+        kb = k0 // 32 + tl.arange(0, BK // 32)[None, :, None]
+        j = tl.arange(0, 16)[None, None, :]
+        blk = _q5_0_block(q_ptr, e, r, kb, N, K, ES)
+        qs = tl.load(blk + 6 + j).to(tl.int32)
+        h_lo = tl.load(blk + 2 + j // 8).to(tl.int32)
+        return qs | (h_lo << 8) | (tl.load(blk + 4 + j // 8).to(tl.int32) << 16)  # [BN, NB, 16]
     elif QUANT >= 6:  # q4_k: chunks' nibble bytes; q5_k: | the fifth bits' bytes << 8, int32
         r = n0 + tl.arange(0, BN)[:, None, None]
         c = k0 // 64 + tl.arange(0, BK // 64)[None, :, None]
@@ -268,6 +279,16 @@ def _kq_block(q_ptr, e, r, sb, N: tl.constexpr, K: tl.constexpr, QUANT: tl.const
 
 
 @triton.jit
+def _q5_0_block(q_ptr, e, r, kb, N: tl.constexpr, K: tl.constexpr, ES: tl.constexpr = 0):
+    """The address of block kb (32 inputs, 22 bytes) of row r of expert e's q5_0 matrix [N, K/32,
+    22]; ES as _kq_block's."""
+    if ES == 0:
+        return q_ptr + ((e * N + r) * (K // 32) + kb) * 22
+    else:
+        return q_ptr + e * ES + (r * (K // 32) + kb) * 22
+
+
+@triton.jit
 def _hi_inputs(ptr, xv, QUANT: tl.constexpr):
     """The inputs of a K step's high nibbles, at ptr (the low ones' offsets): + 16 for the row
     layouts, + 32 for q4_k / q5_k, + 64 for q6_k; xv for the others (unused)."""
@@ -275,7 +296,7 @@ def _hi_inputs(ptr, xv, QUANT: tl.constexpr):
         return tl.load(ptr + 32).to(tl.float32)
     elif QUANT == 8:  # q6_k: quarters 2, 3
         return tl.load(ptr + 64).to(tl.float32)
-    elif QUANT >= 3 and QUANT < 6:
+    elif QUANT == 9 or (QUANT >= 3 and QUANT < 6):
         return tl.load(ptr + 16).to(tl.float32)
     else:
         return xv
@@ -332,6 +353,15 @@ def _step(w, s_ptr, e, n0, k0, xv, xh, N: tl.constexpr, K: tl.constexpr, QUANT: 
         dot_lo = tl.sum(_small_f32(q_lo, 32.0) * xv, 3)  # [BN, NH, 4]
         dot_hi = tl.sum(_small_f32(q_hi, 32.0) * xh, 3)
         p = tl.sum(dot_lo * ds_lo + dot_hi * ds_hi, 2)
+        return p, p
+    elif QUANT == 9:  # q5_0: d (q - 16) summed per 32-block as d dot
+        r = n0 + tl.arange(0, BN)[:, None]
+        kb = k0 // 32 + tl.arange(0, BK // 32)[None, :]
+        d = f16_at(_q5_0_block(s_ptr, e, r, kb, N, K, ES), None)  # [BN, NB]
+        s = (tl.arange(0, 16) % 8)[None, None, :]  # lane j's bit in its byte
+        lo = _small_f32((w & 15) | ((w >> (4 + s)) & 16), 16.0)  # bit 8 + s -> 4
+        hi = _small_f32(((w >> 4) & 15) | ((w >> (12 + s)) & 16), 16.0)  # bit 16 + s -> 4
+        p = tl.sum(lo * xv + hi * xh, 2) * d
         return p, p
     elif QUANT >= 6:  # q4_k / q5_k: (d sc) q - dmin m per 32-block: (d sc) dot + z sum(x)
         r = n0 + tl.arange(0, BN)[:, None]
@@ -895,23 +925,28 @@ def _down_mma_kernel(
 
 
 # ---- host side ----------------------------------------------------------------------------------
-def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig) -> str | None:
-    """None when the kernels take these shapes, else why not (the dispatcher falls back)."""
+def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig,
+                 down: tuple[str, int] | None = None) -> str | None:  # fmt: skip
+    """None when the kernels take these shapes, else why not (the dispatcher falls back). down:
+    w2's (layout, group) where they differ from w13's (a K-quant layer's own down, or its
+    fallback below a width 256 does not divide: DOWN_FALLBACKS); the down launch's rules take it."""
+    down_quant, down_group = down or (quant, group)
     if quant == "int4":
         if inter % INT4_ROWS or hidden % INT4_ROWS or cfg.bn != 64 or cfg.bn_d != 64:
             return f"int4 needs D and I multiples of {INT4_ROWS} and bn = bn_d = 64"
-    if quant in ROW_QUANTS and (group % 32 or cfg.mma):
-        return f"{quant} needs groups of a multiple of 32 (G={group}) and the CUDA-core kernels"
-    if quant in KQUANTS and cfg.mma:
-        return f"{quant} needs the CUDA-core kernels (its super-block step)"
+    for q, g in dict.fromkeys([(quant, group), (down_quant, down_group)]):
+        if q in (*ROW_QUANTS, "q5_0") and (g % 32 or cfg.mma):
+            return f"{q} needs groups of a multiple of 32 (G={g}) and the CUDA-core kernels"
+        if q in KQUANTS and cfg.mma:
+            return f"{q} needs the CUDA-core kernels (its super-block step)"
     if cfg.half and quant not in HALF_QUANTS:
         return f"half is the nibble layouts' step ({', '.join(HALF_QUANTS)}), not {quant}'s"
     if cfg.bk % group or hidden % (cfg.bk * cfg.split):
         return f"D={hidden} (split {cfg.split}) vs bk={cfg.bk} (a multiple of {group})"
     if inter % cfg.bn or hidden % cfg.bn_d:
         return f"I={inter} must be a multiple of bn={cfg.bn}, D={hidden} of bn_d={cfg.bn_d}"
-    if cfg.bk_d % group or inter % cfg.bk_d:
-        return f"I={inter} must be a multiple of bk_d={cfg.bk_d} (itself of G={group})"
+    if cfg.bk_d % down_group or inter % cfg.bk_d:
+        return f"I={inter} must be a multiple of bk_d={cfg.bk_d} (itself of G={down_group})"
     if cfg.mma:
         if min(cfg.bk, cfg.bk_d) < 16 or (quant != "int4" and min(cfg.bn, cfg.bn_d) < 16):
             return "mma needs bk, bk_d >= 16 and (bf16/int8) bn, bn_d >= 16 (tl.dot sizes)"
@@ -920,27 +955,38 @@ def check_shapes(quant: str, hidden: int, inter: int, group: int, cfg: DecodeCon
     return None
 
 
+def own_down(experts: StackedExperts) -> tuple[str, int] | None:
+    """check_shapes' `down` of a layer: w2's (layout, group) where its scheme differs."""
+    if experts.down is None:
+        return None
+    return experts.down_quant, experts.down.group_size
+
+
 def tuned_config(quant: str, hidden: int, inter: int, device: str | None) -> DecodeConfig:
     """The tuned tiles for this device name and shape (tuned.py: configs/tiles.json), as stored."""
     return DecodeConfig(**tuned.settings("decode", quant, hidden, inter, device))
 
 
 @functools.cache
-def default_config(quant: str, hidden: int, inter: int, group: int,
-                   device: str | None) -> DecodeConfig | None:  # fmt: skip
+def default_config(quant: str, hidden: int, inter: int, group: int, device: str | None,
+                   down: tuple[str, int] | None = None) -> DecodeConfig | None:  # fmt: skip
     """The tuned tiles fitted to the shape (fit_config); None when no tile fits."""
-    return fit_config(quant, hidden, inter, group, tuned_config(quant, hidden, inter, device))
+    tiles = tuned_config(quant, hidden, inter, device)
+    return fit_config(quant, hidden, inter, group, tiles, down)
 
 
-def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig):
-    """Halve the split, then K steps, then row blocks until the shapes fit (small models); None
-    when nothing does."""
-    for name, low in (("split", 1), ("bk", group), ("bk_d", group), ("bn", 1), ("bn_d", 1)):
-        while check_shapes(quant, hidden, inter, group, cfg) and getattr(cfg, name) > low:
+def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfig,
+               down: tuple[str, int] | None = None):  # fmt: skip
+    """Halve the split, then K steps, then row blocks until the shapes fit (small models, or a
+    width 256 does not divide); None when nothing does. down: check_shapes'."""
+    down_group = down[1] if down else group
+    lows = (("split", 1), ("bk", group), ("bk_d", down_group), ("bn", 1), ("bn_d", 1))
+    for name, low in lows:
+        while check_shapes(quant, hidden, inter, group, cfg, down) and getattr(cfg, name) > low:
             if quant == "int4" and name in ("bn", "bn_d"):
                 break
             cfg = replace(cfg, **{name: getattr(cfg, name) // 2})
-    return None if check_shapes(quant, hidden, inter, group, cfg) else cfg
+    return None if check_shapes(quant, hidden, inter, group, cfg, down) else cfg
 
 
 def _kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
@@ -1017,9 +1063,8 @@ class Launch:
         quant, down = experts.kernel_quant, experts.down_quant
         T, D = x.shape
         P, I, G = ids.numel(), experts.inter, experts.scheme.group_size
-        why = check_shapes(quant, D, I, G, cfg) or check_shapes(
-            down, D, I, G, replace(cfg, half=cfg.half and down in HALF_QUANTS)
-        )
+        G2 = experts.scheme_of("w2").group_size
+        why = check_shapes(quant, D, I, G, cfg, own_down(experts))
         assert why is None, why
         gpu = x.device.type == "cuda"
         sec = _kernel_sections(experts)
@@ -1049,11 +1094,11 @@ class Launch:
                 common.update(HALF=True)
         w13 = tuple(d[f"w13.{n}"] for d in (sec, far) for n in ("q", scale))
         w2 = tuple(d[f"w2.{n}"] for d in (sec, far) for n in ("q", SCALE_SECTION[down]))
-        # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up): its step, and no
-        # nibble conversion to halve where it has none
+        # w2 in its own K-quant (a Q4_K_M layer's q6_k down below q4_k gate/up) or fallback: its
+        # step and group, and no nibble conversion to halve where it has none
         own = {"ES": es2} if es2 else {}
         if down != quant:
-            own.update(QUANT=QUANT_CODE[down], HALF=cfg.half and down in HALF_QUANTS)
+            own.update(QUANT=QUANT_CODE[down], G=G2, HALF=cfg.half and down in HALF_QUANTS)
         if pick is not None:
             sel, mode = pick
             assert mode in (1, 2) and sel.numel() == P and sel.is_contiguous()
@@ -1110,7 +1155,7 @@ def moe_decode(x, ids, weights, experts, cfg: DecodeConfig | None = None, out=No
     `before_down`: called between the two launches (a side stream that writes what only the down
     kernel reads, joined there)."""
     quant, (_, D), I, G = experts.kernel_quant, x.shape, experts.inter, experts.scheme.group_size
-    cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device))
+    cfg = cfg or default_config(quant, D, I, G, tuned.device_name(x.device), own_down(experts))
     assert cfg is not None, f"no decode tile fits D={D}, I={I}"
     assert pick is None or out is not None or not combine, "two picked calls share one out"
     launch = Launch.build(x, ids, weights, experts, cfg, out, combine, host, pick=pick)

@@ -23,7 +23,14 @@ import triton
 import triton.language as tl
 
 from moestream.kernels.triton.decode import QUANT_CODE
-from moestream.kernels.triton.kquant import byte_at, f16_at, kquant_value, q6_value, scale_min
+from moestream.kernels.triton.kquant import (
+    byte_at,
+    f16_at,
+    kquant_value,
+    q5_0_value,
+    q6_value,
+    scale_min,
+)
 from moestream.kernels.triton.layout import ROW_QUANTS, per_expert
 from moestream.quant import INT4_BLOCK_N, KQUANT_BYTES, KQUANT_OF_BYTES, QK_K
 
@@ -191,6 +198,56 @@ def dequant_kquant_blocks(q: torch.Tensor, dtype: torch.dtype, src: torch.Tensor
     return out
 
 
+@triton.jit
+def _dequant_blocks32_kernel(q_ptr, s_ptr, out_ptr, src_ptr, N: tl.constexpr, K: tl.constexpr,
+                             ES: tl.constexpr, Q50: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, DT: tl.constexpr, SRC: tl.constexpr):  # fmt: skip
+    """Program (d, n block, k block): rows n0.. of out[d], inputs k0 .. k0 + BK - 1 of a K-quant
+    layer's fallback down (DOWN_FALLBACKS): Q50 q5_0 blocks [.., N, K/32, 22] (matrix d at byte
+    d * ES), else int8 values [.., N, K] times fp32 scales [.., N, K/32] (packed). SRC as
+    _dequant_rows_kernel's. Values: q5_0_value's, and int8's one product: the spec's bits."""
+    d = tl.program_id(0).to(tl.int64)
+    r = tl.program_id(1) * BN + tl.arange(0, BN)[:, None]
+    k = tl.program_id(2) * BK + tl.arange(0, BK)[None, :]
+    e = d
+    rows = N
+    if SRC:
+        e = tl.load(src_ptr + d).to(tl.int64)
+        rows = tl.where(e >= 0, N, 0)  # no rows of an unnamed matrix
+    m = (r < rows) & (k < K)
+    if Q50:
+        v = q5_0_value(q_ptr + e * ES + (r * (K // 32) + k // 32) * 22, k % 32, m)
+    else:
+        q = tl.load(q_ptr + e * (N * K) + r * K + k, mask=m, other=0).to(tl.float32)
+        v = q * tl.load(s_ptr + e * (N * (K // 32)) + r * (K // 32) + k // 32, mask=m, other=0)
+    tl.store(out_ptr + d * (N * K) + r * K + k, _round(v, DT), mask=m)
+
+
+def dequant_blocks32(fmt: str, q: torch.Tensor, s: torch.Tensor | None, dtype: torch.dtype,
+                     src: torch.Tensor | None = None, bn: int = 16, bk: int = 128) -> torch.Tensor:  # fmt: skip
+    """A K-quant layer's fallback down projection (layout.DOWN_FALLBACKS), stacked [E, N, ...]:
+    q5_0 blocks q [E, N, K/32, 22] uint8 (s None; a pool of per-layer layouts: its slots padded,
+    layout.padded_view) or int8 q [E, N, K] with fp32 scales s [E, N, K/32] -> [E, N, K] in
+    dtype, the spec's values bit for bit; `src` as dequant_int4_rows'. One launch, no sync."""
+    q50 = fmt == "q5_0"
+    E, N = q.shape[:2]
+    K = q.shape[2] * 32 if q50 else q.shape[2]
+    if q50:
+        assert q.dtype == torch.uint8 and q.shape[3] == 22 and s is None, q.shape
+        assert q.is_contiguous() or per_expert(q), "each matrix contiguous"
+    else:
+        assert fmt == "int8" and q.is_contiguous() and s.shape == (E, N, K // 32), fmt
+        assert s.dtype == torch.float32 and s.is_contiguous(), s.dtype
+    assert src is None or src.dim() == 1, "src [C] names stacked weights"
+    shape = (E, N, K) if src is None else (src.numel(), N, K)
+    out = torch.empty(shape, device=q.device, dtype=dtype)
+    grid = (shape[0], triton.cdiv(N, bn), triton.cdiv(K, bk))
+    _dequant_blocks32_kernel[grid](q, q if s is None else s, out, src if src is not None else q,
+                                   N=N, K=K, ES=q.stride(0), Q50=q50, BN=bn, BK=bk,
+                                   DT=DTYPES[dtype], SRC=src is not None, num_warps=4)  # fmt: skip
+    return out
+
+
 # formats dequant_table_rows decodes in the kernel (scheme name -> the kernel's FMT)
 TABLE_FORMATS = {"int8": 1, "q8_0": 1, "q4_0": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "int4": 6,
                  "q4_1": 7, "q5_0": 8}  # fmt: skip
@@ -237,12 +294,7 @@ def _table_rows_kernel(q_ptr, s_ptr, ids_ptr, out_ptr, V, K: tl.constexpr, G: tl
             tl.float32
         )  # q d exact (4 x 11 bits): fused or not, one rounding
     elif FMT == 8:
-        j = k % 32
-        blk = q_ptr + r * (K // 32 * 22) + (k // 32) * 22
-        b = tl.load(blk + 6 + j % 16, mask=m, other=0).to(tl.int32)
-        bit = (tl.load(blk + 2 + j // 8, mask=m, other=0).to(tl.int32) >> (j % 8)) & 1
-        q = (((b >> (4 * (j // 16))) & 15) | (bit << 4)) - 16
-        v = q.to(tl.float32) * f16_at(blk, m)
+        v = q5_0_value(q_ptr + r * (K // 32 * 22) + (k // 32) * 22, k % 32, m)
     elif FMT == 2:
         j = k % 32
         b = tl.load(q_ptr + r * (K // 2) + (k // 32) * 16 + j % 16, mask=m, other=0).to(tl.int32)

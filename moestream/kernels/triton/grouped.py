@@ -28,7 +28,11 @@ import triton.language as tl
 
 from moestream.kernels.triton import arch_unsupported
 from moestream.kernels.triton.decode import SCALE_SECTION, combine_pairs
-from moestream.kernels.triton.dequant import dequant_int4_rows, dequant_kquant_blocks
+from moestream.kernels.triton.dequant import (
+    dequant_blocks32,
+    dequant_int4_rows,
+    dequant_kquant_blocks,
+)
 from moestream.kernels.triton.layout import KQUANTS, NAMES, ROW_QUANTS, StackedExperts
 from moestream.quant import make_scheme
 
@@ -105,7 +109,12 @@ def routed_weights(experts: StackedExperts, src: torch.Tensor, dtype: torch.dtyp
     nothing where src < 0): one dequant launch each (a K-quant projection in its own blocks)."""
     secs, g, quant = experts.sections, experts.scheme.group_size, experts.kernel_quant
     if quant in KQUANTS:
-        return tuple(dequant_kquant_blocks(secs[f"{n}.q"], dtype, src=src) for n in NAMES)
+        down = experts.down_quant
+        w13 = dequant_kquant_blocks(secs["w13.q"], dtype, src=src)
+        if down in KQUANTS:
+            return w13, dequant_kquant_blocks(secs["w2.q"], dtype, src=src)
+        # a fallback down (q5_0 / int8 where 256 does not divide I)
+        return w13, dequant_blocks32(down, secs["w2.q"], secs.get("w2.s"), dtype, src=src)
     scale = SCALE_SECTION[quant]  # int4 rows' (scale, zero) words, q4_0's d, q4_1's (d, m)
     return tuple(
         dequant_int4_rows(secs[f"{n}.q"], secs[f"{n}.{scale}"], g, dtype, src=src, fmt=quant)

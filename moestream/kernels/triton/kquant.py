@@ -75,3 +75,14 @@ def kquant_value(blk, j, m, B: tl.constexpr):
         sc, mn = scale_min(blk, 2 * c + i, m)
         ds, dm = f16_at(blk, m) * sc.to(tl.float32), f16_at(blk + 2, m) * mn.to(tl.float32)
         return ds * q.to(tl.float32) - dm
+
+
+@triton.jit
+def q5_0_value(blk, j, m):
+    """Input j (0-31) of the q5_0 block at blk (22 bytes: fp16 d, the 32 fifth bits, then q4_0's
+    nibbles: input j < 16 in byte 6 + j's low nibble, j + 16 in its high one) as fp32, ggml's
+    dequantize_row_q5_0: d (q - 16), one exact product (the spec's bits, ref.dequantize)."""
+    b = byte_at(blk + 6 + j % 16, m)
+    bit = (byte_at(blk + 2 + j // 8, m) >> (j % 8)) & 1
+    q = (((b >> (4 * (j // 16))) & 15) | (bit << 4)) - 16
+    return q.to(tl.float32) * f16_at(blk, m)

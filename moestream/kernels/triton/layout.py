@@ -39,6 +39,10 @@ ROW_QUANTS = ("int4r", "q4_0", "q4_1")
 # a GGUF's K-quant super-blocks as stored (quant.KQUANT_BYTES: [N, K/256, B] bytes, the scales
 # inside): the decode kernels' super-block steps and the grouped GEMMs' block dequant read them
 KQUANTS = ("q4_k", "q5_k", "q6_k")
+# a K-quant layer's down projection where 256 does not divide the experts' width (DeepSeek-V2-
+# Lite's and Qwen1.5-MoE's 1408): llama-quantize's fallbacks, Q5_0 for Q4_K and Q8_0 for Q6_K,
+# kept as q5_0 blocks and int8 (quant.py). The GPU reads them only there, below K-quant gate/up.
+DOWN_FALLBACKS = ("q5_0", "int8")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +53,7 @@ class StackedExperts:
     # ids are one layer's experts); None: all of them (the grouped prefill sizes its scratch so)
     routed: int | None = None
     # w2's scheme where it differs from w13's (a GGUF's K-quant layer, e.g. Q4_K_M's q4_k gate/up
-    # and q6_k down): K-quants only, whose sections name their own format
+    # and q6_k down, or a fallback of DOWN_FALLBACKS where 256 does not divide I)
     down: QuantScheme | None = None
 
     def __post_init__(self):
@@ -59,9 +63,9 @@ class StackedExperts:
                 "Triton kernels yet; run them with a CPU provider"
             )
         if self.down is not None:
-            assert {self.scheme.name, self.down.name} <= set(KQUANTS), (
+            assert self.scheme.name in KQUANTS and self.down.name in (*KQUANTS, *DOWN_FALLBACKS), (
                 f"w13 {self.scheme.name} and w2 {self.down.name}: projections of different "
-                "schemes are K-quants only"
+                "schemes are K-quant gate/up over a K-quant or a fallback down"
             )
         q = self.sections["w13.q"]
         e, n2 = q.shape[:2]
@@ -70,8 +74,11 @@ class StackedExperts:
             assert t.shape[0] == e, f"{name}: {t.shape[0]} experts, w13.q has {e}"
             # each expert's section contiguous; only a K-quant pool's smaller layouts are views
             # into slots of its largest record (per-layer layouts), whose stride the kernels take
+            # (block formats only: their scales are in the blocks)
             assert t.is_contiguous() or (
-                name.endswith(".q") and self.quant_of(name[:-2]) in KQUANTS and per_expert(t)
+                name.endswith(".q")
+                and self.quant_of(name[:-2]) in (*KQUANTS, "q5_0")
+                and per_expert(t)
             ), f"{name} must be contiguous"
 
     @property
@@ -99,6 +106,10 @@ class StackedExperts:
     def quant_of(self, name: str) -> str:
         """The layout the kernels read for projection name ("w13" or "w2")."""
         return self.down_quant if name == "w2" else self.kernel_quant
+
+    def scheme_of(self, name: str) -> QuantScheme:
+        """Projection name's ("w13" or "w2") scheme: w2's own where it differs."""
+        return self.down if name == "w2" and self.down is not None else self.scheme
 
     @property
     def down_quant(self) -> str:
@@ -139,10 +150,14 @@ def per_expert(t: torch.Tensor) -> bool:
     return t.stride()[1:] == inner and t.stride(0) >= t[0].numel()
 
 
-def padded_view(t: torch.Tensor, shape: tuple) -> torch.Tensor:
-    """Slots t [n, ...] read as [n, *shape] packed at each slot's start (a smaller record layout
-    in a pool of its largest record's slots)."""
-    return t.view(t.shape[0], -1)[:, : torch.Size(shape).numel()].view(t.shape[0], *shape)
+def padded_view(t: torch.Tensor, shape: tuple, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Slots t [n, ...] read as [n, *shape] of dtype (default t's) packed at each slot's start (a
+    smaller record layout in a pool of its largest record's slots: a q5_0 down's uint8 blocks in
+    an int8 down's slots)."""
+    flat = t.view(t.shape[0], -1)
+    if dtype is not None and dtype != t.dtype:
+        flat = flat.view(torch.uint8).view(dtype)
+    return flat[:, : torch.Size(shape).numel()].view(t.shape[0], *shape)
 
 
 def kernel_sections(experts: StackedExperts) -> dict[str, torch.Tensor]:
@@ -226,7 +241,6 @@ def moe_stacked_ref(
     `ids` index `experts`; when that is a slot pool, `expert_ids` (same shape) names the expert
     each slot holds, and experts are added in ascending expert id, as with every expert
     resident, so the bits do not depend on which slots hold them."""
-    g = experts.scheme.group_size
     where = None
     if expert_ids is not None:
         where = dict(zip(expert_ids.reshape(-1).tolist(), ids.reshape(-1).tolist()))
@@ -234,7 +248,9 @@ def moe_stacked_ref(
 
     def get(e):
         sec = experts.expert(e if where is None else where[e])
-        return tuple(dequantize(sec, n, g, x.dtype).cpu() for n in NAMES)
+        return tuple(
+            dequantize(sec, n, experts.scheme_of(n).group_size, x.dtype).cpu() for n in NAMES
+        )
 
     out = moe_ref(x.cpu(), ids.cpu(), weights.cpu(), get)
     return out.to(x.device)
