@@ -7,6 +7,7 @@
 #   bash benchmarks/gpu_peers.sh gguf OUT [COMMIT]    # llama.cpp's Q4_0 file itself on both engines
 #     (moestream keeps its Q4_0 experts as q4_0; GGUF=1 prepare converts it beforehand; FILE=Q4_K_M
 #     runs that type's file, which GGUF=Q4_K_M prepare quantizes from the Q8_0 and converts)
+#   WIDTH=1408 WORK=/tmp/p1408 GGUF=Q4_K_M ... prepare, then FILE=Q4_K_M ... gguf: experts 1408 wide
 #   bash benchmarks/gpu_peers.sh admit OUT [COMMIT]  # admissions A/B on the same store (no llama.cpp):
 #     SHARE=0.25 POOL_KERNELS=triton,triton-admitall PROGRAMS=32 (LLAMA=0 prepare: the store only)
 # Needs .carry/pack/llama.tar.xz: `tar -cJf` of a stripped llama.cpp source (../shared/peers/README.md)
@@ -28,6 +29,13 @@ prepare)
   # killed with the call; a detached prepare outlives it), with prepare's exit status
   trap 'echo "prepare exit $?" >"$WORK/prepare.exit"' EXIT
   [ -d "$SRC/llama" ] || { mkdir -p "$SRC" && tar -xJf .carry/pack/llama.tar.xz -C "$SRC"; }
+  # WIDTH=1408: the experts that wide (DeepSeek-V2-Lite's, Qwen1.5-MoE's; 256 does not divide it,
+  # so a Q4_K_M file's downs are Q5_0 / Q8_0): the extracted copy of gen_model_b.py is edited
+  # (use another WORK, its checkpoint is a different model)
+  if [ -n "${WIDTH:-}" ]; then
+    sed -i "s/\(D, H, KV, hd, E, I = 2048, 32, 4, 128, 128, \)768/\1$WIDTH/" "$SRC/gen_model_b.py"
+    grep -q "128, 128, $WIDTH\$" "$SRC/gen_model_b.py" || { echo "WIDTH: gen_model_b.py's shape line not found"; exit 4; }
+  fi
   llama=${LLAMA:-1}
   [ "$llama" = 0 ] && echo "llama.cpp build skipped (LLAMA=0)" >"$WORK/build.done"
   [ -f "$WORK/build.done" ] || (cmake -S "$SRC/llama" -B "$WORK/llb" -DCMAKE_BUILD_TYPE=Release -DGGML_CUDA=ON \

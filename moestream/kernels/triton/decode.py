@@ -980,6 +980,9 @@ def fit_config(quant: str, hidden: int, inter: int, group: int, cfg: DecodeConfi
     """Halve the split, then K steps, then row blocks until the shapes fit (small models, or a
     width 256 does not divide); None when nothing does. down: check_shapes'."""
     down_group = down[1] if down else group
+    # first bk_d to a divisor of I (1408 = 11 x 128), so an I that only bk_d misses keeps the split
+    while inter % cfg.bk_d and cfg.bk_d > down_group:
+        cfg = replace(cfg, bk_d=cfg.bk_d // 2)
     lows = (("split", 1), ("bk", group), ("bk_d", down_group), ("bn", 1), ("bn_d", 1))
     for name, low in lows:
         while check_shapes(quant, hidden, inter, group, cfg, down) and getattr(cfg, name) > low:
