@@ -14,6 +14,8 @@ Bytes read = whole padded records (what a store read moves). int8's torch path d
 and calls F.linear (no torch kernel takes per-block scales).
 
     python benchmarks/bench_kernels_cpu.py [--threads 2] [--reps 15]
+    python benchmarks/bench_kernels_cpu.py --model gpt-oss --schemes int8   # D = I = 2880, top-4,
+        biases and the clamped SwiGLU (gpt-oss-20b / 120b's experts; its MXFP4 is kept as int8)
 """
 
 from __future__ import annotations
@@ -34,21 +36,32 @@ from common import bench_row, write_rows  # noqa: E402
 
 from moestream.kernels import native  # noqa: E402
 from moestream.kernels.dispatch import qlinear  # noqa: E402
-from moestream.kernels.ref import expert_ffn_q  # noqa: E402
+from moestream.kernels.ref import ExpertActivation, expert_ffn_q  # noqa: E402
 from moestream.quant import RecordLayout, make_scheme, quantize_expert, record_bytes  # noqa: E402
 from moestream.store.io import record_memory  # noqa: E402
 
 N_RECORDS, K = 128, 8
 LAYERS = N_RECORDS // K - 1  # the layers row: distinct records, none of the previous call's
+# --model: (D, I values, routed experts a token, biases and the clamped SwiGLU)
+MODELS = {
+    "qwen3": (2048, (768, 512), 8, None),
+    "gpt-oss": (2880, (2880,), 4, ExpertActivation(1.702, 7.0)),
+}
 
 
-def make_records(scheme: str, D: int, I: int) -> tuple[RecordLayout, list[dict]]:
+def make_records(
+    scheme: str, D: int, I: int, bias: bool = False
+) -> tuple[RecordLayout, list[dict]]:
     """128 record buffers (8 distinct quantized experts, each copied 16 times: distinct memory)."""
-    layout = RecordLayout.build(make_scheme(scheme), D, I)
+    layout = RecordLayout.build(make_scheme(scheme), D, I, bias=bias)
     g = torch.Generator().manual_seed(0)
+
+    def biases():
+        return (torch.randn(2 * I, generator=g), torch.randn(D, generator=g)) if bias else ()
+
     bases = [
         record_bytes(layout, quantize_expert(layout, torch.randn(2 * I, D, generator=g) / D**0.5,
-                                             torch.randn(D, I, generator=g) / I**0.5))
+                                             torch.randn(D, I, generator=g) / I**0.5, *biases()))
         for _ in range(K)
     ]  # fmt: skip
     # one allocation as the engine's slot pool holds them (store.io.record_memory)
@@ -63,20 +76,20 @@ def make_records(scheme: str, D: int, I: int) -> tuple[RecordLayout, list[dict]]
     ]
 
 
-def torch_layer(x, secs, w):
+def torch_layer(x, secs, w, act=None):
     """The torch path of StoreExperts' decode: one expert at a time, added in order."""
     lin, out = qlinear("cpu"), torch.zeros_like(x)
     for e, sec in enumerate(secs):
-        out += expert_ffn_q(x, sec, 32, lin) * w[:, e : e + 1]
+        out += expert_ffn_q(x, sec, 32, lin, act) * w[:, e : e + 1]
     return out
 
 
-def variants(names: list[str]) -> dict:
+def variants(names: list[str], act: ExpertActivation | None = None) -> dict:
     """torch, and the native layer op at each ISA this CPU runs (avx2, avx512...), by name."""
-    out = {"torch": torch_layer} if "torch" in names else {}
+    out = {"torch": lambda x, secs, w: torch_layer(x, secs, w, act)} if "torch" in names else {}
     for isa in native.isas()[1:]:  # scalar: the spec's twin, not a speed path
         if f"native-{isa}" in names or "native" in names:
-            out[f"native-{isa}"] = lambda x, secs, w, isa=isa: native.moe(x, secs, w, isa)
+            out[f"native-{isa}"] = lambda x, secs, w, isa=isa: native.moe(x, secs, w, isa, act=act)
     return out
 
 
@@ -86,20 +99,22 @@ def ceiling_gbps(big: torch.Tensor) -> float:
     return big.numel() * 4 / (time.perf_counter() - t0) / 1e9
 
 
-def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: dict) -> list[dict]:
-    layout, recs = make_records(scheme, D, I)
-    x, w = torch.randn(1, D), torch.rand(1, K)
-    times = {(v, n): [] for v in fns for n in (1, K, LAYERS * K)}
+def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: dict,
+                k: int = K, bias: bool = False) -> list[dict]:  # fmt: skip
+    """k: the routed experts a layer op takes (the layers row: LAYERS * K records, k a call)."""
+    layout, recs = make_records(scheme, D, I, bias)
+    x, w = torch.randn(1, D), torch.rand(1, k)
+    times = {(v, n): [] for v in fns for n in (1, k, LAYERS * K)}
     ceil, nxt = [], 0
     with torch.inference_mode():
         for rep in range(reps + 1):  # rep 0 warms up
-            for n in (1, K, LAYERS * K):
+            for n in (1, k, LAYERS * K):
                 for v, fn in fns.items():  # interleaved: all see the same machine state
                     secs = [recs[(nxt + i) % N_RECORDS] for i in range(n)]
                     nxt += n
                     t0 = time.perf_counter()
-                    for l0 in range(0, n, K):  # n = LAYERS * K: one layer op after another
-                        fn(x, secs[l0 : l0 + K], w[:, : min(n, K)])
+                    for l0 in range(0, n, k):  # n = LAYERS * K: one layer op after another
+                        fn(x, secs[l0 : l0 + k], w[:, : min(n, k)])
                     if rep:
                         times[v, n].append(time.perf_counter() - t0)
             if rep:
@@ -109,8 +124,8 @@ def bench_shape(scheme: str, D: int, I: int, reps: int, big: torch.Tensor, fns: 
     for (v, n), ts in times.items():
         dt, nbytes = statistics.median(ts), n * layout.size
         rows.append({
-            "op": {1: "cpu_expert_kernel", K: "cpu_moe_layer"}.get(n, "cpu_moe_layers"),
-            "D": D, "I": I, "K": min(n, K), "layers": max(1, n // K), "scheme": scheme, "variant": v,
+            "op": {1: "cpu_expert_kernel", k: "cpu_moe_layer"}.get(n, "cpu_moe_layers"),
+            "D": D, "I": I, "K": min(n, k), "layers": max(1, n // k), "scheme": scheme, "variant": v,
             "us": round(dt * 1e6, 1), "record_bytes": nbytes,
             "gbps": round(nbytes / dt / 1e9, 2), "dram_ceiling_gbps": round(c, 2),
             "of_ceiling": round(nbytes / dt / 1e9 / c, 3),
@@ -140,18 +155,21 @@ def main() -> None:
     p.add_argument(
         "--variants", default="torch,native", help="torch, native (every ISA), native-avx2, ..."
     )
+    p.add_argument("--model", choices=list(MODELS), default="qwen3",
+                   help="expert shapes: Qwen3-30B-A3B's (I 768 / 512), or gpt-oss's")  # fmt: skip
     p.add_argument("--out", default=None, help="append JSON rows here")
     a = p.parse_args()
+    D, widths, k, act = MODELS[a.model]
     torch.set_num_threads(a.threads)
     if not native.available():
         sys.exit("native kernels did not build: nothing to compare")
     # 1 GiB fp32 in the records' kind of memory (huge pages): the DRAM read ceiling
     big = torch.frombuffer(record_memory(2**30), dtype=torch.float32).fill_(1.0)
-    fns = variants(a.variants.split(","))
+    fns = variants(a.variants.split(","), act)
     rows = []
     for scheme in a.schemes.split(","):
-        for I in (768, 512):
-            for row in bench_shape(scheme, 2048, I, a.reps, big, fns):
+        for I in widths:
+            for row in bench_shape(scheme, D, I, a.reps, big, fns, k, bias=act is not None):
                 row.update(threads=a.threads, isa=row["variant"].removeprefix("native-"))
                 print({k: row[k] for k in ("op", "scheme", "I", "variant", "us", "gbps",
                                            "dram_ceiling_gbps", "of_ceiling",
@@ -160,9 +178,11 @@ def main() -> None:
     config = {
         "threads": a.threads,
         "reps": a.reps,
-        "D": 2048,
-        "I": [768, 512],
-        "layers": LAYERS,
+        "model": a.model,
+        "D": D,
+        "I": list(widths),
+        "K": k,
+        "layers": LAYERS * K // k,
         "variants": list(fns),
     }
     write_rows(a.out, [bench_row("cpu_kernels", config, r) for r in rows])

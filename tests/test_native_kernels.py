@@ -111,6 +111,42 @@ def test_layer_matches_reference(scheme, D, I, T, dtype):
     assert err <= 0.02  # K-quants (centred random blocks): 1.0-1.6% measured
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0"])
+@pytest.mark.parametrize("T", [1, 3])
+def test_gpt_oss_layer_matches_reference(scheme, T):
+    """gpt-oss's experts (biases b13 / b2 and the clamped SwiGLU, ref.ExpertActivation) through
+    the layer op: within moe_q8_ref's 1e-3, the ISA variants and moe_grouped (a prompt's call)
+    bit for bit; the biases and the clamp reach the output (dropping either changes it), and
+    against the fp32 dequantized experts only the activation quantization error remains."""
+    from moestream.kernels.ref import ExpertActivation
+
+    D, I = 160, 96
+    g = torch.Generator().manual_seed(4)
+    secs = records(scheme, D, I, 3)
+    for sec in secs:  # gate / up pre-activations well past the clamp at 7 (as gpt-oss's)
+        sec["b13"], sec["b2"] = torch.randn(2 * I, generator=g) * 8, torch.randn(D, generator=g)
+    act = ExpertActivation(1.702, 7.0)
+    x, w = torch.randn(T, D, generator=g), torch.rand(T, 3, generator=g)
+    want = moe_q8_ref(x, secs, w, act)
+    got = {isa: native.moe(x, secs, w, isa, act=act) for isa in ISAS}
+    assert all(torch.equal(y, got["scalar"]) for y in got.values()), "ISA variants disagree"
+    assert rel(got["scalar"], want) <= 1e-3
+    bare = [{k: v for k, v in sec.items() if k[0] != "b"} for sec in secs]
+    assert rel(native.moe(x, bare, w, act=act), want) > 0.05  # the biases count
+    assert rel(native.moe(x, secs, w), want) > 0.05  # the clamped SwiGLU counts
+    flat = [t for sec in secs for t in native.record_tensors(sec)]
+    bias = [t for sec in secs for t in native.bias_tensors(sec)]
+    tok = torch.arange(T).repeat(3)  # every expert over every token: pairs (e, t)
+    grouped = native.moe_grouped(x, flat, tok, [0, T, 2 * T, 3 * T], w.t().reshape(-1),
+                                 biases=bias, act=act)  # fmt: skip
+    one = sum(w[:, e : e + 1] * native.moe(x, [sec], torch.ones(T, 1), act=act)
+              for e, sec in enumerate(secs))  # fmt: skip
+    assert torch.equal(grouped, one)
+    fp = sum(w[:, e : e + 1] * expert_ffn_q(x, sec, 32, act=act) for e, sec in enumerate(secs))
+    err = ((got["scalar"] - fp).pow(2).mean() / fp.pow(2).mean()).sqrt().item()
+    assert err <= 0.03
+
+
 @contextmanager
 def token_tile(n: int):
     """Activation rows per pass over the weights (1: one row at a time, the one-row kernels)."""

@@ -38,15 +38,13 @@ class StoreExperts(ExpertProvider):
         self.groups = {layer: lay.groups for layer, lay in store.layouts.items()}  # (w13, w2)
         self.act = ExpertActivation.from_args(store.args)
         # kernel "native": the C++ layer op where it reads this store's records (int4/int8/q4_0/
-        # q4_1, K-quants, each projection its own; plain SwiGLU, no biases) and it built;
-        # otherwise, and for "cpu"/"ref", the torch kernels.
+        # q4_1, K-quants, each projection its own; biases and gpt-oss's clamped SwiGLU too) and
+        # it built; otherwise, and for "cpu"/"ref", the torch kernels.
         layouts = store.layouts.values()
-        bias = any(sec.name.startswith("b") for lay in layouts for sec in lay.sections)
+        self.biased = any(sec.name.startswith("b") for lay in layouts for sec in lay.sections)
         self.native = (
             cfg.kernel == "native"
             and all(native.supports(s) for lay in layouts for s in lay.schemes)
-            and self.act is None
-            and not bias
             and native.available()
         )
         self.linear = qlinear("ref" if cfg.kernel == "ref" else "cpu")
@@ -77,8 +75,9 @@ class StoreExperts(ExpertProvider):
         if self.native and self._flat is not None:  # resident: the records' tensors kept flat
             flat, self.res.table.hits = self._flat[layer], self.res.table.hits + len(experts)
             t0 = time.perf_counter()
-            y = native.moe_flat(x, [t for e in experts for t in flat[e]], weights,
-                                cols=[k for _, k in order])  # fmt: skip
+            y = native.moe_flat(x, [t for e in experts for t in flat[e][:4]], weights,
+                                cols=[k for _, k in order], act=self.act,
+                                biases=[t for e in experts for t in flat[e][4:]])  # fmt: skip
             self.compute_seconds += time.perf_counter() - t0
             return y.to(x.dtype)
         if self.native and self.layer_op:  # the token's experts added inside in ascending id
@@ -110,7 +109,7 @@ class StoreExperts(ExpertProvider):
         """sum_e w[:, e] * expert_e(x) over records secs, x [T, D], w [T, E] -> [T, D] fp32
         (cols: expert e's weight is w[:, cols[e]])."""
         t0 = time.perf_counter()
-        y = native.moe(x, secs, w, cols=cols)
+        y = native.moe(x, secs, w, cols=cols, act=self.act)
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -151,7 +150,15 @@ class StoreExperts(ExpertProvider):
         for _, t, _ in groups:
             off.append(off[-1] + t.numel())
         t0 = time.perf_counter()
-        y = native.moe_grouped(x, [a for e, _, _ in groups for a in flat[e]], tok, off, pw)
+        y = native.moe_grouped(
+            x,
+            [a for e, _, _ in groups for a in flat[e][:4]],
+            tok,
+            off,
+            pw,
+            biases=[a for e, _, _ in groups for a in flat[e][4:]],
+            act=self.act,
+        )
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -215,17 +222,21 @@ class StreamingExperts(StoreExperts, Prefetcher):
                 slots = self.res.settle(self.res.begin(layer, mine))
                 self._fixed[layer] = {e: self.res.views(layer, s) for e, s in zip(mine, slots)}
             if self.native and cfg.shard is None:  # (a shard's pairs go through terms())
+                # each record's four tensors, then its fp32 biases where it has them
                 self._flat = {
-                    layer: {e: native.record_tensors(v) for e, v in views.items()}
+                    layer: {e: native.record_tensors(v) + native.bias_tensors(v)
+                            for e, v in views.items()}
                     for layer, views in self._fixed.items()
-                }
+                }  # fmt: skip
 
     @property
     def table(self):
         return self.res.table
 
     def native_tables(self) -> dict[int, dict[int, list]] | None:
-        return self._flat if self.native else None
+        # (the one-call decode step takes plain SwiGLU experts without biases)
+        plain = self.act is None and not self.biased
+        return self._flat if self.native and plain else None
 
     def note_native_step(self, hits: int, seconds: float) -> None:
         self.res.table.hits += hits

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from moestream.config import ext_cache_root
+from moestream.kernels.ref import ExpertActivation
 from moestream.quant import is_kquant
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -191,11 +192,17 @@ def moe(
     weights: torch.Tensor,
     isa: str | None = None,
     cols: list[int] | None = None,
+    act: ExpertActivation | None = None,
 ) -> torch.Tensor:
     """x [T, D], E records' sections, weights [T, E] -> sum_e weights[:, e] * expert_e(x) [T, D]
     fp32, experts added in list order (callers pass ascending expert id). `cols`: expert e's
-    weight is column cols[e] of weights [T, K] (the router's slot order, no gather op)."""
-    return moe_flat(x, [t for sec in secs for t in record_tensors(sec)], weights, isa, cols)
+    weight is column cols[e] of weights [T, K] (the router's slot order, no gather op). Records
+    with biases (b13, b2: gpt-oss) add them as ref.expert_ffn_q does; `act`: the clamped SwiGLU
+    (None: silu(gate) * up)."""
+    flat = [t for sec in secs for t in record_tensors(sec)]
+    return moe_flat(
+        x, flat, weights, isa, cols, [t for sec in secs for t in bias_tensors(sec)], act
+    )
 
 
 def record_tensors(sec: dict) -> list[torch.Tensor]:
@@ -203,9 +210,20 @@ def record_tensors(sec: dict) -> list[torch.Tensor]:
     return [t for name in ("w13", "w2") for t in _pair(sec, name)]
 
 
-def moe_flat(x, flat: list[torch.Tensor], weights, isa: str | None = None, cols=None):
-    """`moe` over records already flattened by `record_tensors` (a resident store keeps them)."""
-    return module().moe(x, flat, weights, _isa(isa), cols or [])
+def bias_tensors(sec: dict) -> list[torch.Tensor]:
+    """A record's biases as `moe` takes them, fp32 (b13, b2), or [] without."""
+    if "b13" not in sec:
+        return []
+    return [sec[n].float().contiguous() for n in ("b13", "b2")]
+
+
+def moe_flat(x, flat: list[torch.Tensor], weights, isa: str | None = None, cols=None,
+             biases: list[torch.Tensor] | None = None,
+             act: ExpertActivation | None = None):  # fmt: skip
+    """`moe` over records already flattened by `record_tensors` (a resident store keeps them),
+    and their `bias_tensors` (all experts' or none)."""
+    alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
+    return module().moe(x, flat, weights, _isa(isa), cols or [], biases or [], alpha, limit)
 
 
 def moe_grouped(
@@ -215,12 +233,15 @@ def moe_grouped(
     off: list[int],
     pw: torch.Tensor,
     isa: str | None = None,
+    biases: list[torch.Tensor] | None = None,
+    act: ExpertActivation | None = None,
 ) -> torch.Tensor:
     """A prompt's experts in one call: `flat` holds E records' `record_tensors` in ascending id,
     expert e takes rows tok[off[e]:off[e + 1]] of x [T, D] with weights pw [P] -> [T, D] fp32,
     each token's terms added in list order from zero: the bits of one `moe` call per expert over
-    its rows (weight 1), each times its weight, summed in that order."""
-    return module().moe_grouped(x, flat, tok, off, pw, _isa(isa))
+    its rows (weight 1), each times its weight, summed in that order. biases, act: moe_flat's."""
+    alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
+    return module().moe_grouped(x, flat, tok, off, pw, _isa(isa), biases or [], alpha, limit)
 
 
 # ---- fused one-token decode ops: references are the model's torch code (models/layers.py) ------

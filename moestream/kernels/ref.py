@@ -333,14 +333,22 @@ def _kquant_terms(q8: torch.Tensor, d: torch.Tensor, wq: torch.Tensor) -> torch.
     return d[:, None, :] * (ds[None] * dots - dm[None] * sq)
 
 
-def moe_q8_ref(x: torch.Tensor, secs: list[dict], weights: torch.Tensor) -> torch.Tensor:
+def moe_q8_ref(
+    x: torch.Tensor, secs: list[dict], weights: torch.Tensor, act: ExpertActivation | None = None
+) -> torch.Tensor:
     """The native layer op's spec: x [T, D], E records, weights [T, E] -> [T, D] fp32, experts
-    silu(gate) * up through qlinear_q8 (int8 weights' down projection with int16 activations),
-    weighted and added in list order."""
+    silu(gate) * up (or `act`) through qlinear_q8 (int8 weights' down projection with int16
+    activations), a record's biases added as expert_ffn_q adds them (fp32), weighted and added in
+    list order."""
     out = torch.zeros(x.shape)
     for e, sec in enumerate(secs):
-        gate, up = qlinear_q8(x, sec, "w13").chunk(2, dim=-1)
+        h = qlinear_q8(x, sec, "w13")
+        if "b13" in sec:
+            h = h + sec["b13"].float()
+        gate, up = h.chunk(2, dim=-1)
         wide = sec["w2.q"].dtype == torch.int8
-        y = qlinear_q8(F.silu(gate) * up, sec, "w2", wide=wide)
+        y = qlinear_q8(F.silu(gate) * up if act is None else act(gate, up), sec, "w2", wide=wide)
+        if "b2" in sec:
+            y = y + sec["b2"].float()
         out = out + weights[:, e : e + 1].float() * y
     return out

@@ -1162,11 +1162,47 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& q, const torch
   return y;
 }
 
-// silu(gate) * up of h [rows, 2I] quantized per row.
-void act_quantize(const float* h, int I, QAct& act, int r, int64_t isa) {
+// An expert's extras beyond its four weight tensors (gpt-oss): fp32 biases per expert, b13 [2I]
+// added to gate|up and b2 [D] to the down rows (none: empty), and the clamped SwiGLU where limit > 0
+// (ref.ExpertActivation: g = min(gate, limit), u = clamp(up, -limit, limit), (u + 1) g sigmoid(alpha g)).
+struct Extras {
+  std::vector<const float*> b13, b2;
+  float alpha = 0.f, limit = 0.f;
+  const float* bias13(int e) const { return b13.empty() ? nullptr : b13[e]; }
+  const float* bias2(int e) const { return b2.empty() ? nullptr : b2[e]; }
+};
+
+Extras extras(const std::vector<torch::Tensor>& biases, int E, int D, int I, double alpha, double limit) {
+  Extras x;
+  x.alpha = (float)alpha, x.limit = (float)limit;
+  if (biases.empty()) return x;
+  TORCH_CHECK((int)biases.size() == 2 * E, "biases: (b13, b2) per expert");
+  for (int e = 0; e < E; ++e) {
+    const auto &a = biases[2 * e], &b = biases[2 * e + 1];
+    TORCH_CHECK(a.scalar_type() == torch::kFloat && b.scalar_type() == torch::kFloat && a.is_contiguous() &&
+                    b.is_contiguous() && a.numel() == 2 * I && b.numel() == D,
+                "biases: contiguous fp32 b13 [2I] and b2 [D]");
+    x.b13.push_back(a.data_ptr<float>()), x.b2.push_back(b.data_ptr<float>());
+  }
+  return x;
+}
+
+// The expert activation of h [rows, 2I] (gate|up plus b13 when given; silu(gate) * up, or the
+// clamped SwiGLU where limit > 0) quantized per row.
+void act_quantize(const float* h, int I, QAct& act, int r, int64_t isa, const float* b13 = nullptr,
+                  float alpha = 0.f, float limit = 0.f) {
   std::vector<float> v(I);
   const float* g = h + (size_t)r * 2 * I;
-  for (int i = 0; i < I; ++i) v[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+  for (int i = 0; i < I; ++i) {
+    float gate = g[i], up = g[I + i];
+    if (b13) gate = gate + b13[i], up = up + b13[I + i];
+    if (limit > 0.f) {  // the reference's op order: (u + 1) * (g * sigmoid(g * alpha))
+      gate = std::min(gate, limit), up = std::max(std::min(up, limit), -limit);
+      v[i] = (up + 1.f) * (gate * (1.f / (1.f + std::exp(-(gate * alpha)))));
+    } else {
+      v[i] = gate / (1.f + std::exp(-gate)) * up;
+    }
+  }
   quantize_row(v.data(), act, r, isa);
 }
 
@@ -1176,7 +1212,7 @@ void act_quantize(const float* h, int I, QAct& act, int r, int64_t isa) {
 // then 64-row blocks of D (down, every expert's pairs in order inside), token_tile() rows a pass.
 torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13, const std::vector<Weight>& w2,
                         const std::vector<int>& tok, const std::vector<int64_t>& off, const std::vector<float>& pw,
-                        int64_t b13, int64_t b2, int64_t isa) {
+                        int64_t b13, int64_t b2, int64_t isa, const Extras& ex = Extras()) {
   const int D = (int)xf.size(1), E = (int)w13.size(), N13 = w13[0].N, I = N13 / 2, P = (int)tok.size();
   const QAct ax = quantize(xf, false, isa);
   std::vector<float> h((size_t)P * N13);  // row p: pair p's gate|up
@@ -1187,7 +1223,12 @@ torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13,
                 h.data() + (size_t)off[e] * N13 + r0, N13, isa);
   }, b13);
   QAct act(P, I, w2[0].kind == kInt8);  // row p: pair p
-  parallel_items(P, [&](int64_t r) { act_quantize(h.data(), I, act, (int)r, isa); }, (int64_t)P * I * 16);
+  std::vector<int> pe(P);  // pair p's expert
+  for (int e = 0; e < E; ++e)
+    for (int64_t p = off[e]; p < off[e + 1]; ++p) pe[p] = e;
+  parallel_items(P, [&](int64_t r) {
+    act_quantize(h.data(), I, act, (int)r, isa, ex.bias13(pe[r]), ex.alpha, ex.limit);
+  }, (int64_t)P * I * 16);
   std::vector<int> pid(P);
   for (int p = 0; p < P; ++p) pid[p] = p;
   auto out = torch::zeros({xf.size(0), D}, xf.options());
@@ -1199,10 +1240,14 @@ torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13,
       for (int64_t p0 = off[e]; p0 < off[e + 1]; p0 += kTile) {
         const int m = (int)std::min<int64_t>(kTile, off[e + 1] - p0);
         rows_tokens(w2[e], r0, n, act, pid.data() + p0, m, tmp, BN, isa);
+        const float* bd = ex.bias2(e);
         for (int k = 0; k < m; ++k) {
           float* o = op + (size_t)tok[p0 + k] * D + r0;
           const float we = pw[p0 + k], *y = tmp + k * BN;
-          for (int i = 0; i < n; ++i) o[i] = o[i] + we * y[i];
+          if (bd)
+            for (int i = 0; i < n; ++i) o[i] = o[i] + we * (y[i] + bd[r0 + i]);
+          else
+            for (int i = 0; i < n; ++i) o[i] = o[i] + we * y[i];
         }
       }
   }, b2);
@@ -1213,7 +1258,8 @@ torch::Tensor moe_pairs(const torch::Tensor& xf, const std::vector<Weight>& w13,
 // [T, K] with `cols` naming each expert's column) ->
 // sum_e weights[:, e] * down_e(silu(gate_e(x)) * up_e(x)) in fp32, added in list order.
 torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& weights,
-                  int64_t isa, const std::vector<int64_t>& cols) {
+                  int64_t isa, const std::vector<int64_t>& cols, const std::vector<torch::Tensor>& biases,
+                  double alpha, double limit) {
   TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty(), "4 sections per expert");
   const int E = (int)secs.size() / 4;
   std::vector<Weight> w13, w2;
@@ -1229,6 +1275,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const int Ew = (int)wt.size(1);
   TORCH_CHECK(wt.size(0) == T && (cols.empty() ? Ew == E : (int)cols.size() == E), "weights must be [T, E]");
   for (int64_t c : cols) TORCH_CHECK(c >= 0 && c < Ew, "moe: weight column out of range");
+  const Extras ex = extras(biases, E, D, I, alpha, limit);
   isa = resolve(isa);
   if (T > 1) {  // a prompt: every expert takes every row, in token tiles (pairs e * T + t)
     int64_t b13 = 0, b2 = 0;
@@ -1241,7 +1288,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
       for (int t = 0; t < T; ++t)
         tok[e * T + t] = t, pw[e * T + t] = wt.data_ptr<float>()[t * Ew + (cols.empty() ? e : (int)cols[e])];
     }
-    return moe_pairs(xf, w13, w2, tok, off, pw, b13, b2, isa);
+    return moe_pairs(xf, w13, w2, tok, off, pw, b13, b2, isa, ex);
   }
   // One token (T == 1): the gate|up rows of each expert, its SiLU*up quantized by the thread that
   // finished its last chunk; then the down rows per (expert, chunk) into y[e], summed per output
@@ -1259,7 +1306,7 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
     const int e = (int)(i / c13);
     float* he = h.data() + (size_t)e * N13;
     chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13[e], r0, n, ax, 0, he + r0, isa); });
-    handoff.chunk_done(e, [&] { act_quantize(h.data(), I, act, e, isa); });
+    handoff.chunk_done(e, [&] { act_quantize(h.data(), I, act, e, isa, ex.bias13(e), ex.alpha, ex.limit); });
   };
   auto down = [&](int64_t i) {
     const int e = (int)(i / cd);
@@ -1273,8 +1320,11 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
   const float* wp = wt.data_ptr<float>();
   for (int e = 0; e < E; ++e) {  // list order: the bits do not depend on threads
     const float we = wp[cols.empty() ? e : (int)cols[e]];
-    const float* ye = y.data() + (size_t)e * D;
-    for (int i = 0; i < D; ++i) op[i] = op[i] + we * ye[i];
+    const float *ye = y.data() + (size_t)e * D, *bd = ex.bias2(e);
+    if (bd)
+      for (int i = 0; i < D; ++i) op[i] = op[i] + we * (ye[i] + bd[i]);
+    else
+      for (int i = 0; i < D; ++i) op[i] = op[i] + we * ye[i];
   }
   return out;
 }
@@ -1284,7 +1334,8 @@ torch::Tensor moe(const torch::Tensor& x, const std::vector<torch::Tensor>& secs
 // each token's experts added in list order: the bits of one `moe` call per expert over its rows,
 // summed in that order (StoreExperts._grouped).
 torch::Tensor moe_grouped(const torch::Tensor& x, const std::vector<torch::Tensor>& secs, const torch::Tensor& tok,
-                          const std::vector<int64_t>& off, const torch::Tensor& pw, int64_t isa) {
+                          const std::vector<int64_t>& off, const torch::Tensor& pw, int64_t isa,
+                          const std::vector<torch::Tensor>& biases, double alpha, double limit) {
   TORCH_CHECK(secs.size() % 4 == 0 && !secs.empty() && off.size() == secs.size() / 4 + 1,
               "moe_grouped: 4 sections per expert and E + 1 offsets");
   const int E = (int)secs.size() / 4;
@@ -1307,8 +1358,9 @@ torch::Tensor moe_grouped(const torch::Tensor& x, const std::vector<torch::Tenso
     t32[p] = (int)tk.data_ptr<int64_t>()[p];
     TORCH_CHECK(t32[p] >= 0 && t32[p] < T, "moe_grouped: token index out of range");
   }
+  const Extras ex = extras(biases, E, D, w13[0].N / 2, alpha, limit);
   return moe_pairs(xf, w13, w2, t32, off, std::vector<float>(wf.data_ptr<float>(), wf.data_ptr<float>() + P), b13,
-                   b2, resolve(isa));
+                   b2, resolve(isa), ex);
 }
 
 
@@ -1763,8 +1815,11 @@ class DecodeStep {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &linear, "x [T, K] through one int4/int8/q4_0/q4_1 weight -> [T, N] fp32");
   m.def("moe", &moe, "weighted sum of experts over record sections -> [T, D] fp32", py::arg("x"), py::arg("secs"),
-        py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{});
-  m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32");
+        py::arg("weights"), py::arg("isa"), py::arg("cols") = std::vector<int64_t>{},
+        py::arg("biases") = std::vector<torch::Tensor>{}, py::arg("alpha") = 0.0, py::arg("limit") = 0.0);
+  m.def("moe_grouped", &moe_grouped, "a prefill's experts over their token groups -> [T, D] fp32", py::arg("x"),
+        py::arg("secs"), py::arg("tok"), py::arg("off"), py::arg("pw"), py::arg("isa"),
+        py::arg("biases") = std::vector<torch::Tensor>{}, py::arg("alpha") = 0.0, py::arg("limit") = 0.0);
   m.def("_set_token_tile", [](int64_t n) { g_token_tile = n; }, "activation rows per pass, 0 default (benchmarks)");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
