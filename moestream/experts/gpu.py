@@ -115,7 +115,7 @@ def check_scheme(store: Store) -> None:
         )
     for layout in layouts:
         w13, w2 = layout.schemes
-        if (w13 != w2 or w13.name not in SCHEMES) and not kquant_layer(layout):
+        if w13 != w2 and not kquant_layer(layout):
             raise ConfigError(
                 f"{store.folder} holds {w13.name} gate/up and {w2.name} down projections, which "
                 f"the GPU kernels do not read together (a down of its own scheme: below K-quant "
