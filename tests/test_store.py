@@ -83,7 +83,9 @@ def test_prefill_rows_split_does_not_change_bits(stores, monkeypatch):
     folder = stores("qwen3_moe")
     want = greedy(folder, StreamConfig(resident=True), n=2)[1]
     calls, op = [], native.moe_grouped
-    monkeypatch.setattr(native, "moe_grouped", lambda x, *a, **k: calls.append(len(x)) or op(x, *a, **k))
+    monkeypatch.setattr(
+        native, "moe_grouped", lambda x, *a, **k: calls.append(len(x)) or op(x, *a, **k)
+    )
     monkeypatch.setattr(streaming, "PREFILL_ROWS", 5)
     assert torch.equal(greedy(folder, StreamConfig(resident=True), n=2)[1], want)
     assert calls == [5, 5, 2] * len(Store(folder).crc)  # 12 prompt rows, every MoE layer
