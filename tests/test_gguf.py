@@ -16,11 +16,12 @@ from gguf_models import assert_records_are, expert_name, rewrite_gguf, write_ggu
 from tiny_models import perturbed_model, save
 
 from moestream.cli import main
+from moestream.config import ConfigError
 from moestream.convert.gguf import GGUFCheckpoint
 from moestream.convert.writer import convert, source_scheme
 from moestream.engine.kv_cache import KVCache
 from moestream.engine.tokenizer import Tokenizer
-from moestream.experts.config import StreamConfig, min_budget
+from moestream.experts.config import GpuConfig, StreamConfig, min_budget
 from moestream.kernels.ref import dequantize
 from moestream.loader import load_model
 from moestream.store.format import MIXED_VERSION, VERSION, Store
@@ -724,6 +725,8 @@ def test_gpt_oss_records_hold_the_file_values_and_biases(q8):
     assert torch.equal(want, our_logits(store, StreamConfig(memory_budget=min_budget(s))))
     spec = our_logits(store)  # (2.8% measured on the clamp-heavy tiny model)
     assert (want - spec).abs().max().item() < 0.05 * spec.abs().max().item()
+    with pytest.raises(ConfigError, match=r"biases and the clamped SwiGLU.*--device cpu"):
+        load_model(store, GpuConfig(resident=True, kernel="ref", device="cpu"))  # (exit 2)
 
 
 def _gpt_oss_records_are(s, stored: dict) -> None:

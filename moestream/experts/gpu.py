@@ -96,6 +96,12 @@ def check_scheme(store: Store) -> None:
     down of its own scheme only below K-quant gate/up (a K-quant or DOWN_FALLBACKS)."""
     fix = "run it on the CPU, or convert the model with --quant int4 (or int8) for the GPU"
     layouts = set(store.layouts.values())
+    if any(sec.name in ("b13", "b2") for layout in layouts for sec in layout.sections):
+        raise ConfigError(
+            f"{store.folder} holds experts with biases and the clamped SwiGLU (gpt-oss), which "
+            "the GPU kernels do not take yet: run it on the CPU (--device cpu; its native layer "
+            "op takes them)"
+        )
     w13s, w2s = ({layout.schemes[i].name for layout in layouts} for i in (0, 1))
     for name in sorted(w13s - set(SCHEMES) | (w2s - set(SCHEMES) - set(DOWN_FALLBACKS))):
         raise ConfigError(
