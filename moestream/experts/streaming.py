@@ -61,8 +61,10 @@ class StoreExperts(ExpertProvider):
     # One native call per layer and token (all records first); False where compute must overlap
     # the reads (slot cache): per-expert calls then, added with the same fp32 arithmetic.
     layer_op = True
-    # layer -> expert -> the native layer op's four tensors, where every record stays resident.
+    # layer -> expert -> the native layer op's four tensors, where every record stays resident,
+    # and (records with biases: gpt-oss) their fp32 biases, apart so the plain step slices nothing.
     _flat: dict[int, dict[int, list]] | None = None
+    _bias: dict[int, dict[int, list]] | None = None
 
     def experts(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -75,9 +77,9 @@ class StoreExperts(ExpertProvider):
         if self.native and self._flat is not None:  # resident: the records' tensors kept flat
             flat, self.res.table.hits = self._flat[layer], self.res.table.hits + len(experts)
             t0 = time.perf_counter()
-            y = native.moe_flat(x, [t for e in experts for t in flat[e][:4]], weights,
-                                cols=[k for _, k in order], act=self.act,
-                                biases=[t for e in experts for t in flat[e][4:]])  # fmt: skip
+            bias = self._bias and [t for e in experts for t in self._bias[layer][e]]
+            y = native.moe_flat(x, [t for e in experts for t in flat[e]], weights,
+                                cols=[k for _, k in order], biases=bias, act=self.act)  # fmt: skip
             self.compute_seconds += time.perf_counter() - t0
             return y.to(x.dtype)
         if self.native and self.layer_op:  # the token's experts added inside in ascending id
@@ -150,15 +152,9 @@ class StoreExperts(ExpertProvider):
         for _, t, _ in groups:
             off.append(off[-1] + t.numel())
         t0 = time.perf_counter()
-        y = native.moe_grouped(
-            x,
-            [a for e, _, _ in groups for a in flat[e][:4]],
-            tok,
-            off,
-            pw,
-            biases=[a for e, _, _ in groups for a in flat[e][4:]],
-            act=self.act,
-        )
+        bias = self._bias and [a for e, _, _ in groups for a in self._bias[layer][e]]
+        y = native.moe_grouped(x, [a for e, _, _ in groups for a in flat[e]], tok, off, pw,
+                               biases=bias, act=self.act)  # fmt: skip
         self.compute_seconds += time.perf_counter() - t0
         return y
 
@@ -222,12 +218,15 @@ class StreamingExperts(StoreExperts, Prefetcher):
                 slots = self.res.settle(self.res.begin(layer, mine))
                 self._fixed[layer] = {e: self.res.views(layer, s) for e, s in zip(mine, slots)}
             if self.native and cfg.shard is None:  # (a shard's pairs go through terms())
-                # each record's four tensors, then its fp32 biases where it has them
                 self._flat = {
-                    layer: {e: native.record_tensors(v) + native.bias_tensors(v)
-                            for e, v in views.items()}
+                    layer: {e: native.record_tensors(v) for e, v in views.items()}
                     for layer, views in self._fixed.items()
-                }  # fmt: skip
+                }
+                if self.biased:
+                    self._bias = {
+                        layer: {e: native.bias_tensors(v) for e, v in views.items()}
+                        for layer, views in self._fixed.items()
+                    }
 
     @property
     def table(self):
