@@ -12,7 +12,8 @@ from pathlib import Path
 from moestream.config import SamplingConfig
 
 # quant.SCHEMES, spelled here so --help does not import torch (tests/test_cli_modes.py checks they match)
-QUANT_CHOICES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
+QUANT_CHOICES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4", "q4_k", "q5_k",
+                 "q6_k")  # fmt: skip
 
 # Measured with torch 2.13 on the dev CPU (AVX512-BF16/AMX present): a bf16 GEMV at one token
 # reads 7 GB/s against fp32's 19 GB/s at D=2048, so fp32 decodes faster despite twice the bytes.
@@ -206,7 +207,7 @@ def _add_store_args(p) -> None:
         choices=QUANT_CHOICES,
         help="expert quantization when converting a Hugging Face folder (default bf16) or a "
         "GGUF file (default: its experts' type when all are one of Q8_0 / Q4_0 / Q4_1 / Q5_0 / "
-        "Q4_K / Q5_K / Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
+        "MXFP4 / Q4_K / Q5_K / Q6_K, kept exactly; else int8 for >= 8-bit ones, else int4)",
     )
     g = p.add_argument_group("routing prediction (prefetch / prediction as routing)")
     g.add_argument(
@@ -405,14 +406,14 @@ def _add_convert(sub) -> None:
         default=None,
         choices=QUANT_CHOICES,
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
-        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_1 / q5_0 / q4_k / "
-        "q5_k / q6_k when its experts are all Q4_0 / Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K (kept "
-        "exactly, CPU "
-        "only), int8 when "
+        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_1 / q5_0 / mxfp4 / "
+        "q4_k / q5_k / q6_k when its experts are all Q4_0 / Q4_1 / Q5_0 / MXFP4 / Q4_K / Q5_K / "
+        "Q6_K (kept exactly, CPU only), int8 when "
         "they have >= 8 bits (Q8_0 kept exactly), else int4; q8_0 = int8 with fp16 scales "
         "(llama.cpp's Q8_0: a Q8_0 GGUF kept exactly in fewer bytes than int8; CPU only); "
-        "int8/int4/q4_0/q4_1/q5_0/q8_0 from floats are "
-        "lossy: measure them with eval; the K-quants only keep a GGUF's blocks)",
+        "int8/int4/q4_0/q4_1/q5_0/q8_0/mxfp4 from floats are "
+        "lossy: measure them with eval (mxfp4 keeps gpt-oss's hub MXFP4 experts exactly, 4.25 "
+        "bits a weight; CPU only); the K-quants only keep a GGUF's blocks)",
     )
     p.add_argument("--group-size", type=int, default=32, help="int8/int4 group (default 32)")
     p.add_argument(

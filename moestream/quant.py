@@ -5,7 +5,9 @@ A scheme is a frozen dataclass, never a flag: `bf16`, `int8` (symmetric per K-bl
 (llama.cpp's Q4_0: symmetric 4-bit blocks of 32, fp16 scale; a GGUF's Q4_0 bytes as stored), `q4_1`
 (llama.cpp's Q4_1: 4-bit blocks of 32 with an fp16 scale and an fp16 minimum), `q5_0`
 (llama.cpp's Q5_0: symmetric 5-bit blocks of 32, fp16 scale, kept as a GGUF stores them), `q8_0`
-(llama.cpp's Q8_0: int8 as `int8` with the scale in fp16, 8.5 bits per weight against int8's 9) and
+(llama.cpp's Q8_0: int8 as `int8` with the scale in fp16, 8.5 bits per weight against int8's 9),
+`mxfp4` (OCP MX FP4, gpt-oss's experts as downloaded: e2m1 4-bit values in blocks of 32 with a
+shared power-of-two scale, 4.25 bits per weight; a hub or GGUF file's values kept exactly) and
 the K-quants `q4_k`, `q5_k`, `q6_k` (llama.cpp's super-blocks of 256 as a GGUF stores them; GGUF
 only: `quantize` does not write them). Every
 2-D weight [N, K] (N outputs, K inputs) is quantized along K, so concatenating gate and up rows
@@ -26,6 +28,10 @@ Tensor sections (what `kernels/ref.py` dequantizes and `kernels/cpu.py` multipli
   q5_0: `q` uint8 [N, K/32, 22], each row's GGUF blocks byte for byte (block_q5_0 {d fp16, qh[4]:
         bit i of the little-endian u32 is element i's 5th bit, qs[16]: element i in the low nibble
         of byte i, i + 16 in the high one})   w = (q - 16) * d
+  mxfp4: `q` uint8 [N, K/32, 17], each row's GGUF MXFP4 blocks byte for byte (block_mxfp4 {e: the
+        e8m0 exponent, qs[16]: code i in the low nibble of byte i, i + 16 in the high one})
+        w = E2M1[code] * 2^(e - 127), E2M1 = 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives (code
+        bit 3: the sign); held as integers twice the value, w = MXFP4_X2[code] * 2^(e - 128)
   q4_k / q5_k / q6_k: `q` uint8 [N, K/256, B], each row's GGUF blocks byte for byte (B = 144 /
         176 / 210: block_q4_K {d, dmin fp16, scales[12] (6-bit sc and m of 8 sub-blocks of 32),
         qs[128]}, block_q5_K {d, dmin, scales[12], qh[32], qs[128]}, block_q6_K {ql[128],
@@ -56,12 +62,15 @@ INT4_BLOCK_N = 64  # rows per packed block of torch's AVX-512 int4 CPU kernel
 # relative RMS weight error symmetric 0.097, asymmetric 0.078 (1536x2048); asymmetric also uses the kernel's
 # zero point for free, so int4 is asymmetric.
 INT4_CHOICE = "asymmetric"
-SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "q4_k", "q5_k", "q6_k")
+SCHEMES = ("bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4", "q4_k", "q5_k", "q6_k")
 Q4_0_BLOCK = 32  # llama.cpp's QK4_0 (and QK4_1, QK8_0)
 QK_K = 256  # llama.cpp's K-quant super-block; a K-quant scheme's group_size
 KQUANT_BYTES = {"q4_k": 144, "q5_k": 176, "q6_k": 210}  # bytes per super-block of 256
 KQUANT_OF_BYTES = {b: name for name, b in KQUANT_BYTES.items()}
 Q5_0_BYTES = 22  # block_q5_0: fp16 d, qh[4], qs[16] per 32 weights
+MXFP4_BYTES = 17  # block_mxfp4: e8m0 exponent, qs[16] per 32 weights
+# twice the e2m1 value of each 4-bit code (bit 3: the sign), an integer: llama.cpp's kvalues_mxfp4
+MXFP4_X2 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +84,7 @@ class QuantScheme:
             raise ConfigError(f"unknown quantization {self.name!r}; use {', '.join(SCHEMES)}")
         if self.group_size <= 0 or self.group_size % 2:
             raise ConfigError(f"group size must be a positive even number, got {self.group_size}")
-        if self.name in ("q4_0", "q5_0", "q8_0") and (
+        if self.name in ("q4_0", "q5_0", "q8_0", "mxfp4") and (
             self.group_size != Q4_0_BLOCK or not self.symmetric
         ):
             raise ConfigError(f"{self.name} is symmetric blocks of {Q4_0_BLOCK}; drop --group-size")
@@ -197,9 +206,10 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     if mode not in DENSE_MODES:
         raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
     name = experts.name if mode == "auto" else mode
-    if name in KQUANT_BYTES:
+    if name in KQUANT_BYTES or name == "mxfp4":
         # K-quant experts come from a GGUF, whose quantized dense weights keep their blocks
-        # (keep_source); `quantize` writes no K-quant, so a float source weight goes int8.
+        # (keep_source); `quantize` writes no K-quant, so a float source weight goes int8. mxfp4
+        # experts: dense int8, as llama.cpp's MXFP4_MOE files keep them in Q8_0.
         name = "int8"
     if name in ("float", "bf16"):
         return DenseQuant()
@@ -254,6 +264,8 @@ def tensor_sections(scheme: QuantScheme, name: str, n: int, k: int) -> list[tupl
         ]
     if scheme.name == "q5_0":
         return [(f"{name}.q", torch.uint8, (n, k // g, Q5_0_BYTES))]
+    if scheme.name == "mxfp4":
+        return [(f"{name}.q", torch.uint8, (n, k // g, MXFP4_BYTES))]
     if scheme.name == "q8_0":
         return [(f"{name}.q", torch.int8, (n, k)), (f"{name}.d", torch.float16, (n, k // g))]
     if n % 2:
@@ -268,7 +280,7 @@ def tensor_width(scheme: QuantScheme, q: torch.Tensor) -> int:
     """K of a weight from its `q` section (4-bit schemes pack two values per byte)."""
     if scheme.name in KQUANT_BYTES:
         return q.shape[1] * QK_K
-    if scheme.name == "q5_0":
+    if scheme.name in ("q5_0", "mxfp4"):
         return q.shape[1] * Q4_0_BLOCK
     return q.shape[1] * (2 if scheme.name in ("int4", "q4_0", "q4_1") else 1)
 
@@ -385,6 +397,8 @@ def quantize(scheme: QuantScheme, w: torch.Tensor) -> dict[str, torch.Tensor]:
         return quantize_q5_0(blocks)
     if scheme.name == "q8_0":
         return quantize_q8_0(blocks)
+    if scheme.name == "mxfp4":
+        return {"q": quantize_mxfp4(blocks)}
     return _quantize_int4(scheme, blocks)
 
 
@@ -456,6 +470,41 @@ def unpack_q5_0(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     hi = ((word[..., None] >> bit) & 1).to(torch.uint8) << 4  # [N, K/32, 32]
     lo = unpack_q4_0(blocks[..., 6:].reshape(n, kg * 16)).view(n, kg, 32)
     return ((lo | hi).view(torch.int8) - 16).view(n, kg * 32), d
+
+
+# nearest doubled e2m1 magnitude: the midpoints of 0, 1, 2, 3, 4, 6, 8, 12 (a tie: the smaller)
+_MXFP4_MIDS = (0.5, 1.5, 2.5, 3.5, 5.0, 7.0, 10.0)
+
+
+def quantize_mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """blocks [N, K/32, 32] -> mxfp4 blocks uint8 [N, K/32, 17], as llama.cpp's
+    quantize_row_mxfp4_ref: e = floor(log2(amax)) - 2 + 127 (0 for a zero block; floor(log2) from
+    frexp, exact), then each x the nearest of MXFP4_X2 * 2^(e - 128) (a tie: the smaller
+    magnitude, the first of the table). Weights that are MXFP4 values already (a hub checkpoint's,
+    dequantized) come back as the same values: the block's largest code decides e <= the file's
+    exponent, and every e2m1 value times 2, 4 or 8 that fits is one too (test_quant)."""
+    n, kg, g = blocks.shape
+    amax = blocks.abs().amax(-1)
+    e = torch.frexp(amax).exponent.to(torch.int32) - 1 - 2 + 127  # floor(log2) = frexp's - 1
+    e = torch.where(amax > 0, e, torch.zeros_like(e)).clamp(0, 254)
+    d = torch.ldexp(torch.ones(()), (e - 128).float())  # 2^(e - 128): x / d is exact
+    m = blocks.abs() / d[..., None]
+    mids = torch.tensor(_MXFP4_MIDS, dtype=m.dtype)
+    idx = (m[..., None] > mids).sum(-1).to(torch.uint8)  # index of the magnitude, 0..7
+    code = torch.where((blocks < 0) & (idx > 0), idx + 8, idx)
+    qs = pack_q4_0(code.view(n, kg * g)).view(n, kg, 16)
+    return torch.cat([e.to(torch.uint8)[..., None], qs], -1)
+
+
+def unpack_mxfp4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """mxfp4 blocks uint8 [N, K/32, 17] -> (q int8 [N, K] = MXFP4_X2 of each code, s fp32 [N, K/32]
+    = 2^(e - 128)): w = q * s exactly (e < 2 gives the subnormals llama.cpp's e8m0_to_fp32_half
+    gives)."""
+    n, kg, _ = blocks.shape
+    lut = torch.tensor(MXFP4_X2, dtype=torch.int8, device=blocks.device)
+    codes = unpack_q4_0(blocks[..., 1:].reshape(n, kg * 16))  # [N, K] 0..15
+    s = torch.ldexp(torch.ones((), device=blocks.device), blocks[..., 0].float() - 128)
+    return lut[codes.long()], s
 
 
 def pack_q4_0(q: torch.Tensor) -> torch.Tensor:

@@ -648,7 +648,7 @@ def gpt_oss_mxfp4(tmp_path: Path, outtype: str) -> tuple[Path, Path, Path]:
 def test_llama_quantize_of_gpt_oss_keeps_mxfp4_experts(tmp_path, capsys):
     """llama-quantize MXFP4_MOE (the type of the hub's gpt-oss GGUFs) of gpt-oss as on the hub,
     converted at f32: llama.cpp leaves the MXFP4 experts as they are and quantizes the 2-D dense
-    weights to Q8_0; convert keeps the experts as int8 exactly (the records of the converter's
+    weights to Q8_0; convert keeps the experts as mxfp4 exactly (the records of the converter's
     own file, byte for byte) and the Q8_0 dense weights as int8, and the logits are within 1e-4
     of transformers on the quantized file's values. (Q4_K_M refuses an MXFP4 source unless told
     --allow-requantize, and then requantizes the experts: Q5_0 at these widths of 64.)"""
@@ -659,7 +659,7 @@ def test_llama_quantize_of_gpt_oss_keeps_mxfp4_experts(tmp_path, capsys):
     capsys.readouterr()
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
     err = capsys.readouterr().err
-    assert "9 MXFP4 expert tensor(s): kept exactly as int8" in err
+    assert "9 MXFP4 expert tensor(s): kept exactly as mxfp4" in err
     assert "Q8_0 dense tensor(s): kept exactly as int8" in err
     plain = convert(src, tmp_path / "f32-store", source_scheme(src, None), False)
     for f in sorted(plain.glob("experts-L*.bin")):
@@ -670,14 +670,14 @@ def test_llama_quantize_of_gpt_oss_keeps_mxfp4_experts(tmp_path, capsys):
 
 def test_llama_cpp_gpt_oss_mxfp4_is_kept_exactly(tmp_path, capsys):
     """gpt-oss as on the hub (MXFP4 experts, quantization_config mxfp4): llama.cpp's converter
-    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which go into int8
+    repacks the blocks into GGUF MXFP4 (scale first, nibbles reordered), which are kept as mxfp4
     exactly: the records equal those of the bf16 store of the Hugging Face MXFP4 folder itself
     (its own reader, tested against transformers; both hold every value), and the logits are
     within 1e-4 of transformers on the GGUF's values."""
     hf, quant, path = gpt_oss_mxfp4(tmp_path, "q8_0")
     capsys.readouterr()
     store = convert(path, tmp_path / "store", source_scheme(path, None), False)
-    assert "9 MXFP4 expert tensor(s): kept exactly as int8" in capsys.readouterr().err
+    assert "9 MXFP4 expert tensor(s): kept exactly as mxfp4" in capsys.readouterr().err
     theirs = convert(quant, tmp_path / "hf-store", make_scheme("bf16"), False)
     a, b = Store(store), Store(theirs)
     for layer in a.args.moe_layer_ids:

@@ -58,7 +58,8 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
-ROW_MAJOR = ("int4", "int8", "q4_0", "q4_1", "q5_0", "q8_0")  # schemes with a quantizer (and int4)
+# schemes with a quantizer (and int4)
+ROW_MAJOR = ("int4", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4")
 CASES = [(s, D, I) for s in ROW_MAJOR for D, I in SHAPES]
 CASES += [(s, D, I) for s in KQUANTS for D, I in K_SHAPES]
 
@@ -80,9 +81,9 @@ def test_projection_equals_reference_bits(scheme, D, I, T, dtype, isa):
 
 def test_row_tails_equal_the_reference_bits():
     """Rows whose blocks past the last full eight (1-7 of them; a 1408-wide projection has 4)
-    take the vector rows' tails (q5_0's AVX-512 row: the same integer dots from zero-padded
-    vectors), with one and with three activation rows: the spec's bits on every ISA."""
-    for scheme in ("q5_0", "q4_0", "int8"):
+    take the vector rows' tails (q5_0's and mxfp4's AVX-512 row: the same integer dots from
+    zero-padded vectors), with one and with three activation rows: the spec's bits on every ISA."""
+    for scheme in ("q5_0", "mxfp4", "q4_0", "int8"):
         for tail in range(1, 8):
             D = 32 * (8 + tail)
             sec = records(scheme, D, 96, 1, seed=tail)[0]
@@ -111,7 +112,7 @@ def test_layer_matches_reference(scheme, D, I, T, dtype):
     assert err <= 0.02  # K-quants (centred random blocks): 1.0-1.6% measured
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0", "mxfp4"])
 @pytest.mark.parametrize("T", [1, 3])
 def test_gpt_oss_layer_matches_reference(scheme, T):
     """gpt-oss's experts (biases b13 / b2 and the clamped SwiGLU, ref.ExpertActivation) through

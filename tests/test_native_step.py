@@ -88,7 +88,7 @@ def assert_step_gives_the_per_module_bits(loaded, steps: int = 4) -> None:
 
 
 # qwen3_moe: q/k head norm; mixtral: no q/k norm, a sliding window of 16 (the decode passes it).
-@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0"])
+@pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("arch,over", [("qwen3_moe", {"mlp_only_layers": []}), ("mixtral", {})])
 def test_step_gives_the_per_module_bits(tmp_path, arch, over, scheme, runs):
     loaded = _load(_store(tmp_path, arch, scheme, **over))

@@ -1,6 +1,6 @@
 """Quantizers and CPU kernels against kernels/ref.py.
 
-Tolerances: int8, bf16, q4_0, q4_1 and q5_0 CPU kernels are the reference math (exact). int4 uses torch's packed
+Tolerances: int8, bf16, q4_0, q4_1, q5_0 and mxfp4 CPU kernels are the reference math (exact). int4 uses torch's packed
 kernel, which accumulates in another order: max abs error <= 1e-4 * sqrt(K) * max|y| relative."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_int4_layout_is_torchs_cpu_layout():
     assert int4_kernel_ok(), "this torch packs int4 differently: the int4 kernel falls back to ref"
 
 
-@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0"])
+@pytest.mark.parametrize("quant", ["bf16", "int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("shape", [(64, 64), (128, 256), (1536, 2048)])
 @pytest.mark.parametrize("T", [1, 5])
 def test_cpu_kernel_matches_reference(quant, shape, T):
@@ -58,7 +58,7 @@ def test_cpu_kernel_matches_reference(quant, shape, T):
 @pytest.mark.parametrize(
     "quant,bound",
     [("bf16", 0.005), ("int8", 0.008), ("int4", 0.09), ("q4_0", 0.095), ("q4_1", 0.09)]
-    + [("q5_0", 0.05), ("q8_0", 0.008)],
+    + [("q5_0", 0.05), ("q8_0", 0.008), ("mxfp4", 0.12)],
 )
 def test_quantization_error_is_bounded(quant, bound):
     w = torch.randn(256, 512, generator=torch.Generator().manual_seed(1))
@@ -155,6 +155,53 @@ def test_q5_0_is_llama_cpps_q5_0():
     assert torch.equal(back, (q - 16).view(5, 128).to(torch.int8)) and torch.equal(d2, d)
     with pytest.raises(ConfigError, match="q5_0 is symmetric blocks of 32"):
         make_scheme("q5_0", 64)
+
+
+def test_mxfp4_is_llama_cpps_mxfp4():
+    """quantize(mxfp4) writes the blocks llama.cpp's MXFP4 quantizer writes (the gguf package's
+    port of quantize_row_mxfp4_ref: the e8m0 exponent, the nearest doubled e2m1 code, a tie to
+    the first), and they dequantize to its values bit for bit (the subnormal scales of e < 2
+    included); every code survives unpack."""
+    import gguf
+    import numpy as np
+
+    from moestream.quant import MXFP4_X2, unpack_mxfp4
+
+    T = gguf.GGMLQuantizationType.MXFP4
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(48, 256, generator=g) * torch.logspace(-3, 3, 48)[:, None]
+    w[0, :32] = 0.0  # an all-zero block: e = 0, every code 0
+    w[1, 32:64] = torch.arange(-16, 16) * 0.25  # ties between neighbouring values
+    sec = quantize(make_scheme("mxfp4"), w)
+    theirs = gguf.quants.quantize(w.numpy(), T)
+    assert sec["q"].shape == (48, 8, 17)
+    assert np.array_equal(theirs.reshape(48, 8, 17), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs, T))
+    got = dequantize(_sections(make_scheme("mxfp4"), w), "w", 32, torch.float32)
+    assert torch.equal(got, want) and got[0, :32].eq(0).all()
+    blocks = torch.randint(0, 256, (3, 2, 17), dtype=torch.uint8, generator=g)
+    blocks[0, 0, 0], blocks[0, 1, 0] = 0, 1  # e8m0 0 and 1: subnormal half-scales
+    q, s = unpack_mxfp4(blocks)
+    want = gguf.quants.dequantize(blocks.numpy().reshape(-1), T).reshape(3, 64)
+    assert torch.equal(
+        q.float().view(3, 2, 32).mul(s[..., None]).view(3, 64), torch.from_numpy(want)
+    )
+    assert sorted(set(q.flatten().tolist())) == sorted(set(MXFP4_X2))
+    with pytest.raises(ConfigError, match="mxfp4 is symmetric blocks of 32"):
+        make_scheme("mxfp4", 64)
+
+
+def test_mxfp4_keeps_mxfp4_values():
+    """A hub checkpoint's MXFP4 experts, dequantized as convert reads them (convert.mxfp4), come
+    back from quantize(mxfp4) as the same values: --quant mxfp4 keeps gpt-oss's weights exactly."""
+    from moestream.convert.mxfp4 import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(3)
+    blocks = torch.randint(0, 256, (64, 8, 16), dtype=torch.uint8, generator=g)  # hub layout
+    scales = torch.randint(110, 135, (64, 8), dtype=torch.uint8, generator=g)
+    w = dequantize_mxfp4(blocks, scales).float()
+    got = dequantize(_sections(make_scheme("mxfp4"), w), "w", 32, torch.float32)
+    assert torch.equal(got, w)
 
 
 def test_q8_0_is_llama_cpps_q8_0():

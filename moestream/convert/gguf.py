@@ -13,7 +13,8 @@ Here: each tensor classified by name (an unknown one refused), read in Hugging F
 row order; fused tensors (`attn_qkv`, `ffn_gate_up_exps`) as their parts, row ranges of the one
 tensor; gpt-oss's expert biases (`ffn_*_exps.bias`) into the records' b13 / b2. Blocks a store
 scheme holds exactly (Q8_0 -> int8, Q4_0 -> q4_0, Q4_1 -> q4_1, Q5_0 -> q5_0, Q4_K / Q5_K / Q6_K -> q4_k /
-q5_k / q6_k; MXFP4 -> int8, its values rewritten exactly) are copied byte for byte, experts
+q5_k / q6_k, MXFP4 -> mxfp4; `--quant int8`: MXFP4 -> int8, its values rewritten exactly; a dense
+MXFP4 tensor: int8, which the dense kernels read) are copied byte for byte, experts
 (`expert_sections`) and dense weights (`dense_sections`) alike; under `ExpertQuant.keep_source`
 each expert projection keeps its own type (`record_layouts`: per layer, w13's and w2's scheme),
 so mixed files (Q4_K_M) stay exact. Other expert types are dequantized and requantized, and
@@ -44,6 +45,7 @@ from moestream.convert.gguf_arch import (
     fused_gate_up,
 )
 from moestream.convert.gguf_blocks import (
+    DENSE_EXACT,
     EXACT,
     GGUF_FLOAT_TYPES,
     HELD_BY,
@@ -413,7 +415,7 @@ class GGUFCheckpoint:
         if kind not in EXACT or len(t.shape) != 2:
             return None
         if prefer is None or not is_exact(kind, prefer):
-            prefer = make_scheme(EXACT[kind])
+            prefer = make_scheme(DENSE_EXACT.get(kind, EXACT[kind]))
         order = qwen35_order(name, self.args) if self.arch_name == "qwen35moe" else None
         if order is not None and order[0] != 0:
             return None  # columns reordered inside the blocks: dequantized instead

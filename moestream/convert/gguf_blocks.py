@@ -6,22 +6,30 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from moestream.quant import KQUANT_BYTES, Q5_0_BYTES, QuantScheme, make_scheme
+from moestream.quant import (
+    KQUANT_BYTES,
+    MXFP4_BYTES,
+    Q5_0_BYTES,
+    QuantScheme,
+    make_scheme,
+    unpack_mxfp4,
+)
 
 # Types kept as they are in the dense file; every other weight type is dequantized to fp32.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 INT_TYPES = ("I8", "I16", "I32", "I64", "F64")
 # GGUF block types that are a store scheme exactly: Q8_0 / Q4_0 / Q4_1 (blocks of 32, fp16 d (Q4_1:
 # and m), then the quants: split into the scheme's sections), Q5_0 and the K-quants (their blocks
-# as they are).
-EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0"}
+# as they are; MXFP4, gpt-oss's experts: mxfp4, its blocks as they are).
+EXACT = {"Q8_0": "int8", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q5_0": "q5_0", "MXFP4": "mxfp4"}
 EXACT.update({"Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"})
-# MXFP4 (gpt-oss's experts) is int8 exactly too: twice each e2m1 value is an integer in [-12, 12]
-# and half the e8m0 scale a power of two (9 bits per weight against the file's 4.25).
-EXACT["MXFP4"] = "int8"
 # Q8_0 is also q8_0 exactly (its fp16 d kept: 8.5 bits per weight against int8's 9); int8 stays
-# its default scheme, the one the GPU kernels read.
-EXACT_ALSO = {"Q8_0": "q8_0"}
+# its default scheme, the one the GPU kernels read. MXFP4 is int8 exactly too (twice each e2m1
+# value is an integer in [-12, 12], half the e8m0 scale a power of two: 9 bits per weight against
+# the file's 4.25), the scheme the GPU kernels and the dense ones read.
+EXACT_ALSO = {"Q8_0": "q8_0", "MXFP4": "int8"}
+# A dense tensor's type whose EXACT scheme the dense kernels do not read: kept in this one instead
+DENSE_EXACT = {"MXFP4": "int8"}
 # Types a float scheme holds every value of: dequantized into it, nothing rounded (MXFP4's e2m1
 # values times a power of two, gpt-oss's experts, are bf16 numbers).
 HELD_BY = {"bf16": ("BF16", "MXFP4")}
@@ -30,7 +38,7 @@ _BLOCK_BYTES = {
     "Q4_0": 18,
     "Q4_1": 20,
     "Q5_0": Q5_0_BYTES,
-    "MXFP4": 17,
+    "MXFP4": MXFP4_BYTES,
     **{k.upper(): b for k, b in KQUANT_BYTES.items()},
 }
 
@@ -44,15 +52,17 @@ def is_exact(kind: str, scheme: QuantScheme) -> bool:
 def sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str, torch.Tensor]:
     """Rows of EXACT blocks, raw uint8 [N, K/32 * block bytes] -> the scheme's sections by suffix:
     Q8_0 -> q int8 [N, K], s fp32 [N, K/32] (fp16 d widened: exact; scheme "q8_0": d fp16 [N, K/32]
-    as stored); MXFP4 -> int8 q, s (`_mxfp4_int8`); Q4_0 -> q uint8 [N, K/2]
+    as stored); MXFP4 -> q uint8 [N, K/32, 17] as stored (scheme "int8": int8 q, s, exactly:
+    quant.unpack_mxfp4); Q4_0 -> q uint8 [N, K/2]
     (the 16 nibble bytes as stored), d fp16 [N, K/32]; Q4_1 -> q as Q4_0's, dm fp16 [N, K/32, 2]
     (d, m as stored); Q5_0 -> q uint8 [N, K/32, 22] and K-quants -> q uint8 [N, K/256, B], the
     blocks as stored."""
     raw = np.ascontiguousarray(raw)
     n = raw.shape[0]
-    if kind == "MXFP4":
-        return _mxfp4_int8(raw.reshape(n, -1, _BLOCK_BYTES[kind]))
-    if kind.lower() in KQUANT_BYTES or kind == "Q5_0":
+    if kind == "MXFP4" and scheme == "int8":
+        q, s = unpack_mxfp4(torch.from_numpy(raw.reshape(n, -1, MXFP4_BYTES).copy()))
+        return {"q": q, "s": s}
+    if kind.lower() in KQUANT_BYTES or kind in ("Q5_0", "MXFP4"):
         return {"q": torch.from_numpy(raw.reshape(n, -1, _BLOCK_BYTES[kind]).copy())}
     blocks = raw.reshape(n, -1, _BLOCK_BYTES[kind])  # per block: fp16 d, then the quants
     if kind == "Q4_1":  # fp16 d, fp16 m, then the nibbles
@@ -64,22 +74,6 @@ def sections(kind: str, raw: np.ndarray, scheme: str | None = None) -> dict[str,
         q = torch.from_numpy(qs.view(np.int8))
         return {"q": q, "d": d} if scheme == "q8_0" else {"q": q, "s": d.float()}
     return {"q": torch.from_numpy(qs), "d": d}
-
-
-# e2m1 codes -> twice their value (sign bit 3): llama.cpp's kvalues_mxfp4
-_E2M1_X2 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
-
-
-def _mxfp4_int8(blocks: np.ndarray) -> dict[str, torch.Tensor]:
-    """MXFP4 blocks uint8 [N, G, 17] (e8m0 exponent e, then 16 bytes: element j in the low nibble
-    of byte j, element j + 16 in the high one) -> int8 sections, exactly: q int8 [N, G * 32] = 2x
-    the e2m1 values, s fp32 [N, G] = 2^(e - 128) (half the block scale; e < 2 gives the
-    subnormals llama.cpp's e8m0_to_fp32_half gives)."""
-    n, g, _ = blocks.shape
-    qs = blocks[..., 1:]
-    q = np.concatenate([_E2M1_X2[qs & 0x0F], _E2M1_X2[qs >> 4]], axis=-1)  # [N, G, 32]
-    s = np.ldexp(np.float32(1.0), blocks[..., 0].astype(np.int32) - 128).astype(np.float32)
-    return {"q": torch.from_numpy(q.reshape(n, g * 32)), "s": torch.from_numpy(s)}
 
 
 # What requantizing a type's experts cost, measured on the 29M reference model

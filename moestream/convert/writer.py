@@ -428,10 +428,10 @@ def _fsync_dir(folder: Path) -> None:
 
 def _version(uniform: bool, layouts: dict, formats: dict) -> int:
     """The oldest version that reads this store: 6 with int4 sections (their blocked (scale, zero)
-    pairs), 5 with per-layer records or a q8_0 / q4_1 / q5_0 projection or dense tensor (schemes
+    pairs), 5 with per-layer records or a q8_0 / q4_1 / q5_0 / mxfp4 projection or dense tensor (schemes
     version 4 readers do not know), else 4."""
     names = {s.name for lay in layouts.values() for s in lay.schemes}
     names |= {f["scheme"]["name"] for f in formats.values()}
     if "int4" in names:
         return INT4_VERSION
-    return VERSION if uniform and not names & {"q8_0", "q4_1", "q5_0"} else MIXED_VERSION
+    return VERSION if uniform and not names & {"q8_0", "q4_1", "q5_0", "mxfp4"} else MIXED_VERSION

@@ -1,4 +1,4 @@
-"""The native CPU expert kernels (csrc/moe_cpu.cpp: int4, int8, q4_0, q4_1, q5_0; csrc/kquant_cpu.cpp:
+"""The native CPU expert kernels (csrc/moe_cpu.cpp: int4, int8, q4_0, q4_1, q5_0, mxfp4; csrc/kquant_cpu.cpp:
 the GGUF K-quants q4_k, q5_k, q6_k): built on first use by torch's cpp_extension,
 cached under config.ext_cache_root() keyed by source hash, torch version and CPU flags.
 
@@ -7,7 +7,7 @@ projection is quantized per block of 32, to int8 (llama.cpp's Q8_0: d = amax / 1
 q = round(x / d)), lossy: error per element <= 1/254 of its block's max; the int8 scheme's down
 projection takes int16 instead (d = amax / 32767): its SiLU*up input is heavy-tailed, and in int8
 it doubled the eval KL vs the torch path (docs/cpu.md). Integer block dots are exact
-and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 / q4_1 / q5_0 in 8 lanes, see
+and blocks are combined in fp32 in a fixed order (int4 ascending; int8 / q4_0 / q4_1 / q5_0 / mxfp4 in 8 lanes, see
 ref.qlinear_q8), so one projection gives the reference's bits on
 every ISA and for any number of rows (a prompt's rows pass over the weights in tiles of up to 4,
 each element the one-row kernel's bits); a whole expert differs from the reference only where SiLU's exp (libm vs torch) flips an
@@ -38,7 +38,7 @@ _CSRC = Path(__file__).parent / "csrc"
 SOURCES = (_CSRC / "moe_cpu.cpp", _CSRC / "kquant_cpu.cpp", _CSRC / "avx512_cpu.cpp")
 HASHED = (*SOURCES, _CSRC / "kquant_cpu.h", _CSRC / "cpu_rows.h")  # every file the build key covers
 ISAS = {"scalar": 0, "avx2": 1, "avx512": 2}
-SUPPORTED = ("int4", "int8", "q4_0", "q4_1", "q5_0", "q8_0")  # besides the K-quants
+SUPPORTED = ("int4", "int8", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4")  # besides the K-quants
 _FLAGS = ("avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512vbmi", "avx_vnni")
 # No FMA contraction: the reference's roundings hold. -fopenmp: at::parallel_for is a header
 # template that runs serially unless the extension itself is built with OpenMP (it then shares
@@ -134,7 +134,7 @@ def available() -> bool:
 
 
 def supports(scheme) -> bool:
-    """Schemes the native kernels read: int4 / int8 / q4_0 / q4_1 / q5_0 / q8_0 with groups of 32 (the
+    """Schemes the native kernels read: int4 / int8 / q4_0 / q4_1 / q5_0 / q8_0 / mxfp4 with groups of 32 (the
     activation block), and the K-quants (their sub-blocks of 32 / 16 align with the activation
     block)."""
     if is_kquant(scheme):
@@ -169,7 +169,7 @@ def isas() -> list[str]:
 
 def _pair(sec: dict, name: str) -> list[torch.Tensor]:
     """(q, its scales) of one weight: the C++ side tells the scheme by their dtypes (K-quant
-    blocks and q5_0's, 3-D, carry their scales: q is passed twice; q4_1's `dm` is 3-D fp16)."""
+    blocks and q5_0's / mxfp4's, 3-D, carry their scales: q is passed twice; q4_1's `dm` is 3-D fp16)."""
     if sec[f"{name}.q"].dim() == 3:
         return [sec[f"{name}.q"]] * 2
     for scale in ("s", "sz", "d", "dm"):

@@ -95,7 +95,8 @@ def dequantize(sec: dict[str, torch.Tensor], name: str, group_size: int, dtype) 
     if f"{name}.dm" in sec:
         return dequantize_q4_1(q, sec[f"{name}.dm"]).to(dtype)
     if q.dtype == torch.int8 or q.dim() == 3 or f"{name}.d" in sec:
-        # int8 / q8_0, q4_0 as (q - 8) and its d, q5_0 blocks as (q - 16) and theirs
+        # int8 / q8_0, q4_0 as (q - 8) and its d, q5_0 blocks as (q - 16) and theirs, mxfp4's as
+        # twice the e2m1 values and half their scales
         q, s = _symmetric(sec, name)  # [N, K], [N, K/g]
         n, k = q.shape
         return (q.view(n, k // group_size, group_size) * s[..., None]).view(n, k).to(dtype)
@@ -172,20 +173,25 @@ def dequantize_kquant(q: torch.Tensor) -> torch.Tensor:
 
 
 def _kquant(q: torch.Tensor) -> bool:
-    """q is K-quant blocks [N, K/256, B] (q5_0's blocks, [N, K/32, 22], are 3-D too)."""
-    from moestream.quant import Q5_0_BYTES
+    """q is K-quant blocks [N, K/256, B] (q5_0's and mxfp4's blocks, [N, K/32, 22 | 17], are 3-D
+    too)."""
+    from moestream.quant import KQUANT_OF_BYTES
 
-    return q.dim() == 3 and q.shape[2] != Q5_0_BYTES
+    return q.dim() == 3 and q.shape[2] in KQUANT_OF_BYTES
 
 
 def _symmetric(sec: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A symmetric weight's (q [N, K], scale fp32 [N, K/g]), w = q * scale per group: int8 as
     stored; q8_0 as stored with its fp16 d widened (exact); q4_0 unpacked to q - 8 (int8) with
-    its fp16 d widened; q5_0's blocks unpacked to q - 16 (int8) and their d widened."""
-    from moestream.quant import unpack_q4_0, unpack_q5_0
+    its fp16 d widened; q5_0's blocks unpacked to q - 16 (int8) and their d widened; mxfp4's to
+    twice the e2m1 values (int8) and 2^(e - 128)."""
+    from moestream.quant import MXFP4_BYTES, unpack_mxfp4, unpack_q4_0, unpack_q5_0
 
-    if sec[f"{name}.q"].dim() == 3:  # q5_0 blocks [N, K/32, 22]
-        q, d = unpack_q5_0(sec[f"{name}.q"])
+    q = sec[f"{name}.q"]
+    if q.dim() == 3 and q.shape[2] == MXFP4_BYTES:  # mxfp4 blocks [N, K/32, 17]
+        return unpack_mxfp4(q)
+    if q.dim() == 3:  # q5_0 blocks [N, K/32, 22]
+        q, d = unpack_q5_0(q)
         return q, d.float()
     if f"{name}.d" in sec:
         q = sec[f"{name}.q"]
@@ -239,13 +245,13 @@ def qlinear_q8(
     """x [T, K] -> [T, N] fp32 as the native kernels compute it: x quantized per block (int8, or
     int16 when `wide`: int8 weights only), exact integer block dots (int8: fp32 sums of integers
     < 2**24, exact in any order; int16: fp64, then rounded to fp32 as the kernels convert), then
-    per block int8, q8_0 (its fp16 d widened), q4_0 (its weights q - 8, scale d) and q5_0 (q -
-    16, its blocks' d): (s * d) * dot; q4_1 (nibbles q, fp16 d and m widened): (d * dx) * dot + (m * dx) * sum q, each
+    per block int8, q8_0 (its fp16 d widened), q4_0 (its weights q - 8, scale d), q5_0 (q -
+    16, its blocks' d) and mxfp4 (twice the e2m1 values, 2^(e - 128)): (s * d) * dot; q4_1 (nibbles q, fp16 d and m widened): (d * dx) * dot + (m * dx) * sum q, each
     product rounded to fp32, then the sum; int4:
     d * (s * (dot - 8 * sum q) + z * sum q); K-quants (activation blocks of 32, the weights'
     super-block d, dmin widened from fp16): q6_k (d * dx) * dot with the integer weights
     sc * (q - 32) of its two sub-blocks of 16; q4_k / q5_k dx * ((d * sc) * dot - (dmin * m) *
-    sum q); added in block order, except int8, q4_0, q4_1, q5_0 and the K-quants (the row-major schemes,
+    sum q); added in block order, except int8, q4_0, q4_1, q5_0, mxfp4 and the K-quants (the row-major schemes,
     whose rows keep 8 block sums in one vector): block b of the first nb - nb % 8 goes to lane b
     mod 8, the lanes are summed ((0+1)+(2+3))+((4+5)+(6+7)), then the last nb % 8 blocks in order
     (K-quants: none, a super-block is 8 blocks)."""
@@ -260,7 +266,7 @@ def qlinear_q8(
     if f"{name}.dm" in sec:
         return _lane_sum(_q4_1_terms(q8, d, wq, sec[f"{name}.dm"]))
     elif wq.dtype == torch.int8 or wq.dim() == 3 or f"{name}.d" in sec:
-        # q4_0: weights q - 8, scale d; q5_0: q - 16, its blocks' d
+        # q4_0: weights q - 8, scale d; q5_0: q - 16, its blocks' d; mxfp4: 2x its values
         wq, ws = _symmetric(sec, name)
         n, k = wq.shape
         wb = wq.view(n, k // group_size, group_size)

@@ -11,9 +11,9 @@ Version 3 adds the q4_0 scheme (GGUF Q4_0 blocks: `q` nibbles + `d` fp16), for e
 weights; version 4 the GGUF K-quant schemes q4_k / q5_k / q6_k (`q` uint8 [N, K/256, block bytes]);
 version 5 the q8_0 scheme (GGUF Q8_0 blocks: `q` int8 + `d` fp16), the q4_1 scheme (GGUF Q4_1
 blocks: `q` nibbles + `dm` fp16 (d, m) pairs), the q5_0 scheme (GGUF Q5_0 blocks as stored: `q` uint8
-[N, K/32, 22]) and per-layer record layouts
+[N, K/32, 22]), the mxfp4 scheme (GGUF MXFP4 blocks as stored: `q` uint8 [N, K/32, 17]) and per-layer record layouts
 with a scheme per projection ("records": layer -> schemes and layout, instead of "record"),
-written only where a store needs them (q8_0, q4_1 or q5_0 sections, or a GGUF's kept blocks that differ in type
+written only where a store needs them (q8_0, q4_1, q5_0 or mxfp4 sections, or a GGUF's kept blocks that differ in type
 across projections or layers: a Q4_K_M file): every other store is still written as version 4, and
 version 2 and 3 stores are read as they are. Version 6 keeps int4's (scale, zero) pairs blocked per
 64 rows (quant.int4_sz_blocked), one stream beside each block's nibbles for the native kernels:
@@ -40,7 +40,7 @@ from moestream.quant import DTYPE_NAMES, QuantScheme, RecordLayout, tensor_secti
 
 FORMAT = "moestream-store"
 VERSION = 4  # written; 2: quantized dense weights (dense_formats); 3: the q4_0 scheme; 4: K-quants
-# written for per-layer record layouts ("records") or q8_0 / q4_1 / q5_0 sections (older readers refuse)
+# written for per-layer record layouts ("records") or q8_0 / q4_1 / q5_0 / mxfp4 sections (older readers refuse)
 MIXED_VERSION = 5
 # written for a store with int4 sections (experts or dense): their (scale, zero) pairs blocked per
 # 64 rows (quant.int4_sz_blocked); an older store's int4 sections hold them in another order

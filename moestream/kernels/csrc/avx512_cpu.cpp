@@ -2,8 +2,8 @@
 // integer block dots with vpdpbusd / vpdpwssd, then applies the same fp32 steps in the same order
 // (cpu_rows.h), so the bits equal the scalar and AVX2 variants' (tests/test_native_kernels.py).
 // vpdpbusd multiplies unsigned by signed bytes: int8 weights enter as w + 128 (w ^ 0x80) and the
-// 128 * sum(x) term is taken off again; int4 / q4_0 nibbles and q5_0's 5-bit values are unsigned
-// already.
+// 128 * sum(x) term is taken off again; int4 / q4_0 nibbles, q5_0's 5-bit values and mxfp4's
+// doubled e2m1 values plus 12 are unsigned already.
 #include <immintrin.h>
 
 #include "cpu_rows.h"
@@ -533,60 +533,77 @@ void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
   }
 }
 
-// q5_0: blocks [j, j + n) of row r (n <= 8; the rest of the 8 lanes zero) -> lo / hi: four blocks'
-// 16 qs bytes per vector (a 128-bit quarter each; the 22-byte blocks are not contiguous
-// nibbles), q4_0's low / high nibbles, each 5th bit added as 16 under a byte mask built from the
-// blocks' qh words (bit 16b + i: the low nibble of block b's byte i; the high word: its high
-// one); d: their eight fp16 scales widened (zero past n).
-inline __m256 q5_0_values8(const Weight& w, int r, int j, int n, __m512i* lo, __m512i* hi) {
+// q5_0 / mxfp4 (KD): blocks [j, j + n) of row r (n <= 8; the rest of the 8 lanes zero) -> lo / hi:
+// four blocks' 16 qs bytes per vector (a 128-bit quarter each; the 22 / 17-byte blocks are not
+// contiguous nibbles), their low / high nibbles; q5_0: each 5th bit added as 16 under a byte mask
+// built from the blocks' qh words (bit 16b + i: the low nibble of block b's byte i; the high word:
+// its high one); mxfp4: the codes through kE2M1x2 + 12 (vpshufb). The eight block scales in fp32
+// (block32_scale's; zero past n).
+template <Kind KD>
+inline __m256 block32_values8(const Weight& w, int r, int j, int n, __m512i* lo, __m512i* hi) {
+  constexpr int bytes = block32_bytes(KD);
   const __m512i m4 = _mm512_set1_epi8(15), bit4 = _mm512_set1_epi8(16);
-  const uint8_t* p = q5_0_block(w, r, j);
-  prefetch_ahead(p, 8 * kQ5_0Bytes);
+  const __m512i lut = _mm512_broadcast_i32x4(_mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0));
+  const uint8_t* p = block32(w, r, j);
+  prefetch_ahead(p, 8 * bytes);
   uint16_t d[8] = {};
+  float ds[8] = {};
   for (int h = 0; h < 2; ++h) {
     __m128i qs[4];
     uint64_t klo = 0, khi = 0;
     for (int b = 0; b < 4; ++b) {
       qs[b] = _mm_setzero_si128();
       if (4 * h + b >= n) continue;
-      const uint8_t* blk = p + (4 * h + b) * kQ5_0Bytes;
-      std::memcpy(d + 4 * h + b, blk, 2);
-      const uint64_t qh = Q5Block{blk}.qh();
-      klo |= (qh & 0xffff) << (16 * b);
-      khi |= (qh >> 16) << (16 * b);
-      qs[b] = _mm_loadu_si128((const __m128i*)(blk + 6));
+      const uint8_t* blk = p + (4 * h + b) * bytes;
+      if constexpr (KD == kMxfp4) {
+        ds[4 * h + b] = kE8m0Half.v[blk[0]];
+        qs[b] = _mm_loadu_si128((const __m128i*)(blk + 1));
+      } else {
+        std::memcpy(d + 4 * h + b, blk, 2);
+        const uint64_t qh = q5_0_qh(blk);
+        klo |= (qh & 0xffff) << (16 * b);
+        khi |= (qh >> 16) << (16 * b);
+        qs[b] = _mm_loadu_si128((const __m128i*)(blk + 6));
+      }
     }
     const __m512i v = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_set_m128i(qs[1], qs[0])),
                                          _mm256_set_m128i(qs[3], qs[2]), 1);
     const __m512i l = _mm512_and_si512(v, m4), u = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    lo[h] = _mm512_mask_add_epi8(l, (__mmask64)klo, l, bit4);
-    hi[h] = _mm512_mask_add_epi8(u, (__mmask64)khi, u, bit4);
+    if constexpr (KD == kMxfp4) {
+      // a zero block past n reads lut[0] = 12: its activations are zero (block_dots8's masked loads)
+      lo[h] = _mm512_shuffle_epi8(lut, l), hi[h] = _mm512_shuffle_epi8(lut, u);
+    } else {
+      lo[h] = _mm512_mask_add_epi8(l, (__mmask64)klo, l, bit4);
+      hi[h] = _mm512_mask_add_epi8(u, (__mmask64)khi, u, bit4);
+    }
   }
+  if constexpr (KD == kMxfp4) return _mm256_loadu_ps(ds);
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
-// q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
-// (q5_0_values8), their sums of q x per activation row minus 16 * sum x: q5_0_row_avx2_nt's
-// integer dots, then its fp32 steps. The last nb % 8 blocks take the same integer dots from the
-// vector code and the scalar path's fp32 steps in order (q5_0_tail).
-template <int NT>
-void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
+// q5_0 / mxfp4, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked
+// once (block32_values8), their sums of (v + offset) x per activation row minus offset * sum x:
+// block32_row_avx2_nt's integer dots, then its fp32 steps. The last nb % 8 blocks take the same
+// integer dots from the vector code and the scalar path's fp32 steps in order (block32_tail).
+template <int NT, Kind KD>
+void block32_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
   const int nb = w.K / G;
+  const __m256i offv = _mm256_set1_epi32(block32_offset(KD));
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
   __m512i lo[2], hi[2];
   for (; j + 8 <= nb; j += 8) {
-    const __m256 ws = q5_0_values8(w, r, j, 8, lo, hi);
+    const __m256 ws = block32_values8<KD>(w, r, j, 8, lo, hi);
     for (int t = 0; t < NT; ++t) {
-      const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), 4);
+      const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), offv);
       const __m256i dots = _mm256_sub_epi32(block_dots8(lo, hi, a.qr(ts[t]), j, 8), off);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[t]) + j));
       accv[t] = _mm256_add_ps(accv[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
     }
   }
   const int n = nb - j;
-  if (n > 0) q5_0_values8(w, r, j, n, lo, hi);
+  if (n > 0) block32_values8<KD>(w, r, j, n, lo, hi);
   for (int t = 0; t < NT; ++t) {
     float l[8];
     _mm256_storeu_ps(l, accv[t]);
@@ -594,7 +611,7 @@ void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, fl
     if (n > 0) {
       int32_t sums[8];
       _mm256_storeu_si256((__m256i*)sums, block_dots8(lo, hi, a.qr(ts[t]), j, n));
-      acc = q5_0_tail(acc, sums, w, r, a.dr(ts[t]), a.sr(ts[t]), j, nb);
+      acc = block32_tail(acc, sums, w, r, a.dr(ts[t]), a.sr(ts[t]), j, nb);
     }
     y[t * ys] = acc;
   }
@@ -609,10 +626,14 @@ template void int8_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*,
 template void q4_0_row_avx512_nt<2>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void q4_0_row_avx512_nt<3>(const Weight&, int, const QAct&, const int*, float*, size_t);
 template void q4_0_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*, float*, size_t);
-template void q5_0_row_avx512_nt<1>(const Weight&, int, const QAct&, const int*, float*, size_t);
-template void q5_0_row_avx512_nt<2>(const Weight&, int, const QAct&, const int*, float*, size_t);
-template void q5_0_row_avx512_nt<3>(const Weight&, int, const QAct&, const int*, float*, size_t);
-template void q5_0_row_avx512_nt<4>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<1, kQ5_0>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<2, kQ5_0>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<3, kQ5_0>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<4, kQ5_0>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<1, kMxfp4>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<2, kMxfp4>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<3, kMxfp4>(const Weight&, int, const QAct&, const int*, float*, size_t);
+template void block32_row_avx512_nt<4, kMxfp4>(const Weight&, int, const QAct&, const int*, float*, size_t);
 
 #pragma GCC pop_options
 

@@ -5,6 +5,7 @@
 #include <xmmintrin.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -50,13 +51,13 @@ struct QAct {
 };
 
 // The K-quants (kquant_cpu.h) are kinds 3..5.
-enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6, kQ5_0 = 7 };
+enum Kind : int { kInt8 = 0, kInt4 = 1, kQ4_0 = 2, kQ4_1 = 6, kQ5_0 = 7, kMxfp4 = 8 };
 constexpr int kQ5_0Bytes = 22;  // block_q5_0: fp16 d, qh[4], qs[16]
 
 // One [N, K] weight of a record: int4 q [N, K/2] + sz bf16 [N * K/32, 2] (blocked: int4_sz), int8 q [N, K] + s fp32
 // [N, K/32], q4_0 q [N, K/2] (per row, per block 16 GGUF bytes: element i low, i + 16 high) +
 // d fp16 [N, K/32], q4_1 q as q4_0 + dm fp16 [N, K/32, 2] (per block d, then m), or q5_0 blocks
-// uint8 [N, K/32, 22] as a GGUF stores them (s unused).
+// uint8 [N, K/32, 22] as a GGUF stores them (s unused), or mxfp4 blocks uint8 [N, K/32, 17] likewise.
 struct Weight {
   const uint8_t* q;
   const void* s;
@@ -110,30 +111,53 @@ inline float q4_0_tail(float acc, const int32_t* sums, const uint16_t* dw, const
   return acc;
 }
 
-// q5_0 (w = (q - 16) * d, q 0..31: the low nibble from qs, the 5th bit from qh): per block
-// (d_w * d_x) * sum((q - 16) * x), as q4_0; the dot is an exact integer (<= 16 * 127 * 32).
-struct Q5Block {
-  const uint8_t* b;  // one block_q5_0
-  float d() const {
-    uint16_t h;
-    std::memcpy(&h, b, 2);
-    return fp16(h);
-  }
-  uint32_t qh() const {
-    uint32_t v;
-    std::memcpy(&v, b + 2, 4);
-    return v;
-  }
-};
+// The 32-input block schemes kept as a GGUF stores them, one block after another per row:
+// q5_0 (block_q5_0 {fp16 d, qh[4], qs[16]}: w = (q - 16) * d, q 0..31, the low nibble from qs, the
+// 5th bit from qh) and mxfp4 (block_mxfp4 {e8m0 e, qs[16]}: gpt-oss's experts, w = the e2m1 value
+// of a 4-bit code times 2^(e - 127)). Both as integers v times a fp32 block scale d_w: q5_0's v =
+// q - 16 (-16..15) and its d; mxfp4's v = twice the e2m1 value (-12..12, kE2M1x2) and d_w = 2^(e -
+// 128), exact in fp32 (subnormal below e = 2, as llama.cpp's e8m0_to_fp32_half). Per block
+// (d_w * d_x) * sum(v * x), an exact integer dot (<= 16 * 127 * 32). The vector rows take the
+// values unsigned, v + offset (0..31 / 0..24), and take offset * sum x off again.
+constexpr int kMxfp4Bytes = 17;
+constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+constexpr int block32_bytes(Kind k) { return k == kQ5_0 ? kQ5_0Bytes : kMxfp4Bytes; }
+constexpr int block32_offset(Kind k) { return k == kQ5_0 ? 16 : 12; }
 
-inline const uint8_t* q5_0_block(const Weight& w, int r, int j) {
-  return w.q + ((size_t)r * (w.K / G) + j) * kQ5_0Bytes;
+inline const uint8_t* block32(const Weight& w, int r, int j) {
+  return w.q + ((size_t)r * (w.K / G) + j) * block32_bytes(w.kind);
 }
 
-// One block's 32 weights q - 16 (-16..15) in input order: the low nibble of qs[i] is element i,
-// the high one i + 16; bit i of qh is element i's 5th bit.
-inline void q5_0_values(const uint8_t* blk, int8_t* v) {
-  const uint32_t qh = Q5Block{blk}.qh();
+inline uint32_t q5_0_qh(const uint8_t* blk) {
+  uint32_t v;
+  std::memcpy(&v, blk + 2, 4);
+  return v;
+}
+
+// 2^(e - 128) for every e8m0 byte e (ldexp: exact, the subnormals included)
+struct E8m0Half {
+  float v[256];
+  E8m0Half() {
+    for (int e = 0; e < 256; ++e) v[e] = std::ldexp(1.f, e - 128);
+  }
+};
+inline const E8m0Half kE8m0Half;
+
+inline float block32_scale(Kind k, const uint8_t* blk) {
+  if (k == kMxfp4) return kE8m0Half.v[blk[0]];
+  uint16_t h;
+  std::memcpy(&h, blk, 2);
+  return fp16(h);
+}
+
+// One block's 32 integer weights v in input order: byte i of qs holds element i in its low nibble,
+// i + 16 in the high one; q5_0: bit i of qh is element i's 5th bit.
+inline void block32_values(Kind k, const uint8_t* blk, int8_t* v) {
+  if (k == kMxfp4) {
+    for (int i = 0; i < G / 2; ++i) v[i] = kE2M1x2[blk[1 + i] & 15], v[G / 2 + i] = kE2M1x2[blk[1 + i] >> 4];
+    return;
+  }
+  const uint32_t qh = q5_0_qh(blk);
   const uint8_t* qs = blk + 6;
   for (int i = 0; i < G / 2; ++i) {
     v[i] = (int8_t)((int)((qs[i] & 15) | (((qh >> i) & 1) << 4)) - 16);
@@ -141,19 +165,13 @@ inline void q5_0_values(const uint8_t* blk, int8_t* v) {
   }
 }
 
-inline int32_t q5_0_dot(const uint8_t* blk, const int8_t* xq) {  // one block, 32 activations
-  int8_t v[G];
-  q5_0_values(blk, v);
-  int32_t dot = 0;
-  for (int i = 0; i < G; ++i) dot += v[i] * xq[i];
-  return dot;
-}
-
-// q5_0's: sums of q x (q 0..31), the scalar path's fp32 steps, (d_w * d_x) * (sum - 16 * sum x).
-inline float q5_0_tail(float acc, const int32_t* sums, const Weight& w, int r, const float* d, const int32_t* sx,
-                       int j, int nb) {
+// A row's last blocks [j, nb) after its 8 lanes were summed into acc, from their sums of (v +
+// offset) x (sums[0] is block j's): the scalar path's fp32 steps, (d_w * d_x) * (sum - offset * sum x).
+inline float block32_tail(float acc, const int32_t* sums, const Weight& w, int r, const float* d, const int32_t* sx,
+                          int j, int nb) {
+  const int off = block32_offset(w.kind);
   for (int jj = j; jj < nb; ++jj)
-    acc = acc + (Q5Block{q5_0_block(w, r, jj)}.d() * d[jj]) * (float)(sums[jj - j] - 16 * sx[jj]);
+    acc = acc + (block32_scale(w.kind, block32(w, r, jj)) * d[jj]) * (float)(sums[jj - j] - off * sx[jj]);
   return acc;
 }
 
@@ -174,9 +192,9 @@ template <int NT>
 void int8_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
 template <int NT>
 void q4_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
-// q5_0 for NT = 1 (a decode row) to 4
-template <int NT>
-void q5_0_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
+// q5_0 / mxfp4 (KD) for NT = 1 (a decode row) to 4
+template <int NT, Kind KD>
+void block32_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys);
 // Blocks [b0, b1) of an activation row (x its start; q8 or q16 and d, s, pr the row's own) quantized
 // as moe_cpu.cpp's quantize_blocks does, bit for bit; pr may be null.
 void quantize_blocks_avx512(const float* x, int b0, int b1, float qmax, int8_t* q8, int16_t* q16, float* d,

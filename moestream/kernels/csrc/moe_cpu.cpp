@@ -1,4 +1,5 @@
-// Native CPU kernels for moestream's int4 / int8 / q4_0 / q4_1 expert records, read in place (no repack).
+// Native CPU kernels for moestream's int4 / int8 / q4_0 / q4_1 / q5_0 / mxfp4 expert records, read in place
+// (no repack).
 // Numerics (the spec is kernels/ref.py: qlinear_q8 / moe_q8_ref):
 //   activations are quantized per block of 32 to int8 (llama.cpp's Q8_0): d = amax / 127,
 //   q = round_half_even(x * (1 / d)) clamped to [-127, 127] (int8 weights' down projection: int16,
@@ -329,14 +330,19 @@ void q4_1_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, floa
   }
 }
 
-void q5_0_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
+// q5_0 / mxfp4 (cpu_rows.h: block32_values): per block (d_w * d_x) * sum(v * x).
+void block32_rows_scalar(const Weight& w, int r0, int n, const QAct& a, int t, float* y) {
   const int nb = w.K / G;
   const int8_t* xq = a.qr(t);
   for (int r = r0; r < r0 + n; ++r) {
     BlockLanes acc(nb);
     for (int j = 0; j < nb; ++j) {
-      const uint8_t* blk = q5_0_block(w, r, j);
-      acc.add(j, (Q5Block{blk}.d() * a.dr(t)[j]) * (float)q5_0_dot(blk, xq + j * G));
+      const uint8_t* blk = block32(w, r, j);
+      int8_t v[G];
+      block32_values(w.kind, blk, v);
+      int32_t dot = 0;
+      for (int i = 0; i < G; ++i) dot += v[i] * xq[j * G + i];
+      acc.add(j, (block32_scale(w.kind, blk) * a.dr(t)[j]) * (float)dot);
     }
     y[r - r0] = acc.sum();
   }
@@ -584,46 +590,60 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2(const Weight& w, int
   *y = acc;
 }
 
-// Eight q5_0 blocks from block j of row r -> wv[b] = block b's 32 u8 values (0..31) in input
-// order (the nibbles as nibble_blocks8 lays them, the qh bits expanded to 0x10 per byte, byte i
-// from bit i), and their eight d widened (F16C: exact, as fp16()); only the first n blocks are
-// read (a row's tail), the others zero.
-__attribute__((target("avx2,fma,f16c"))) inline __m256 q5_0_blocks8(const Weight& w, int r, int j, __m256i* wv,
-                                                                     int n = 8) {
-  const uint8_t* p = q5_0_block(w, r, j);
-  prefetch_ahead(p, 8 * kQ5_0Bytes);
+// Eight q5_0 / mxfp4 (KD) blocks from block j of row r -> wv[b] = block b's 32 u8 values v + offset
+// in input order (q5_0: the nibbles as nibble_blocks8 lays them, the qh bits expanded to 0x10 per
+// byte, byte i from bit i; mxfp4: the nibbles through kE2M1x2 + 12 by vpshufb), and their eight
+// scales in fp32 (block32_scale's: F16C widening is exact); only the first n blocks are read (a
+// row's tail), the others zero.
+template <Kind KD>
+__attribute__((target("avx2,fma,f16c"))) inline __m256 block32_blocks8(const Weight& w, int r, int j, __m256i* wv,
+                                                                        int n = 8) {
+  const uint8_t* p = block32(w, r, j);
+  constexpr int bytes = block32_bytes(KD);
+  prefetch_ahead(p, 8 * bytes);
   const __m128i m4 = _mm_set1_epi8(15);
   const __m256i spread = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0);
   const __m256i others = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe);  // byte i: every bit but i % 8
   const __m256i ones = _mm256_set1_epi8(-1), bit4 = _mm256_set1_epi8(16);
+  const __m128i lut = _mm_setr_epi8(12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0);  // kE2M1x2 + 12
   uint16_t d[8] = {};
+  float ds[8] = {};
   for (int b = 0; b < 8; ++b) {
     if (b >= n) {
       wv[b] = _mm256_setzero_si256();
       continue;
     }
-    const uint8_t* blk = p + b * kQ5_0Bytes;
-    std::memcpy(d + b, blk, 2);
-    int32_t qh;
-    std::memcpy(&qh, blk + 2, 4);
-    const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 6));
-    const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
-    const __m256i bytes = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), others);
-    wv[b] = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(bytes, ones), bit4));
+    const uint8_t* blk = p + b * bytes;
+    if constexpr (KD == kMxfp4) {
+      ds[b] = kE8m0Half.v[blk[0]];
+      const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 1));
+      wv[b] = _mm256_set_m128i(_mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16(v, 4), m4)),
+                               _mm_shuffle_epi8(lut, _mm_and_si128(v, m4)));
+    } else {
+      std::memcpy(d + b, blk, 2);
+      const int32_t qh = (int32_t)q5_0_qh(blk);
+      const __m128i v = _mm_loadu_si128((const __m128i*)(blk + 6));
+      const __m256i lo = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4));
+      const __m256i qb = _mm256_or_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(qh), spread), others);
+      wv[b] = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(qb, ones), bit4));
+    }
   }
+  if constexpr (KD == kMxfp4) return _mm256_loadu_ps(ds);
   return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)d));
 }
 
-// q5_0's: the values of q5_0_blocks8 (zero past nb), q5_0_tail's fp32 steps in order.
-__attribute__((target("avx2,fma,f16c"))) float q5_0_tail_avx2(float acc, const Weight& w, int r, const QAct& a,
-                                                               int t, int j, int nb) {
+// The last blocks [j, nb) of a q5_0 / mxfp4 row: block32_blocks8's values (zero past nb),
+// block32_tail's fp32 steps in order.
+template <Kind KD>
+__attribute__((target("avx2,fma,f16c"))) float block32_tail_avx2(float acc, const Weight& w, int r, const QAct& a,
+                                                                  int t, int j, int nb) {
   const int n = nb - j;
   if (n <= 0) return acc;
   __m256i wv[8];
   int32_t sums[8];
-  q5_0_blocks8(w, r, j, wv, n);
+  block32_blocks8<KD>(w, r, j, wv, n);
   tail_sums8(wv, a.qr(t), j, n, sums);
-  return q5_0_tail(acc, sums, w, r, a.dr(t), a.sr(t), j, nb);
+  return block32_tail(acc, sums, w, r, a.dr(t), a.sr(t), j, nb);
 }
 
 // ---- token tiles: several activation rows per pass over the weights (prefill, dense T > 1) --------
@@ -729,19 +749,19 @@ void q4_1_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const in
   }
 }
 
-void q5_0_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
-                         size_t ys) {
+void block32_rows_scalar_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, int nt, float* y,
+                            size_t ys) {
   const int nb = w.K / G;
   for (int r = r0; r < r0 + n; ++r) {
     BlockLanes acc[kTile] = {BlockLanes(nb), BlockLanes(nb), BlockLanes(nb), BlockLanes(nb)};
     for (int j = 0; j < nb; ++j) {
-      const uint8_t* blk = q5_0_block(w, r, j);
+      const uint8_t* blk = block32(w, r, j);
       int8_t v[G];
-      q5_0_values(blk, v);
+      block32_values(w.kind, blk, v);
       int32_t dot[kTile] = {};
       for (int k = 0; k < G; ++k)
         for (int i = 0; i < nt; ++i) dot[i] += v[k] * a.qr(ts[i])[j * G + k];
-      const float dw = Q5Block{blk}.d();
+      const float dw = block32_scale(w.kind, blk);
       for (int i = 0; i < nt; ++i) acc[i].add(j, (dw * a.dr(ts[i])[j]) * (float)dot[i]);
     }
     for (int i = 0; i < nt; ++i) y[i * ys + r - r0] = acc[i].sum();
@@ -951,14 +971,15 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
   }
 }
 
-// q5_0, one row x NT activation rows (NT = 1: a decode row): eight blocks' values unpacked once
-// (q5_0_blocks8), in maddubs with each row's int8 activations (<= 2 * 31 * 127: no saturation),
-// then madd to int32 (a half block's 16 products reach 16 * 31 * 127, past int16), minus
-// 16 * sum x (exactly sum (q - 16) x); the fp32 terms into their 8 lanes (q4_0_row_avx2's steps),
-// the last blocks in the scalar path's arithmetic.
-template <int NT>
-__attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, int r, const QAct& a, const int* ts,
-                                                           float* y, size_t ys) {
+// q5_0 / mxfp4 (KD), one row x NT activation rows (NT = 1: a decode row): eight blocks' values
+// unpacked once (block32_blocks8), in maddubs with each row's int8 activations (<= 2 * 31 * 127:
+// no saturation), then madd to int32 (a half block's 16 products reach 16 * 31 * 127, past
+// int16), minus offset * sum x (exactly sum v x); the fp32 terms into their 8 lanes
+// (q4_0_row_avx2's steps), the last blocks in the scalar path's arithmetic.
+template <int NT, Kind KD>
+__attribute__((target("avx2,fma,f16c"))) void block32_row_avx2_nt(const Weight& w, int r, const QAct& a,
+                                                                   const int* ts, float* y, size_t ys) {
+  const __m256i offv = _mm256_set1_epi32(block32_offset(KD));
   const int nb = w.K / G;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 accv[NT];
@@ -966,14 +987,14 @@ __attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, 
   int j = 0;
   for (; j + 8 <= nb; j += 8) {
     __m256i wv[8];
-    const __m256 wsv = q5_0_blocks8(w, r, j, wv);
+    const __m256 wsv = block32_blocks8<KD>(w, r, j, wv);
     for (int i = 0; i < NT; ++i) {
       const int8_t* xq = a.qr(ts[i]);
       __m256i p[8];
       for (int b = 0; b < 8; ++b)
         p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
                                  ones);
-      const __m256i off = _mm256_slli_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), 4);
+      const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), offv);
       const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
       const __m256 c = _mm256_mul_ps(wsv, _mm256_loadu_ps(a.dr(ts[i]) + j));
       accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
@@ -982,12 +1003,21 @@ __attribute__((target("avx2,fma,f16c"))) void q5_0_row_avx2_nt(const Weight& w, 
   for (int i = 0; i < NT; ++i) {
     float l[8];
     _mm256_storeu_ps(l, accv[i]);
-    y[i * ys] = q5_0_tail_avx2(lanes_sum(l), w, r, a, ts[i], j, nb);
+    y[i * ys] = block32_tail_avx2<KD>(lanes_sum(l), w, r, a, ts[i], j, nb);
   }
 }
 
 bool cpu_has_avx2() {
   return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+}
+
+// One q5_0 / mxfp4 row for NT activation rows on the vector ISA `isa` (>= AVX2).
+template <int NT>
+void block32_row_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys, int64_t isa) {
+  if (w.kind == kMxfp4)
+    (isa >= kAvx512 ? block32_row_avx512_nt<NT, kMxfp4> : block32_row_avx2_nt<NT, kMxfp4>)(w, r, a, ts, y, ys);
+  else
+    (isa >= kAvx512 ? block32_row_avx512_nt<NT, kQ5_0> : block32_row_avx2_nt<NT, kQ5_0>)(w, r, a, ts, y, ys);
 }
 
 // Rows [r0, r0 + n) of w (r0 a multiple of 64, n <= 64: one block) for activation row t -> y[0, n).
@@ -1016,12 +1046,11 @@ void rows(const Weight& w, int r0, int n, const QAct& a, int t, float* y, int64_
       q4_1_rows_scalar(w, r0, n, a, t, y);
     return;
   }
-  if (w.kind == kQ5_0) {
+  if (w.kind == kQ5_0 || w.kind == kMxfp4) {
     if (isa >= kAvx2)
-      for (int i = 0; i < n; ++i)
-        (isa >= kAvx512 ? q5_0_row_avx512_nt<1> : q5_0_row_avx2_nt<1>)(w, r0 + i, a, &t, y + i, 1);
+      for (int i = 0; i < n; ++i) block32_row_nt<1>(w, r0 + i, a, &t, y + i, 1, isa);
     else
-      q5_0_rows_scalar(w, r0, n, a, t, y);
+      block32_rows_scalar(w, r0, n, a, t, y);
     return;
   }
   if (isa >= kAvx512)
@@ -1059,10 +1088,9 @@ void rows_nt(const Weight& w, int r0, int n, const QAct& a, const int* ts, float
     for (int i = 0; i < n; ++i) q4_1_row_avx2_nt<NT>(w, r0 + i, a, ts, y + i, ys);
     return;
   }
-  if (w.kind == kQ5_0) {
-    if (isa < kAvx2) return q5_0_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
-    for (int i = 0; i < n; ++i)
-      (isa >= kAvx512 ? q5_0_row_avx512_nt<NT> : q5_0_row_avx2_nt<NT>)(w, r0 + i, a, ts, y + i, ys);
+  if (w.kind == kQ5_0 || w.kind == kMxfp4) {
+    if (isa < kAvx2) return block32_rows_scalar_nt(w, r0, n, a, ts, NT, y, ys);
+    for (int i = 0; i < n; ++i) block32_row_nt<NT>(w, r0 + i, a, ts, y + i, ys, isa);
     return;
   }
   if (isa < kAvx2)
@@ -1099,9 +1127,10 @@ void rows_tokens(const Weight& w, int r0, int n, const QAct& a, const int* ts, i
 Weight weight(const torch::Tensor& q, const torch::Tensor& s) {
   TORCH_CHECK(q.is_contiguous() && s.is_contiguous(), "record sections must be contiguous");
   const auto qt = q.scalar_type(), st = s.scalar_type();
-  if (q.dim() == 3 && q.size(2) == kQ5_0Bytes) {  // GGUF Q5_0 blocks [N, K/32, 22] (s is q)
-    TORCH_CHECK(qt == torch::kUInt8, "q5_0 blocks must be uint8 [N, K/32, 22]");
-    return {(const uint8_t*)q.data_ptr(), nullptr, (int)q.size(0), (int)q.size(1) * G, kQ5_0};
+  if (q.dim() == 3 && (q.size(2) == kQ5_0Bytes || q.size(2) == kMxfp4Bytes)) {  // GGUF Q5_0 / MXFP4 blocks
+    TORCH_CHECK(qt == torch::kUInt8, "q5_0 / mxfp4 blocks must be uint8 [N, K/32, 22 | 17] (s is q)");
+    return {(const uint8_t*)q.data_ptr(), nullptr, (int)q.size(0), (int)q.size(1) * G,
+            q.size(2) == kQ5_0Bytes ? kQ5_0 : kMxfp4};
   }
   if (q.dim() == 3) {  // GGUF K-quant blocks [N, K/256, B]: they carry their scales (s is q)
     const int kq = moestream_kquant::kind_of_bytes(q.size(2));
