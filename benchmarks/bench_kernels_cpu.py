@@ -14,8 +14,9 @@ Bytes read = whole padded records (what a store read moves). int8's torch path d
 and calls F.linear (no torch kernel takes per-block scales).
 
     python benchmarks/bench_kernels_cpu.py [--threads 2] [--reps 15]
-    python benchmarks/bench_kernels_cpu.py --model gpt-oss --schemes int8   # D = I = 2880, top-4,
-        biases and the clamped SwiGLU (gpt-oss-20b / 120b's experts; its MXFP4 is kept as int8)
+    python benchmarks/bench_kernels_cpu.py --model gpt-oss --schemes int8,mxfp4   # D = I = 2880,
+        top-4, biases and the clamped SwiGLU (gpt-oss-20b / 120b's experts: their MXFP4 kept as
+        mxfp4, 4.25 bits a weight, or as int8, 9)
 """
 
 from __future__ import annotations

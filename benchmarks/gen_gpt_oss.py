@@ -117,7 +117,9 @@ def tokenizer(folder: Path, vocab: int) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     root = Path(json.__file__).parent.parent
-    files = sorted(glob.glob(str(root / "*.py"))) + sorted(glob.glob(str(root / "*" / "*.py")))[:400]
+    files = (
+        sorted(glob.glob(str(root / "*.py"))) + sorted(glob.glob(str(root / "*" / "*.py")))[:400]
+    )
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()

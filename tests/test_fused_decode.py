@@ -124,6 +124,80 @@ def test_attend_variants_and_threads_agree_bit_for_bit():
         assert all(torch.equal(x, y) for x, y in zip(o, outs[0]))
 
 
+def _gpt_oss_args(**over) -> ModelArgs:
+    import transformers as T
+
+    from moestream.models import model_args_from_dict
+
+    base = dict(vocab_size=64, hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, head_dim=32, intermediate_size=32, num_local_experts=16,
+                num_experts_per_tok=4, max_position_embeddings=256, sliding_window=5)  # fmt: skip
+    return model_args_from_dict(T.GptOssConfig(**{**base, **over}).to_dict())
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_sink_attend_matches_the_torch_attention(window, calls):
+    """gpt-oss's SinkAttention (q/k/v biases, a sink logit per head in the softmax): twelve decode
+    steps fused vs its torch code on twin caches, within rounding; the sinks count (large ones
+    take most of the weight)."""
+    from moestream.models.gpt_oss import SinkAttention
+
+    a = _gpt_oss_args()
+    torch.manual_seed(6)
+    m = SinkAttention(a, 0)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0))
+        m.sinks.copy_(torch.linspace(-4.0, 6.0, a.num_attention_heads))
+    m.window = window
+    rope = Rope(a.rope, a.rotary_dim, a.max_position_embeddings)
+    caches = [KVCache(a, 32, torch.float32) for _ in range(2)]
+    g = torch.Generator().manual_seed(7)
+    with torch.inference_mode():
+        prompt = torch.randn(4, a.hidden_size, generator=g)
+        cos, sin = rope(0, 4, torch.float32)
+        for c in caches:
+            m(prompt, cos, sin, c, 0)
+        for pos in range(4, 16):
+            x = torch.randn(1, a.hidden_size, generator=g)
+            cos, sin = rope(pos, pos + 1, torch.float32)
+            outs = []
+            for fused, c in zip((False, True), caches):
+                m.fused_decode = fused
+                outs.append(m(x, cos, sin, c, pos))
+            assert rel(outs[1], outs[0]) <= 1e-5, pos
+        assert calls["attend"] == 12
+        m.sinks.zero_()
+        m.fused_decode = True
+        assert rel(m(x, cos, sin, caches[1], 15), outs[1]) > 0.01  # without them: another output
+
+
+@pytest.mark.parametrize("E,k", [(16, 4), (32, 4), (128, 2)])
+def test_gpt_oss_route_matches_topk_then_softmax(E, k):
+    """GptOssMoe's rule (the biased logits' top-k, softmax over those k) through native.route: the
+    same ids and weights within 1e-6 on every ISA; the bias counts."""
+    from moestream.models.gpt_oss import GptOssMoe
+
+    a = _gpt_oss_args(num_local_experts=E, num_experts_per_tok=k)
+    moe = GptOssMoe(a, 0)
+    g = torch.Generator().manual_seed(E + k)
+    with torch.no_grad():
+        moe.gate.weight.copy_(torch.randn(E, a.hidden_size, generator=g))
+        moe.gate.bias.copy_(torch.randn(E, generator=g) * 4)
+    x = torch.randn(1, a.hidden_size, generator=g)
+    with torch.inference_mode():
+        want_w, want_ids = moe.route(x)
+        moe.fused_decode = True
+        assert moe._route_fusable(x)
+        got = [native.route(x, moe.gate.weight, k, False, isa, moe.gate.bias, True) for isa in ISAS]
+        assert moe.route(x)[1].equal(got[0][1])  # the module takes the fused op
+        bare = native.route(x, moe.gate.weight, k, False, None, None, True)
+    assert torch.equal(got[0][1], want_ids)
+    assert (got[0][0] - want_w).abs().max() <= 1e-6
+    assert all(torch.equal(w, got[0][0]) and torch.equal(i, got[0][1]) for w, i in got)
+    assert not (torch.equal(bare[1], want_ids) and torch.equal(bare[0], got[0][0]))
+
+
 def test_attend_refuses_a_full_cache_with_the_cache_error():
     a = args()
     m = _attention(a, "head", seed=5)
@@ -161,7 +235,7 @@ def test_route_ties_take_the_lower_expert_id():
 
 
 def test_route_keeps_the_torch_rule_where_a_block_has_its_own():
-    """A block overriding the routing rule (sigmoid routers, biased gates) never takes the op."""
+    """A block overriding the routing rule (sigmoid routers) never takes the op."""
     import dataclasses
 
     from moestream.models.layers import SigmoidMoe
@@ -172,9 +246,10 @@ def test_route_keeps_the_torch_rule_where_a_block_has_its_own():
     assert not moe._route_fusable(torch.randn(1, a.hidden_size))
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe", "gpt_oss"])
 def test_decode_with_fused_ops_matches_the_torch_code(tmp_path, arch, calls):
-    """Tiny int8 stores (q/k head norm, none, whole-vector norm) decoded with the native kernels,
+    """Tiny int8 stores (q/k head norm, none, whole-vector norm, gpt-oss's sinks and biased
+    top-k-then-softmax router) decoded with the native kernels,
     fused ops on vs off, the same tokens fed: every step's logits within 1e-4 of the max (the
     expert kernels are the same in both)."""
     from tiny_models import perturbed_model, save

@@ -95,6 +95,22 @@ def test_row_tails_equal_the_reference_bits():
                     assert torch.equal(got, want), (scheme, tail, T, isa)
 
 
+def test_mxfp4_rows_take_every_code_and_exponent():
+    """mxfp4 rows of random blocks (every code; exponents 0 and 1, whose scales are subnormal, up
+    to 140), 11 blocks a row (eight whole, then a tail of 3): the spec's bits on every ISA, for one
+    and for three activation rows."""
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(0, 256, (70, 11, 17), dtype=torch.uint8, generator=g)
+    q[..., 0] = torch.randint(0, 141, (70, 11), dtype=torch.uint8, generator=g)
+    q[:4, :, 0] = torch.tensor([0, 1, 2, 3], dtype=torch.uint8)[:, None]
+    sec = {"w.q": q}
+    for T in (1, 3):
+        x = torch.randn(T, 352, generator=g) * 1e30  # the subnormal scales' products stay normal
+        want = qlinear_q8(x, sec, "w")
+        for isa in ISAS:
+            assert torch.equal(native.linear(x, sec, "w", isa), want), (T, isa)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 3])
 @pytest.mark.parametrize("scheme,D,I", CASES)

@@ -252,21 +252,29 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float, isa: str | None = None
     return module().rmsnorm(x, w, eps, _isa(isa))
 
 
-def attend(qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window, H, Hkv, isa=None):
+def attend(qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window, H, Hkv, isa=None, sinks=None):
     """One decode token after its q/k/v projection: q/k head norm (qk_w [H + Hkv, hd] or None),
     RoPE (signed sin table row), k/v written into the caches at `pos`, GQA attention over keys
-    [pos - window + 1 or 0, pos] -> [1, H * hd]."""
+    [pos - window + 1 or 0, pos] -> [1, H * hd]; `sinks` fp32 [H]: each head's learned logit in
+    its softmax (gpt-oss's SinkAttention)."""
     return module().attend(
-        qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window or 0, H, Hkv, _isa(isa)
+        qkv, qk_w, eps, cos, sin, kc, vc, pos, scaling, window or 0, H, Hkv, _isa(isa), sinks
     )
 
 
 def route(
-    x: torch.Tensor, gate: torch.Tensor, k: int, renorm: bool, isa: str | None = None
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    k: int,
+    renorm: bool,
+    isa: str | None = None,
+    bias: torch.Tensor | None = None,
+    topk_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [1, D], router weight [E, D] -> (weights [1, k], ids [1, k]): fp32 softmax over E,
-    top-k descending (ties: lower id), renormalised when `renorm`."""
-    w, ids = module().route(x, gate, k, renorm, _isa(isa))
+    top-k descending (ties: lower id), renormalised when `renorm`; `topk_first` (gpt-oss's
+    GptOssMoe): the logits plus `bias` [E], their top-k, softmax over those k."""
+    w, ids = module().route(x, gate, k, renorm, _isa(isa), bias, topk_first)
     return w, ids
 
 

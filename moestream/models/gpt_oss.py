@@ -6,6 +6,7 @@ its weight in fp32, before the cast back."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -83,11 +84,28 @@ class SinkAttention(Attention):
         logits = logits - logits.amax(dim=-1, keepdim=True)
         return torch.softmax(logits, dim=-1, dtype=logits.dtype)[..., :-1].reshape(Hkv, GT, S)
 
+    native_softmax = softmax  # native.attend computes it with attend_sinks()
+
+    def attend_sinks(self) -> torch.Tensor:
+        return self.sinks if self.sinks.dtype == torch.float32 else self.sinks.float()
+
 
 class GptOssMoe(SparseMoe):
     """Router with bias: top-k on the raw logits, then softmax over those k (activation dtype)."""
 
     scores_are_probs = False
+    topk_first = True  # native.route's form of this rule
+
+    @functools.cached_property
+    def _route_rule(self) -> bool:
+        """native.route computes this block's rule: this class's scores and weigh over the base
+        top-k, an nn.Linear router (its bias added before the top-k)."""
+        cls = type(self)
+        return (cls.scores, cls.select, cls.weigh) == (
+            GptOssMoe.scores,
+            SparseMoe.select,
+            GptOssMoe.weigh,
+        ) and type(self.gate) is nn.Linear
 
     def __init__(self, args: ModelArgs, layer: int):
         gate = nn.Linear(args.hidden_size, args.num_experts, bias=True)

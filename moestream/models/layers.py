@@ -264,7 +264,7 @@ class Attention(nn.Module):
             if self.qk_norm == "head":
                 qk_w, eps = self._qk_norm_weight(), self.q_norm.eps
             out = native.attend(qkv, qk_w, eps, cos[0], sin[0], kc, vc, start, self.scaling,
-                                self.window, H, Hkv)  # fmt: skip
+                                self.window, H, Hkv, sinks=self.attend_sinks())  # fmt: skip
             return plus_lora(self.lora, "o_proj", self.o_proj(out), out)
         if self.gpu_decode and T == 1 and qkv.is_cuda and self._gpu_fusable(qkv, cos):
             out = self._attend_gpu(qkv, cos, sin, cache, start)
@@ -358,13 +358,18 @@ class Attention(nn.Module):
 
     @functools.cached_property
     def _attend_rule(self) -> bool:
-        """native.attend computes this module's rule: no sinks, no clipping, no whole-vector
-        q/k norm (fixed at construction: looked up once, not per token)."""
+        """native.attend computes this module's rule: no clipping, no whole-vector q/k norm, the
+        plain softmax (or one with sinks, `attend_sinks`: models/gpt_oss.py) (fixed at
+        construction: looked up once, not per token)."""
         return (
             self.qk_norm in (None, "head")
             and self.clip_qkv is None
-            and type(self).softmax is Attention.softmax
+            and type(self).softmax is type(self).native_softmax
         )
+
+    def attend_sinks(self) -> torch.Tensor | None:
+        """Each head's sink logit in its softmax (fp32 [H]; None: none), as native.attend takes it."""
+        return None
 
     def _fusable(self, qkv: torch.Tensor, cache) -> bool:
         """native.attend's case: this module's rule, fp32 on the CPU, a plain KVCache of fp32
@@ -378,8 +383,10 @@ class Attention(nn.Module):
 
     def _gpu_fusable(self, qkv: torch.Tensor, cos: torch.Tensor) -> bool:
         """decode_attend's case: this module's rule, and a shape and dtype the kernel takes."""
-        return self._attend_rule and (
-            attend_unsupported(self.H, self.Hkv, self.hd, cos.shape[-1], qkv.dtype) is None
+        return (
+            self._attend_rule
+            and self.attend_sinks() is None  # (the Triton kernel has no sinks)
+            and attend_unsupported(self.H, self.Hkv, self.hd, cos.shape[-1], qkv.dtype) is None
         )
 
     def _attend_gpu(self, qkv: torch.Tensor, cos, sin, cache, start) -> torch.Tensor:
@@ -416,6 +423,9 @@ class Attention(nn.Module):
     def softmax(self, scores: torch.Tensor) -> torch.Tensor:
         """Overridden by attention with sinks (gpt_oss)."""
         return softmax_fp32(scores)
+
+    # The softmax native.attend computes for this class (a subclass with sinks names its own)
+    native_softmax = softmax
 
 
 def softmax_fp32(scores: torch.Tensor) -> torch.Tensor:
@@ -567,8 +577,12 @@ class SparseMoe(nn.Module):
     # Scores are router probabilities (the stale gate ranks its predictions by them).
     scores_are_probs = True
     # Set by MoeCausalLM.set_fused_decode: one token's softmax top-k routing as one native.route
-    # where the block keeps this class's rule and a bias-free fp32 router.
+    # where the block keeps this class's rule and a bias-free fp32 router (or gpt-oss's: below).
     fused_decode = False
+    # native.route's form of this class's rule: False, softmax over E then top-k (renormalised
+    # when asked); True, top-k of the router's logits (its bias added) then softmax over those k
+    # (models/gpt_oss.py: GptOssMoe).
+    topk_first = False
     # Set by MoeCausalLM.set_gpu_decode: on CUDA, a few decode rows' router GEMM, softmax, top-k,
     # renormalisation and cast in one Triton launch (route_decode).
     gpu_decode = False
@@ -589,7 +603,8 @@ class SparseMoe(nn.Module):
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, K], ids [T, K]), weights in the dtype the rule makes."""
         if self.fused_decode and x.shape[0] == 1 and self._route_fusable(x):
-            return native.route(x, self.gate.weight, self.k, self.renorm)
+            return native.route(x, self.gate.weight, self.k, self.renorm, bias=self.gate.bias,
+                                topk_first=self.topk_first)  # fmt: skip
         ids, picked = self.select(self.scores(x))
         return self.weigh(picked), ids
 
@@ -605,13 +620,16 @@ class SparseMoe(nn.Module):
         ) and (type(self.gate) is nn.Linear and self.gate.bias is None)
 
     def _route_fusable(self, x: torch.Tensor) -> bool:
-        w = self.gate.weight
-        return self._route_rule and _cpu_fp32(x) and w.dtype == torch.float32 and w.is_contiguous()
+        if not (self._route_rule and _cpu_fp32(x)):
+            return False
+        w, b = self.gate.weight, self.gate.bias  # (an nn.Linear: the rule says so)
+        return w.dtype == torch.float32 and w.is_contiguous() and (b is None or b.dtype == w.dtype)
 
     def _route_gpu_fusable(self, x: torch.Tensor) -> bool:
         """route_decode's case: the base rule on a few decode rows of at most 1024 experts."""
         return (
             self._route_rule
+            and not self.topk_first  # (route_decode computes the base rule only)
             and x.shape[0] <= TOPK_TRITON_MAX_TOKENS
             and self.gate.out_features <= 1024
             and x.dtype in (torch.bfloat16, torch.float16, torch.float32)

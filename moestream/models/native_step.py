@@ -63,6 +63,8 @@ def _attention_why_not(attn) -> str | None:
         return "q/k/v and o are not quantized projections on the native kernel"
     if len({p.wide for p in qkv}) > 1 or len({p.bias is None for p in qkv}) > 1:
         return "q, k and v differ in activation width or in having a bias"
+    if attn.attend_sinks() is not None:
+        return "the attention has sinks (the step's attention has none)"
     return None
 
 
@@ -77,8 +79,8 @@ def _qkv_parts(attn) -> list | None:
 def _moe_why_not(mlp, SparseMoe) -> str | None:
     if not isinstance(mlp, SparseMoe) or type(mlp).forward is not SparseMoe.forward:
         return "the MLP is not a plain MoE block"
-    if not (mlp.fused_decode and mlp._route_rule):
-        return "the router is not native.route's rule"
+    if not (mlp.fused_decode and mlp._route_rule) or mlp.topk_first:
+        return "the router is not native.route's softmax top-k rule"
     if mlp.gate.weight.dtype != torch.float32 or mlp.shared_expert is not None:
         return "the router is not fp32, or the block has a shared expert"
     if mlp.observer is not None:

@@ -1471,13 +1471,16 @@ void rope_head(const float* x, const float* nw, float eps, const float* cs, cons
 
 // One query head q [hd] over S cached keys K / values V [S, hd]: scores dot * scaling, softmax in
 // fp32 (max subtracted), then sum_j p_j v_j in key order -> o [hd].
+// sink: the head's learned logit (gpt-oss), one more term of the softmax that weighs no value
+// (nullptr: none): max over the scores and it, its exp added to the sum after the keys'.
 void attend_head(const float* q, const float* K, const float* V, int S, int hd, float scaling, float* o,
-                 int64_t isa) {
+                 int64_t isa, const float* sink = nullptr) {
   std::vector<float> p(S);
-  float m = -INFINITY;
+  float m = sink ? *sink : -INFINITY;
   for (int j = 0; j < S; ++j) m = std::max(m, p[j] = dot(q, K + (size_t)j * hd, hd, isa) * scaling);
   float sum = 0.f;
   for (int j = 0; j < S; ++j) sum = sum + (p[j] = std::exp(p[j] - m));
+  if (sink) sum = sum + std::exp(*sink - m);
   std::fill(o, o + hd, 0.f);
   for (int j = 0; j < S; ++j) {
     const float pj = p[j] / sum;
@@ -1490,10 +1493,12 @@ void attend_head(const float* q, const float* K, const float* V, int S, int hd, 
 // models/layers.py: apply_rope, optional per-head q/k RMSNorm with weights side by side):
 // qkv [1, (H + 2 Hkv) hd] -> out [1, H hd]; k and v are written into the caches kc, vc [Hkv, M, hd]
 // at `pos` first. Keys [lo, pos] are attended (lo = pos - window + 1 with a sliding window).
-// Scores are dot * scaling, softmax in fp32 (max subtracted), then sum_j p_j v_j in key order.
+// Scores are dot * scaling, softmax in fp32 (max subtracted; with `sinks` [H], each head's sink
+// logit in it too: attend_head), then sum_j p_j v_j in key order.
 torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor>& qk_w, double eps,
                      const torch::Tensor& cos, const torch::Tensor& sin, torch::Tensor kc, torch::Tensor vc,
-                     int64_t pos, double scaling, int64_t window, int64_t H, int64_t Hkv, int64_t isa) {
+                     int64_t pos, double scaling, int64_t window, int64_t H, int64_t Hkv, int64_t isa,
+                     const c10::optional<torch::Tensor>& sinks) {
   TORCH_CHECK(kc.dim() == 3 && vc.sizes() == kc.sizes() && kc.is_contiguous() && vc.is_contiguous() &&
                   kc.scalar_type() == torch::kFloat && vc.scalar_type() == torch::kFloat,
               "attend: caches must be fp32 [Hkv, M, hd], contiguous");
@@ -1509,6 +1514,12 @@ torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor
     TORCH_CHECK(qk_w->scalar_type() == torch::kFloat && qk_w->is_contiguous() && qk_w->numel() == (H + Hkv) * hd,
                 "attend: q/k norm weights must be fp32 [H + Hkv, hd]");
     nw = qk_w->data_ptr<float>();
+  }
+  const float* sk = nullptr;
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == torch::kFloat && sinks->is_contiguous() && sinks->numel() == H,
+                "attend: sinks must be fp32 [H]");
+    sk = sinks->data_ptr<float>();
   }
   isa = resolve(isa);
   const float* src = qkv.data_ptr<float>();
@@ -1528,7 +1539,8 @@ torch::Tensor attend(const torch::Tensor& qkv, const c10::optional<torch::Tensor
   float* op = out.data_ptr<float>();
   auto head = [&](int h) {
     const size_t kv = ((size_t)(h / G) * M + lo) * hd;
-    attend_head(qk.data() + (size_t)h * hd, kp + kv, vp + kv, S, hd, (float)scaling, op + (size_t)h * hd, isa);
+    attend_head(qk.data() + (size_t)h * hd, kp + kv, vp + kv, S, hd, (float)scaling, op + (size_t)h * hd, isa,
+                sk ? sk + h : nullptr);
   };
   // Threads only where the keys outweigh waking them (~10 us): a head is S * hd * 4 multiply-adds.
   if ((int64_t)H * S * hd < (1 << 20)) {
@@ -1560,11 +1572,28 @@ void route_pick(float* s, int E, int k, bool renorm, float* w, int64_t* ids) {
   }
 }
 
-// The softmax top-k router for one token: x [1, D], gate [E, D] fp32 -> (weights [1, k] fp32,
-// ids [1, k] int64), probabilities fp32 softmax over all E (max subtracted), the k largest in
-// descending order (ties: lower id first), renormalised to sum 1 when `renorm`.
+// gpt-oss's rule: logits s [E] (bias added) -> the k largest in descending order (ties: lower id
+// first) -> w [k] their softmax in fp32 (max subtracted: the first), ids [k].
+void route_pick_logits(const float* s, int E, int k, float* w, int64_t* ids) {
+  std::vector<int> idx(E);
+  for (int e = 0; e < E; ++e) idx[e] = e;
+  std::partial_sort(idx.begin(), idx.begin() + k, idx.end(),
+                    [&](int a, int b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+  const float m = s[idx[0]];
+  float sum = 0.f;
+  for (int i = 0; i < k; ++i) sum = sum + (w[i] = std::exp(s[idx[i]] - m));
+  for (int i = 0; i < k; ++i) {
+    w[i] = w[i] / sum;
+    ids[i] = idx[i];
+  }
+}
+
+// The top-k router for one token: x [1, D], gate [E, D] fp32 -> (weights [1, k] fp32, ids [1, k]
+// int64). By default probabilities fp32 softmax over all E (max subtracted), the k largest in
+// descending order (ties: lower id first), renormalised to sum 1 when `renorm`; `topk_first`
+// (gpt-oss): the logits plus `bias` [E], their k largest, softmax over those k (route_pick_logits).
 std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& gate, int64_t k, bool renorm,
-                                 int64_t isa) {
+                                 int64_t isa, const c10::optional<torch::Tensor>& bias, bool topk_first) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && gate.scalar_type() == torch::kFloat && x.is_contiguous() &&
                   gate.is_contiguous() && x.numel() == gate.size(1) && gate.dim() == 2,
               "route: x [1, D] and gate [E, D], fp32 and contiguous");
@@ -1579,7 +1608,16 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
   }, gate.nbytes());
   auto w = torch::empty({1, k}, x.options());
   auto ids = torch::empty({1, k}, x.options().dtype(torch::kLong));
-  route_pick(s.data(), E, (int)k, renorm, w.data_ptr<float>(), ids.data_ptr<int64_t>());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == E,
+                "route: bias must be fp32 [E]");
+    const float* b = bias->data_ptr<float>();
+    for (int e = 0; e < E; ++e) s[e] = s[e] + b[e];
+  }
+  if (topk_first)
+    route_pick_logits(s.data(), E, (int)k, w.data_ptr<float>(), ids.data_ptr<int64_t>());
+  else
+    route_pick(s.data(), E, (int)k, renorm, w.data_ptr<float>(), ids.data_ptr<int64_t>());
   return {w, ids};
 }
 // ---- the whole one-token decode step: every decoder layer in one native call ----------------------
@@ -1857,8 +1895,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("_set_token_tile", [](int64_t n) { g_token_tile = n; }, "activation rows per pass, 0 default (benchmarks)");
   m.def("_set_prefetch", [](int64_t d) { g_prefetch = d; }, "prefetch distance in bytes, 0 off (benchmarks)");
   m.def("rmsnorm", &rmsnorm, "x [T, D] fp32 RMSNorm with weight w [D]");
-  m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)");
-  m.def("route", &route, "softmax top-k router of one token -> (weights, ids)");
+  m.def("attend", &attend, "one decode token's attention after q/k/v (norm, rope, cache write, GQA)",
+        py::arg("qkv"), py::arg("qk_w"), py::arg("eps"), py::arg("cos"), py::arg("sin"), py::arg("kc"), py::arg("vc"),
+        py::arg("pos"), py::arg("scaling"), py::arg("window"), py::arg("H"), py::arg("Hkv"), py::arg("isa"),
+        py::arg("sinks") = py::none());
+  m.def("route", &route, "top-k router of one token -> (weights, ids)", py::arg("x"), py::arg("gate"), py::arg("k"),
+        py::arg("renorm"), py::arg("isa"), py::arg("bias") = py::none(), py::arg("topk_first") = false);
   py::class_<DecodeStep>(m, "DecodeStep")
       .def(py::init<>())
       .def("add_layer", &DecodeStep::add_layer)
