@@ -108,6 +108,28 @@ def test_step_gives_the_per_module_bits(tmp_path, arch, over, scheme, runs):
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("scheme", ["mxfp4", "int8"])
+def test_gpt_oss_step_gives_the_per_module_bits(tmp_path, scheme, runs):
+    """gpt-oss (q/k/v/o biases, attention sinks, sliding and full layers, the biased router's
+    top-k then softmax, expert biases and the clamped SwiGLU) in one call: the per-module fused
+    path's logits and caches bit for bit at 1 and 2 threads, positions past the window of 8."""
+    loaded = _load(_store(tmp_path, "gpt_oss", scheme))
+    model, args = loaded.model, loaded.args
+    assert native_step.why_not(model, loaded.provider) is None
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            want_logits, want_cache = _decode(model, args, use_step=False)
+            before = runs["run"]
+            got_logits, got_cache = _decode(model, args, use_step=True)
+            assert runs["run"] - before == 14
+            assert torch.equal(got_logits, want_logits)
+            assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("isa", ISAS)
 def test_step_follows_the_isa_choice(tmp_path, isa, monkeypatch):
     """The step and the per-module path take the same variant (native._isa) and agree on it."""

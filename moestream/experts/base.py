@@ -42,6 +42,12 @@ class ExpertProvider(ABC):
         whole decode token in one native call); None (the default) where experts() must run."""
         return None
 
+    def native_extras(self) -> tuple[dict[int, dict[int, list[torch.Tensor]]] | None, object]:
+        """Beside native_tables' records, what the native layer op takes for experts that are
+        not plain SwiGLU (gpt-oss's): (layer -> expert -> [b13, b2] fp32 biases, or None; the
+        kernels/ref.py ExpertActivation, or None)."""
+        return None, None
+
     def note_native_step(self, hits: int, seconds: float) -> None:  # noqa: B027
         """A native decode step used `hits` resident records and spent `seconds` in the experts:
         the counters experts() would have kept (providers with native_tables override it)."""

@@ -233,9 +233,10 @@ class StreamingExperts(StoreExperts, Prefetcher):
         return self.res.table
 
     def native_tables(self) -> dict[int, dict[int, list]] | None:
-        # (the one-call decode step takes plain SwiGLU experts without biases)
-        plain = self.act is None and not self.biased
-        return self._flat if self.native and plain else None
+        return self._flat if self.native else None
+
+    def native_extras(self) -> tuple[dict[int, dict[int, list]] | None, ExpertActivation | None]:
+        return self._bias, self.act
 
     def note_native_step(self, hits: int, seconds: float) -> None:
         self.res.table.hits += hits

@@ -61,6 +61,8 @@ class GptOssRMSNorm(RMSNorm):
     """The weight multiplies the fp32 normalised input before the cast back (Llama's RMSNorm
     casts first)."""
 
+    fp32_rows_are_rmsnorm = True  # its fp32 rows are RMSNorm's (the one-call step computes them)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return super().forward(x)

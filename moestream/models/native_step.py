@@ -6,10 +6,11 @@ moe per layer) is this step's reference: DecodeStep runs the same C++ functions 
 so its bits are that path's (tests/test_native_step.py). What it saves is the host's part of a
 token: ~200 us of Python, dispatch and thread wake-ups per layer (benchmarks/bench_overhead.py).
 
-A model qualifies when every layer is the plain decoder layer (attention with native.attend's rule
-and quantized q/k/v and o projections on the native kernel, a softmax top-k MoE block without a
-shared expert) and the provider keeps every record resident for the native kernels
-(`ExpertProvider.native_tables`); `why_not` names what stops it. Anything else (a slot cache, a
+A model qualifies when every layer is the plain decoder layer (attention with native.attend's rule,
+sinks included, and quantized q/k/v and o projections on the native kernel, a MoE block with
+native.route's rule (softmax top-k, or gpt-oss's top-k then softmax) without a shared expert) and
+the provider keeps every record resident for the native kernels (`ExpertProvider.native_tables`,
+with `native_extras`: gpt-oss's expert biases and clamped SwiGLU); `why_not` names what stops it. Anything else (a slot cache, a
 predictor, router traces, adapters, float dense weights, bf16) runs the per-module path.
 """
 
@@ -38,7 +39,7 @@ def why_not(model, provider) -> str | None:
         if type(layer) is not DecoderLayer:
             return f"layer {i} is not a plain decoder layer"
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(type(n) is not RMSNorm or n.weight.dtype != torch.float32 for n in norms):
+        if any(not _rms_norm_rule(n, RMSNorm) for n in norms):
             return f"layer {i}: the norms are not fp32 RMSNorm"
         attn, mlp = layer.self_attn, layer.mlp
         why = _attention_why_not(attn) or _moe_why_not(mlp, SparseMoe)
@@ -47,6 +48,12 @@ def why_not(model, provider) -> str | None:
         if set(tables.get(mlp.layer, ())) != set(range(model.args.num_experts)):
             return f"layer {i}: not every expert record is resident"
     return None
+
+
+def _rms_norm_rule(n, RMSNorm) -> bool:
+    """An fp32 RMSNorm whose fp32 rows are RMSNorm.forward's (native.rmsnorm's)."""
+    fp32_rows = type(n) is RMSNorm or type(n).__dict__.get("fp32_rows_are_rmsnorm", False)
+    return isinstance(n, RMSNorm) and fp32_rows and n.weight.dtype == torch.float32
 
 
 def _native_quant(p) -> bool:
@@ -63,8 +70,6 @@ def _attention_why_not(attn) -> str | None:
         return "q/k/v and o are not quantized projections on the native kernel"
     if len({p.wide for p in qkv}) > 1 or len({p.bias is None for p in qkv}) > 1:
         return "q, k and v differ in activation width or in having a bias"
-    if attn.attend_sinks() is not None:
-        return "the attention has sinks (the step's attention has none)"
     return None
 
 
@@ -79,8 +84,8 @@ def _qkv_parts(attn) -> list | None:
 def _moe_why_not(mlp, SparseMoe) -> str | None:
     if not isinstance(mlp, SparseMoe) or type(mlp).forward is not SparseMoe.forward:
         return "the MLP is not a plain MoE block"
-    if not (mlp.fused_decode and mlp._route_rule) or mlp.topk_first:
-        return "the router is not native.route's softmax top-k rule"
+    if not (mlp.fused_decode and mlp._route_rule):
+        return "the router is not native.route's rule"
     if mlp.gate.weight.dtype != torch.float32 or mlp.shared_expert is not None:
         return "the router is not fp32, or the block has a shared expert"
     if mlp.observer is not None:
@@ -94,6 +99,8 @@ class NativeDecodeStep:
     def __init__(self, model, provider):
         self.provider = provider
         tables = provider.native_tables()
+        biases, act = provider.native_extras()
+        alpha, limit = (act.alpha, act.limit) if act is not None else (0.0, 0.0)
         self._step = native.decode_step()
         for layer in model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -104,6 +111,9 @@ class NativeDecodeStep:
             )
             table = tables[mlp.layer]
             experts = [t for e in range(len(table)) for t in table[e]]
+            eb = biases[mlp.layer] if biases is not None else None
+            expert_biases = [t for e in range(len(table)) for t in eb[e]] if eb else []
+            sinks = attn.attend_sinks()
             n_in, n_post = layer.input_layernorm, layer.post_attention_layernorm
             self._step.add_layer(
                 n_in.weight.detach(), n_in.eps,
@@ -113,6 +123,9 @@ class NativeDecodeStep:
                 n_post.weight.detach(), n_post.eps,
                 attn.H, attn.Hkv, attn.hd, attn.scaling, attn.window or 0,
                 mlp.gate.weight.detach(), mlp.k, mlp.renorm, experts,
+                None if sinks is None else sinks.detach().contiguous(),
+                None if mlp.gate.bias is None else mlp.gate.bias.detach(), mlp.topk_first,
+                expert_biases, alpha, limit,
             )  # fmt: skip
         self.k = model.moe_blocks[0].k
         self._seen = 0.0

@@ -1632,8 +1632,10 @@ std::vector<torch::Tensor> route(const torch::Tensor& x, const torch::Tensor& ga
 struct StepLayer {
   std::vector<torch::Tensor> keep;
   const float *in_w = nullptr, *post_w = nullptr, *qk_w = nullptr, *qkv_b = nullptr, *o_b = nullptr;
-  const float* gate = nullptr;
+  const float *gate = nullptr, *gate_b = nullptr, *sinks = nullptr;
   float in_eps = 0, post_eps = 0, qk_eps = 0, scaling = 1;
+  bool topk_first = false;  // gpt-oss's router: route_pick_logits
+  Extras ex;  // gpt-oss's expert biases and clamped SwiGLU (none: plain SwiGLU)
   std::vector<Weight> qkv;  // q/k/v as one fused weight, or three (their formats differ: Q4_K_M)
   std::vector<int> qkv_off;  // each part's first row of the q/k/v output
   Weight o{};
@@ -1661,7 +1663,9 @@ class DecodeStep {
                  double qk_eps, const torch::Tensor& o_q, const torch::Tensor& o_s,
                  const c10::optional<torch::Tensor>& o_b, bool o_wide, const torch::Tensor& post_w, double post_eps,
                  int64_t heads, int64_t kv_heads, int64_t head_dim, double scaling, int64_t window,
-                 const torch::Tensor& gate, int64_t top_k, bool renorm, const std::vector<torch::Tensor>& experts) {
+                 const torch::Tensor& gate, int64_t top_k, bool renorm, const std::vector<torch::Tensor>& experts,
+                 const c10::optional<torch::Tensor>& sinks, const c10::optional<torch::Tensor>& gate_b,
+                 bool topk_first, const std::vector<torch::Tensor>& expert_biases, double alpha, double limit) {
     StepLayer l;
     TORCH_CHECK(qkv_parts.size() == 2 || qkv_parts.size() == 6, "decode step: q/k/v as one or three (q, s) pairs");
     int nqkv = 0;
@@ -1705,14 +1709,19 @@ class DecodeStep {
     l.qkv_b = opt_f32(qkv_b, nqkv, "the q/k/v bias");
     l.o_b = opt_f32(o_b, D, "the o bias");
     l.gate = gate.data_ptr<float>();
+    l.sinks = opt_f32(sinks, H, "the attention sinks");
+    l.gate_b = opt_f32(gate_b, E, "the router bias");
+    l.topk_first = topk_first;
+    l.ex = extras(expert_biases, E, D, I, alpha, limit);
     l.in_eps = (float)in_eps, l.post_eps = (float)post_eps, l.qk_eps = (float)qk_eps;
     l.scaling = (float)scaling, l.window = (int)window, l.renorm = renorm;
     l.qkv_wide = qkv_wide, l.o_wide = o_wide;
     l.keep = {in_w, o_q, o_s, post_w, gate};
     l.keep.insert(l.keep.end(), qkv_parts.begin(), qkv_parts.end());
-    for (const auto* t : {&qkv_b, &qk_w, &o_b})
+    for (const auto* t : {&qkv_b, &qk_w, &o_b, &sinks, &gate_b})
       if (t->has_value()) l.keep.push_back(**t);
     l.keep.insert(l.keep.end(), experts.begin(), experts.end());
+    l.keep.insert(l.keep.end(), expert_biases.begin(), expert_biases.end());
     L.push_back(std::move(l));
   }
 
@@ -1802,7 +1811,7 @@ class DecodeStep {
           for (int hi = (int)g * G; hi < (int)(g + 1) * G; ++hi) {
             head(hi);
             attend_head(qk.data() + (size_t)hi * hd, kp + kv, vp + kv, S, hd, l.scaling, att.data() + (size_t)hi * hd,
-                        isa);
+                        isa, l.sinks ? l.sinks + hi : nullptr);
           }
           if (group_blocks) quantize_row(att.data(), ao, 0, isa, (int)g * G * hd / kG, (int)(g + 1) * G * hd / kG);
         });
@@ -1827,7 +1836,12 @@ class DecodeStep {
         auto pick = [&] {
           if (picked) return;
           std::copy(sc.begin(), sc.end(), s.begin());  // route_pick overwrites its scores
-          route_pick(s.data(), E, k, l.renorm, we.data(), ids.data());
+          if (l.gate_b)  // (native.route's order: every dot, then its bias)
+            for (int e = 0; e < E; ++e) s[e] = s[e] + l.gate_b[e];
+          if (l.topk_first)
+            route_pick_logits(s.data(), E, k, we.data(), ids.data());
+          else
+            route_pick(s.data(), E, k, l.renorm, we.data(), ids.data());
           for (int i = 0; i < k; ++i) order[i] = i;
           std::sort(order.begin(), order.end(), [&](int a, int b) { return ids[a] < ids[b]; });
           picked = true;
@@ -1845,7 +1859,9 @@ class DecodeStep {
           const Weight& w13 = l.w13[ids[order[e]]];
           float* he = hx.data() + (size_t)e * N13;
           chunk_blocks(N13, c13, i % c13, [&](int r0, int n) { rows(w13, r0, n, ax, 0, he + r0, isa); });
-          handoff.chunk_done(li * k + e, [&] { act_quantize(hx.data(), I, act, e, isa); });
+          handoff.chunk_done(li * k + e, [&] {
+            act_quantize(hx.data(), I, act, e, isa, l.ex.bias13((int)ids[order[e]]), l.ex.alpha, l.ex.limit);
+          });
         };
         // down rows per (expert, chunk of cd): long contiguous runs, each restart of a stream
         // costs a DRAM latency; then every row's weighted sum in ascending id, as native.moe
@@ -1865,7 +1881,11 @@ class DecodeStep {
           std::fill(o, o + n, 0.f);
           for (int e = 0; e < k; ++e) {
             const float wt = we[order[e]], *t2 = yk.data() + (size_t)e * D + r0;
-            for (int i = 0; i < n; ++i) o[i] = o[i] + wt * t2[i];
+            const float* bd = l.ex.bias2((int)ids[order[e]]);
+            if (bd)  // (native.moe's: the down bias, then the weight)
+              for (int i = 0; i < n; ++i) o[i] = o[i] + wt * (t2[i] + bd[r0 + i]);
+            else
+              for (int i = 0; i < n; ++i) o[i] = o[i] + wt * t2[i];
           }
           for (int i = 0; i < n; ++i) xp[r0 + i] = xp[r0 + i] + o[i];
         });
