@@ -588,7 +588,6 @@ inline __m256 block32_values8(const Weight& w, int r, int j, int n, __m512i* lo,
 template <int NT, Kind KD>
 void block32_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts, float* y, size_t ys) {
   const int nb = w.K / G;
-  const __m256i offv = _mm256_set1_epi32(block32_offset(KD));
   __m256 accv[NT];
   for (auto& v : accv) v = _mm256_setzero_ps();
   int j = 0;
@@ -596,7 +595,7 @@ void block32_row_avx512_nt(const Weight& w, int r, const QAct& a, const int* ts,
   for (; j + 8 <= nb; j += 8) {
     const __m256 ws = block32_values8<KD>(w, r, j, 8, lo, hi);
     for (int t = 0; t < NT; ++t) {
-      const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)), offv);
+      const __m256i off = block32_offsets8<KD>(_mm256_loadu_si256((const __m256i*)(a.sr(ts[t]) + j)));
       const __m256i dots = _mm256_sub_epi32(block_dots8(lo, hi, a.qr(ts[t]), j, 8), off);
       const __m256 c = _mm256_mul_ps(ws, _mm256_loadu_ps(a.dr(ts[t]) + j));
       accv[t] = _mm256_add_ps(accv[t], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));

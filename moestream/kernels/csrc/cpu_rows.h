@@ -2,7 +2,7 @@
 // the layer ops; avx512_cpu.cpp: the AVX-512 VNNI rows), and the rules their sums follow.
 #pragma once
 #include <c10/util/Half.h>
-#include <xmmintrin.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
@@ -123,6 +123,12 @@ constexpr int kMxfp4Bytes = 17;
 constexpr int8_t kE2M1x2[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 constexpr int block32_bytes(Kind k) { return k == kQ5_0 ? kQ5_0Bytes : kMxfp4Bytes; }
 constexpr int block32_offset(Kind k) { return k == kQ5_0 ? 16 : 12; }
+// offset * sum x of eight blocks (16: a shift, as before mxfp4; 12 = 8 + 4: two)
+template <Kind KD>
+__attribute__((target("avx2"))) inline __m256i block32_offsets8(__m256i sx) {
+  if constexpr (KD == kQ5_0) return _mm256_slli_epi32(sx, 4);
+  return _mm256_add_epi32(_mm256_slli_epi32(sx, 3), _mm256_slli_epi32(sx, 2));
+}
 
 inline const uint8_t* block32(const Weight& w, int r, int j) {
   return w.q + ((size_t)r * (w.K / G) + j) * block32_bytes(w.kind);

@@ -979,7 +979,6 @@ __attribute__((target("avx2,fma,f16c"))) void q4_1_row_avx2_nt(const Weight& w, 
 template <int NT, Kind KD>
 __attribute__((target("avx2,fma,f16c"))) void block32_row_avx2_nt(const Weight& w, int r, const QAct& a,
                                                                    const int* ts, float* y, size_t ys) {
-  const __m256i offv = _mm256_set1_epi32(block32_offset(KD));
   const int nb = w.K / G;
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 accv[NT];
@@ -994,7 +993,7 @@ __attribute__((target("avx2,fma,f16c"))) void block32_row_avx2_nt(const Weight& 
       for (int b = 0; b < 8; ++b)
         p[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(wv[b], _mm256_loadu_si256((const __m256i*)(xq + (j + b) * G))),
                                  ones);
-      const __m256i off = _mm256_mullo_epi32(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)), offv);
+      const __m256i off = block32_offsets8<KD>(_mm256_loadu_si256((const __m256i*)(a.sr(ts[i]) + j)));
       const __m256i dots = _mm256_sub_epi32(hsum8(p), off);
       const __m256 c = _mm256_mul_ps(wsv, _mm256_loadu_ps(a.dr(ts[i]) + j));
       accv[i] = _mm256_add_ps(accv[i], _mm256_mul_ps(c, _mm256_cvtepi32_ps(dots)));
