@@ -24,13 +24,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-# openai/gpt-oss-20b's config.json (the fields transformers and llama.cpp read); layers set below
-CONFIG = {
+# openai/gpt-oss-20b's config.json as on the hub (tests/test_mxfp4.py reads it too)
+HUB_CONFIG = {
     "model_type": "gpt_oss",
     "architectures": ["GptOssForCausalLM"],
     "attention_bias": True,
     "attention_dropout": 0.0,
-    "eos_token_id": 0,
+    "eos_token_id": 200002,
     "experts_per_token": 4,
     "head_dim": 64,
     "hidden_act": "silu",
@@ -38,12 +38,15 @@ CONFIG = {
     "initial_context_length": 4096,
     "initializer_range": 0.02,
     "intermediate_size": 2880,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
     "max_position_embeddings": 131072,
     "num_attention_heads": 64,
     "num_experts_per_tok": 4,
+    "num_hidden_layers": 24,
     "num_key_value_heads": 8,
     "num_local_experts": 32,
     "output_router_logits": False,
+    "pad_token_id": 199999,
     "rms_norm_eps": 1e-05,
     "rope_scaling": {
         "beta_fast": 32.0,
@@ -60,6 +63,7 @@ CONFIG = {
     "tie_word_embeddings": False,
     "torch_dtype": "bfloat16",
     "use_cache": True,
+    "vocab_size": 201088,
     "quantization_config": {
         "quant_method": "mxfp4",
         "modules_to_not_convert": [
@@ -147,7 +151,9 @@ def main() -> None:
     a = ap.parse_args()
     folder = Path(a.out)
     folder.mkdir(parents=True, exist_ok=True)
-    cfg = dict(CONFIG, num_hidden_layers=a.layers, vocab_size=a.vocab)
+    # this vocabulary's own end-of-text token (id 0) and no padding token
+    cfg = dict(HUB_CONFIG, num_hidden_layers=a.layers, vocab_size=a.vocab, eos_token_id=0)
+    del cfg["pad_token_id"]
     cfg["layer_types"] = ["sliding_attention", "full_attention"] * (a.layers // 2)
     cfg["layer_types"] += ["sliding_attention"] * (a.layers % 2)
     tokenizer(folder, a.vocab)

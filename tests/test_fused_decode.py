@@ -80,9 +80,19 @@ def test_attend_matches_the_torch_attention(qk_norm, window, calls):
     a = args()
     m = _attention(a, qk_norm, seed=1)
     m.window = window  # the layer's sliding window (ModelArgs.sliding_windows sets it)
+    caches = _twin_decode(m, a, seed=2)[0]
+    assert calls["attend"] == 12  # every fused step took the op
+    for t0, t1 in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
+        assert rel(t1[:, :16], t0[:, :16]) <= 1e-5
+
+
+def _twin_decode(m, a: ModelArgs, seed: int):
+    """A 4-token prompt, then twelve decode steps of attention module m, torch code vs fused op on
+    twin caches, each step's outputs within 1e-5 -> (the caches, the last step's (x, cos, sin),
+    its fused output)."""
     rope = Rope(a.rope, a.rotary_dim, a.max_position_embeddings)
     caches = [KVCache(a, 32, torch.float32) for _ in range(2)]
-    g = torch.Generator().manual_seed(2)
+    g = torch.Generator().manual_seed(seed)
     with torch.inference_mode():
         prompt = torch.randn(4, a.hidden_size, generator=g)
         cos, sin = rope(0, 4, torch.float32)
@@ -96,9 +106,7 @@ def test_attend_matches_the_torch_attention(qk_norm, window, calls):
                 m.fused_decode = fused
                 outs.append(m(x, cos, sin, c, pos))
             assert rel(outs[1], outs[0]) <= 1e-5, pos
-        assert calls["attend"] == 12  # every fused step took the op
-        for t0, t1 in ((caches[0].k[0], caches[1].k[0]), (caches[0].v[0], caches[1].v[0])):
-            assert rel(t1[:, :16], t0[:, :16]) <= 1e-5
+    return caches, (x, cos, sin), outs[1]
 
 
 def test_attend_variants_and_threads_agree_bit_for_bit():
@@ -150,26 +158,12 @@ def test_sink_attend_matches_the_torch_attention(window, calls):
             p.copy_(torch.randn_like(p) * (0.2 if p.dim() > 1 else 1.0))
         m.sinks.copy_(torch.linspace(-4.0, 6.0, a.num_attention_heads))
     m.window = window
-    rope = Rope(a.rope, a.rotary_dim, a.max_position_embeddings)
-    caches = [KVCache(a, 32, torch.float32) for _ in range(2)]
-    g = torch.Generator().manual_seed(7)
+    caches, (x, cos, sin), out = _twin_decode(m, a, seed=7)
+    assert calls["attend"] == 12
     with torch.inference_mode():
-        prompt = torch.randn(4, a.hidden_size, generator=g)
-        cos, sin = rope(0, 4, torch.float32)
-        for c in caches:
-            m(prompt, cos, sin, c, 0)
-        for pos in range(4, 16):
-            x = torch.randn(1, a.hidden_size, generator=g)
-            cos, sin = rope(pos, pos + 1, torch.float32)
-            outs = []
-            for fused, c in zip((False, True), caches):
-                m.fused_decode = fused
-                outs.append(m(x, cos, sin, c, pos))
-            assert rel(outs[1], outs[0]) <= 1e-5, pos
-        assert calls["attend"] == 12
         m.sinks.zero_()
         m.fused_decode = True
-        assert rel(m(x, cos, sin, caches[1], 15), outs[1]) > 0.01  # without them: another output
+        assert rel(m(x, cos, sin, caches[1], 15), out) > 0.01  # without them: another output
 
 
 @pytest.mark.parametrize("E,k", [(16, 4), (32, 4), (128, 2)])

@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import torch
+from gen_gpt_oss import HUB_CONFIG
 from safetensors.torch import load_file, save_file
 from test_parity import PROMPT
 
@@ -71,15 +72,7 @@ def _mxfp4_twins(tiny_dir, tmp_path, exps=(118, 136)):
     save_file(tensors, str(shard), metadata={"format": "pt"})
     save_file(qtensors, str(quant / shard.name), metadata={"format": "pt"})
     config = json.loads((quant / "config.json").read_text())
-    config["quantization_config"] = {  # as on the hub
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }
+    config["quantization_config"] = HUB_CONFIG["quantization_config"]  # as on the hub
     (quant / "config.json").write_text(json.dumps(config))
     return dense, quant
 
@@ -167,40 +160,8 @@ def test_mxfp4_missing_scales_is_an_error(tiny_dir, tmp_path):
         HFCheckpoint(quant)
 
 
-# config.json of openai/gpt-oss-20b (the fields that matter here; 24 layers alternate).
-GPT_OSS_20B = {
-    "model_type": "gpt_oss",
-    "attention_bias": True,
-    "eos_token_id": 200002,
-    "experts_per_token": 4,
-    "head_dim": 64,
-    "hidden_act": "silu",
-    "hidden_size": 2880,
-    "initial_context_length": 4096,
-    "intermediate_size": 2880,
-    "layer_types": ["sliding_attention", "full_attention"] * 12,
-    "max_position_embeddings": 131072,
-    "num_attention_heads": 64,
-    "num_experts_per_tok": 4,
-    "num_hidden_layers": 24,
-    "num_key_value_heads": 8,
-    "num_local_experts": 32,
-    "pad_token_id": 199999,
-    "rms_norm_eps": 1e-05,
-    "rope_scaling": {
-        "beta_fast": 32.0,
-        "beta_slow": 1.0,
-        "factor": 32.0,
-        "original_max_position_embeddings": 4096,
-        "rope_type": "yarn",
-        "truncate": False,
-    },
-    "rope_theta": 150000,
-    "sliding_window": 128,
-    "swiglu_limit": 7.0,
-    "tie_word_embeddings": False,
-    "vocab_size": 201088,
-}
+# config.json of openai/gpt-oss-20b (24 layers alternate), less its quantization_config
+GPT_OSS_20B = {k: v for k, v in HUB_CONFIG.items() if k != "quantization_config"}
 
 
 @pytest.mark.parametrize("drop", [(), ("rope_scaling", "rope_theta", "layer_types")])

@@ -91,7 +91,12 @@ def assert_step_gives_the_per_module_bits(loaded, steps: int = 4) -> None:
 @pytest.mark.parametrize("scheme", ["int8", "int4", "q4_0", "q4_1", "q5_0", "q8_0", "mxfp4"])
 @pytest.mark.parametrize("arch,over", [("qwen3_moe", {"mlp_only_layers": []}), ("mixtral", {})])
 def test_step_gives_the_per_module_bits(tmp_path, arch, over, scheme, runs):
-    loaded = _load(_store(tmp_path, arch, scheme, **over))
+    assert_step_bits_at_1_and_2_threads(_load(_store(tmp_path, arch, scheme, **over)), runs)
+
+
+def assert_step_bits_at_1_and_2_threads(loaded, runs) -> None:
+    """The step qualifies and, at 1 and 2 threads, takes every one-token step with the per-module
+    fused path's logits and caches bit for bit."""
     model, args = loaded.model, loaded.args
     assert native_step.why_not(model, loaded.provider) is None
     threads = torch.get_num_threads()
@@ -113,21 +118,7 @@ def test_gpt_oss_step_gives_the_per_module_bits(tmp_path, scheme, runs):
     """gpt-oss (q/k/v/o biases, attention sinks, sliding and full layers, the biased router's
     top-k then softmax, expert biases and the clamped SwiGLU) in one call: the per-module fused
     path's logits and caches bit for bit at 1 and 2 threads, positions past the window of 8."""
-    loaded = _load(_store(tmp_path, "gpt_oss", scheme))
-    model, args = loaded.model, loaded.args
-    assert native_step.why_not(model, loaded.provider) is None
-    threads = torch.get_num_threads()
-    try:
-        for t in (1, 2):
-            torch.set_num_threads(t)
-            want_logits, want_cache = _decode(model, args, use_step=False)
-            before = runs["run"]
-            got_logits, got_cache = _decode(model, args, use_step=True)
-            assert runs["run"] - before == 14
-            assert torch.equal(got_logits, want_logits)
-            assert all(torch.equal(a, b) for a, b in zip(got_cache, want_cache))
-    finally:
-        torch.set_num_threads(threads)
+    assert_step_bits_at_1_and_2_threads(_load(_store(tmp_path, "gpt_oss", scheme)), runs)
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -129,26 +129,34 @@ def test_q4_1_is_llama_cpps_q4_1():
         make_scheme("q4_1", 64)
 
 
+def _assert_gguf_blocks(name: str, w: torch.Tensor, nbytes: int) -> None:
+    """quantize(name) of w [48, 256] writes the gguf package's blocks of that type byte for byte
+    (its port of llama.cpp's quantizer), which dequantize to its values bit for bit; w's first
+    block is all zero."""
+    import gguf
+    import numpy as np
+
+    T = gguf.GGMLQuantizationType[name.upper()]
+    sec = quantize(make_scheme(name), w)
+    theirs = gguf.quants.quantize(w.numpy(), T)
+    assert sec["q"].shape == (48, 8, nbytes)
+    assert np.array_equal(theirs.reshape(48, 8, nbytes), sec["q"].numpy())
+    want = torch.from_numpy(gguf.quants.dequantize(theirs, T))
+    got = dequantize(_sections(make_scheme(name), w), "w", 32, torch.float32)
+    assert torch.equal(got, want) and got[0, :32].eq(0).all()
+
+
 def test_q5_0_is_llama_cpps_q5_0():
     """quantize(q5_0) writes the blocks llama.cpp's Q5_0 quantizer writes (the gguf package's port
     of quantize_row_q5_0_ref: d, the 5th bits in qh, the nibbles), kept whole, and they
     dequantize to its values bit for bit; every 5-bit value survives pack / unpack."""
-    import gguf
-    import numpy as np
 
     from moestream.quant import pack_q5_0, unpack_q5_0
 
-    T = gguf.GGMLQuantizationType.Q5_0
     w = torch.randn(48, 256, generator=torch.Generator().manual_seed(8))
     w[0, :32] = 0.0  # an all-zero block: d = 0, every q = 16
     w[1, 32:64] = torch.linspace(-3.0, 5.0, 32)  # every bit of qh in use, the max positive
-    sec = quantize(make_scheme("q5_0"), w)
-    theirs = gguf.quants.quantize(w.numpy(), T)
-    assert sec["q"].shape == (48, 8, 22)
-    assert np.array_equal(theirs.reshape(48, 8, 22), sec["q"].numpy())
-    want = torch.from_numpy(gguf.quants.dequantize(theirs, T))
-    got = dequantize(_sections(make_scheme("q5_0"), w), "w", 32, torch.float32)
-    assert torch.equal(got, want) and got[0, :32].eq(0).all()
+    _assert_gguf_blocks("q5_0", w, 22)
     q = torch.randint(0, 32, (5, 4, 32), generator=torch.Generator().manual_seed(9))
     d = torch.randn(5, 4).half()
     back, d2 = unpack_q5_0(pack_q5_0(q.to(torch.uint8), d))
@@ -163,7 +171,6 @@ def test_mxfp4_is_llama_cpps_mxfp4():
     the first), and they dequantize to its values bit for bit (the subnormal scales of e < 2
     included); every code survives unpack."""
     import gguf
-    import numpy as np
 
     from moestream.quant import MXFP4_X2, unpack_mxfp4
 
@@ -172,13 +179,7 @@ def test_mxfp4_is_llama_cpps_mxfp4():
     w = torch.randn(48, 256, generator=g) * torch.logspace(-3, 3, 48)[:, None]
     w[0, :32] = 0.0  # an all-zero block: e = 0, every code 0
     w[1, 32:64] = torch.arange(-16, 16) * 0.25  # ties between neighbouring values
-    sec = quantize(make_scheme("mxfp4"), w)
-    theirs = gguf.quants.quantize(w.numpy(), T)
-    assert sec["q"].shape == (48, 8, 17)
-    assert np.array_equal(theirs.reshape(48, 8, 17), sec["q"].numpy())
-    want = torch.from_numpy(gguf.quants.dequantize(theirs, T))
-    got = dequantize(_sections(make_scheme("mxfp4"), w), "w", 32, torch.float32)
-    assert torch.equal(got, want) and got[0, :32].eq(0).all()
+    _assert_gguf_blocks("mxfp4", w, 17)
     blocks = torch.randint(0, 256, (3, 2, 17), dtype=torch.uint8, generator=g)
     blocks[0, 0, 0], blocks[0, 1, 0] = 0, 1  # e8m0 0 and 1: subnormal half-scales
     q, s = unpack_mxfp4(blocks)
