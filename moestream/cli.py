@@ -406,7 +406,8 @@ def _add_convert(sub) -> None:
         default=None,
         choices=QUANT_CHOICES,
         help="expert format (default bf16 for a Hugging Face folder: lossless for bf16 "
-        "checkpoints, as -m HF with store flags converts; for a GGUF q4_0 / q4_1 / q5_0 / mxfp4 / "
+        "checkpoints, mxfp4 for one with MXFP4 experts (gpt-oss: kept exactly), as -m HF with "
+        "store flags converts; for a GGUF q4_0 / q4_1 / q5_0 / mxfp4 / "
         "q4_k / q5_k / q6_k when its experts are all Q4_0 / Q4_1 / Q5_0 / MXFP4 / Q4_K / Q5_K / "
         "Q6_K (kept exactly, CPU only), int8 when "
         "they have >= 8 bits (Q8_0 kept exactly), else int4; q8_0 = int8 with fp16 scales "
@@ -422,7 +423,8 @@ def _add_convert(sub) -> None:
         choices=["auto", "float", "int8", "int4"],
         help="non-expert weights (attention, shared MLPs, embedding, output layer): auto = the "
         "--quant format (4-bit and q5_0: output layer q6_k as llama.cpp keeps it, int8 where its "
-        "input dim is not a multiple of 256; bf16: float; a GGUF's Q8_0 / Q4_0 / "
+        "input dim is not a multiple of 256; bf16: float; mxfp4: as the source holds them; a "
+        "GGUF's Q8_0 / Q4_0 / "
         "Q4_1 / Q5_0 / Q4_K / Q5_K / Q6_K tensors kept exactly as int8 (q8_0 under --quant "
         "q8_0) / q4_0 / q4_1 / q5_0 / q4_k / q5_k / q6_k, its other "
         "quantized types dequantized), float = as in the "

@@ -206,11 +206,15 @@ def make_dense(mode: str, experts: QuantScheme) -> DenseQuant:
     if mode not in DENSE_MODES:
         raise ConfigError(f"unknown --dense {mode!r}; use {', '.join(DENSE_MODES)}")
     name = experts.name if mode == "auto" else mode
-    if name in KQUANT_BYTES or name == "mxfp4":
+    if name in KQUANT_BYTES:
         # K-quant experts come from a GGUF, whose quantized dense weights keep their blocks
-        # (keep_source); `quantize` writes no K-quant, so a float source weight goes int8. mxfp4
-        # experts: dense int8, as llama.cpp's MXFP4_MOE files keep them in Q8_0.
+        # (keep_source); `quantize` writes no K-quant, so a float source weight goes int8.
         name = "int8"
+    if name == "mxfp4":
+        # mxfp4 is the experts' own format (gpt-oss's, hub or GGUF): the dense weights stay as
+        # the source holds them, its quantized blocks kept, its floats float (nothing rounded;
+        # `--dense int8` for llama.cpp's MXFP4_MOE, whose dense weights are Q8_0).
+        return DenseQuant(keep_source=True)
     if name in ("float", "bf16"):
         return DenseQuant()
     weights = make_scheme(name, experts.group_size)

@@ -20,7 +20,6 @@ from moestream.experts.base import ExpertProvider
 from moestream.experts.config import ExpertsConfig, GpuConfig, PredictConfig
 from moestream.loader import load_model
 from moestream.models.base import MoeCausalLM
-from moestream.quant import make_scheme
 from moestream.store.format import Store, is_store
 
 
@@ -238,7 +237,7 @@ def open_model(
         )
     _check_is_model(folder)
     if not is_store(folder) and (experts is not None or quant is not None):
-        folder = cached_store(folder, make_scheme(quant or "bf16"), progress)
+        folder = cached_store(folder, source_scheme(folder, quant), progress)
     _check_store(folder, quant)
     tokenizer = Tokenizer(folder)
     loaded = load_model(folder, experts, dtype=dtype, progress=progress)

@@ -150,6 +150,35 @@ def test_quant_mxfp4_keeps_the_hub_values(tiny_dir, tmp_path):
     assert (native - spec).abs().max().item() < 0.002 * spec.abs().max().item()  # 2e-4 measured
 
 
+def test_a_hub_mxfp4_folder_converts_to_mxfp4_by_default(tiny_dir, tmp_path):
+    """`convert` of a hub MXFP4 folder without --quant (and -m with store flags, through the same
+    source_scheme) writes mxfp4 experts and keeps the dense weights as the checkpoint holds them:
+    nothing rounded, the torch spec's logits those of the bf16 store bit for bit, in about a
+    quarter of its expert bytes; a bf16 folder still converts to bf16."""
+    from moestream.cli import main
+    from moestream.convert.writer import convert, source_scheme
+    from moestream.experts.config import StreamConfig
+    from moestream.quant import DenseQuant, make_dense, make_scheme
+    from moestream.store.format import Store
+
+    dense, quant = _mxfp4_twins(tiny_dir, tmp_path, exps=(114, 122))
+    assert source_scheme(quant, None).scheme.name == "mxfp4"
+    assert source_scheme(dense, None).scheme.name == "bf16"
+    assert make_dense("auto", make_scheme("mxfp4")) == DenseQuant(keep_source=True)
+    assert main(["convert", str(quant), str(tmp_path / "mx"), "-q"]) == 0
+    bf = convert(quant, tmp_path / "bf", make_scheme("bf16"), False)
+    a, b = Store(tmp_path / "mx"), Store(bf)
+    assert a.scheme.name == "mxfp4" and not a.dense_formats
+    assert a.layouts[0].size < b.layouts[0].size / 3
+
+    def logits(store):
+        loaded = load_model(store, StreamConfig(resident=True, kernel="ref"))
+        with torch.no_grad():
+            return loaded.model(PROMPT, KVCache(loaded.args, 64, torch.float32), 0)
+
+    assert torch.equal(logits(tmp_path / "mx"), logits(bf))
+
+
 def test_mxfp4_missing_scales_is_an_error(tiny_dir, tmp_path):
     _, quant = _mxfp4_twins(tiny_dir, tmp_path)
     (shard,) = quant.glob("*.safetensors")

@@ -26,7 +26,8 @@ def _store(tmp_path, arch: str, scheme: str, dense: str = "all", **over):
     from moestream.quant import make_dense, make_scheme
 
     s = make_scheme(scheme)
-    d = make_dense("auto" if dense == "all" else dense, s)
+    # "all": the experts' format (mxfp4's auto keeps the dense weights float: int8 for it)
+    d = make_dense(dense if dense != "all" else "int8" if scheme == "mxfp4" else "auto", s)
     if dense == "all":  # tiny attention is under the size floor: quantize it anyway
         d = dataclasses.replace(d, min_params=0)
     src = save(perturbed_model(arch, **over), tmp_path / "hf", "fused")

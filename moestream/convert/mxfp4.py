@@ -10,12 +10,26 @@ stored [N, K] orientation; transformers transposes the last two dims for its x @
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 # E2M1 code -> value (sign bit 3, exponent bits 2..1, mantissa bit 0).
 _MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 FP4_VALUES = _MAGNITUDES + tuple(-v for v in _MAGNITUDES)
 BLOCK = 32  # values per shared scale
+
+
+def is_mxfp4_checkpoint(folder: str | Path) -> bool:
+    """A Hugging Face folder whose config.json says its experts are MXFP4 (gpt-oss on the hub:
+    quantization_config.quant_method "mxfp4")."""
+    try:
+        cfg = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False  # (the loader names a missing or broken config.json)
+    q = cfg.get("quantization_config") if isinstance(cfg, dict) else None
+    return isinstance(q, dict) and q.get("quant_method") == "mxfp4"
 
 
 class Mxfp4Error(ValueError):

@@ -37,6 +37,7 @@ from tqdm import tqdm
 from moestream.config import ConfigError
 from moestream.convert.gguf import GGUF_FLOAT_TYPES, GGUFCheckpoint, gguf_fingerprint, is_gguf
 from moestream.convert.hf import HFCheckpoint
+from moestream.convert.mxfp4 import is_mxfp4_checkpoint
 from moestream.errors import TokenizerError
 from moestream.models import checkpoint_renamer, model_module
 from moestream.quant import (
@@ -76,13 +77,16 @@ Checkpoint = HFCheckpoint | GGUFCheckpoint
 
 def source_scheme(src: str | Path, quant: str | None, group_size: int = 32) -> ExpertQuant:
     """`--quant` if given (every expert in that scheme), else the source's default: bf16 for a
-    Hugging Face folder (lossless for bf16 weights); for a GGUF, every expert projection whose
-    blocks a scheme holds kept in it, the rest requantized into `default_scheme` (int8 when
-    every expert tensor has >= 8 bits, else int4)."""
+    Hugging Face folder (lossless for bf16 weights), mxfp4 for one whose experts are MXFP4
+    (gpt-oss on the hub: their values kept in their 4.25 bits, quant.quantize_mxfp4); for a
+    GGUF, every expert projection whose blocks a scheme holds kept in it, the rest requantized
+    into `default_scheme` (int8 when every expert tensor has >= 8 bits, else int4)."""
     if quant is not None:
         return ExpertQuant(make_scheme(quant, group_size))
     if is_gguf(src):
         return ExpertQuant(GGUFCheckpoint(src).default_scheme(group_size), keep_source=True)
+    if is_mxfp4_checkpoint(src):
+        return ExpertQuant(make_scheme("mxfp4"))
     return ExpertQuant(make_scheme("bf16", group_size))
 
 
