@@ -13,6 +13,7 @@ from pathlib import Path
 from moestream.config import ConfigError, ModelArgs
 from moestream.convert.cache import cached_store
 from moestream.convert.gguf import is_gguf
+from moestream.convert.mxfp4 import is_mxfp4_checkpoint
 from moestream.convert.writer import source_scheme
 from moestream.engine.generate import Generator, small_decode_threads
 from moestream.engine.tokenizer import Tokenizer
@@ -220,7 +221,8 @@ def open_model(
 ) -> Runtime:
     """Open a folder. A store opens with `experts` (a StreamConfig for the CPU, a GpuConfig for a
     GPU; default: every expert resident in RAM). A Hugging Face folder loads directly, unless
-    `experts` or `quant` is given: then it is converted once into the cache.
+    `experts` or `quant` is given or its experts are MXFP4 (gpt-oss): then it is converted once
+    into the cache.
     `predict`: routing prediction and prefetch (moestream/predict/). `threads`: the torch threads
     the caller set; None lets a small model decode on one thread (small_decode_threads).
     `context`: positions a sequence may use (default: the model's whole context)."""
@@ -229,7 +231,9 @@ def open_model(
     if on_gpu and predict.active:
         experts = _gpu_prefetch(experts, predict)
     folder = Path(path)
-    if is_gguf(folder):  # always through a store: GGUF weights are converted once
+    # Always through a store: GGUF weights are converted once, and so are a hub folder's MXFP4
+    # experts (gpt-oss: kept in their 4.25 bits; loaded directly they would be fp32, ~19x that)
+    if is_gguf(folder) or (is_mxfp4_checkpoint(folder) and not is_store(folder)):
         folder = cached_store(folder, source_scheme(folder, quant), progress)
     if not folder.is_dir():
         raise FileNotFoundError(

@@ -179,6 +179,25 @@ def test_a_hub_mxfp4_folder_converts_to_mxfp4_by_default(tiny_dir, tmp_path):
     assert torch.equal(logits(tmp_path / "mx"), logits(bf))
 
 
+def test_a_hub_mxfp4_folder_opens_through_an_mxfp4_store(tiny_dir, tmp_path):
+    """-m of a hub MXFP4 folder without store flags converts it once into the cache (mxfp4
+    experts, as a GGUF is), where loaded directly its experts would be fp32: the same logits
+    as the explicit mxfp4 store's, on the native kernels, every expert resident."""
+    from moestream.runtime import open_model
+
+    _, quant = _mxfp4_twins(tiny_dir, tmp_path, exps=(114, 122))
+    from moestream.store.format import Store
+
+    with open_model(quant, progress=False) as rt:
+        assert rt.folder != quant and Store(rt.folder).scheme.name == "mxfp4"
+        with torch.no_grad():
+            got = rt.model(PROMPT, KVCache(rt.args, 64, torch.float32), 0)
+    loaded = load_model(rt.folder)
+    with torch.no_grad():
+        want = loaded.model(PROMPT, KVCache(loaded.args, 64, torch.float32), 0)
+    assert torch.equal(got, want)
+
+
 def test_mxfp4_missing_scales_is_an_error(tiny_dir, tmp_path):
     _, quant = _mxfp4_twins(tiny_dir, tmp_path)
     (shard,) = quant.glob("*.safetensors")
